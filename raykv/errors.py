@@ -1,0 +1,46 @@
+"""raykv's exception hierarchy: every message names the numbers involved and the fix."""
+
+from __future__ import annotations
+
+
+class RaykvError(Exception):
+    """Base of every error raykv raises on purpose."""
+
+
+class ConfigError(RaykvError, ValueError):
+    """A layout, plan or deployment setting that cannot work (invariant 11)."""
+
+
+class PageSizeError(ConfigError):
+    """Page sizes of a hybrid model that cannot be unified."""
+
+
+class BlockSizeError(ConfigError):
+    """A block size that does not line up with the hash or kernel block size."""
+
+
+class InsufficientMemoryError(ConfigError):
+    """Too little memory to hold even one request of max_model_len tokens."""
+
+
+class RequestTooLarge(RaykvError, ValueError):
+    """A request that can never fit an empty pool (invariant 2)."""
+
+
+class UnknownRequest(RaykvError, KeyError):
+    """A request id the block manager has not admitted."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+class InvalidInput(RaykvError, ValueError):
+    """Bad input from a caller (wrong dtype, shape, token count...); nothing was changed."""
+
+
+class TierError(RaykvError):
+    """A data-plane failure: a store or load that could not complete."""
+
+
+class ServiceError(RaykvError):
+    """The Ray service is missing, unreachable or misconfigured."""
