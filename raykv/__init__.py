@@ -1,3 +1,12 @@
 """raykv: a distributed KV-cache service for LLM inference, built on Ray."""
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # `raykv.connect` / `raykv.Client` import Ray only when used, so `import raykv` stays light.
+    if name in ("connect", "Client", "AsyncClient", "LookupResult", "LoadResult"):
+        from raykv import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'raykv' has no attribute {name!r}")

@@ -17,7 +17,183 @@ def main() -> None:
 # --- plan (issue 2) ----------------------------------------------------------------------
 
 
+def _int_list(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r}: write comma-separated integers, e.g. 16,32,64"
+        ) from None
+
+
+@main.command("plan")
+@click.option("--preset", help="built-in model (see --list-presets); default llama-3-8b")
+@click.option("--hf-config", type=click.Path(exists=True), help="a local HF config.json")
+@click.option("--gpu-mem", default="60GiB", show_default=True, help="KV memory per GPU")
+@click.option("--tp", "tp_size", default=1, show_default=True, help="tensor-parallel size")
+@click.option("--cpu-mem", default="0", show_default=True, help="CPU-tier memory")
+@click.option("--max-model-len", type=int, help="default: the preset's / config's")
+@click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True)
+@click.option("--block-size", default=16, show_default=True, help="base (hash) block size")
+@click.option("--hash-block-size", type=int, help="default: --block-size")
+@click.option("--offload-block-size", type=int, help="CPU-tier block, default the block size")
+@click.option("--kernel-block-sizes", help="sizes the attention kernel supports: 16,32,64")
+@click.option("--kv-dtype", help="override the KV dtype (bfloat16, float8_e4m3fn, ...)")
+@click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
+@click.option("--list-presets", is_flag=True, help="list the built-in presets and exit")
+def plan_cmd(
+    preset: str | None,
+    hf_config: str | None,
+    gpu_mem: str,
+    tp_size: int,
+    cpu_mem: str,
+    max_model_len: int | None,
+    max_num_batched_tokens: int,
+    block_size: int,
+    hash_block_size: int | None,
+    offload_block_size: int | None,
+    kernel_block_sizes: str | None,
+    kv_dtype: str | None,
+    as_json: bool,
+    list_presets: bool,
+) -> None:
+    """Size the GPU pool and CPU tier of a model: blocks, tokens, bytes, admission caps."""
+    import json
+
+    from raykv.errors import ConfigError
+    from raykv.layout import plan as make_plan
+    from raykv.layout.hf_config import layers_from_hf_config, max_model_len_from_hf_config
+    from raykv.layout.presets import PRESETS, get_preset
+    from raykv.layout.report import parse_size, plan_dict, plan_table
+
+    if list_presets:
+        for p in PRESETS.values():
+            click.echo(f"{p.name:<16} {p.description} (max_model_len {p.max_model_len})")
+        return
+    if preset and hf_config:
+        raise click.UsageError("pass --preset or --hf-config, not both")
+    try:
+        if hf_config:
+            layers = layers_from_hf_config(hf_config, dtype=kv_dtype)
+            model = hf_config
+            default_len = min(max_model_len_from_hf_config(hf_config) or 8192, 32768)
+        else:
+            p = get_preset(preset or "llama-3-8b")
+            layers, model, default_len = p.layers(kv_dtype), p.name, p.max_model_len
+        result = make_plan(
+            layers,
+            gpu_bytes=parse_size(gpu_mem),
+            max_model_len=max_model_len or default_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            tp_size=tp_size,
+            cpu_bytes=parse_size(cpu_mem),
+            offload_block_size=offload_block_size,
+            kernel_block_sizes=_int_list(kernel_block_sizes),
+            block_size=block_size,
+            hash_block_size=hash_block_size,
+        )
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        click.echo(json.dumps({"model": model, **plan_dict(result)}, indent=2))
+    else:
+        title = f"{model}: {len(layers)} KV layers, TP {tp_size}, GPU {gpu_mem}, CPU {cpu_mem}"
+        click.echo(plan_table(result, title))
+
+
 # --- service: up / status / down / demo (issue 4) ---------------------------------------
+
+
+@main.command()
+@click.option("--address", help="Ray cluster to join (default: this host's, else start one)")
+@click.option("--preset", default="llama-3-8b", show_default=True, help="model to serve")
+@click.option("--cpu-mem", default="1GiB", show_default=True, help="CPU tier per node")
+@click.option("--gpu-mem-fraction", default=0.9, show_default=True, help="GPU memory for KV")
+@click.option("--pool-mem", default="0", show_default=True,
+              help="KV bytes per pool (0: the GPU fraction; 2GiB on CPU-device pools)")
+@click.option("--block-size", default=16, show_default=True)
+@click.option("--max-model-len", type=int, help="default: the preset's")
+@click.option("--num-cpus", type=int, help="CPUs of a head started here (default: all)")
+def up(address, preset, cpu_mem, gpu_mem_fraction, pool_mem, block_size, max_model_len,
+       num_cpus) -> None:
+    """Start (or join) the raykv service and print where it runs."""
+    from raykv.errors import RaykvError
+    from raykv.layout.report import parse_size
+    from raykv.service import launcher
+
+    pool_bytes = parse_size(pool_mem)
+    try:
+        import ray  # noqa: F401  (fail early with a clear message if Ray is missing)
+
+        if not pool_bytes:
+            pool_bytes = 0 if _has_gpu_node(address) else 2 << 30
+        info = launcher.up(
+            address, preset=preset, cpu_bytes=parse_size(cpu_mem),
+            gpu_mem_fraction=gpu_mem_fraction, block_size=block_size,
+            max_model_len=max_model_len, pool_bytes=pool_bytes, num_cpus=num_cpus,
+        )
+    except RaykvError as e:
+        raise click.ClickException(str(e)) from e
+    head = " (started a local Ray head; `raykv down` stops it)" if info["started_head"] else ""
+    click.echo(f"raykv is up at {info['address']}{head}")
+    click.echo(f"  model {info['model']}: {info['num_gpu_blocks']} GPU blocks per pool, "
+               f"{info['cpu_num_blocks']} CPU-tier blocks per node")
+    click.echo(f"  {info['nodes']} node(s), {info['members']} pools and tiers; "
+               f"connect with raykv.connect('{info['address']}')")
+
+
+def _has_gpu_node(address: str | None) -> bool:
+    try:
+        import torch
+
+        return address is not None or torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+@main.command()
+@click.option("--address", help="Ray cluster address (default: this host's raykv)")
+@click.option("--json", "as_json", is_flag=True, help="print the stats as JSON")
+def status(address, as_json) -> None:
+    """Nodes, pools, tiers, usage and hit rates of the running service."""
+    import json
+
+    from raykv.errors import RaykvError
+    from raykv.service import launcher
+
+    try:
+        s = launcher.status(address)
+    except RaykvError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(json.dumps(s, indent=2, default=str) if as_json else launcher.status_table(s))
+
+
+@main.command()
+@click.option("--address", help="Ray cluster address (default: this host's raykv)")
+def down(address) -> None:
+    """Stop the service (and the local Ray head if `raykv up` started it)."""
+    from raykv.errors import RaykvError
+    from raykv.service import launcher
+
+    try:
+        info = launcher.down(address)
+    except RaykvError as e:
+        raise click.ClickException(str(e)) from e
+    head = "; stopped the local Ray head" if info["stopped_head"] else ""
+    click.echo(f"raykv at {info['address']} is down ({info['actors_stopped']} actors){head}")
+
+
+@main.command()
+@click.option("--prompt-tokens", default=3072, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+def demo(prompt_tokens, seed) -> None:
+    """Two engines on two local Ray nodes share a prompt's KV; checks the logits."""
+    from raykv.service.demo import run_demo
+
+    if not run_demo(click.echo, prompt_tokens=prompt_tokens, seed=seed):
+        raise click.ClickException("engine B's logits do not match a full recompute")
 
 
 # --- bench -------------------------------------------------------------------------------
@@ -26,6 +202,27 @@ def main() -> None:
 @main.group()
 def bench() -> None:
     """Benchmarks that print ratios measured side by side in one run."""
+
+
+@bench.command("copy")
+@click.option("--quick", is_flag=True, help="Fewer sizes and repetitions (a smoke run).")
+@click.option(
+    "--json",
+    "json_path",
+    default=None,
+    help="Also write the report as JSON to PATH ('-': print only the JSON).",
+)
+@click.option("--counts", default="", help="Comma-separated block counts (default 64,256,1024).")
+@click.option("--reps", type=int, default=0, help="Timed repetitions per point (median).")
+@click.option("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present).")
+def bench_copy(
+    quick: bool, json_path: str | None, counts: str, reps: int, device: str | None
+) -> None:
+    """Scattered paged blocks <-> pinned host: raykv's kernel vs contiguous / per-block copies."""
+    from raykv.bench.copy import main as run_copy
+
+    parsed = tuple(int(c) for c in counts.split(",") if c.strip())
+    run_copy(quick=quick, json_path=json_path, counts=parsed, reps=reps, device=device)
 
 
 if __name__ == "__main__":

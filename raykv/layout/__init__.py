@@ -1,6 +1,13 @@
 """Layout: KV specs, hybrid grouping, page-size unification and pool sizing (stdlib only)."""
 
+from raykv.layout.kernel_blocks import (
+    KernelBlockId,
+    LogicalBlockId,
+    kernel_block_ids,
+    logical_block_id,
+)
 from raykv.layout.plan import KVGroup, Plan
+from raykv.layout.sizing import cpu_tier_size, plan
 from raykv.layout.specs import (
     MLA,
     ChunkedLocal,
@@ -18,7 +25,13 @@ __all__ = [
     "FullAttention",
     "KVGroup",
     "KVSpec",
+    "KernelBlockId",
+    "LogicalBlockId",
     "Mamba",
     "Plan",
     "SlidingWindow",
+    "cpu_tier_size",
+    "kernel_block_ids",
+    "logical_block_id",
+    "plan",
 ]

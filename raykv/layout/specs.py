@@ -28,9 +28,7 @@ def dtype_bytes(dtype: str) -> int:
     try:
         return DTYPE_BYTES[dtype]
     except KeyError:
-        raise ConfigError(
-            f"unknown KV dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}"
-        ) from None
+        raise ConfigError(f"unknown KV dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}") from None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -93,13 +91,24 @@ class FullAttention(KVSpec):
 
     kind = "full"
 
+    def __post_init__(self) -> None:
+        dtype_bytes(self.dtype)
+        if self.num_kv_heads < 1 or self.head_dim < 1:
+            raise ConfigError(
+                f"attention needs num_kv_heads >= 1 and head_dim >= 1, got "
+                f"{self.num_kv_heads} and {self.head_dim}"
+            )
+
     def kv_heads_per_rank(self, tp_size: int) -> int:
         return _split_heads(self.num_kv_heads, tp_size)
 
     def page_bytes(self, block_size: int, tp_size: int = 1) -> int:
         # K and V: 2 x block_size x heads x head_dim
         return (
-            2 * block_size * self.kv_heads_per_rank(tp_size) * self.head_dim
+            2
+            * block_size
+            * self.kv_heads_per_rank(tp_size)
+            * self.head_dim
             * dtype_bytes(self.dtype)
         )
 
@@ -115,6 +124,7 @@ class SlidingWindow(FullAttention):
     kind = "sliding_window"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.window < 1:
             raise ConfigError(f"sliding window must be >= 1 token, got {self.window}")
 
@@ -133,6 +143,7 @@ class ChunkedLocal(FullAttention):
     kind = "chunked_local"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.chunk < 1:
             raise ConfigError(f"attention chunk must be >= 1 token, got {self.chunk}")
 
@@ -170,6 +181,14 @@ class MLA(KVSpec):
 
     kind = "mla"
 
+    def __post_init__(self) -> None:
+        dtype_bytes(self.dtype)
+        if self.kv_lora_rank < 1 or self.qk_rope_head_dim < 0:
+            raise ConfigError(
+                f"MLA needs kv_lora_rank >= 1 and qk_rope_head_dim >= 0, got "
+                f"{self.kv_lora_rank} and {self.qk_rope_head_dim}"
+            )
+
     def page_bytes(self, block_size: int, tp_size: int = 1) -> int:
         return block_size * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes(self.dtype)
 
@@ -187,6 +206,19 @@ class Mamba(KVSpec):
 
     kind = "mamba"
     cacheable = False
+
+    def __post_init__(self) -> None:
+        dtype_bytes(self.dtype)
+        bad = [s for s in self.state_shapes if not s or min(s) < 1]
+        if not self.state_shapes or bad:
+            raise ConfigError(
+                f"Mamba state shapes must be non-empty with every dim >= 1, got {self.state_shapes}"
+            )
+        if any(not 0 <= self.tp_split_dim < len(s) for s in self.state_shapes):
+            raise ConfigError(
+                f"Mamba tp_split_dim {self.tp_split_dim} is outside state shapes "
+                f"{self.state_shapes}"
+            )
 
     def state_shapes_per_rank(self, tp_size: int) -> tuple[tuple[int, ...], ...]:
         out = []

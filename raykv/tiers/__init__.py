@@ -1,1 +1,39 @@
+"""Tiers: paged GPU KV tensors, the pinned-host CPU tier, offload jobs and eviction policies."""
 
+from raykv.tiers.checksum import row_checksums
+from raykv.tiers.cpu_tier import BlockState, CpuTier, LoadLease, StoreReservation, TierStats
+from raykv.tiers.fence import StoreFence
+from raykv.tiers.gpu_kv import GpuKV
+from raykv.tiers.jobs import (
+    NULL_BLOCK,
+    BlockJob,
+    LoadJob,
+    StoreJob,
+    group_block_hashes,
+    group_factor,
+)
+from raykv.tiers.offload import JobResult, OffloadEngine
+from raykv.tiers.policies import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
+
+__all__ = [
+    "NULL_BLOCK",
+    "ARCPolicy",
+    "BlockJob",
+    "BlockState",
+    "CpuTier",
+    "EvictionPolicy",
+    "GpuKV",
+    "JobResult",
+    "LRUPolicy",
+    "LoadJob",
+    "LoadLease",
+    "OffloadEngine",
+    "StoreFence",
+    "StoreJob",
+    "StoreReservation",
+    "TierStats",
+    "group_block_hashes",
+    "group_factor",
+    "make_policy",
+    "row_checksums",
+]

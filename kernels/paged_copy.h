@@ -1,0 +1,36 @@
+// Paged KV gather / scatter between a pool of paged blocks and contiguous rows.
+// Plain C interface so paged_copy.cu builds standalone with nvcc (no torch headers).
+#pragma once
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// One contiguous span of every block of one paged tensor (an entry, or a piece of one when its
+// blocks are large). Block b of the span starts at paged_base + b * block_stride; in a row the
+// span lives at row_offset. All values in bytes; 32 bytes, so a torch int64 [S, 4] table maps 1:1.
+#define RAYKV_MAX_SEGMENT_BYTES (1 << 20)  // the host splits larger spans (32-bit indexing)
+
+typedef struct RaykvSegment {
+  uint64_t paged_base;
+  int64_t block_stride;
+  int64_t bytes;
+  int64_t row_offset;
+} RaykvSegment;
+
+// Copies, for every i < num_rows and every segment s, the bytes of block block_ids[i] of s
+// to (gather != 0) or from (gather == 0) rows + i * row_bytes + s.row_offset.
+// segs and block_ids must be readable by the current device; rows may be device memory, a peer
+// GPU's memory (peer access enabled) or mapped pinned host memory (its UVA device pointer).
+// num_ctas <= 0 picks a full persistent grid. Returns the launch's cudaError_t
+// (cudaErrorInvalidValue where num_rows * num_segs >= 2^31). Each segment must be at most
+// RAYKV_MAX_SEGMENT_BYTES (the caller splits larger spans).
+int raykv_paged_copy(const RaykvSegment* segs, int num_segs, const int64_t* block_ids,
+                     int64_t num_rows, void* rows, int64_t row_bytes, int gather, int num_ctas,
+                     cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif

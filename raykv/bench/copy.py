@@ -1,0 +1,342 @@
+"""`raykv bench copy`: scattered paged blocks <-> pinned host, raykv's kernel vs the baselines.
+
+For each layout and block count, both directions (GPU -> pinned CPU "d2h", pinned CPU -> GPU
+"h2d"), one run measures side by side:
+  raykv       gather_blocks / scatter_blocks: one launch, all layers, K and V, the kernel
+              reading/writing pinned memory through UVA (mode "direct")
+  raykv-staged  the same kernel into 64 MiB device chunks, the copy engine moving each chunk
+  contiguous  one copy of the same bytes between a contiguous GPU buffer and pinned memory
+  per-block   one cudaMemcpyAsync per block, layer and K/V (how vLLM's swap_blocks worked)
+  staging     torch index_select into a GPU staging buffer, then one copy (h2d: one copy,
+              then index_copy_)
+GB/s counts the payload (blocks x row bytes) once. CUDA events time each call; warm-up first,
+median of several repetitions. Without CUDA it runs tiny sizes on the torch reference so CI can
+smoke-test it; those numbers say nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from raykv import ops
+
+METHODS = ("raykv", "raykv-staged", "contiguous", "per-block", "staging")
+
+
+@dataclass(frozen=True)
+class CopyLayout:
+    """Paged KV: per layer [2, num_kernel_blocks, kernel_block_size, kv_heads, head_dim]."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    kernel_block_size: int
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def blocks_per_block(self) -> int:
+        return self.block_size // self.kernel_block_size
+
+    @property
+    def row_bytes(self) -> int:  # one logical block of every layer, K and V
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.layers * self.block_size * self.kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    layouts: tuple[CopyLayout, ...]
+    counts: tuple[int, ...]
+    warmup: int
+    reps: int
+    device: str
+
+
+LLAMA3_8B_B16 = CopyLayout("llama3-8b block16", 32, 8, 128, 16, 16)
+LLAMA3_8B_B128 = CopyLayout("llama3-8b block128/kernel64", 32, 8, 128, 128, 64)
+
+
+def default_config(quick: bool, device: str | None = None) -> BenchConfig:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":  # smoke test: tiny layouts on the reference path
+        tiny = (
+            CopyLayout("tiny block16", 2, 2, 16, 16, 16),
+            CopyLayout("tiny block128/kernel64", 2, 2, 16, 128, 64),
+        )
+        return BenchConfig(tiny, (4, 16), warmup=1, reps=2, device=device)
+    if quick:
+        return BenchConfig((LLAMA3_8B_B16, LLAMA3_8B_B128), (64, 256), 1, 3, device)
+    return BenchConfig((LLAMA3_8B_B16, LLAMA3_8B_B128), (64, 256, 1024), 2, 7, device)
+
+
+# --- one layout's buffers --------------------------------------------------------------------
+
+
+class _Pool:
+    """Paged KV of one layout (random bits, never zeros), a host row buffer, a GPU staging one."""
+
+    def __init__(self, layout: CopyLayout, max_count: int, device: torch.device):
+        k, self.device = layout.blocks_per_block, device
+        self.num_blocks = max_count * 5 // 4 + 8  # ids scattered over a pool larger than any copy
+        shape = (2, self.num_blocks * k, layout.kernel_block_size, layout.kv_heads, layout.head_dim)
+        self.layers = [_random(shape, layout.dtype, device) for _ in range(layout.layers)]
+        self.entries = [ops.logical_view(t[h], k) for t in self.layers for h in (0, 1)]
+        self.row_bytes = ops.row_bytes(self.entries)
+        pinned = device.type == "cuda"
+        self.staging = _random((max_count, self.row_bytes), torch.uint8, device)
+        self.host = torch.empty(max_count, self.row_bytes, dtype=torch.uint8, pin_memory=pinned)
+        self.host.copy_(self.staging)  # random content without a slow host-side fill
+
+    def entry_major(self, n: int) -> list[torch.Tensor]:
+        """Staging laid out entry by entry (index_select writes each part contiguously)."""
+        flat = self.staging.view(-1)[: n * self.row_bytes]
+        parts, offset = [], 0
+        for e in self.entries:
+            width = math.prod(e.shape[1:]) * e.element_size()
+            part = flat[offset : offset + n * width].view(ops._as_int(e).dtype)
+            parts.append(part.view(n, *e.shape[1:]))
+            offset += n * width
+        return parts
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype, device=device)
+    t.view(torch.uint8).random_(0, 256)
+    return t
+
+
+# --- the four methods ------------------------------------------------------------------------
+
+
+def _methods(pool: _Pool, ids: torch.Tensor, to_host: bool) -> dict[str, Callable[[], None]]:
+    n, host, staging = ids.numel(), pool.host[: ids.numel()], pool.staging[: ids.numel()]
+    module = ops.kernel_module() if pool.device.type == "cuda" else None
+    loop = _loop_pointers(pool, ids, host, to_host)
+    parts = pool.entry_major(n)
+    as_int = [ops._as_int(e) for e in pool.entries]
+    flat_staging = pool.staging.view(-1)[: n * pool.row_bytes]
+    flat_host = host.view(-1)
+
+    def raykv(mode: str = "direct") -> None:
+        if to_host:
+            ops.gather_blocks(pool.entries, ids, host, mode=mode)
+        else:
+            ops.scatter_blocks(host, pool.entries, ids, mode=mode)
+
+    def raykv_staged() -> None:
+        raykv("staged")
+
+    def contiguous() -> None:
+        if to_host:
+            host.copy_(staging, non_blocking=True)
+        else:
+            staging.copy_(host, non_blocking=True)
+
+    def per_block() -> None:
+        if module is not None:
+            module.memcpy_loop(*loop)
+            return
+        for dst, src in _python_loop(pool, ids, host, to_host):
+            dst.copy_(src, non_blocking=True)
+
+    def staging_copy() -> None:
+        ids_now = ids.to(pool.device, non_blocking=True)
+        if to_host:
+            for e, part in zip(as_int, parts, strict=True):
+                torch.index_select(e, 0, ids_now, out=part)
+            flat_host.copy_(flat_staging, non_blocking=True)
+        else:
+            flat_staging.copy_(flat_host, non_blocking=True)
+            for e, part in zip(as_int, parts, strict=True):
+                e.index_copy_(0, ids_now, part)
+
+    return {
+        "raykv": raykv,
+        "raykv-staged": raykv_staged,
+        "contiguous": contiguous,
+        "per-block": per_block,
+        "staging": staging_copy,
+    }
+
+
+def _loop_pointers(pool: _Pool, ids: torch.Tensor, host: torch.Tensor, to_host: bool):
+    """(dst, src, sizes) int64 arrays: one span per (block, entry), the memcpy loop's input."""
+    block = ids.numpy().astype(np.int64)[:, None]
+    starts = np.array([e.data_ptr() for e in pool.entries], dtype=np.int64)[None, :]
+    strides = np.array([e.stride(0) * e.element_size() for e in pool.entries], dtype=np.int64)
+    widths = np.array([math.prod(e.shape[1:]) * e.element_size() for e in pool.entries])
+    offsets = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(np.int64)[None, :]
+    paged = starts + block * strides[None, :]
+    rows = host.data_ptr() + np.arange(len(block), dtype=np.int64)[:, None] * pool.row_bytes
+    rows = rows + offsets
+    sizes = np.broadcast_to(widths.astype(np.int64)[None, :], paged.shape)
+    dst, src = (rows, paged) if to_host else (paged, rows)
+    as_tensor = [torch.from_numpy(np.ascontiguousarray(a).reshape(-1)) for a in (dst, src, sizes)]
+    return tuple(as_tensor)
+
+
+def _python_loop(pool: _Pool, ids: torch.Tensor, host: torch.Tensor, to_host: bool):
+    offset, views = 0, []
+    for e in pool.entries:
+        width = math.prod(e.shape[1:]) * e.element_size()
+        part = host[:, offset : offset + width].view(ops._as_int(e).dtype)
+        views.append((ops._as_int(e), part.view(ids.numel(), *e.shape[1:])))
+        offset += width
+    for i, b in enumerate(ids.tolist()):
+        for e, part in views:
+            yield (part[i], e[b]) if to_host else (e[b], part[i])
+
+
+# --- timing ------------------------------------------------------------------------------------
+
+
+def _time_ms(fn: Callable[[], None], device: torch.device, warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _verify(fn: Callable[[], None], pool: _Pool, ids: torch.Tensor, to_host: bool) -> bool:
+    """One untimed run of a raykv method over a poisoned destination, checked on a few rows
+    against the torch reference."""
+    few, n = ids[:4], ids.numel()
+    if to_host:
+        pool.host[:n].fill_(0xA5)
+    fn()
+    if pool.device.type == "cuda":
+        torch.cuda.synchronize(pool.device)
+    want = torch.empty(few.numel(), pool.row_bytes, dtype=torch.uint8)
+    ops._gather_reference(pool.entries, few, want)
+    return torch.equal(pool.host[: few.numel()], want)
+
+
+# the CPU smoke run has no GPU and no pinned memory: say what actually moved
+_DIRECTIONS = {
+    True: {True: "gpu->pinned", False: "pinned->gpu"},
+    False: {True: "pool->rows", False: "rows->pool"},
+}
+
+
+def run(config: BenchConfig) -> dict:
+    device = torch.device(config.device)
+    results = []
+    for layout in config.layouts:
+        pool = _Pool(layout, max(config.counts), device)
+        gen = torch.Generator().manual_seed(0)
+        for n in config.counts:
+            ids = torch.randperm(pool.num_blocks, generator=gen)[:n].to(torch.int64)
+            for to_host in (True, False):
+                fns, row, verified = _methods(pool, ids, to_host), {}, True
+                for name in METHODS:
+                    row[name] = _time_ms(fns[name], device, config.warmup, config.reps)
+                    if name.startswith("raykv"):
+                        verified = verified and _verify(fns[name], pool, ids, to_host)
+                gbytes = n * pool.row_bytes / 1e9
+                gbps = {m: gbytes / (ms / 1e3) for m, ms in row.items()}
+                results.append(
+                    {
+                        "layout": layout.name,
+                        "blocks": n,
+                        "direction": _DIRECTIONS[device.type == "cuda"][to_host],
+                        "bytes": n * pool.row_bytes,
+                        "ms": row,
+                        "gbps": gbps,
+                        "raykv_over_contiguous": gbps["raykv"] / gbps["contiguous"],
+                        "raykv_over_per_block": gbps["raykv"] / gbps["per-block"],
+                        "staged_over_contiguous": gbps["raykv-staged"] / gbps["contiguous"],
+                        "verified": verified,
+                    }
+                )
+        del pool
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "path": ops.kernel_status() if device.type == "cuda" else "torch reference (CPU)",
+        "per_block_loop": "C++ cudaMemcpyAsync loop"
+        if device.type == "cuda" and ops.kernel_module() is not None
+        else "python loop of tensor.copy_",
+        "config": {
+            **asdict(config),
+            "layouts": [{**asdict(lay), "dtype": str(lay.dtype)} for lay in config.layouts],
+        },
+        "results": results,
+    }
+
+
+def format_table(report: dict) -> str:
+    lines = [
+        f"raykv bench copy  {report['date']}  device: {report['device']}  torch {report['torch']}",
+        f"raykv path: {report['path']}",
+        f"per-block baseline: {report['per_block_loop']}",
+    ]
+    if report["device"] == "cpu":
+        lines.append("NO CUDA: tiny sizes on the torch reference; a smoke test, not a measurement")
+    lines.append("GB/s of payload (blocks x row bytes); ratios are raykv's GB/s over a baseline's")
+    head = (
+        f"{'layout':<27} {'blocks':>6} {'direction':<11} {'MiB':>7} "
+        + " ".join(f"{m:>12}" for m in METHODS)
+        + f" {'raykv/contig':>12} {'staged/contig':>13} {'raykv/per-blk':>13} ok"
+    )
+    lines += [head, "-" * len(head)]
+    for r in report["results"]:
+        lines.append(
+            f"{r['layout']:<27} {r['blocks']:>6} {r['direction']:<11} "
+            f"{r['bytes'] / 2**20:>7.0f} "
+            + " ".join(f"{r['gbps'][m]:>12.2f}" for m in METHODS)
+            + f" {r['raykv_over_contiguous']:>12.3f} {r['staged_over_contiguous']:>13.3f}"
+            + f" {r['raykv_over_per_block']:>13.2f} {'yes' if r['verified'] else 'NO'}"
+        )
+    return "\n".join(lines)
+
+
+def main(
+    quick: bool = False,
+    json_path: str | None = None,
+    counts: tuple[int, ...] = (),
+    reps: int = 0,
+    device: str | None = None,
+) -> dict:
+    config = default_config(quick, device)
+    if counts:
+        config = BenchConfig(
+            config.layouts, tuple(counts), config.warmup, config.reps, config.device
+        )
+    if reps:
+        config = BenchConfig(config.layouts, config.counts, config.warmup, reps, config.device)
+    report = run(config)
+    if json_path == "-":
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_table(report))
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(report, f, indent=2)
+    return report

@@ -1,0 +1,212 @@
+"""One scheduler step of one request: planned by a pure function, applied verbatim.
+
+``plan_step`` reads the request's tables and the pool and returns a frozen ``StepPlan``;
+it changes nothing (it only memoizes block hashes, a pure function of the tokens).
+``BlockManager.blocks_needed`` returns the plan's count and ``BlockManager.allocate``
+applies that same plan with ``apply_step``, so the prediction and the allocation cannot
+drift apart (invariant 1). No admission cap appears here: caps belong to the gate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from raykv.blocks.hashing import BlockHash, BlockHasher
+from raykv.blocks.managers import GroupManager, Lookup
+from raykv.blocks.pool import NULL_BLOCK, BlockPool
+
+
+@dataclass(eq=False)
+class RequestBlocks:
+    """What the manager tracks per request (mutable; only ``apply_step`` writes it)."""
+
+    request_id: str
+    tables: list[list[int]]  # per group: logical block ids, NULL_BLOCK for skipped slots
+    num_skipped: list[int]  # per group: leading slots that hold the null block
+    num_hashed: list[int]  # per group: leading slots already offered to the prefix cache
+    lora_id: int | None = None
+    cache_salt: str | bytes | None = None
+    num_tokens: int = 0  # positions 0 .. num_tokens - 1 have slots
+    num_cached_tokens: int = 0  # prefix-hit tokens of the first step
+    hashes: list[BlockHash] = field(default_factory=list)  # chained, per full hash block
+
+    def ensure_hashes(self, hasher: BlockHasher, token_ids: Sequence[int], upto: int) -> None:
+        """Memoize the chained hashes of the hash blocks that end at or before ``upto``."""
+        n = min(upto, len(token_ids)) // hasher.hash_block_size
+        if n > len(self.hashes):
+            self.hashes += hasher.hash_blocks(
+                token_ids[: n * hasher.hash_block_size],
+                first_block=len(self.hashes),
+                parent=self.hashes[-1] if self.hashes else None,
+                lora_id=self.lora_id,
+                cache_salt=self.cache_salt,
+            )
+
+
+@dataclass(frozen=True)
+class GroupStep:
+    release: tuple[int, ...]  # blocks of slots num_skipped .. skip_to - 1, now out of reach
+    skip_to: int  # leading slots that hold the null block after the step
+    new_nulls: int  # null slots appended (slots before a hit's window)
+    hits: tuple[int, ...]  # cached blocks appended (first step only)
+    num_fresh: int  # blocks appended from the free queue
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    groups: tuple[GroupStep, ...]
+    num_tokens: int  # positions with slots after the step
+    num_hit_tokens: int  # tokens the prefix hits cover (first step only)
+    num_taken: int  # blocks leaving the free queue: fresh ones + revived free cached hits
+    num_returned: int  # released blocks whose last reference this step drops
+
+    def fits(self, num_free_blocks: int) -> bool:
+        return self.num_taken <= num_free_blocks + self.num_returned
+
+
+def common_hit(
+    managers: Sequence[GroupManager],
+    pool: BlockPool,
+    hashes: Sequence[BlockHash],
+    hash_block_size: int,
+    limit: int,
+) -> tuple[int, list[Lookup]]:
+    """Longest prefix every group can serve from the cache, and each group's (memoized)
+    slot -> cached block lookup.
+
+    Each group answers the longest hit <= the current candidate; the candidate only
+    shrinks, so repeating until no group lowers it ends at a length all groups accept.
+    """
+
+    def lookup_for(m: GroupManager) -> Lookup:
+        k = m.block_size // hash_block_size
+        gid = m.group_id
+        memo: dict[int, int | None] = {}
+
+        def lookup(j: int) -> int | None:
+            if j not in memo:
+                memo[j] = pool.cached.get((gid, hashes[(j + 1) * k - 1]))
+            return memo[j]
+
+        return lookup
+
+    lookups = [lookup_for(m) for m in managers]
+    length = min(limit, len(hashes) * hash_block_size)
+    while True:
+        before = length
+        for m, lookup in zip(managers, lookups, strict=True):
+            length = m.longest_hit(lookup, length)
+        if length == before or length == 0:
+            return length, lookups
+
+
+def plan_step(
+    req: RequestBlocks,
+    num_new_tokens: int,
+    token_ids: Sequence[int] | None,
+    managers: Sequence[GroupManager],
+    pool: BlockPool,
+    hasher: BlockHasher | None,
+) -> StepPlan:
+    """Plan positions ``req.num_tokens .. req.num_tokens + num_new_tokens - 1``.
+
+    ``hasher`` is None when prefix caching is off. Tokens before ``req.num_tokens`` count as
+    computed; on the first step the prefix hit counts as computed. Prefix hits are looked
+    for on the first step only, capped at ``num_new_tokens`` and at ``len(token_ids) - 1``
+    (at least one token is always computed).
+    """
+    total = req.num_tokens + num_new_tokens
+    first = req.num_tokens == 0
+    hit = 0
+    lookups: list[Lookup] = []
+    if hasher is not None and token_ids is not None:
+        req.ensure_hashes(hasher, token_ids, total)
+        if first and num_new_tokens > 0:
+            limit = min(num_new_tokens, len(token_ids) - 1)
+            hit, lookups = common_hit(managers, pool, req.hashes, hasher.hash_block_size, limit)
+    computed = hit if first else req.num_tokens
+    rc = pool.ref_counts
+    steps: list[GroupStep] = []
+    taken = returned = 0
+    for i, m in enumerate(managers):
+        table = req.tables[i]
+        have = len(table)
+        target = max(m.num_slots(total), have)
+        skip_to = max(min(m.num_skipped(computed), target), req.num_skipped[i])
+        release = tuple(b for b in table[req.num_skipped[i] : min(skip_to, have)] if b)
+        returned += sum(1 for b in release if rc[b] == 1)
+        new_nulls = max(0, skip_to - have)
+        hits: tuple[int, ...] = ()
+        if hit:
+            lookup = lookups[i]
+            hits = tuple(lookup(j) for j in range(new_nulls, hit // m.block_size))
+            taken += sum(1 for b in hits if rc[b] == 0)
+        fresh = target - have - new_nulls - len(hits)
+        taken += fresh
+        steps.append(GroupStep(release, skip_to, new_nulls, hits, fresh))
+    return StepPlan(tuple(steps), total, hit, taken, returned)
+
+
+def apply_step(
+    req: RequestBlocks,
+    plan: StepPlan,
+    token_ids: Sequence[int] | None,
+    managers: Sequence[GroupManager],
+    pool: BlockPool,
+    hasher: BlockHasher | None,
+) -> list[list[int]]:
+    """Apply ``plan`` exactly; the caller has checked ``plan.fits``. Returns the slots
+    appended per group (nulls, hits, then fresh blocks)."""
+    # Out-of-reach blocks go back first: their slots become null, newest freed first so
+    # the oldest (least useful) prefixes are evicted first.
+    for i, s in enumerate(plan.groups):
+        if s.release:
+            table = req.tables[i]
+            for j in range(req.num_skipped[i], min(s.skip_to, len(table))):
+                table[j] = NULL_BLOCK
+            pool.free(reversed(s.release))
+    # Invariant 8: every group's hits are referenced before any block is allocated, so
+    # no allocation can evict a block this step reuses.
+    appended: list[list[int]] = []
+    for i, s in enumerate(plan.groups):
+        new = [NULL_BLOCK] * s.new_nulls
+        fresh = pool.allocate(s.num_fresh) if s.num_fresh else []
+        pool.touch(s.hits)
+        new += list(s.hits) + fresh
+        req.tables[i] += new
+        req.num_skipped[i] = s.skip_to
+        if plan.num_hit_tokens:
+            req.num_hashed[i] = s.new_nulls + len(s.hits)
+        appended.append(new)
+    req.num_tokens = plan.num_tokens
+    if plan.num_hit_tokens:
+        req.num_cached_tokens = plan.num_hit_tokens
+    if hasher is not None:
+        cache_full_blocks(req, managers, pool, hasher)
+    return appended
+
+
+def cache_full_blocks(
+    req: RequestBlocks, managers: Sequence[GroupManager], pool: BlockPool, hasher: BlockHasher
+) -> None:
+    """Offer every block whose tokens are all known and allocated to the prefix cache."""
+    hbs = hasher.hash_block_size
+    known = min(req.num_tokens, len(req.hashes) * hbs)
+    for i, m in enumerate(managers):
+        if not m.cacheable:
+            continue
+        bs = m.block_size
+        start, end = req.num_hashed[i], min(known // bs, len(req.tables[i]))
+        if end <= start:
+            continue
+        k = bs // hbs
+        table = req.tables[i]
+        pool.cache(
+            m.group_id,
+            [req.hashes[(j + 1) * k - 1] for j in range(start, end)],
+            table[start:end],
+            req.hashes[start * k - 1] if start else None,
+            bs,
+        )
+        req.num_hashed[i] = end

@@ -1,0 +1,347 @@
+"""Client handles: what an engine's scheduler and workers hold to use the service.
+
+    kv = raykv.connect()                       # join a running Ray, or start one here
+    kv.add_model("tiny", layers, max_model_len=4096, pool_bytes=64 << 20)
+    hit = kv.lookup(prompt)                    # LookupResult(hit_tokens, where)
+    kv.admit(rid, len(prompt), prompt); table = kv.allocate(rid, len(prompt), prompt)[0]
+    kv.load(rid, prompt, into=table[:hit.hit_tokens // block_size])
+    ...; kv.store(rid, table, rows); kv.free(rid)
+
+Engine-facing calls go to the pool of the caller's node (found through the coordinator);
+``lookup`` and ``stats`` go to the coordinator, and retry through a coordinator restart for
+up to ``retry_s`` seconds. A ``Client`` pickles to its settings, so a scheduler can hand it
+to workers on other nodes; each re-resolves its own local pool. ``client.aio`` has the same
+methods as coroutines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from raykv.errors import RaykvError, ServiceError
+from raykv.service.spec import COORDINATOR, NAMESPACE, ServedModel, check_token_ids
+
+RETRY_S = 60.0
+_RETRY = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A run of consecutive hit blocks served from one tier of one node."""
+
+    tier: str  # "gpu" or "cpu"
+    node_id: str
+    local: bool  # on the caller's node
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    hit_tokens: int  # leading tokens whose KV some pool or tier holds (< len(token_ids))
+    where: tuple[Hit, ...]
+    num_tokens: int  # tokens looked up
+
+    @property
+    def local_tokens(self) -> int:
+        return sum(h.num_tokens for h in self.where if h.local and h.tier == "gpu")
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    num_tokens: int  # leading tokens of the request now backed by written KV
+    loaded_blocks: int  # blocks copied into ``into``
+    bytes: int  # bytes that came from another tier or node
+    seconds: float
+
+
+def state_file() -> Path:
+    """Where ``raykv up`` records the Ray head it started (address, pid)."""
+    return Path(os.environ.get("RAYKV_STATE", Path.home() / ".cache" / "raykv" / "up.json"))
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, RaykvError):
+        return e.cause
+    return e
+
+
+def _runs(locs: Sequence[Any], node_id: str, block_size: int) -> tuple[Hit, ...]:
+    out: list[Hit] = []
+    for loc in locs:
+        key = (loc.tier, loc.node_id)
+        if out and (out[-1].tier, out[-1].node_id) == key:
+            last = out.pop()
+            out.append(Hit(last.tier, last.node_id, last.local, last.num_tokens + block_size))
+        else:
+            out.append(Hit(loc.tier, loc.node_id, loc.node_id == node_id, block_size))
+    return tuple(out)
+
+
+class _Base:
+    """Settings and resolution shared by the sync and async forms."""
+
+    def __init__(
+        self, namespace: str = NAMESPACE, model: str | None = None, retry_s: float = RETRY_S
+    ) -> None:
+        self.namespace, self.model_name, self.retry_s = namespace, model, retry_s
+        self._coord = None
+        self._info: tuple[ServedModel, Any] | None = None
+        self._pool: tuple[str, Any] | None = None  # (node id, handle)
+
+    def __reduce__(self):
+        return (type(self), (self.namespace, self.model_name, self.retry_s))
+
+    def _coordinator(self):
+        if self._coord is None:
+            self._coord = ray.get_actor(COORDINATOR, namespace=self.namespace)
+        return self._coord
+
+    @staticmethod
+    def _node_id() -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    # Each op is (target, method, args, post): "coord" calls retry, "pool" calls do not.
+    def _lookup_op(self, token_ids: Sequence[int], model: ServedModel, plan: Any):
+        from raykv.blocks import BlockHasher
+
+        ids = check_token_ids(token_ids, plan.max_model_len, model.name)
+        bs = plan.groups[0].block_size
+        hasher = BlockHasher(plan.hash_block_size)
+        k = bs // plan.hash_block_size
+        usable = max(len(ids) - 1, 0) // bs * bs  # at least one token is left to compute
+        hashes = hasher.hash_blocks(ids[:usable])[k - 1 :: k]
+        node = self._node_id()
+
+        def post(locs: list) -> LookupResult:
+            return LookupResult(len(locs) * bs, _runs(locs, node, bs), len(ids))
+
+        return "coord", "lookup", (model.name, hashes, node), post
+
+
+def _ident(x: Any) -> Any:
+    return x
+
+
+class Client(_Base):
+    """Synchronous handle. ``aio`` gives the asyncio form (``AsyncClient``)."""
+
+    @property
+    def aio(self) -> AsyncClient:
+        return AsyncClient(self.namespace, self.model_name, self.retry_s)
+
+    def _coord_call(self, method: str, *args: Any) -> Any:
+        deadline, delay = time.monotonic() + self.retry_s, 0.2
+        while True:
+            try:
+                return ray.get(getattr(self._coordinator(), method).remote(*args))
+            except _RETRY as e:
+                if time.monotonic() > deadline:
+                    raise ServiceError(
+                        f"the raykv coordinator did not answer {method!r} within "
+                        f"{self.retry_s:.0f}s ({type(e).__name__}); is the service up "
+                        "(raykv up / raykv status)?"
+                    ) from e
+                self._coord = None
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            except ray.exceptions.RayTaskError as e:
+                raise _unwrap(e) from None
+
+    def _model(self) -> tuple[ServedModel, Any]:
+        if self._info is None:
+            self._info = self._coord_call("get_model", self.model_name)
+            self.model_name = self._info[0].name
+        return self._info
+
+    def _pool_handle(self):
+        node = self._node_id()
+        if self._pool is None or self._pool[0] != node:
+            model, _ = self._model()
+            names = self._coord_call("pools", model.name, node)
+            if not names:
+                raise ServiceError(f"no pool serves model {model.name!r}; is the service up?")
+            self._pool = (node, ray.get_actor(names[0], namespace=self.namespace))
+        return self._pool[1]
+
+    def _pool_call(self, method: str, *args: Any, post: Callable = _ident) -> Any:
+        try:
+            return post(ray.get(getattr(self._pool_handle(), method).remote(*args)))
+        except ray.exceptions.RayTaskError as e:
+            raise _unwrap(e) from None
+        except ray.exceptions.RayActorError as e:
+            self._pool = None
+            raise ServiceError(
+                f"the pool of this node is gone ({e}); retry after re-placing"
+            ) from e
+
+    # --- service ------------------------------------------------------------------------
+
+    def add_model(
+        self, name: str, layers: Mapping[str, Any], *, max_model_len: int, **settings: Any
+    ) -> Any:
+        """Serve ``name`` (see ``ServedModel`` for settings); returns its ``Plan``."""
+        model = ServedModel(name, dict(layers), max_model_len, **settings)
+        plan = self._coord_call("add_model", model)
+        self.model_name, self._info, self._pool = name, (model, plan), None
+        return plan
+
+    @property
+    def plan(self) -> Any:
+        return self._model()[1]
+
+    def stats(self) -> dict:
+        return self._coord_call("stats")
+
+    # --- engine ops ---------------------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int]) -> LookupResult:
+        _, method, args, post = self._lookup_op(token_ids, *self._model())
+        return post(self._coord_call(method, *args))
+
+    def admit(self, request_id: Hashable, num_tokens: int, token_ids=None) -> bool:
+        return self._pool_call("admit", request_id, num_tokens, token_ids)
+
+    def blocks_needed(self, request_id: Hashable, num_new_tokens: int, token_ids=None) -> int:
+        return self._pool_call("blocks_needed", request_id, num_new_tokens, token_ids)
+
+    def allocate(
+        self, request_id: Hashable, num_new_tokens: int, token_ids=None
+    ) -> list[list[int]] | None:
+        return self._pool_call("allocate", request_id, num_new_tokens, token_ids)
+
+    def store(self, request_id: Hashable, block_ids: Sequence[int], rows: Any) -> int:
+        """Write uint8 rows [len(block_ids), row_bytes] into the request's blocks."""
+        import torch
+
+        if isinstance(rows, torch.Tensor) and rows.dtype == torch.uint8:
+            rows = rows.detach().cpu().contiguous().numpy()  # zero-copy through plasma
+        return self._pool_call("store", request_id, list(block_ids), rows)
+
+    def load(self, request_id: Hashable, token_ids: Sequence[int], into: Sequence[int]):
+        return self._pool_call(
+            "load", request_id, token_ids, list(into), post=lambda d: LoadResult(**d)
+        )
+
+    def read(self, block_ids: Sequence[int]):
+        """Bytes of the pool's blocks as a uint8 tensor [n, row_bytes]."""
+        from raykv.service.mover import as_tensor
+
+        return self._pool_call("read", list(block_ids), post=as_tensor)
+
+    def free(self, request_id: Hashable) -> None:
+        self._pool_call("free", request_id)
+
+
+class AsyncClient(_Base):
+    """The same operations as coroutines, for asyncio engines and async actors."""
+
+    async def _coord_call(self, method: str, *args: Any) -> Any:
+        deadline, delay = time.monotonic() + self.retry_s, 0.2
+        while True:
+            try:
+                return await getattr(self._coordinator(), method).remote(*args)
+            except _RETRY as e:
+                if time.monotonic() > deadline:
+                    raise ServiceError(
+                        f"the raykv coordinator did not answer {method!r} within "
+                        f"{self.retry_s:.0f}s ({type(e).__name__})"
+                    ) from e
+                self._coord = None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            except ray.exceptions.RayTaskError as e:
+                raise _unwrap(e) from None
+
+    async def _model(self) -> tuple[ServedModel, Any]:
+        if self._info is None:
+            self._info = await self._coord_call("get_model", self.model_name)
+            self.model_name = self._info[0].name
+        return self._info
+
+    async def _pool_call(self, method: str, *args: Any) -> Any:
+        node = self._node_id()
+        if self._pool is None or self._pool[0] != node:
+            model, _ = await self._model()
+            names = await self._coord_call("pools", model.name, node)
+            if not names:
+                raise ServiceError(f"no pool serves model {model.name!r}; is the service up?")
+            self._pool = (node, ray.get_actor(names[0], namespace=self.namespace))
+        try:
+            return await getattr(self._pool[1], method).remote(*args)
+        except ray.exceptions.RayTaskError as e:
+            raise _unwrap(e) from None
+
+    async def stats(self) -> dict:
+        return await self._coord_call("stats")
+
+    async def lookup(self, token_ids: Sequence[int]) -> LookupResult:
+        _, method, args, post = self._lookup_op(token_ids, *await self._model())
+        return post(await self._coord_call(method, *args))
+
+    async def admit(self, request_id: Hashable, num_tokens: int, token_ids=None) -> bool:
+        return await self._pool_call("admit", request_id, num_tokens, token_ids)
+
+    async def allocate(self, request_id: Hashable, num_new_tokens: int, token_ids=None):
+        return await self._pool_call("allocate", request_id, num_new_tokens, token_ids)
+
+    async def store(self, request_id: Hashable, block_ids: Sequence[int], rows: Any) -> int:
+        return await self._pool_call("store", request_id, list(block_ids), rows)
+
+    async def load(self, request_id: Hashable, token_ids: Sequence[int], into: Sequence[int]):
+        return LoadResult(**await self._pool_call("load", request_id, token_ids, list(into)))
+
+    async def free(self, request_id: Hashable) -> None:
+        await self._pool_call("free", request_id)
+
+
+def _local_address() -> str | None:
+    """A Ray this host already runs for raykv: RAY_ADDRESS, else ``raykv up``'s head."""
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    try:
+        return json.loads(state_file().read_text())["address"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def ensure_service(namespace: str = NAMESPACE) -> Any:
+    """The coordinator actor, created (named, detached) if it does not exist yet."""
+    from raykv.service.coordinator import coordinator_actor
+
+    coord = coordinator_actor().remote() if namespace == NAMESPACE else None
+    if coord is None:
+        raise ServiceError(f"the service runs in namespace {NAMESPACE!r}, not {namespace!r}")
+    ray.get(coord.ping.remote())
+    return coord
+
+
+def connect(
+    address: str | None = None, namespace: str = NAMESPACE, *, model: str | None = None
+) -> Client:
+    """A client of the raykv service; starts the coordinator if there is none.
+
+    ``address`` None: use the Ray this process already joined, else the one ``raykv up``
+    started on this host (or RAY_ADDRESS), else start an embedded local Ray on 127.0.0.1.
+    """
+    if not ray.is_initialized():
+        address = address or _local_address()
+        if address:
+            ray.init(address=address, namespace=namespace, log_to_driver=False)
+        else:
+            ray.init(
+                namespace=namespace,
+                _node_ip_address="127.0.0.1",
+                include_dashboard=False,
+                log_to_driver=False,
+            )
+    ensure_service(namespace)
+    return Client(namespace, model)

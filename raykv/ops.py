@@ -1,0 +1,432 @@
+"""Paged KV gather / scatter: blocks of many paged tensors <-> contiguous byte rows.
+
+`gather_blocks` packs, for each requested block, the bytes of that block in every entry (a
+layer's K half, V half, an MLA latent...) into one contiguous uint8 row; `scatter_blocks` is
+its inverse. The CUDA kernel in `kernels/` does all entries and all blocks in one launch,
+GPU <-> pinned host through mapped (UVA) pointers and GPU <-> GPU; the torch reference below
+runs everywhere else and gives the same bytes.
+
+Logical vs kernel blocks (invariant 7): a logical block b covers the ADJACENT kernel blocks
+b*k .. b*k+k-1 (k = block_size // kernel_block_size), so `logical_view(t, k)` regroups dim 0
+of a paged tensor into logical blocks for free; pass logical views and logical block ids here,
+and the kernel block expansion costs nothing. `kernel_block_ids` spells the id mapping out.
+
+Copies are asynchronous on the current CUDA stream of the entries' device, like any torch op:
+synchronize before reading a host `dst` or handing `src` back to the allocator.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from raykv.errors import InvalidInput
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "MAX_SEGMENT_BYTES",
+    "MODES",
+    "gather_blocks",
+    "kernel_available",
+    "kernel_block_ids",
+    "kernel_module",
+    "kernel_status",
+    "logical_view",
+    "row_bytes",
+    "row_segments",
+    "scatter_blocks",
+]
+
+# Mirrors RAYKV_MAX_SEGMENT_BYTES in kernels/paged_copy.h: larger per-block spans are split so
+# one CTA never copies more than this, and the kernel can index with 32 bits.
+MAX_SEGMENT_BYTES = 1 << 20
+# Spans are split at this size so a few large blocks still spread over every SM.
+_PIECE_BYTES = 32 << 10
+
+
+# --- shapes and ids ------------------------------------------------------------------------
+
+
+def _block_bytes(entry: torch.Tensor) -> int:
+    return math.prod(entry.shape[1:]) * entry.element_size()
+
+
+def row_bytes(entries: Sequence[torch.Tensor]) -> int:
+    """Bytes of one gathered row: one block of every entry, concatenated."""
+    return sum(_block_bytes(e) for e in entries)
+
+
+def logical_view(t: torch.Tensor, blocks_per_block: int) -> torch.Tensor:
+    """`t` ([num_kernel_blocks, kernel_block_size, ...]) regrouped so dim 0 is logical blocks.
+
+    Logical block b is kernel blocks b*k .. b*k+k-1 (k = blocks_per_block), which are adjacent
+    in a paged tensor, so this is a view: [num_kernel_blocks // k, k * kernel_block_size, ...].
+    A 1-D tensor of per-block scalars becomes [num_kernel_blocks // k, k]. Works on K/V halves
+    (`t[0]`, `t[1]` of a [2, num_kernel_blocks, ...] layer).
+    """
+    k = blocks_per_block
+    n = t.shape[0] if t.dim() else 0
+    if k < 1 or t.dim() < 1 or n % k:
+        raise InvalidInput(
+            f"logical_view: {n} kernel blocks (shape {tuple(t.shape)}) do not group into logical "
+            f"blocks of {k}; num_kernel_blocks must be a multiple of "
+            "block_size // kernel_block_size (take num_blocks from the plan)"
+        )
+    if k == 1:
+        return t
+    inner = t.stride(1) * t.shape[1] if t.dim() > 1 else 1
+    if n > k and t.stride(0) != inner:
+        raise InvalidInput(
+            f"logical_view: kernel blocks of shape {tuple(t.shape)} are not adjacent "
+            f"(stride(0)={t.stride(0)}, a block spans {inner} elements); pass a tensor whose "
+            "blocks are packed along dim 0, e.g. t[0] of a [2, num_blocks, ...] layer"
+        )
+    if t.dim() == 1:
+        return t.view(n // k, k)
+    return t.view(n // k, k * t.shape[1], *t.shape[2:])
+
+
+def kernel_block_ids(logical_ids: torch.Tensor, blocks_per_block: int) -> torch.Tensor:
+    """Kernel block ids covered by `logical_ids`, in order: b -> b*k + 0 .. b*k + k-1."""
+    k = blocks_per_block
+    offsets = torch.arange(k, dtype=torch.int64, device=logical_ids.device)
+    return (logical_ids.to(torch.int64)[:, None] * k + offsets).reshape(-1)
+
+
+# --- validation (before anything is touched) -----------------------------------------------
+
+
+def _check(
+    entries: Sequence[torch.Tensor], block_ids: torch.Tensor, rows: torch.Tensor, what: str
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    entries = list(entries)
+    if not entries or not all(isinstance(e, torch.Tensor) for e in entries):
+        raise InvalidInput(f"{what}: entries must be a non-empty sequence of tensors")
+    device = entries[0].device
+    for j, e in enumerate(entries):
+        if e.device != device:
+            raise InvalidInput(
+                f"{what}: entry {j} is on {e.device} but entry 0 is on {device}; "
+                "all entries must live on one device"
+            )
+        if e.dim() < 1:
+            raise InvalidInput(f"{what}: entry {j} is a scalar; dim 0 must be the block dim")
+        if not _block_contiguous(e):
+            raise InvalidInput(
+                f"{what}: entry {j} (shape {tuple(e.shape)}, strides {e.stride()}) is not "
+                "contiguous within a block; only dim 0 may be strided (.contiguous() it)"
+            )
+    if not isinstance(block_ids, torch.Tensor) or block_ids.dtype != torch.int64:
+        got = block_ids.dtype if isinstance(block_ids, torch.Tensor) else type(block_ids)
+        raise InvalidInput(f"{what}: block_ids must be an int64 tensor, got {got}")
+    if block_ids.dim() != 1:
+        raise InvalidInput(f"{what}: block_ids must be 1-D, got shape {tuple(block_ids.shape)}")
+    if block_ids.device.type != "cpu" and block_ids.device != device:
+        raise InvalidInput(
+            f"{what}: block_ids are on {block_ids.device}; pass them on cpu or on {device}"
+        )
+    n, width = block_ids.numel(), row_bytes(entries)
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8:
+        got = rows.dtype if isinstance(rows, torch.Tensor) else type(rows)
+        raise InvalidInput(f"{what}: the row buffer must be a uint8 tensor, got {got}")
+    if tuple(rows.shape) != (n, width):
+        raise InvalidInput(
+            f"{what}: the row buffer has shape {tuple(rows.shape)}, expected ({n}, {width}) "
+            f"= (len(block_ids), row_bytes(entries))"
+        )
+    if not rows.is_contiguous():
+        raise InvalidInput(f"{what}: the row buffer must be contiguous")
+    if not (
+        rows.device == device
+        or rows.device.type == "cpu"
+        or (rows.device.type == "cuda" and device.type == "cuda")
+    ):
+        raise InvalidInput(
+            f"{what}: entries are on {device} but the row buffer is on {rows.device}; use "
+            f"{device}, host memory or another GPU"
+        )
+    if n:
+        num_blocks = min(e.shape[0] for e in entries)
+        lo, hi = int(block_ids.min()), int(block_ids.max())  # a sync for GPU ids: pass cpu ids
+        if lo < 0 or hi >= num_blocks:
+            raise InvalidInput(
+                f"{what}: block ids span [{lo}, {hi}] but the entries hold {num_blocks} blocks; "
+                f"ids must lie in [0, {num_blocks - 1}] (logical ids for logical views)"
+            )
+    return entries, block_ids
+
+
+def _block_contiguous(e: torch.Tensor) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(e.shape[1:]), reversed(e.stride()[1:]), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+# --- torch reference -----------------------------------------------------------------------
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_int(e: torch.Tensor) -> torch.Tensor:
+    """`e` reinterpreted as an integer type of the same size: bit-exact copies for every dtype
+    (no NaN canonicalization) and index ops that fp8 lacks."""
+    int_dtype = _SAME_SIZE_INT.get(e.element_size())
+    return e if int_dtype is None or e.dtype == int_dtype else e.view(int_dtype)
+
+
+def _gather_reference(entries: list[torch.Tensor], ids: torch.Tensor, dst: torch.Tensor) -> None:
+    n, offset = ids.numel(), 0
+    for e in entries:
+        width = _block_bytes(e)
+        picked = _as_int(e).index_select(0, ids.to(e.device)).contiguous()
+        dst[:, offset : offset + width].copy_(picked.view(-1).view(torch.uint8).view(n, width))
+        offset += width
+
+
+def _scatter_reference(src: torch.Tensor, entries: list[torch.Tensor], ids: torch.Tensor) -> None:
+    n, offset = ids.numel(), 0
+    for e in entries:
+        width, target = _block_bytes(e), _as_int(e)
+        raw = src[:, offset : offset + width].to(e.device).contiguous()
+        values = raw.view(-1).view(target.dtype).view(n, *e.shape[1:])
+        target.index_copy_(0, ids.to(e.device), values)
+        offset += width
+
+
+# --- CUDA kernel (built just in time, loaded once) -----------------------------------------
+
+_KERNEL_DIR = Path(
+    os.environ.get("RAYKV_KERNELS_DIR", Path(__file__).resolve().parents[1] / "kernels")
+)
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_status: str | None = None  # why the kernel is (not) in use, once decided
+_tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # segment tables per device, LRU
+
+
+def _load() -> ModuleType | None:
+    global _module, _status
+    if _status is not None:
+        return _module
+    with _lock:
+        if _status is not None:
+            return _module
+        _module, _status = _build()
+        log.debug("raykv paged copy: %s", _status)
+    return _module
+
+
+def _build() -> tuple[ModuleType | None, str]:
+    if os.environ.get("RAYKV_DISABLE_KERNEL", "") not in ("", "0"):
+        return None, "torch reference: RAYKV_DISABLE_KERNEL is set"
+    if not torch.cuda.is_available():
+        return None, "torch reference: no CUDA device (or a CPU-only torch build)"
+    sources = [_KERNEL_DIR / "paged_copy_binding.cpp", _KERNEL_DIR / "paged_copy.cu"]
+    if not all(p.is_file() for p in sources):
+        return None, f"torch reference: kernel sources not found under {_KERNEL_DIR}"
+    try:
+        from torch.utils import cpp_extension
+
+        if cpp_extension.CUDA_HOME is None:
+            return None, "torch reference: CUDA_HOME/nvcc not found, cannot build the kernel"
+        cache = Path(os.environ.get("RAYKV_CACHE_DIR", Path.home() / ".cache" / "raykv"))
+        build_dir = cache / "torch_extensions" / f"paged_copy_torch{torch.__version__}"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        module = cpp_extension.load(
+            name="raykv_paged_copy",
+            sources=[str(p) for p in sources],
+            extra_include_paths=[str(_KERNEL_DIR)],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3"],
+            build_directory=str(build_dir),
+            verbose=os.environ.get("RAYKV_KERNEL_VERBOSE", "") not in ("", "0"),
+        )
+    except Exception as exc:  # any build/load failure: the reference still gives right bytes
+        return None, f"torch reference: building the CUDA kernel failed: {exc!s:.2000}"
+    return module, f"CUDA kernel raykv_paged_copy built in {build_dir}"
+
+
+def kernel_available() -> bool:
+    """True when the CUDA extension is built and loaded (building it on first call)."""
+    return _load() is not None
+
+
+def kernel_module() -> ModuleType | None:
+    """The loaded extension (paged_copy, mapped_pointer, enable_peer_access, memcpy_loop)."""
+    return _load()
+
+
+def kernel_status() -> str:
+    """One line saying whether the CUDA kernel or the torch reference runs, and why."""
+    _load()
+    return _status or "undecided"
+
+
+def row_segments(entries: Sequence[torch.Tensor]) -> list[tuple[int, int, int, int]]:
+    """The kernel's segment table: (paged base address, block stride, bytes, row offset) per span.
+
+    One span per entry, split into pieces of at most 32 KiB (at 16-byte multiples, so vector
+    alignment survives) so that a few large blocks still spread over every SM.
+    """
+    segments, offset = [], 0
+    for e in entries:
+        width, stride = _block_bytes(e), e.stride(0) * e.element_size()
+        for start in range(0, width, _PIECE_BYTES):
+            size = min(_PIECE_BYTES, width - start)
+            segments.append((e.data_ptr() + start, stride, size, offset + start))
+        offset += width
+    return segments
+
+
+def _segment_table(entries: list[torch.Tensor]) -> torch.Tensor:
+    device = entries[0].device
+    key = (
+        device,
+        *((e.data_ptr(), e.stride(0) * e.element_size(), _block_bytes(e)) for e in entries),
+    )
+    with _lock:  # store and load jobs may copy from several threads
+        table = _tables.get(key)
+        if table is None:
+            table = torch.tensor(row_segments(entries), dtype=torch.int64).to(device)
+            _tables[key] = table
+            if len(_tables) > 256:
+                _tables.popitem(last=False)
+        else:
+            _tables.move_to_end(key)
+    return table
+
+
+def _rows_pointer(module: ModuleType, device: torch.device, rows: torch.Tensor) -> int:
+    """Address the kernel on `device` can dereference for `rows`, or 0 where it cannot."""
+    if rows.device == device:
+        return rows.data_ptr()
+    if rows.device.type == "cpu":
+        return module.mapped_pointer(rows.data_ptr()) if rows.is_pinned() else 0
+    if module.enable_peer_access(device.index, rows.device.index):
+        return rows.data_ptr()
+    return 0
+
+
+def _launch(
+    entries: list[torch.Tensor], ids: torch.Tensor, rows: torch.Tensor, gather: bool, mode: str
+) -> bool:
+    """Runs the CUDA kernel; False where it cannot serve this call (the caller falls back)."""
+    device = entries[0].device
+    if device.type != "cuda" or rows.shape[1] == 0:
+        return False
+    module = _load()
+    if module is None:
+        return False
+    staged = mode == "staged" and rows.device.type == "cpu" and rows.is_pinned()
+    pointer = 1 if staged else _rows_pointer(module, device, rows)
+    if not pointer:
+        return False
+    with torch.cuda.device(device):
+        table = _segment_table(entries)
+        ids = ids.to(device, non_blocking=True).contiguous()
+        if staged:
+            _staged(module, table, ids, rows, gather)
+        else:
+            module.paged_copy(table, ids, pointer, rows.shape[1], gather, _CTAS)
+    return True
+
+
+def _staged(
+    module: ModuleType, table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, gather: bool
+) -> None:
+    """Host rows through a device chunk: the kernel gathers/scatters in HBM (~50x faster than
+    PCIe) and the copy engine moves each chunk, all in order on the current stream."""
+    width = rows.shape[1]
+    per_chunk = max(1, _STAGING_BYTES // width)
+    chunk = torch.empty(min(per_chunk, rows.shape[0]), width, dtype=torch.uint8, device=ids.device)
+    for start in range(0, rows.shape[0], per_chunk):
+        part = rows[start : start + per_chunk]
+        dev = chunk[: part.shape[0]]
+        if gather:
+            module.paged_copy(
+                table, ids[start : start + per_chunk], dev.data_ptr(), width, True, _CTAS
+            )
+            part.copy_(dev, non_blocking=True)
+        else:
+            dev.copy_(part, non_blocking=True)
+            module.paged_copy(
+                table, ids[start : start + per_chunk], dev.data_ptr(), width, False, _CTAS
+            )
+
+
+_CTAS = int(os.environ.get("RAYKV_COPY_CTAS", "0"))  # 0: one full persistent grid
+_STAGING_BYTES = 64 << 20  # staged mode: device chunk size (the allocator reuses it per stream)
+MODES = ("direct", "staged")
+# direct: the kernel reads/writes pinned host memory through UVA; staged: device chunk + copy
+_DEFAULT_MODE = os.environ.get("RAYKV_COPY_MODE", "direct")
+
+
+def _mode(mode: str | None, what: str) -> str:
+    mode = mode or _DEFAULT_MODE
+    if mode not in MODES:
+        raise InvalidInput(f"{what}: mode {mode!r} is not one of {MODES} (RAYKV_COPY_MODE)")
+    return mode
+
+
+# --- public API ----------------------------------------------------------------------------
+
+
+def gather_blocks(
+    entries: Sequence[torch.Tensor],
+    block_ids: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    mode: str | None = None,
+) -> None:
+    """dst[i] = concat over entries e of the bytes of e[block_ids[i]] (row-major, block-major).
+
+    entries: tensors whose dim 0 is the block dim; each e[j] is contiguous in itself (stride(0)
+    may be anything, e.g. K and V halves of a [2, num_blocks, bs, heads, hd] layer passed as two
+    entries t[0] and t[1]); any dtype, all on one device. block_ids: int64 1-D, on CPU or the
+    entries' device (CPU ids avoid a device sync for the range check). dst: contiguous uint8
+    [len(block_ids), row_bytes(entries)] on the entries' device, another GPU, pinned host
+    memory (the kernel writes it through its mapped UVA pointer), or plain CPU memory.
+    mode (pinned host dst only): "direct" (UVA) or "staged" (device chunk + copy engine);
+    default $RAYKV_COPY_MODE or "direct". Raises InvalidInput, before touching anything, on
+    any mismatch.
+    """
+    mode = _mode(mode, "gather_blocks")
+    entries, block_ids = _check(entries, block_ids, dst, "gather_blocks")
+    if block_ids.numel() and not _launch(entries, block_ids, dst, True, mode):
+        _gather_reference(entries, block_ids, dst)
+
+
+def scatter_blocks(
+    src: torch.Tensor,
+    entries: Sequence[torch.Tensor],
+    block_ids: torch.Tensor,
+    *,
+    mode: str | None = None,
+) -> None:
+    """Inverse of gather_blocks: e[block_ids[i]] = the matching bytes of src[i].
+
+    Same rules as gather_blocks for src (in the role of dst); block ids must also be distinct,
+    since two rows written to one block would race.
+    """
+    mode = _mode(mode, "scatter_blocks")
+    entries, block_ids = _check(entries, block_ids, src, "scatter_blocks")
+    if block_ids.numel() > 1 and torch.unique(block_ids).numel() != block_ids.numel():
+        raise InvalidInput(
+            f"scatter_blocks: block_ids hold duplicates ({block_ids.numel()} ids, "
+            f"{torch.unique(block_ids).numel()} distinct); each block may be written once"
+        )
+    if block_ids.numel() and not _launch(entries, block_ids, src, False, mode):
+        _scatter_reference(src, entries, block_ids)

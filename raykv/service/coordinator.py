@@ -1,0 +1,368 @@
+"""The coordinator: one named, detached actor that knows who holds which block.
+
+It keeps membership (pools and tiers register, then heartbeat), one ``Plan`` per served
+model, the cluster-wide prefix index fed by the members' KV events, placement of pools and
+tiers on nodes, and cluster stats. It holds NO block data: every byte lives in the pools and
+tiers, which are detached actors of their own. When Ray restarts the coordinator it asks
+every live member (found by name) for a snapshot, so the index comes back whole; a member
+that talks to it first just re-registers (its heartbeat or event sequence says "unknown").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raykv.errors import ConfigError, InvalidInput
+from raykv.service.index import CPU, GPU, Location, PrefixIndex
+from raykv.service.metrics import ServiceMetrics
+from raykv.service.spec import (
+    COORDINATOR,
+    DEFAULT_POOL_BYTES,
+    NAMESPACE,
+    ServedModel,
+    pool_name,
+    tier_name,
+)
+
+HEARTBEAT_S = 1.0
+DEAD_AFTER_S = 6.0  # missed heartbeats before a member's blocks stop being hits
+CALL_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Member:
+    name: str
+    kind: str  # "pool" or "tier"
+    node_id: str
+    model: str | None  # pools serve one model; a tier serves every model of its node
+    seq: int = 0  # last KV-event batch applied; a gap means "send a snapshot"
+    last_seen: float = field(default_factory=time.monotonic)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _gpu_bytes_probe(fraction: float) -> int:
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return int(min(free, total * fraction))
+
+
+class Coordinator:
+    def __init__(self) -> None:
+        self.models: dict[str, ServedModel] = {}
+        self.plans: dict[str, Any] = {}
+        self.members: dict[str, Member] = {}
+        self.index = PrefixIndex()
+        self.metrics = ServiceMetrics("coordinator")
+        self.started = time.time()
+        self.restarts = ray.get_runtime_context().was_current_actor_reconstructed
+        self._ready: asyncio.Event | None = None
+        self._health: asyncio.Task | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def _up(self) -> None:
+        """First call after (re)start: rebuild from the live members, then start health."""
+        if self._ready is None:
+            self._ready = asyncio.Event()
+            try:
+                await self._rebuild()
+            finally:
+                self._ready.set()
+            self._health = asyncio.get_running_loop().create_task(self._health_loop())
+        await self._ready.wait()
+
+    async def _rebuild(self) -> None:
+        names = [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE and a["name"].startswith(("raykv-pool-", "raykv-tier-"))
+        ]
+
+        async def snap(name: str) -> None:
+            try:
+                actor = ray.get_actor(name, namespace=NAMESPACE)
+                self._register(await asyncio.wait_for(actor.snapshot.remote(), CALL_TIMEOUT_S))
+            except Exception:  # dead or dying: it holds nothing we can serve
+                pass
+
+        await asyncio.gather(*(snap(n) for n in names))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            with contextlib.suppress(Exception):  # the loop must outlive a bad tick
+                self._drop_dead()
+
+    def _drop_dead(self) -> None:
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        now = time.monotonic()
+        for m in list(self.members.values()):
+            if m.node_id not in alive or now - m.last_seen > DEAD_AFTER_S:
+                self._forget(m.name)
+
+    def _forget(self, name: str) -> None:
+        self.members.pop(name, None)
+        self.index.drop_member(name)
+
+    async def ping(self) -> dict:
+        await self._up()
+        return {"models": sorted(self.models), "members": len(self.members)}
+
+    # --- models and placement -----------------------------------------------------------
+
+    async def add_model(self, model: ServedModel) -> Any:
+        """Plan ``model`` once and place its pools (one per GPU, or one CPU-device pool per
+        GPU-less node) and a CPU tier per node. Idempotent for the same model."""
+        await self._up()
+        have = self.models.get(model.name)
+        if have is not None:
+            if have != model or dict(have.layers) != dict(model.layers):
+                raise ConfigError(
+                    f"model {model.name!r} is already served with different settings; "
+                    "remove it first (raykv down) or serve the new one under another name"
+                )
+        else:
+            gpu_bytes = model.pool_bytes or await self._probe_gpu_bytes(model)
+            self.plans[model.name] = model.plan(gpu_bytes)
+            self.models[model.name] = model
+        await self._place()
+        return self.plans[model.name]
+
+    async def _probe_gpu_bytes(self, model: ServedModel) -> int:
+        if not any(n["Alive"] and n["Resources"].get("GPU", 0) for n in ray.nodes()):
+            return DEFAULT_POOL_BYTES
+        probe = ray.remote(num_gpus=1, num_cpus=0)(_gpu_bytes_probe)
+        return await probe.remote(model.gpu_mem_fraction)
+
+    async def _place(self) -> None:
+        """Start whatever is missing: a tier per alive node, the pools of every model."""
+        from raykv.service.cpu_tier import CpuTierActor
+        from raykv.service.gpu_pool import GpuPool
+
+        starting = []
+        for node in ray.nodes():
+            if not node["Alive"]:
+                continue
+            nid = node["NodeID"]
+            pin = NodeAffinitySchedulingStrategy(nid, soft=False)
+            common = dict(
+                namespace=NAMESPACE,
+                lifetime="detached",
+                get_if_exists=True,
+                scheduling_strategy=pin,
+                max_restarts=0,
+                num_cpus=0,
+            )
+            tier = ray.remote(CpuTierActor).options(name=tier_name(nid), **common).remote(nid)
+            starting.append(tier.start.remote())
+            num_gpus = int(node["Resources"].get("GPU", 0))
+            for name, model in self.models.items():
+                for i in range(max(num_gpus, 1)):
+                    pname = pool_name(name, nid, i)
+                    pool = (
+                        ray.remote(GpuPool)
+                        .options(name=pname, num_gpus=1 if num_gpus else 0, **common)
+                        .remote(pname, model, self.plans[name], nid, "cuda" if num_gpus else "cpu")
+                    )
+                    starting.append(pool.start.remote())
+        await asyncio.gather(*starting)
+
+    def model(self, name: str) -> tuple[ServedModel, Any]:
+        if name not in self.models:
+            raise InvalidInput(
+                f"unknown model {name!r}; served models: {sorted(self.models) or 'none'} "
+                "(serve it with Client.add_model or raykv up --preset)"
+            )
+        return self.models[name], self.plans[name]
+
+    async def get_model(self, name: str | None) -> tuple[ServedModel, Any]:
+        await self._up()
+        if name is None:
+            if len(self.models) != 1:
+                raise InvalidInput(
+                    f"{len(self.models)} models are served ({sorted(self.models)}); "
+                    "name the one you want"
+                )
+            name = next(iter(self.models))
+        return self.model(name)
+
+    async def pools(self, model: str, node_id: str | None = None) -> list[str]:
+        """Pool names of ``model``, those on ``node_id`` first."""
+        await self._up()
+        self.model(model)
+        names = [m for m in self.members.values() if m.kind == "pool" and m.model == model]
+        names.sort(key=lambda m: (m.node_id != node_id, m.name))
+        return [m.name for m in names]
+
+    # --- membership and events ----------------------------------------------------------
+
+    def _register(self, snap: dict) -> None:
+        name = snap["name"]
+        self._forget(name)
+        for model, plan in snap.get("models", {}).items():
+            if model not in self.models:
+                self.models[model], self.plans[model] = plan
+        tier = CPU if snap["kind"] == "tier" else GPU
+        self.members[name] = Member(
+            name,
+            snap["kind"],
+            snap["node_id"],
+            snap.get("model"),
+            snap["seq"],
+            stats=snap.get("stats", {}),
+        )
+        for model, blocks in snap["blocks"].items():
+            for h, b in blocks:
+                self.index.add(model, Location(name, snap["node_id"], tier, b), h)
+
+    async def register(self, snap: dict) -> None:
+        await self._up()
+        self._register(snap)
+
+    async def heartbeat(self, name: str, seq: int, stats: dict) -> bool:
+        """False: this coordinator does not know ``name`` as it is; send a snapshot."""
+        await self._up()
+        m = self.members.get(name)
+        if m is None or m.seq != seq:
+            return False
+        m.last_seen, m.stats = time.monotonic(), stats
+        return True
+
+    async def events(
+        self,
+        name: str,
+        seq: int,
+        model: str,
+        stored: list[tuple[Hashable, int]],
+        removed: list[Hashable],
+    ) -> bool:
+        """Apply one batch of KV events; False when a batch is missing (send a snapshot)."""
+        await self._up()
+        m = self.members.get(name)
+        if m is None or seq != m.seq + 1:
+            return False
+        m.seq, m.last_seen = seq, time.monotonic()
+        tier = CPU if m.kind == "tier" else GPU
+        for h in removed:
+            self.index.remove(model, name, h)
+        for h, b in stored:
+            self.index.add(model, Location(name, m.node_id, tier, b), h)
+        return True
+
+    async def member_failed(self, name: str) -> None:
+        """A caller could not reach ``name``: stop pointing lookups at it until it
+        re-registers (a live member does so on its next heartbeat)."""
+        await self._up()
+        self._forget(name)
+
+    # --- lookup -------------------------------------------------------------------------
+
+    async def lookup(self, model: str, block_hashes: list[Hashable], node_id: str) -> list:
+        """Best copy of each leading block of ``block_hashes`` as seen from ``node_id``."""
+        await self._up()
+        t0 = time.perf_counter()
+        self.model(model)
+        best = self.index.longest_prefix(model, block_hashes, node_id)
+        for tier in ("gpu", "cpu"):
+            for local in (True, False):
+                n = sum(1 for loc in best if loc.tier == tier and (loc.node_id == node_id) == local)
+                self.metrics.hit(model, f"{'local' if local else 'remote'}_{tier}", n)
+        self.metrics.miss(model, "all", len(block_hashes) - len(best))
+        self.metrics.lookup_ms(model, (time.perf_counter() - t0) * 1e3)
+        return best
+
+    async def locate(self, model: str, block_hashes: list[Hashable], node_id: str) -> list:
+        """Every copy of each block, best first (a loader falls back when one fails)."""
+        await self._up()
+        return [
+            sorted(self.index.copies(model, h), key=lambda loc: loc.rank(node_id))
+            for h in block_hashes
+        ]
+
+    # --- stats and shutdown -------------------------------------------------------------
+
+    async def stats(self) -> dict:
+        await self._up()
+        nodes = {
+            n["NodeID"]: {
+                "node_id": n["NodeID"],
+                "address": n["NodeManagerAddress"],
+                "alive": n["Alive"],
+                "gpus": int(n["Resources"].get("GPU", 0)),
+            }
+            for n in ray.nodes()
+        }
+        members = [
+            {
+                "name": m.name,
+                "kind": m.kind,
+                "node_id": m.node_id,
+                "model": m.model,
+                "indexed_blocks": self.index.blocks_of(m.name),
+                "heartbeat_age_s": round(time.monotonic() - m.last_seen, 2),
+                **m.stats,
+            }
+            for m in sorted(self.members.values(), key=lambda m: (m.node_id, m.kind, m.name))
+        ]
+        tally = self.metrics.tally
+        hits = sum(v for k, v in tally.items() if k.startswith("hits_"))
+        looked = hits + tally["misses_all"]
+        return {
+            "nodes": list(nodes.values()),
+            "models": {
+                name: {
+                    "max_model_len": m.max_model_len,
+                    "block_size": m.block_size,
+                    "tp_size": m.tp_size,
+                    "num_gpu_blocks": self.plans[name].num_gpu_blocks,
+                    "cpu_num_blocks": self.plans[name].cpu_num_blocks,
+                }
+                for name, m in self.models.items()
+            },
+            "members": members,
+            "indexed_blocks": len(self.index),
+            "lookups": tally["lookups"],
+            "hit_rate": hits / looked if looked else 0.0,
+            "hits": {k.removeprefix("hits_"): v for k, v in tally.items() if k.startswith("hits_")},
+            "misses": tally["misses_all"],
+            "uptime_s": round(time.time() - self.started, 1),
+            "restarted": self.restarts,
+        }
+
+    async def shutdown_service(self) -> int:
+        """Kill every pool and tier (``raykv down``); the caller then kills this actor."""
+        names = [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE and a["name"].startswith(("raykv-pool-", "raykv-tier-"))
+        ]
+        for name in names:
+            with contextlib.suppress(Exception):  # gone already
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        self.members.clear()
+        self.index = PrefixIndex()
+        self.models.clear()
+        self.plans.clear()
+        return len(names)
+
+
+def coordinator_actor(max_restarts: int = -1):
+    """The ``ray.remote`` form, created by ``raykv.client.ensure_service``."""
+    return ray.remote(Coordinator).options(
+        name=COORDINATOR,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        max_restarts=max_restarts,
+        max_task_retries=3,
+        num_cpus=0,
+    )

@@ -1,0 +1,98 @@
+"""What pools and tiers share: registering with the coordinator, heartbeats, KV events.
+
+Each batch of KV events carries a sequence number. The coordinator applies a batch only if
+it follows the last one it saw from this member; otherwise (it restarted, or a batch was
+lost while it was down) it answers False and the member sends a full snapshot instead. So
+the cluster index converges to the members' real contents whatever fails in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Hashable
+from typing import Any
+
+import ray
+
+from raykv.service.spec import COORDINATOR, NAMESPACE
+
+HEARTBEAT_S = 1.0
+CALL_TIMEOUT_S = 10.0
+log = logging.getLogger(__name__)
+
+
+class Member:
+    kind = "member"
+
+    def __init__(self, name: str, node_id: str) -> None:
+        self.name = name
+        self.node_id = node_id
+        self.seq = 0
+        self._coordinator = None
+        self._beat: asyncio.Task | None = None
+
+    # --- to be provided by pools and tiers ----------------------------------------------
+
+    def blocks(self) -> dict[str, list[tuple[Hashable, int]]]:
+        """model -> [(block hash, block id)] of every valid block held."""
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def extra_snapshot(self) -> dict[str, Any]:
+        return {}
+
+    # --- protocol -----------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything the coordinator needs to rebuild this member's part of its state."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "node_id": self.node_id,
+            "seq": self.seq,
+            "blocks": self.blocks(),
+            "stats": self.stats(),
+            **self.extra_snapshot(),
+        }
+
+    def _coord(self):
+        if self._coordinator is None:
+            self._coordinator = ray.get_actor(COORDINATOR, namespace=NAMESPACE)
+        return self._coordinator
+
+    async def _call(self, method: str, *args) -> Any:
+        """One coordinator call; None if it is unreachable (it may be restarting)."""
+        try:
+            ref = getattr(self._coord(), method).remote(*args)
+            return await asyncio.wait_for(ref, CALL_TIMEOUT_S)
+        except Exception as e:  # down, restarting, or gone: heartbeats will catch up
+            log.debug("coordinator %s failed: %s", method, e)
+            self._coordinator = None
+            return None
+
+    async def start(self) -> str:
+        """Register and start heartbeats (idempotent). Returns the member's name."""
+        if self._beat is None:
+            await self._call("register", self.snapshot())
+            self._beat = asyncio.get_running_loop().create_task(self._heartbeats())
+        return self.name
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            if await self._call("heartbeat", self.name, self.seq, self.stats()) is False:
+                await self._call("register", self.snapshot())
+
+    async def publish(
+        self, model: str, stored: list[tuple[Hashable, int]], removed: list[Hashable]
+    ) -> None:
+        """Tell the coordinator which blocks became valid or went away, in order."""
+        if not stored and not removed:
+            return
+        self.seq += 1
+        ok = await self._call("events", self.name, self.seq, model, stored, removed)
+        if ok is False:
+            await self._call("register", self.snapshot())

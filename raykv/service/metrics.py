@@ -1,0 +1,61 @@
+"""Service metrics: exported through ``ray.util.metrics`` (Prometheus) and mirrored in plain
+counters so ``stats()`` / ``raykv status`` can print them without a metrics backend."""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+
+from ray.util import metrics
+
+_LATENCY_BOUNDS = [0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 1000]  # ms
+
+
+class ServiceMetrics:
+    def __init__(self, component: str) -> None:
+        tags = ("component", "model", "tier")
+        self.component = component
+        self.tally: Tally[str] = Tally()
+        self._hits = metrics.Counter("raykv_hit_blocks", "Blocks found, per tier", tags)
+        self._misses = metrics.Counter("raykv_miss_blocks", "Blocks looked up, not found", tags)
+        self._evictions = metrics.Counter("raykv_evicted_blocks", "Blocks evicted", tags)
+        self._offloads = metrics.Counter("raykv_offloaded_blocks", "GPU blocks saved to CPU", tags)
+        self._moved = metrics.Counter("raykv_bytes_moved", "KV bytes moved between members", tags)
+        self._used = metrics.Gauge("raykv_blocks_used", "Blocks holding KV", tags)
+        self._latency = metrics.Histogram(
+            "raykv_lookup_latency_ms", "Coordinator lookup latency", _LATENCY_BOUNDS, tags
+        )
+
+    def _tags(self, model: str, tier: str) -> dict[str, str]:
+        return {"component": self.component, "model": model, "tier": tier}
+
+    def hit(self, model: str, tier: str, n: int) -> None:
+        if n:
+            self.tally[f"hits_{tier}"] += n
+            self._hits.inc(n, self._tags(model, tier))
+
+    def miss(self, model: str, tier: str, n: int) -> None:
+        if n:
+            self.tally[f"misses_{tier}"] += n
+            self._misses.inc(n, self._tags(model, tier))
+
+    def evicted(self, model: str, tier: str, n: int) -> None:
+        if n:
+            self.tally["evictions"] += n
+            self._evictions.inc(n, self._tags(model, tier))
+
+    def offloaded(self, model: str, n: int) -> None:
+        if n:
+            self.tally["offloads"] += n
+            self._offloads.inc(n, self._tags(model, "cpu"))
+
+    def moved(self, model: str, tier: str, nbytes: int) -> None:
+        if nbytes:
+            self.tally["bytes_moved"] += nbytes
+            self._moved.inc(nbytes, self._tags(model, tier))
+
+    def used(self, model: str, tier: str, n: int) -> None:
+        self._used.set(n, self._tags(model, tier))
+
+    def lookup_ms(self, model: str, ms: float) -> None:
+        self.tally["lookups"] += 1
+        self._latency.observe(ms, self._tags(model, "all"))

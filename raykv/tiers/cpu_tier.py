@@ -1,0 +1,321 @@
+"""CpuTier: one host arena per node, blocks keyed by block hash, with per-block state.
+
+Sizing (invariant 5): ``plan.cpu_num_blocks`` blocks of ``plan.cpu_bytes_per_block`` bytes;
+one CPU block holds ``block_size_factor`` GPU blocks of ``gpu_bytes_per_block`` bytes for
+each distinct copy across the TP group (``copies = cpu_bytes_per_block / (gpu_bytes_per_block
+x block_size_factor)``: tp_size, fewer when KV heads are replicated, 1 for MLA). The arena is
+laid out copy-major, ``[copies, cpu_num_blocks * block_size_factor, gpu_bytes_per_block]``, so
+that each rank sees its slices of all blocks as one uniform row array (``rows(copy)``); row
+``block * block_size_factor + sub`` holds GPU block ``sub`` of CPU block ``block``.
+
+State machine of a block: FREE -> WRITING (prepare_store) -> READABLE (every writer finished)
+or FREE (a writer failed: nothing half-readable); READABLE <-> READING (prepare_load /
+finish_load, with a reader count). Only READABLE blocks without readers may be evicted, and
+never the keys of the store being prepared. One lock guards all metadata; the byte copies run
+outside it, protected by the states.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from raykv.errors import ConfigError
+from raykv.layout.plan import Plan
+from raykv.tiers.policies import EvictionPolicy, make_policy
+
+Key = bytes
+
+
+class BlockState(enum.Enum):
+    FREE = "free"
+    WRITING = "writing"
+    READABLE = "readable"
+    READING = "reading"
+
+
+@dataclass
+class _Block:
+    index: int
+    key: Key | None = None
+    state: BlockState = BlockState.FREE
+    readers: int = 0
+    writers: int = 0  # writers (TP copies) still copying into the block
+    failed: bool = False
+    dropped: bool = False  # left the index while being read; freed by the last reader
+    valid: tuple[bool, ...] = ()  # sub-slots that hold a GPU block (null ones do not)
+    checksums: dict[int, tuple[int, ...]] = field(default_factory=dict)  # copy -> per sub
+
+
+@dataclass(frozen=True)
+class StoreReservation:
+    """Blocks reserved (WRITING) for the new keys of one store; ``present`` keys were already
+    stored or being stored and are skipped."""
+
+    keys: tuple[Key, ...]
+    blocks: tuple[int, ...]
+    present: tuple[Key, ...]
+    evicted: tuple[Key, ...]
+
+    def block_of(self) -> dict[Key, int]:
+        return dict(zip(self.keys, self.blocks, strict=True))
+
+
+@dataclass(frozen=True)
+class LoadLease:
+    """Read references on the blocks of ``keys`` (state READING until ``finish_load``)."""
+
+    keys: tuple[Key, ...]
+    blocks: tuple[int, ...]
+    valid: tuple[tuple[bool, ...], ...]
+    checksums: tuple[dict[int, tuple[int, ...]], ...]
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    stored: int = 0
+    loaded: int = 0
+    evicted: int = 0
+    failed_stores: int = 0
+    rejected_stores: int = 0  # prepare_store found no room (all-or-nothing)
+    checksum_errors: int = 0
+
+
+def tp_copies(plan: Plan) -> int:
+    """Distinct TP copies one CPU block holds, read back from the plan (invariant 5)."""
+    per_copy = plan.gpu_bytes_per_block * plan.block_size_factor
+    if per_copy <= 0:
+        return 1
+    if plan.cpu_bytes_per_block % per_copy:
+        raise ConfigError(
+            f"cpu_bytes_per_block={plan.cpu_bytes_per_block} is not a whole number of "
+            f"copies of gpu_bytes_per_block={plan.gpu_bytes_per_block} x "
+            f"block_size_factor={plan.block_size_factor}; rebuild the plan with plan()"
+        )
+    return max(1, plan.cpu_bytes_per_block // per_copy)
+
+
+class CpuTier:
+    def __init__(
+        self,
+        plan: Plan,
+        policy: str | EvictionPolicy = "lru",
+        *,
+        pin_memory: bool | None = None,
+    ) -> None:
+        self.plan = plan
+        self.num_blocks = plan.cpu_num_blocks
+        self.factor = max(1, plan.block_size_factor)
+        self.copies = tp_copies(plan)
+        self.slot_bytes = plan.gpu_bytes_per_block
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.arena = torch.empty(
+            (self.copies, self.num_blocks * self.factor, self.slot_bytes),
+            dtype=torch.uint8,
+            pin_memory=pin_memory,
+        )
+        self.policy = make_policy(policy, self.num_blocks) if isinstance(policy, str) else policy
+        self.stats = TierStats()
+        self._lock = threading.Lock()
+        self._blocks = [_Block(i) for i in range(self.num_blocks)]
+        self._free = list(range(self.num_blocks))  # a heap: low indices first keeps runs
+        self._by_key: dict[Key, int] = {}
+
+    @property
+    def total_bytes(self) -> int:
+        return self.arena.numel()
+
+    def rows(self, copy: int = 0) -> torch.Tensor:
+        """``[num_blocks * factor, gpu_bytes_per_block]`` rows of one TP copy."""
+        return self.arena[copy]
+
+    # ---------------------------------------------------------------- lookups
+    def lookup(self, keys: Sequence[Key]) -> int:
+        """Number of leading ``keys`` that are readable (a prefix hit); touches them."""
+        with self._lock:
+            n = 0
+            for key in keys:
+                i = self._by_key.get(key)
+                if i is None or self._blocks[i].state not in (
+                    BlockState.READABLE,
+                    BlockState.READING,
+                ):
+                    break
+                self.policy.touch(key)
+                n += 1
+            self.stats.hits += n
+            self.stats.misses += len(keys) - n
+            return n
+
+    def state(self, key: Key) -> BlockState | None:
+        with self._lock:
+            i = self._by_key.get(key)
+            return None if i is None else self._blocks[i].state
+
+    def __contains__(self, key: Key) -> bool:
+        return self.state(key) in (BlockState.READABLE, BlockState.READING)
+
+    @property
+    def num_free(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def stored_keys(self) -> list[Key]:
+        with self._lock:
+            return list(self._by_key)
+
+    # ---------------------------------------------------------------- stores
+    def prepare_store(self, keys: Sequence[Key], writers: int = 1) -> StoreReservation | None:
+        """Reserve a block for every key not yet stored, evicting if needed — all or nothing.
+
+        Returns None (and changes nothing) when the blocks cannot all be found. Never evicts
+        a block being written or read, nor any of ``keys``.
+        """
+        with self._lock:
+            wanted = list(dict.fromkeys(keys))
+            present = tuple(k for k in wanted if k in self._by_key)
+            new = [k for k in wanted if k not in self._by_key]
+            for k in present:
+                self.policy.touch(k)
+            need = len(new) - len(self._free)
+            protected = set(wanted)
+            victims: list[Key] = []
+            if need > 0:
+                found = self.policy.victims(need, lambda k: self._evictable(k, protected))
+                if found is None:
+                    self.stats.rejected_stores += 1
+                    return None
+                victims = found
+            for k in victims:
+                self.policy.evict(k)
+                self._release(self._by_key.pop(k))
+            self.stats.evicted += len(victims)
+            blocks = []
+            for k in new:
+                i = heapq.heappop(self._free)
+                b = self._blocks[i]
+                b.key, b.state, b.writers, b.failed = k, BlockState.WRITING, writers, False
+                b.valid, b.checksums = (), {}
+                self._by_key[k] = i
+                blocks.append(i)
+            return StoreReservation(tuple(new), tuple(blocks), present, tuple(victims))
+
+    def finish_store(
+        self,
+        reservation: StoreReservation,
+        ok: bool,
+        valid: Sequence[tuple[bool, ...]] | None = None,
+        checksums: Sequence[tuple[int, ...]] | None = None,
+        copy: int = 0,
+    ) -> None:
+        """One writer is done with ``reservation``. The blocks become READABLE once every
+        writer succeeded; any failure returns them to FREE (never half-readable)."""
+        with self._lock:
+            for n, i in enumerate(reservation.blocks):
+                b = self._blocks[i]
+                if b.state is not BlockState.WRITING or b.key != reservation.keys[n]:
+                    raise RuntimeError(f"CPU block {i} is {b.state.value}, not being written")
+                b.failed |= not ok
+                if valid is not None:
+                    b.valid = tuple(valid[n])
+                if checksums is not None:
+                    b.checksums[copy] = tuple(checksums[n])
+                b.writers -= 1
+                if b.writers > 0:
+                    continue
+                if b.failed:
+                    del self._by_key[b.key]
+                    self._release(i)
+                    self.stats.failed_stores += 1
+                else:
+                    b.state = BlockState.READABLE
+                    self.policy.insert(b.key)
+                    self.stats.stored += 1
+
+    # ---------------------------------------------------------------- loads
+    def prepare_load(self, keys: Sequence[Key]) -> LoadLease | None:
+        """Take a read reference on every key, or on none (None) if one is not readable."""
+        with self._lock:
+            idx = [self._by_key.get(k) for k in keys]
+            readable = (BlockState.READABLE, BlockState.READING)
+            if any(i is None or self._blocks[i].state not in readable for i in idx):
+                return None
+            for k, i in zip(keys, idx, strict=True):
+                b = self._blocks[i]
+                b.readers += 1
+                b.state = BlockState.READING
+                self.policy.touch(k)
+            bs = [self._blocks[i] for i in idx]
+            return LoadLease(
+                tuple(keys),
+                tuple(idx),
+                tuple(b.valid for b in bs),
+                tuple(dict(b.checksums) for b in bs),
+            )
+
+    def finish_load(self, lease: LoadLease, loaded: int | None = None) -> None:
+        """Drop the read references of ``lease``; ``loaded`` keys count as loaded."""
+        with self._lock:
+            for i in lease.blocks:
+                b = self._blocks[i]
+                b.readers -= 1
+                if b.readers == 0:
+                    if b.dropped:
+                        self._release(i)
+                    else:
+                        b.state = BlockState.READABLE
+            self.stats.loaded += len(lease.keys) if loaded is None else loaded
+
+    def drop(self, key: Key, corrupt: bool = False) -> None:
+        """Forget a readable key (e.g. a checksum mismatch): it is a miss from now on."""
+        with self._lock:
+            i = self._by_key.get(key)
+            if i is None or self._blocks[i].state is BlockState.WRITING:
+                return
+            del self._by_key[key]
+            self.policy.remove(key)
+            self.stats.checksum_errors += corrupt
+            b = self._blocks[i]
+            if b.readers:
+                b.dropped = True
+            else:
+                self._release(i)
+
+    # ---------------------------------------------------------------- internals
+    def _evictable(self, key: Key, protected: set[Key]) -> bool:
+        b = self._blocks[self._by_key[key]]
+        return b.state is BlockState.READABLE and b.readers == 0 and key not in protected
+
+    def _release(self, i: int) -> None:
+        b = self._blocks[i]
+        b.key, b.state, b.readers, b.writers = None, BlockState.FREE, 0, 0
+        b.failed = b.dropped = False
+        b.valid, b.checksums = (), {}
+        heapq.heappush(self._free, i)
+
+    def check_consistency(self) -> None:
+        """Raise AssertionError if the metadata contradicts itself (used by tests)."""
+        with self._lock:
+            free = set(self._free)
+            assert len(free) == len(self._free), "a block is free twice"
+            for b in self._blocks:
+                if b.index in free:
+                    assert b.state is BlockState.FREE and b.key is None, b
+                else:
+                    assert b.state is not BlockState.FREE, b
+                    assert b.dropped or self._by_key.get(b.key) == b.index, b
+                assert (b.state is BlockState.READING) == (b.readers > 0), b
+            readable = {
+                k
+                for k, i in self._by_key.items()
+                if self._blocks[i].state in (BlockState.READABLE, BlockState.READING)
+            }
+            assert set(self.policy) == readable, "policy and index disagree"

@@ -1,0 +1,83 @@
+"""StoreFence: GPU blocks with a store in flight are not handed out again (invariant 9).
+
+The offload engine fences a store's GPU block ids before the copy starts and releases them
+when the store completes or fails. The block pool (``raykv.blocks``) must not reuse a fenced
+block. Two decoupled ways (tiers may import blocks, never the reverse): pass the block
+manager's reference hooks, ``StoreFence(hold=manager.hold_blocks,
+release=manager.release_blocks)``, so a fenced block keeps a reference and is neither free
+nor counted free until its store is done; or give the pool a plain callable such as
+``fence.can_reuse`` and subscribe to ``on_release`` to put deferred blocks back. A block can
+be fenced by several stores at once (a shared prefix stored by two requests): a count per
+block, released per job.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable
+
+from raykv.tiers.jobs import NULL_BLOCK
+
+
+class StoreFence:
+    def __init__(
+        self,
+        hold: Callable[[tuple[int, ...]], None] | None = None,
+        release: Callable[[tuple[int, ...]], None] | None = None,
+    ) -> None:
+        self._hold, self._release = hold, release
+        self._lock = threading.Lock()
+        self._counts: Counter[int] = Counter()
+        self._jobs: dict[Hashable, tuple[int, ...]] = {}
+        self._listeners: list[Callable[[tuple[int, ...]], None]] = []
+
+    def fence(self, job_id: Hashable, block_ids: Iterable[int]) -> None:
+        ids = tuple(b for b in block_ids if b != NULL_BLOCK)  # invariant 3: null is nobody's
+        with self._lock:
+            if job_id in self._jobs:
+                raise ValueError(f"store job {job_id!r} is already fenced")
+            if self._hold is not None and ids:
+                self._hold(ids)  # first, so a failing hook leaves nothing fenced
+            self._jobs[job_id] = ids
+            self._counts.update(ids)
+
+    def release(self, job_id: Hashable) -> tuple[int, ...]:
+        """Lift a job's fence; returns the block ids that are no longer fenced at all."""
+        with self._lock:
+            ids = self._jobs.pop(job_id, ())
+            freed = []
+            for b in ids:
+                self._counts[b] -= 1
+                if self._counts[b] == 0:
+                    del self._counts[b]
+                    freed.append(b)
+            if self._release is not None and ids:
+                self._release(ids)
+            listeners = list(self._listeners)
+        out = tuple(freed)
+        if out:
+            for cb in listeners:
+                cb(out)
+        return out
+
+    def is_fenced(self, block_id: int) -> bool:
+        with self._lock:
+            return block_id in self._counts
+
+    def can_reuse(self, block_id: int) -> bool:
+        """The hook for the block pool: may ``block_id`` be handed out now?"""
+        return not self.is_fenced(block_id)
+
+    def fenced_blocks(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self._counts)
+
+    def jobs(self) -> tuple[Hashable, ...]:
+        with self._lock:
+            return tuple(self._jobs)
+
+    def on_release(self, callback: Callable[[tuple[int, ...]], None]) -> None:
+        """Call ``callback(block_ids)`` whenever blocks stop being fenced."""
+        with self._lock:
+            self._listeners.append(callback)

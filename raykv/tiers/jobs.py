@@ -1,0 +1,208 @@
+"""StoreJob / LoadJob: which GPU blocks of a request go to (or come from) which CPU blocks.
+
+A CPU-tier block holds ``f = offload_block_size / group.block_size`` consecutive GPU blocks of
+one group and is keyed by the block hash of the last of them (the hash chain covers the whole
+prefix). Only complete offload blocks with known hashes are covered. Null GPU blocks (id 0:
+positions a sliding window or chunk dropped) carry no bytes: they are skipped and counted in
+``num_skipped``, so ``sum(group_sizes) == len(block_ids)`` always holds (invariant 4), also
+where one offload block straddles the window edge and covers null and real GPU blocks at
+once (``sum(key_widths) == len(block_ids) + num_skipped``). An offload block whose GPU blocks
+are all null is not covered at all.
+
+Jobs are pure data built from a request's block table (logical ids, invariant 7); running
+them is ``OffloadEngine``'s business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Self
+
+from raykv.errors import ConfigError, InvalidInput
+from raykv.layout.plan import KVGroup, Plan
+
+NULL_BLOCK = 0
+
+
+def group_block_hashes(plan: Plan, hashes: Sequence[bytes]) -> list[list[bytes]]:
+    """Per group, the CPU-tier key of each of its full blocks, from a request's chained
+    hashes per hash block (``raykv.blocks`` hashing): the hash at the end of the block,
+    prefixed with the group id so that groups never share a key."""
+    out = []
+    for g in plan.groups:
+        per = g.block_size // plan.hash_block_size
+        prefix = g.group_id.to_bytes(4, "little")
+        out.append([prefix + bytes(hashes[i]) for i in range(per - 1, len(hashes), per)])
+    return out
+
+
+def group_factor(plan: Plan, group: KVGroup) -> int:
+    """GPU blocks of ``group`` per CPU-tier block."""
+    obs, bs = plan.offload_block_size or group.block_size, group.block_size
+    if obs <= bs:
+        if bs % obs:
+            raise ConfigError(
+                f"group {group.group_id} block size {bs} is not a multiple of the offload "
+                f"block size {obs}; align offload_block_size with every group block size"
+            )
+        return 1
+    if obs % bs:
+        raise ConfigError(
+            f"offload block size {obs} is not a multiple of group {group.group_id}'s block "
+            f"size {bs}; pick an offload_block_size that every group block size divides"
+        )
+    f = obs // bs
+    if f > max(1, plan.block_size_factor):
+        raise ConfigError(
+            f"group {group.group_id} needs {f} GPU blocks per CPU block but the plan sizes "
+            f"block_size_factor={plan.block_size_factor}; rebuild the plan with plan()"
+        )
+    return f
+
+
+@dataclass(frozen=True)
+class BlockJob:
+    """GPU blocks <-> CPU-tier blocks of one request.
+
+    ``block_ids`` are the GPU logical ids actually carried, grouped by plan group order, and
+    ``group_sizes[g]`` of them belong to group ``g`` (invariant 4). ``slots[i]`` is
+    ``(key index, sub-slot)``: where ``block_ids[i]`` sits in the CPU block ``keys[key index]``.
+    """
+
+    request_id: str
+    keys: tuple[bytes, ...]
+    key_groups: tuple[int, ...]  # group id of each key
+    key_widths: tuple[int, ...]  # GPU blocks each key's CPU block covers (its group factor)
+    block_ids: tuple[int, ...]
+    group_sizes: tuple[int, ...]
+    slots: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        if sum(self.group_sizes) != len(self.block_ids) or len(self.slots) != len(self.block_ids):
+            raise InvalidInput(
+                f"job of request {self.request_id!r}: group sizes {self.group_sizes} sum to "
+                f"{sum(self.group_sizes)} but it carries {len(self.block_ids)} block ids and "
+                f"{len(self.slots)} slots (invariant 4)"
+            )
+        if NULL_BLOCK in self.block_ids:
+            raise InvalidInput(f"job of request {self.request_id!r} carries the null block")
+
+    @property
+    def num_skipped(self) -> int:
+        """Null GPU blocks inside the covered CPU blocks (carried by nobody)."""
+        return sum(self.key_widths) - len(self.block_ids)
+
+    def group_slices(self) -> list[slice]:
+        out, start = [], 0
+        for n in self.group_sizes:
+            out.append(slice(start, start + n))
+            start += n
+        return out
+
+    def valid_masks(self) -> tuple[tuple[bool, ...], ...]:
+        """Per key, which sub-slots this job carries (the rest were null blocks)."""
+        masks = [[False] * w for w in self.key_widths]
+        for k, s in self.slots:
+            masks[k][s] = True
+        return tuple(tuple(m) for m in masks)
+
+    def select(self, keep: Collection[bytes]) -> Self:
+        """The same job restricted to the keys in ``keep`` (invariant 4 still holds)."""
+        keep = set(keep)
+        remap = {}
+        for i, k in enumerate(self.keys):
+            if k in keep:
+                remap[i] = len(remap)
+        keys = tuple(self.keys[i] for i in remap)
+        groups = tuple(self.key_groups[i] for i in remap)
+        widths = tuple(self.key_widths[i] for i in remap)
+        ids, slots, sizes = [], [], []
+        for sl in self.group_slices():
+            n = 0
+            for b, (k, s) in zip(self.block_ids[sl], self.slots[sl], strict=True):
+                if k in remap:
+                    ids.append(b)
+                    slots.append((remap[k], s))
+                    n += 1
+            sizes.append(n)
+        return type(self)(
+            self.request_id, keys, groups, widths, tuple(ids), tuple(sizes), tuple(slots)
+        )
+
+
+class StoreJob(BlockJob):
+    """GPU -> CPU tier: ``block_ids`` are the request's GPU blocks to copy out."""
+
+    @classmethod
+    def build(
+        cls,
+        plan: Plan,
+        request_id: str,
+        block_table: Sequence[Sequence[int]],
+        block_hashes: Sequence[Sequence[bytes]],
+        num_chunks: Sequence[int] | None = None,
+    ) -> StoreJob:
+        return _build(cls, plan, request_id, block_table, block_hashes, num_chunks)
+
+
+class LoadJob(BlockJob):
+    """CPU tier -> GPU: ``block_ids`` are freshly allocated GPU blocks to fill."""
+
+    @classmethod
+    def build(
+        cls,
+        plan: Plan,
+        request_id: str,
+        block_table: Sequence[Sequence[int]],
+        block_hashes: Sequence[Sequence[bytes]],
+        num_chunks: Sequence[int] | None = None,
+    ) -> LoadJob:
+        return _build(cls, plan, request_id, block_table, block_hashes, num_chunks)
+
+
+def _build(cls, plan, request_id, block_table, block_hashes, num_chunks):
+    """``block_table[g]`` / ``block_hashes[g]``: group g's logical ids and block hashes by
+    position; ``num_chunks[g]`` caps the offload blocks covered (default: all complete)."""
+    if len(block_table) != len(plan.groups) or len(block_hashes) != len(plan.groups):
+        raise InvalidInput(
+            f"expected one block table and one hash list per group ({len(plan.groups)}), got "
+            f"{len(block_table)} tables and {len(block_hashes)} hash lists"
+        )
+    keys: list[bytes] = []
+    key_groups: list[int] = []
+    widths: list[int] = []
+    ids: list[int] = []
+    slots: list[tuple[int, int]] = []
+    sizes: list[int] = []
+    for gi, (group, table, hashes) in enumerate(
+        zip(plan.groups, block_table, block_hashes, strict=True)
+    ):
+        f = group_factor(plan, group)
+        n = min(len(table), len(hashes)) // f
+        if num_chunks is not None:
+            n = min(n, num_chunks[gi])
+        size = 0
+        for c in range(n):
+            chunk = table[c * f : (c + 1) * f]
+            if all(b == NULL_BLOCK for b in chunk):
+                continue
+            k = len(keys)
+            keys.append(bytes(hashes[(c + 1) * f - 1]))
+            key_groups.append(group.group_id)
+            widths.append(f)
+            for s, b in enumerate(chunk):
+                if b != NULL_BLOCK:
+                    ids.append(int(b))
+                    slots.append((k, s))
+                    size += 1
+        sizes.append(size)
+    return cls(
+        request_id,
+        tuple(keys),
+        tuple(key_groups),
+        tuple(widths),
+        tuple(ids),
+        tuple(sizes),
+        tuple(slots),
+    )

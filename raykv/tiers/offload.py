@@ -1,0 +1,312 @@
+"""OffloadEngine: runs StoreJobs (GPU -> CPU tier) and LoadJobs (CPU tier -> GPU) of one rank.
+
+Every byte moves through ``raykv.ops.gather_blocks`` / ``scatter_blocks``: straight into (or
+out of) the arena's rows when a group's rows are full-width and consecutive, else through a
+staging buffer and one host-side row copy. On CUDA the copies run on a side stream that first
+waits for the compute stream, and ``poll()`` reports jobs whose event has fired; on CPU they
+run synchronously and the next ``poll()`` reports them, so callers see one protocol.
+
+Store: reserve CPU blocks (all-or-nothing) -> fence the GPU blocks (invariant 9) -> gather ->
+on completion checksum the rows (optional), mark the CPU blocks readable and lift the fence.
+A failure anywhere frees the reserved CPU blocks (nothing half-readable) and lifts the fence.
+Load: take read references -> drop keys whose CPU block lacks a needed GPU block or fails its
+checksum (a miss plus a counted error, never wrong KV), keeping each group's prefix -> scatter
+-> on completion drop the references.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from raykv import ops
+from raykv.tiers.checksum import row_checksums
+from raykv.tiers.cpu_tier import CpuTier, LoadLease, StoreReservation
+from raykv.tiers.fence import StoreFence
+from raykv.tiers.gpu_kv import GpuKV
+from raykv.tiers.jobs import BlockJob, LoadJob, StoreJob
+
+
+@dataclass(frozen=True)
+class JobResult:
+    job_id: int
+    kind: str  # "store" or "load"
+    request_id: str
+    ok: bool
+    job: BlockJob  # what was actually carried (keys already stored / missed left out)
+    missed: tuple[bytes, ...] = ()  # load: requested keys not loaded
+    error: str | None = None
+
+
+@dataclass
+class _HostCopy:
+    """Rows to move between a staging buffer and the arena on the host side."""
+
+    rows: torch.Tensor  # int64 arena row indices
+    staging: torch.Tensor  # [n, width] uint8
+    width: int
+
+
+@dataclass
+class _InFlight:
+    job_id: int
+    kind: str
+    job: BlockJob
+    reservation: StoreReservation | None = None
+    lease: LoadLease | None = None
+    event: torch.cuda.Event | None = None
+    host_copies: list[_HostCopy] = field(default_factory=list)
+    missed: tuple[bytes, ...] = ()
+    error: str | None = None
+    writes: bool = True  # False: a replica rank, another rank writes this copy
+
+
+def _consecutive(rows: list[int]) -> bool:
+    return all(b == a + 1 for a, b in itertools.pairwise(rows))
+
+
+class OffloadEngine:
+    def __init__(
+        self,
+        gpu: GpuKV,
+        tier: CpuTier,
+        *,
+        rank: int = 0,
+        checksums: bool = False,
+        fence: StoreFence | None = None,
+    ) -> None:
+        plan = gpu.plan
+        if not 0 <= rank < plan.tp_size:
+            raise ValueError(f"rank {rank} is outside tp_size={plan.tp_size}")
+        self.gpu, self.tier, self.rank = gpu, tier, rank
+        self.checksums = checksums
+        self.fence = fence or StoreFence()
+        # Ranks holding the same bytes (replicated heads, MLA) share one copy; its first
+        # rank writes it, every rank reads it.
+        self.copy = rank * tier.copies // plan.tp_size
+        self.writes = rank % max(1, plan.tp_size // tier.copies) == 0
+        self.stream = torch.cuda.Stream(gpu.device) if gpu.device.type == "cuda" else None
+        self.pin = tier.arena.is_pinned()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._inflight: dict[int, _InFlight] = {}
+        self._by_request: dict[str, set[int]] = defaultdict(set)
+        self._done: list[JobResult] = []
+
+    # ---------------------------------------------------------------- public
+    def submit_store(
+        self, job: StoreJob, reservation: StoreReservation | None = None
+    ) -> int | None:
+        """Start a store; None when the CPU tier has no room (nothing changed).
+
+        ``reservation`` comes from a caller that reserved for several TP writers
+        (``tier.prepare_store(keys, writers=tier.copies)``); else this engine reserves.
+        """
+        if reservation is None:
+            reservation = self.tier.prepare_store(job.keys, writers=1)
+            if reservation is None:
+                return None
+        run = job.select(reservation.keys)
+        rec = _InFlight(self._next_id(), "store", run, reservation=reservation)
+        rec.writes = self.writes
+        if rec.writes:
+            self.fence.fence(rec.job_id, run.block_ids)
+        self._track(rec)
+        if rec.writes:
+            try:
+                self._copy(rec, gather=True)
+            except Exception as e:  # finish in poll(): frees the CPU blocks, lifts the fence
+                rec.error = f"{type(e).__name__}: {e}"
+        return rec.job_id
+
+    def submit_load(self, job: LoadJob) -> int | None:
+        """Start a load; None when a key is no longer readable (nothing changed)."""
+        lease = self.tier.prepare_load(job.keys)
+        if lease is None:
+            return None
+        keep = self._usable_keys(job, lease)
+        run = job.select(keep)
+        rec = _InFlight(self._next_id(), "load", run, lease=lease)
+        rec.missed = tuple(k for k in job.keys if k not in set(keep))
+        self._track(rec)
+        try:
+            self._copy(rec, gather=False)
+        except Exception as e:
+            rec.error = f"{type(e).__name__}: {e}"
+        return rec.job_id
+
+    def poll(self) -> list[JobResult]:
+        """Finish every job whose copy completed; returns their results (once each)."""
+        with self._lock:
+            ready = [r for r in self._inflight.values() if self._ready(r)]
+            for r in ready:
+                del self._inflight[r.job_id]
+        for r in ready:
+            self._finish(r)
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def wait_all(self) -> list[JobResult]:
+        if self.stream is not None:
+            self.stream.synchronize()
+        return self.poll()
+
+    def join(self) -> None:
+        """Make the current (compute) stream wait for every copy submitted so far, e.g.
+        before attention reads blocks a load is filling. No-op on CPU."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.gpu.device).wait_stream(self.stream)
+
+    def in_flight(self, request_id: str | None = None) -> tuple[int, ...]:
+        with self._lock:
+            if request_id is None:
+                return tuple(self._inflight)
+            return tuple(sorted(self._by_request.get(request_id, ())))
+
+    # ---------------------------------------------------------------- copies
+    def _copy(self, rec: _InFlight, gather: bool) -> None:
+        job, tier = rec.job, self.tier
+        rows_all = tier.rows(self.copy)
+        if gather:
+            blocks = rec.reservation.block_of()
+        else:
+            blocks = dict(zip(rec.lease.keys, rec.lease.blocks, strict=True))
+        if self.stream is not None:  # copies see every KV write queued before them
+            self.stream.wait_stream(torch.cuda.current_stream(self.gpu.device))
+        stream_ctx = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
+        with stream_ctx:
+            for g, sl in zip(self.gpu.plan.groups, job.group_slices(), strict=True):
+                ids = job.block_ids[sl]
+                if not ids:
+                    continue
+                entries = self.gpu.entries(g.group_id)
+                width = ops.row_bytes(entries)
+                rows = [blocks[job.keys[k]] * tier.factor + s for k, s in job.slots[sl]]
+                ids_t = torch.tensor(ids, dtype=torch.int64)
+                if width == tier.slot_bytes and _consecutive(rows):
+                    direct = rows_all[rows[0] : rows[0] + len(rows)]
+                    if gather:
+                        ops.gather_blocks(entries, ids_t, direct)
+                    else:
+                        ops.scatter_blocks(direct, entries, ids_t)
+                    continue
+                idx = torch.tensor(rows, dtype=torch.int64)
+                staging = torch.empty((len(rows), width), dtype=torch.uint8, pin_memory=self.pin)
+                if gather:
+                    ops.gather_blocks(entries, ids_t, staging)
+                    rec.host_copies.append(_HostCopy(idx, staging, width))
+                else:
+                    torch.index_select(rows_all[:, :width], 0, idx, out=staging)
+                    ops.scatter_blocks(staging, entries, ids_t)
+                    rec.host_copies.append(_HostCopy(idx, staging, width))  # keep it alive
+            if self.stream is not None:
+                rec.event = torch.cuda.Event()
+                rec.event.record(self.stream)
+
+    def _ready(self, rec: _InFlight) -> bool:
+        if rec.event is None or rec.error is not None:
+            return True
+        try:
+            return rec.event.query()
+        except Exception as e:  # an asynchronous CUDA error surfaces here
+            rec.error = f"{type(e).__name__}: {e}"
+            return True
+
+    def _finish(self, rec: _InFlight) -> None:
+        ok = rec.error is None
+        if not ok and self.stream is not None:
+            self.stream.synchronize()  # copies launched before the failure must not outlive it
+        if rec.kind == "store":
+            if rec.writes:
+                checksums = None
+                try:
+                    if ok:
+                        self._land_store(rec)
+                        checksums = self._store_checksums(rec) if self.checksums else None
+                except Exception as e:
+                    rec.error, ok = f"{type(e).__name__}: {e}", False
+                self.tier.finish_store(
+                    rec.reservation, ok, rec.job.valid_masks(), checksums, copy=self.copy
+                )
+                self.fence.release(rec.job_id)
+        else:
+            self.tier.finish_load(rec.lease, loaded=len(rec.job.keys) if ok else 0)
+        with self._lock:
+            ids = self._by_request.get(rec.job.request_id)
+            if ids is not None:
+                ids.discard(rec.job_id)
+                if not ids:
+                    del self._by_request[rec.job.request_id]
+            self._done.append(
+                JobResult(
+                    rec.job_id, rec.kind, rec.job.request_id, ok, rec.job, rec.missed, rec.error
+                )
+            )
+
+    def _land_store(self, rec: _InFlight) -> None:
+        rows_all = self.tier.rows(self.copy)
+        for hc in rec.host_copies:
+            rows_all[:, : hc.width].index_copy_(0, hc.rows, hc.staging)
+        rec.host_copies.clear()
+
+    # ---------------------------------------------------------------- checksums
+    def _key_rows(self, job: BlockJob, blocks: Sequence[int]) -> list[list[tuple[int, int, int]]]:
+        """Per key: (sub-slot, arena row, bytes) of each GPU block the job carries in it."""
+        widths = {g.group_id: self.gpu.row_bytes(g.group_id) for g in self.gpu.plan.groups}
+        out: list[list[tuple[int, int, int]]] = [[] for _ in job.keys]
+        for k, s in job.slots:
+            out[k].append((s, blocks[k] * self.tier.factor + s, widths[job.key_groups[k]]))
+        return out
+
+    def _sums(self, rows: list[tuple[int, int, int]]) -> dict[int, int]:
+        arena = self.tier.rows(self.copy)
+        return {s: row_checksums(arena[r : r + 1, :w])[0] for s, r, w in rows}
+
+    def _store_checksums(self, rec: _InFlight) -> list[tuple[int, ...]]:
+        """Per key, one checksum per sub-slot (0 where a null block carried nothing)."""
+        block_of = rec.reservation.block_of()
+        blocks = [block_of[k] for k in rec.job.keys]
+        out = []
+        for k, rows in enumerate(self._key_rows(rec.job, blocks)):
+            sums = self._sums(rows)
+            out.append(tuple(sums.get(s, 0) for s in range(rec.job.key_widths[k])))
+        return out
+
+    def _usable_keys(self, job: LoadJob, lease: LoadLease) -> list[bytes]:
+        """Keys whose CPU block holds every GPU block the job needs and passes its checksum;
+        per group, only the prefix before the first unusable key (KV is a prefix)."""
+        bad = set()
+        for k, rows in enumerate(self._key_rows(job, lease.blocks)):
+            valid = lease.valid[k]
+            if any(s >= len(valid) or not valid[s] for s, _, _ in rows):
+                bad.add(k)  # a null GPU block at store time: nothing to load, a plain miss
+                continue
+            expected = lease.checksums[k].get(self.copy) if self.checksums else None
+            if expected is not None and any(expected[s] != c for s, c in self._sums(rows).items()):
+                bad.add(k)
+                self.tier.drop(job.keys[k], corrupt=True)
+        keep, stopped = [], set()
+        for k, key in enumerate(job.keys):
+            g = job.key_groups[k]
+            if k in bad:
+                stopped.add(g)
+            elif g not in stopped:
+                keep.append(key)
+        return keep
+
+    # ---------------------------------------------------------------- bookkeeping
+    def _next_id(self) -> int:
+        with self._lock:
+            return next(self._ids)
+
+    def _track(self, rec: _InFlight) -> None:
+        with self._lock:
+            self._inflight[rec.job_id] = rec
+            self._by_request[rec.job.request_id].add(rec.job_id)

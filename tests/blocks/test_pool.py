@@ -1,0 +1,63 @@
+"""BlockPool: null block, free-queue order, LRU eviction, touch, events."""
+
+from __future__ import annotations
+
+import pytest
+
+from raykv.blocks import BlockPool, BlockRemoved, BlockStored, PrefixIndex
+from raykv.errors import InvalidInput
+
+
+def test_null_block_is_never_handed_out_or_freed():
+    pool = BlockPool(4)
+    assert pool.num_free_blocks == 3
+    assert sorted(pool.allocate(3)) == [1, 2, 3]
+    pool.free([0, 0])  # null slots in a table are skipped, not counted
+    pool.touch([0])
+    assert pool.ref_counts[0] == 0 and pool.num_free_blocks == 0
+    with pytest.raises(InvalidInput):
+        pool.allocate(1)
+
+
+def test_uncached_blocks_first_then_cached_lru():
+    pool = BlockPool(6)
+    a, b, c, *_ = pool.allocate(5)
+    pool.cache(0, [b"a", b"b"], [a, b], None, 16)
+    pool.free([b, a])  # freed: b first, then a -> b is evicted first
+    pool.free([c])
+    assert pool.allocate(1) == [c]  # uncached before any cached one
+    assert pool.drain_events() == [BlockStored(0, (b"a", b"b"), (a, b), None, 16)]
+    assert pool.allocate(1) == [b]
+    assert pool.drain_events() == [BlockRemoved(0, (b"b",))]
+    assert pool.lookup((0, b"b")) is None and pool.lookup((0, b"a")) == a
+
+
+def test_touch_revives_a_free_cached_block():
+    pool = BlockPool(3)
+    a, b = pool.allocate(2)
+    pool.cache(1, [b"x"], [a], None, 4)
+    pool.free([a, b])
+    assert pool.num_free_blocks == 2
+    taken = pool.num_taken
+    pool.touch([pool.lookup((1, b"x"))])
+    assert pool.num_free_blocks == 1 and pool.ref_counts[a] == 1
+    assert pool.num_taken == taken + 1
+    assert pool.allocate(1) == [b]  # the revived block cannot be evicted
+
+
+def test_duplicate_prefix_keeps_the_first_block():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    pool.cache(0, [b"h"], [a], None, 4)
+    pool.cache(0, [b"h"], [b], None, 4)
+    pool.cache(1, [b"h"], [b], None, 4)  # same hash in another group is another prefix
+    assert pool.cached == {(0, b"h"): a, (1, b"h"): b}
+    assert PrefixIndex().replay(pool.drain_events()).locations == pool.cached
+
+
+def test_double_free_is_an_error():
+    pool = BlockPool(2)
+    (a,) = pool.allocate(1)
+    pool.free([a])
+    with pytest.raises(InvalidInput):
+        pool.free([a])

@@ -1,0 +1,182 @@
+"""Stateful property test: random hybrid plans, shared prompts, admissions, steps, frees.
+
+After every rule: predicted == taken, no block held twice unless it is a shared cached
+prefix block, the null block never free / cached / counted, free + used == total, tables
+shaped as their manager says, and the KV events replay to the pool's prefix map.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from raykv.blocks import BlockManager, PrefixIndex
+from raykv.errors import RequestTooLarge
+from raykv.layout import MLA, ChunkedLocal, CrossAttention, FullAttention, Mamba, SlidingWindow
+
+from .helpers import check_pool, make_plan
+
+MAX_LEN = 48
+BASES = [[1000 * (b + 1) + i for i in range(MAX_LEN)] for b in range(3)]  # shared prompts
+KINDS = ["full", "full", "sliding_window", "sliding_window", "chunked_local", "mla", "mamba",
+         "cross"]  # fmt: skip
+
+
+@st.composite
+def plans(draw):
+    hbs = draw(st.sampled_from([1, 2, 4]))
+    specs, sizes, kernels = [], [], []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(KINDS))
+        spec = {
+            "full": FullAttention,
+            "mla": MLA,
+            "mamba": Mamba,
+            "sliding_window": lambda: SlidingWindow(window=draw(st.integers(1, 20))),
+            "chunked_local": lambda: ChunkedLocal(chunk=draw(st.integers(1, 20))),
+            "cross": lambda: CrossAttention(max_encoder_len=draw(st.integers(1, 20))),
+        }[kind]()
+        bs = hbs * draw(st.sampled_from([1, 2, 3]))
+        specs.append(spec)
+        sizes.append(bs)
+        kernels.append(draw(st.sampled_from([k for k in (1, 2, 3, bs) if bs % k == 0])))
+    return make_plan(
+        specs,
+        draw(st.integers(2, 60)),
+        sizes[0],
+        group_block_sizes=sizes,
+        kernel_block_sizes=kernels,
+        hash_block_size=hbs,
+        max_model_len=MAX_LEN,
+    )
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    @initialize(plan=plans(), caching=st.sampled_from([True, True, False]))
+    def setup(self, plan, caching):
+        self.plan = plan
+        self.mgr = BlockManager(plan, enable_prefix_caching=caching)
+        self.tokens: dict[int, list[int]] = {}  # request id -> all its future tokens
+        self.prompt_len: dict[int, int] = {}
+        self.next_id = 0
+        self.index = PrefixIndex()
+
+    @rule(
+        base=st.integers(0, 2),
+        shared=st.one_of(st.just(MAX_LEN), st.integers(0, MAX_LEN)),
+        prompt_len=st.integers(1, MAX_LEN),
+        give_tokens=st.booleans(),
+    )
+    def admit(self, base, shared, prompt_len, give_tokens):
+        rid = self.next_id
+        self.next_id += 1
+        tokens = BASES[base][:shared] + [10**6 + rid * 100 + i for i in range(MAX_LEN - shared)]
+        need = sum(self.plan.admission_blocks(prompt_len))
+        free = self.mgr.num_free_blocks
+        try:
+            ok = self.mgr.admit(rid, prompt_len, tokens[:prompt_len] if give_tokens else None)
+        except RequestTooLarge:
+            assert need > self.plan.usable_gpu_blocks
+            return
+        assert need <= self.plan.usable_gpu_blocks
+        assert ok == (need <= free)
+        assert self.mgr.num_free_blocks == free
+        if ok:
+            self.tokens[rid] = tokens
+            self.prompt_len[rid] = prompt_len
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), give_tokens=st.sampled_from([True, True, False]))
+    def prefill(self, data, give_tokens):
+        """The rest of the prompt in one step (the usual first step: prefix hits)."""
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        n = max(0, self.prompt_len[rid] - self.mgr.num_tokens(rid))
+        self.step(rid, n, give_tokens)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), n=st.integers(0, 20), give_tokens=st.sampled_from([True, True, False]))
+    def chunk(self, data, n, give_tokens):
+        """A chunked-prefill or (n = 1) decode step."""
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.step(rid, min(n, MAX_LEN - self.mgr.num_tokens(rid)), give_tokens)
+
+    def step(self, rid: int, n: int, give_tokens: bool) -> None:
+        mgr = self.mgr
+        done = mgr.num_tokens(rid)
+        token_ids = self.tokens[rid][: done + n] if give_tokens else None
+        expect_hit = mgr.cached_prefix(token_ids) if done == 0 and token_ids and n else 0
+        before = (mgr.block_table(rid), mgr.num_free_blocks, mgr.pool.num_taken)
+        cached_before = dict(mgr.pool.cached)
+        plan = mgr.step_plan(rid, n, token_ids)
+        predicted = mgr.blocks_needed(rid, n, token_ids)
+        assert predicted == plan.num_taken
+        new = mgr.allocate(rid, n, token_ids)
+        if new is None:
+            assert not plan.fits(before[1])
+            assert (mgr.block_table(rid), mgr.num_free_blocks, mgr.pool.num_taken) == before
+            assert mgr.pool.cached == cached_before
+            return
+        assert plan.fits(before[1])
+        assert mgr.pool.num_taken - before[2] == predicted, "predicted != taken"
+        assert mgr.num_free_blocks == before[1] - predicted + plan.num_returned
+        tables = mgr.block_table(rid)
+        for old, appended, table in zip(before[0], new, tables, strict=True):
+            assert table[len(old) :] == appended
+        if done == 0:
+            assert mgr.num_cached_tokens(rid) == expect_hit
+            if expect_hit:
+                assert mgr.enable_prefix_caching
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.mgr.free(rid)
+        del self.tokens[rid], self.prompt_len[rid]
+
+    @invariant()
+    def pool_is_consistent(self):
+        check_pool(self.mgr)
+
+    @invariant()
+    def tables_are_shaped_by_their_managers(self):
+        for rid in self.tokens:
+            n = self.mgr.num_tokens(rid)
+            held = [b for t in self.mgr.block_table(rid) for b in t if b]
+            assert len(held) == len(set(held)), "one request holds a block twice"
+            for m, table, kernel_table in zip(
+                self.mgr.managers,
+                self.mgr.block_table(rid),
+                (self.mgr.kernel_block_table(rid, g.group_id) for g in self.plan.groups),
+                strict=True,
+            ):
+                assert len(table) == m.num_slots(n)
+                skip = m.num_skipped(self.mgr.num_cached_tokens(rid) if n else 0)
+                assert all(b == 0 for b in table[:skip])
+                f = m.group.kernel_blocks_per_block
+                assert kernel_table == [b * f + k for b in table for k in range(f)]
+
+    @invariant()
+    def events_replay_to_the_prefix_map(self):
+        self.index.replay(self.mgr.drain_events())
+        assert self.index.locations == self.mgr.pool.cached
+        if not self.mgr.enable_prefix_caching:
+            assert not self.mgr.pool.cached
+
+    def teardown(self):
+        if not hasattr(self, "mgr"):
+            return
+        for rid in list(self.tokens):
+            self.mgr.free(rid)
+        check_pool(self.mgr)
+        assert self.mgr.num_free_blocks == self.plan.usable_gpu_blocks
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+test_block_manager_state_machine = BlockManagerMachine.TestCase

@@ -1,0 +1,38 @@
+"""`raykv bench copy` smoke test on CPU: tiny sizes, reference path, every method and field."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from raykv.bench.copy import METHODS
+from raykv.cli import main
+
+
+def test_bench_copy_quick_runs_and_reports_every_method(tmp_path):
+    out = tmp_path / "copy.json"
+    result = CliRunner().invoke(
+        main, ["bench", "copy", "--quick", "--device", "cpu", "--json", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "raykv path: torch reference" in result.output
+    assert "NO CUDA" in result.output
+    report = json.loads(out.read_text())
+    layouts = {r["layout"] for r in report["results"]}
+    assert len(layouts) == 2
+    assert {r["direction"] for r in report["results"]} == {"pool->rows", "rows->pool"}
+    for r in report["results"]:
+        assert r["verified"]
+        assert set(r["gbps"]) == set(METHODS)
+        assert all(v > 0 for v in r["gbps"].values())
+        assert r["raykv_over_contiguous"] > 0 and r["raykv_over_per_block"] > 0
+
+
+def test_bench_copy_json_only_on_stdout():
+    result = CliRunner().invoke(
+        main, ["bench", "copy", "--device", "cpu", "--counts", "3", "--reps", "1", "--json", "-"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert {r["blocks"] for r in report["results"]} == {3}

@@ -1,0 +1,170 @@
+"""GPU tests: the CUDA kernel against the torch reference, bit for bit, on every path."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from paged_copy_cases import DTYPES, kv_entries, oracle_rows, random_bits
+
+from raykv import ops
+from raykv.ops import (
+    gather_blocks,
+    kernel_available,
+    kernel_status,
+    logical_view,
+    row_bytes,
+    scatter_blocks,
+)
+
+pytestmark = pytest.mark.gpu
+POISON = 0xA5
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    assert kernel_available(), kernel_status()  # on a GPU machine the kernel must build
+    print(kernel_status())
+
+
+def poisoned(n: int, width: int, where: str) -> torch.Tensor:
+    if where == "pinned":
+        rows = torch.empty(n, width, dtype=torch.uint8, pin_memory=True)
+    elif where == "cpu":
+        rows = torch.empty(n, width, dtype=torch.uint8)
+    elif where == "peer":
+        rows = torch.empty(n, width, dtype=torch.uint8, device="cuda:1")
+    else:
+        rows = torch.empty(n, width, dtype=torch.uint8, device="cuda:0")
+    rows.fill_(POISON)
+    sync_all()  # a peer buffer is filled on its own device's stream
+    return rows
+
+
+def sync_all() -> None:
+    for d in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(d)
+
+
+def reference_rows(entries, ids: torch.Tensor) -> torch.Tensor:
+    rows = torch.full((ids.numel(), row_bytes(entries)), POISON, dtype=torch.uint8)
+    ops._gather_reference(entries, ids, rows)
+    return rows
+
+
+def random_ids(num_blocks: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randperm(num_blocks, generator=gen)[:n].to(torch.int64)
+
+
+def need_peer(where: str) -> None:
+    if where == "peer" and torch.cuda.device_count() < 2:
+        pytest.skip("GPU -> GPU across devices needs two GPUs")
+
+
+CASES = [
+    # kind, block_size, dtype, layers, blocks in the pool, blocks copied
+    ("kv", 16, "bf16", 3, 40, 1),
+    ("kv", 16, "bf16", 2, 1100, 1029),
+    ("kv", 64, "fp8", 2, 50, 17),
+    ("kv", 128, "bf16", 2, 20, 7),
+    ("kv", 128, "u8", 1, 30, 30),
+    ("mla", 16, "bf16", 2, 64, 33),
+    ("mla", 64, "fp8", 1, 1200, 1001),
+    ("interleaved", 16, "bf16", 2, 30, 11),
+    ("interleaved", 128, "f32", 1, 10, 3),
+]
+
+
+@pytest.mark.parametrize("where", ["device", "pinned", "cpu", "peer"])
+@pytest.mark.parametrize("kind, block_size, dtype, layers, pool, n", CASES)
+def test_gather_and_scatter_match_reference(
+    kernel, where, kind, block_size, dtype, layers, pool, n
+):
+    need_peer(where)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, block_size, dtype, n)).encode()))
+    entries, _backing = kv_entries(kind, pool, block_size, DTYPES[dtype], layers, gen, "cuda:0")
+    ids = random_ids(pool, n, gen)
+    expected = reference_rows(entries, ids)
+
+    rows = poisoned(n, row_bytes(entries), where)
+    gather_blocks(entries, ids, rows)
+    torch.cuda.synchronize()
+    assert torch.equal(rows.cpu(), expected)
+
+    # scatter fresh random rows back, then read the pool through the reference
+    fresh = torch.randint(0, 256, expected.shape, dtype=torch.uint8, generator=gen)
+    src = rows.copy_(fresh)
+    sync_all()
+    untouched = sorted(set(range(pool)) - set(ids.tolist()))
+    before_untouched = oracle_rows(entries, untouched[:50])
+    scatter_blocks(src, entries, ids)
+    torch.cuda.synchronize()
+    assert torch.equal(reference_rows(entries, ids), fresh)
+    assert oracle_rows(entries, untouched[:50]) == before_untouched
+
+
+def test_ids_on_device_and_on_a_side_stream(kernel):
+    gen = torch.Generator().manual_seed(7)
+    entries, _ = kv_entries("kv", 300, 16, torch.bfloat16, 2, gen, "cuda:0")
+    ids = random_ids(300, 257, gen)
+    expected = reference_rows(entries, ids)
+    side = torch.cuda.Stream()
+    rows = poisoned(257, row_bytes(entries), "pinned")
+    with torch.cuda.stream(side):
+        gather_blocks(entries, ids.cuda(), rows)
+    side.synchronize()
+    assert torch.equal(rows, expected)
+
+
+@pytest.mark.parametrize("width, offset", [(1, 1), (3, 1), (6, 2), (12, 4), (24, 8), (40, 16)])
+def test_narrow_and_misaligned_spans(kernel, width, offset):
+    """Spans that are not 16-byte aligned take the narrower vector widths, same bytes."""
+    gen = torch.Generator().manual_seed(width)
+    n = 64
+    flat = random_bits((n * (width + offset) + offset,), torch.uint8, gen, "cuda:0")
+    entry = flat.as_strided((n, width), (width + offset, 1), storage_offset=offset)
+    other = random_bits((n, 3, 5), torch.bfloat16, gen, "cuda:0")
+    entries = [entry, other]
+    ids = random_ids(n, 37, gen)
+    expected = reference_rows(entries, ids)
+    for where in ("device", "pinned"):
+        rows = poisoned(37, row_bytes(entries), where)
+        gather_blocks(entries, ids, rows)
+        torch.cuda.synchronize()
+        assert torch.equal(rows.cpu(), expected)
+        flat.zero_()
+        other.view(torch.uint8).zero_()
+        scatter_blocks(rows, entries, ids)
+        torch.cuda.synchronize()
+        assert torch.equal(reference_rows(entries, ids), expected)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_logical_views_through_the_kernel(kernel, k):
+    """block 128 over kernel block 64 (k=2) and friends: logical ids on logical views."""
+    gen = torch.Generator().manual_seed(k)
+    kernel_block = 128 // k
+    layer = random_bits((2, 40 * k, kernel_block, 8, 128), torch.bfloat16, gen, "cuda:0")
+    entries = [logical_view(layer[0], k), logical_view(layer[1], k)]
+    ids = random_ids(40, 29, gen)
+    expected = reference_rows(entries, ids)
+    rows = poisoned(29, row_bytes(entries), "pinned")
+    gather_blocks(entries, ids, rows)
+    torch.cuda.synchronize()
+    assert torch.equal(rows, expected)
+
+
+def test_gather_after_scatter_restores_a_big_pool(kernel):
+    gen = torch.Generator().manual_seed(3)
+    entries, backing = kv_entries("kv", 2048, 16, torch.bfloat16, 4, gen, "cuda:0")
+    original = [b.clone() for b in backing]
+    ids = random_ids(2048, 2048, gen)
+    rows = poisoned(2048, row_bytes(entries), "pinned")
+    gather_blocks(entries, ids, rows)
+    for b in backing:
+        b.view(torch.uint8).fill_(0)
+    scatter_blocks(rows, entries, ids)
+    torch.cuda.synchronize()
+    for b, o in zip(backing, original, strict=True):
+        assert torch.equal(b.view(torch.uint8), o.view(torch.uint8))

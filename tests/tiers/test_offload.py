@@ -1,0 +1,284 @@
+"""OffloadEngine on CPU: store then load restores the bytes; fences, failures, checksums,
+TP copies and two threads at once."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from raykv.tiers import (
+    BlockState,
+    CpuTier,
+    GpuKV,
+    LoadJob,
+    OffloadEngine,
+    StoreFence,
+    StoreJob,
+    group_factor,
+)
+from raykv.tiers import offload as offload_mod
+
+from .helpers import MODELS, fill_random, make_plan, random_tables, row
+
+
+def rig(model="full", *, checksums=False, cpu_blocks=32, **kw):
+    p = make_plan(model, cpu_blocks=cpu_blocks, **kw)
+    kv = GpuKV.allocate(p)
+    fill_random(kv)
+    tier = CpuTier(p)
+    return p, kv, tier, OffloadEngine(kv, tier, checksums=checksums)
+
+
+def run(engine, submit, job):
+    jid = submit(job)
+    assert jid is not None
+    (res,) = engine.poll()
+    assert res.job_id == jid
+    return res
+
+
+def loaded_pairs(store, load):
+    """(group, source GPU id, destination GPU id) for every block both jobs carry."""
+    src = {
+        (store.keys[k], s): (store.key_groups[k], b)
+        for (k, s), b in zip(store.slots, store.block_ids, strict=True)
+    }
+    return [
+        (*src[(load.keys[k], s)], b) for (k, s), b in zip(load.slots, load.block_ids, strict=True)
+    ]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    model=st.sampled_from(MODELS),
+    factor=st.sampled_from([1, 2, 4]),
+    kernel=st.sampled_from([None, 2]),
+    chunks=st.integers(1, 4),
+    checksums=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_store_then_load_restores_bytes(model, factor, kernel, chunks, checksums, seed):
+    p, kv, tier, eng = rig(model, factor=factor, kernel=kernel, checksums=checksums)
+    rng = random.Random(seed)
+    ids = rng.sample(range(1, p.num_gpu_blocks), p.num_gpu_blocks - 1)
+    # sliding-window-like null prefixes, possibly straddling an offload block
+    nulls = [rng.randint(0, chunks * group_factor(p, g)) if g.group_id else 0 for g in p.groups]
+    tables, hashes = random_tables(p, rng, ids, chunks, nulls)
+    store = StoreJob.build(p, "req", tables, hashes)
+    res = run(eng, eng.submit_store, store)
+    assert res.ok and res.job == store
+    assert sum(store.group_sizes) == len(store.block_ids)
+    for key in store.keys:
+        assert tier.state(key) is BlockState.READABLE
+    # load into fresh blocks, same null positions
+    dst = [[0 if b == 0 else ids.pop() for b in t] for t in tables]
+    snapshot = {
+        b: row(kv, g.group_id, b) for g, t in zip(p.groups, dst, strict=True) for b in t if b
+    }
+    load = LoadJob.build(p, "req2", dst, hashes)
+    res = run(eng, eng.submit_load, load)
+    assert res.ok and res.missed == () and res.job == load
+    pairs = loaded_pairs(store, load)
+    assert len(pairs) == len(load.block_ids)
+    for g, s, d in pairs:
+        assert row(kv, g, d) == row(kv, g, s)
+    carried = {d for _, _, d in pairs}
+    for b, before in snapshot.items():  # nothing else was written
+        if b not in carried:
+            g = next(g.group_id for g, t in zip(p.groups, dst, strict=True) if b in t)
+            assert row(kv, g, b) == before
+    assert eng.in_flight() == () and eng.fence.fenced_blocks() == frozenset()
+    tier.check_consistency()
+
+
+def test_store_fences_gpu_blocks_until_done():
+    p, _kv, tier, eng = rig("full")
+    store = StoreJob.build(p, "r", [[3, 4, 5]], [[b"a", b"b", b"c"]])
+    jid = eng.submit_store(store)
+    assert eng.fence.fenced_blocks() == {3, 4, 5} and not eng.fence.can_reuse(4)
+    assert eng.in_flight("r") == (jid,)
+    assert tier.state(b"a") is BlockState.WRITING  # not readable before completion
+    (res,) = eng.poll()
+    assert res.ok and eng.fence.fenced_blocks() == frozenset() and eng.fence.can_reuse(4)
+    assert eng.in_flight("r") == ()
+    # storing the same prefix again carries nothing new
+    again = run(eng, eng.submit_store, store)
+    assert again.ok and again.job.block_ids == () and sum(again.job.group_sizes) == 0
+
+
+def test_fence_holds_blocks_in_the_block_manager():
+    from raykv.blocks.hashing import BlockHasher
+    from raykv.blocks.manager import BlockManager
+    from raykv.tiers import group_block_hashes
+
+    p = make_plan("full", num_gpu_blocks=24)
+    mgr = BlockManager(p)
+    tokens = list(range(12))
+    assert mgr.admit("r", 12, tokens)
+    mgr.allocate("r", 12, tokens)
+    table = mgr.block_table("r")
+    hashes = group_block_hashes(p, BlockHasher(p.hash_block_size).hash_blocks(tokens))
+    kv, tier = GpuKV.allocate(p), CpuTier(p)
+    fence = StoreFence(hold=mgr.hold_blocks, release=mgr.release_blocks)
+    eng = OffloadEngine(kv, tier, fence=fence)
+    eng.submit_store(StoreJob.build(p, "r", table, hashes))
+    free_before = mgr.num_free_blocks
+    mgr.free("r")  # the request ends while its store is in flight
+    assert mgr.num_free_blocks == free_before  # fenced blocks are not free (invariant 9)
+    eng.poll()
+    assert mgr.num_free_blocks == free_before + len(table[0])
+
+
+def test_failed_store_releases_fence_and_leaves_nothing_readable(monkeypatch):
+    p, _kv, tier, eng = rig("uneven_hybrid", factor=2)
+    tables = [[1, 2, 3, 4], [0, 5, 6, 7]]
+    hashes = [[b"a%d" % i for i in range(4)], [b"s%d" % i for i in range(4)]]
+    store = StoreJob.build(p, "r", tables, hashes)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("copy engine fault")
+
+    monkeypatch.setattr(offload_mod.ops, "gather_blocks", boom)
+    jid = eng.submit_store(store)
+    assert eng.fence.is_fenced(1)  # fenced until the failure is reported
+    (res,) = eng.poll()
+    assert res.job_id == jid and not res.ok and "copy engine fault" in res.error
+    assert eng.fence.fenced_blocks() == frozenset() and eng.in_flight("r") == ()
+    for key in store.keys:
+        assert tier.state(key) is None and tier.lookup([key]) == 0
+    assert tier.num_free == tier.num_blocks and tier.stats.failed_stores == len(store.keys)
+    tier.check_consistency()
+    monkeypatch.undo()  # the request can simply store again
+    assert run(eng, eng.submit_store, store).ok
+    assert tier.lookup(store.keys) == len(store.keys)
+
+
+def test_store_without_room_changes_nothing():
+    p, _kv, tier, eng = rig("full", cpu_blocks=2)
+    store = StoreJob.build(p, "r", [[1, 2, 3]], [[b"a", b"b", b"c"]])
+    assert eng.submit_store(store) is None
+    assert eng.fence.fenced_blocks() == frozenset() and tier.num_free == 2
+    assert eng.in_flight() == ()
+
+
+def test_checksum_mismatch_is_a_miss_and_an_error():
+    p, kv, tier, eng = rig("full", factor=2, checksums=True)
+    hashes = [[b"h%d" % i for i in range(6)]]
+    store = StoreJob.build(p, "r", [[1, 2, 3, 4, 5, 6]], hashes)
+    assert run(eng, eng.submit_store, store).ok
+    lease = tier.prepare_load([b"h3"])  # find where the second CPU block lives
+    bad_row = lease.blocks[0] * tier.factor + 1
+    tier.finish_load(lease)
+    tier.rows(0)[bad_row, 7] ^= 0xFF  # a bit flip in the arena
+    dst = [10, 11, 12, 13, 14, 15]
+    before = {b: row(kv, 0, b) for b in dst}
+    res = run(eng, eng.submit_load, LoadJob.build(p, "r2", [dst], hashes))
+    assert res.ok and res.missed == (b"h3", b"h5")  # the bad block and the rest of the prefix
+    assert res.job.block_ids == (10, 11)
+    assert row(kv, 0, 10) == row(kv, 0, 1) and row(kv, 0, 11) == row(kv, 0, 2)
+    for b in (12, 13, 14, 15):
+        assert row(kv, 0, b) == before[b]  # never wrong KV
+    assert tier.stats.checksum_errors == 1
+    assert tier.lookup([b"h1", b"h3"]) == 1  # the corrupt block is gone
+    tier.check_consistency()
+
+
+def test_load_of_a_block_that_was_null_at_store_time_is_a_miss():
+    p, kv, _tier, eng = rig("sliding", factor=2, window=4)
+    hashes = [[b"h%d" % i for i in range(4)]]
+    assert run(eng, eng.submit_store, StoreJob.build(p, "r", [[0, 2, 3, 4]], hashes)).ok
+    res = run(eng, eng.submit_load, LoadJob.build(p, "r2", [[7, 8, 9, 10]], hashes))
+    assert res.missed == (b"h1", b"h3") and res.job.block_ids == ()
+    res = run(eng, eng.submit_load, LoadJob.build(p, "r3", [[0, 8, 9, 10]], hashes))
+    assert res.missed == () and res.job.block_ids == (8, 9, 10)
+    assert [row(kv, 0, b) for b in (8, 9, 10)] == [row(kv, 0, b) for b in (2, 3, 4)]
+
+
+def test_load_of_an_evicted_key_changes_nothing():
+    p, _kv, tier, eng = rig("full")
+    assert eng.submit_load(LoadJob.build(p, "r", [[5]], [[b"nope"]])) is None
+    assert eng.poll() == [] and tier.num_free == tier.num_blocks
+
+
+@pytest.mark.parametrize("model", ["full", "mla"])
+def test_tp_ranks_store_their_own_copy(model):
+    p = make_plan(model, tp_size=2, factor=2)
+    tier = CpuTier(p)
+    ranks = []
+    for r in range(2):
+        kv = GpuKV.allocate(p)
+        fill_random(kv, seed=r if model == "full" else 0)  # MLA: every rank holds the same
+        ranks.append((kv, OffloadEngine(kv, tier, rank=r)))
+    hashes = [[b"h%d" % i for i in range(4)]]
+    store = StoreJob.build(p, "r", [[1, 2, 3, 4]], hashes)
+    reservation = tier.prepare_store(store.keys, writers=tier.copies)
+    for _, eng in ranks:
+        eng.submit_store(store, reservation)
+    ranks[0][1].poll()
+    if tier.copies == 2:
+        assert tier.state(b"h1") is BlockState.WRITING  # rank 1 has not reported yet
+    ranks[1][1].poll()
+    assert tier.state(b"h1") is BlockState.READABLE
+    for kv, eng in ranks:
+        res = run(eng, eng.submit_load, LoadJob.build(p, "r2", [[9, 10, 11, 12]], hashes))
+        assert res.ok and res.missed == ()
+        assert [row(kv, 0, b) for b in (9, 10, 11, 12)] == [row(kv, 0, b) for b in (1, 2, 3, 4)]
+    assert ranks[1][1].writes is (tier.copies == 2)
+
+
+def test_two_threads_interleaving_stores_and_loads():
+    """Two threads share one engine and a small tier: evictions happen, yet every load
+    restores the bytes its thread stored, and the arena metadata stays consistent."""
+    p, kv, tier, eng = rig("full", factor=2, cpu_blocks=6, num_gpu_blocks=64, checksums=True)
+    results, lock = {}, threading.Lock()
+    errors = []
+
+    def wait(jid):
+        while True:
+            for r in eng.poll():
+                with lock:
+                    results[r.job_id] = r
+            with lock:
+                if jid in results:
+                    return results.pop(jid)
+
+    def worker(t: int):
+        try:
+            rng = random.Random(t)
+            src = list(range(1 + 30 * t, 9 + 30 * t))  # 8 source blocks, 4 CPU blocks
+            dst = list(range(9 + 30 * t, 17 + 30 * t))
+            for it in range(60):
+                n = rng.choice([2, 4, 8])
+                hashes = [[b"t%d-%d" % (t, i) for i in range(n)]]
+                if rng.random() < 0.5:
+                    jid = eng.submit_store(StoreJob.build(p, f"s{t}", [src[:n]], hashes))
+                    if jid is not None:
+                        assert wait(jid).ok
+                else:
+                    jid = eng.submit_load(LoadJob.build(p, f"l{t}", [dst[:n]], hashes))
+                    if jid is None:
+                        continue
+                    res = wait(jid)
+                    for s, d in zip(src, res.job.block_ids, strict=False):
+                        assert row(kv, 0, s) == row(kv, 0, d), (t, it)
+                    assert tier.stats.checksum_errors == 0
+                    with torch.no_grad():
+                        for e in kv.entries(0):
+                            e[dst] = 0  # forget the loaded copy
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert tier.stats.evicted > 0 and tier.stats.loaded > 0
+    assert eng.in_flight() == () and eng.fence.fenced_blocks() == frozenset()
+    tier.check_consistency()
