@@ -90,24 +90,32 @@ class _Base:
     """Settings and resolution shared by the sync and async forms."""
 
     def __init__(
-        self, namespace: str = NAMESPACE, model: str | None = None, retry_s: float = RETRY_S
+        self,
+        namespace: str = NAMESPACE,
+        model: str | None = None,
+        retry_s: float = RETRY_S,
+        node_id: str | None = None,
     ) -> None:
         self.namespace, self.model_name, self.retry_s = namespace, model, retry_s
+        self.node_id = node_id  # None: the node this handle is used on
         self._coord = None
         self._info: tuple[ServedModel, Any] | None = None
         self._pool: tuple[str, Any] | None = None  # (node id, handle)
 
     def __reduce__(self):
-        return (type(self), (self.namespace, self.model_name, self.retry_s))
+        return (type(self), (self.namespace, self.model_name, self.retry_s, self.node_id))
+
+    def on(self, node_id: str | None) -> Any:
+        """A handle of the same kind bound to the pool of ``node_id`` (None: the caller's)."""
+        return type(self)(self.namespace, self.model_name, self.retry_s, node_id)
 
     def _coordinator(self):
         if self._coord is None:
             self._coord = ray.get_actor(COORDINATOR, namespace=self.namespace)
         return self._coord
 
-    @staticmethod
-    def _node_id() -> str:
-        return ray.get_runtime_context().get_node_id()
+    def _node_id(self) -> str:
+        return self.node_id or ray.get_runtime_context().get_node_id()
 
     # Each op is (target, method, args, post): "coord" calls retry, "pool" calls do not.
     def _lookup_op(self, token_ids: Sequence[int], model: ServedModel, plan: Any):
@@ -136,7 +144,7 @@ class Client(_Base):
 
     @property
     def aio(self) -> AsyncClient:
-        return AsyncClient(self.namespace, self.model_name, self.retry_s)
+        return AsyncClient(self.namespace, self.model_name, self.retry_s, self.node_id)
 
     def _coord_call(self, method: str, *args: Any) -> Any:
         deadline, delay = time.monotonic() + self.retry_s, 0.2

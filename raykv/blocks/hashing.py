@@ -62,12 +62,14 @@ class BlockHasher:
         token_ids: Sequence[int],
         *,
         first_block: int = 0,
+        end_block: int | None = None,
         parent: BlockHash | None = None,
         lora_id: int | None = None,
         cache_salt: str | bytes | None = None,
     ) -> list[BlockHash]:
-        """Hashes of the full hash blocks ``first_block, first_block + 1, ...`` of
-        ``token_ids`` (the whole sequence; a partial last block is not hashed).
+        """Hashes of the full hash blocks ``first_block .. end_block - 1`` of ``token_ids``
+        (the whole sequence; by default up to its last full block, a partial one is never
+        hashed).
 
         ``parent`` is the hash of block ``first_block - 1``; it is required when
         ``first_block > 0`` so the chain stays one chain however it is computed in pieces.
@@ -82,7 +84,10 @@ class BlockHasher:
         pack = self._tokens.pack
         sha = hashlib.sha256
         try:
-            for i in range(first_block, len(token_ids) // bs):
+            last = (
+                len(token_ids) // bs if end_block is None else min(end_block, len(token_ids) // bs)
+            )
+            for i in range(first_block, last):
                 tokens = pack(*token_ids[i * bs : (i + 1) * bs])
                 prev = sha(prev + tokens + lora + (salt if i == 0 else b"\x00")).digest()
                 out.append(prev)

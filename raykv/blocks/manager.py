@@ -251,7 +251,7 @@ class BlockManager:
         limit = len(token_ids) - 1
         hbs = self.hasher.hash_block_size
         hashes = self.hasher.hash_blocks(
-            token_ids[: limit // hbs * hbs], lora_id=lora_id, cache_salt=cache_salt
+            token_ids, end_block=limit // hbs, lora_id=lora_id, cache_salt=cache_salt
         )
         return common_hit(self.managers, self.pool, hashes, hbs, limit)[0]
 

@@ -36,8 +36,9 @@ class RequestBlocks:
         n = min(upto, len(token_ids)) // hasher.hash_block_size
         if n > len(self.hashes):
             self.hashes += hasher.hash_blocks(
-                token_ids[: n * hasher.hash_block_size],
+                token_ids,
                 first_block=len(self.hashes),
+                end_block=n,
                 parent=self.hashes[-1] if self.hashes else None,
                 lora_id=self.lora_id,
                 cache_salt=self.cache_salt,
@@ -55,7 +56,7 @@ class GroupStep:
 
 @dataclass(frozen=True)
 class StepPlan:
-    groups: tuple[GroupStep, ...]
+    groups: tuple[GroupStep | None, ...]  # None: the group's table does not change
     num_tokens: int  # positions with slots after the step
     num_hit_tokens: int  # tokens the prefix hits cover (first step only)
     num_taken: int  # blocks leaving the free queue: fresh ones + revived free cached hits
@@ -127,14 +128,20 @@ def plan_step(
             hit, lookups = common_hit(managers, pool, req.hashes, hasher.hash_block_size, limit)
     computed = hit if first else req.num_tokens
     rc = pool.ref_counts
-    steps: list[GroupStep] = []
+    steps: list[GroupStep | None] = []
     taken = returned = 0
     for i, m in enumerate(managers):
         table = req.tables[i]
         have = len(table)
-        target = max(m.num_slots(total), have)
-        skip_to = max(min(m.num_skipped(computed), target), req.num_skipped[i])
-        release = tuple(b for b in table[req.num_skipped[i] : min(skip_to, have)] if b)
+        target = m.num_slots(total)
+        skipped = req.num_skipped[i]
+        skip_to = min(m.num_skipped(computed), target)
+        if target <= have and skip_to <= skipped:
+            steps.append(None)  # the usual decode step: this group has nothing to do
+            continue
+        target = max(target, have)
+        skip_to = max(skip_to, skipped)
+        release = tuple(b for b in table[skipped : min(skip_to, have)] if b)
         returned += sum(1 for b in release if rc[b] == 1)
         new_nulls = max(0, skip_to - have)
         hits: tuple[int, ...] = ()
@@ -161,19 +168,25 @@ def apply_step(
     # Out-of-reach blocks go back first: their slots become null, newest freed first so
     # the oldest (least useful) prefixes are evicted first.
     for i, s in enumerate(plan.groups):
-        if s.release:
+        if s is not None and s.release:
             table = req.tables[i]
             for j in range(req.num_skipped[i], min(s.skip_to, len(table))):
                 table[j] = NULL_BLOCK
             pool.free(reversed(s.release))
     # Invariant 8: every group's hits are referenced before any block is allocated, so
     # no allocation can evict a block this step reuses.
+    for s in plan.groups:
+        if s is not None and s.hits:
+            pool.touch(s.hits)
     appended: list[list[int]] = []
     for i, s in enumerate(plan.groups):
+        if s is None:
+            appended.append([])
+            continue
         new = [NULL_BLOCK] * s.new_nulls
-        fresh = pool.allocate(s.num_fresh) if s.num_fresh else []
-        pool.touch(s.hits)
-        new += list(s.hits) + fresh
+        new += s.hits
+        if s.num_fresh:
+            new += pool.allocate(s.num_fresh)
         req.tables[i] += new
         req.num_skipped[i] = s.skip_to
         if plan.num_hit_tokens:

@@ -46,8 +46,8 @@ class _Layer(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: torch.Tensor,
-        slots: torch.Tensor,
-        context: torch.Tensor,
+        slots: tuple[torch.Tensor, torch.Tensor],
+        context: tuple[torch.Tensor, torch.Tensor],
         start: int,
     ) -> torch.Tensor:
         c, n = self.c, x.shape[0]
@@ -57,12 +57,13 @@ class _Layer(nn.Module):
         )
         q = _rotate(q.view(n, c.num_heads, c.head_dim), *rope)
         k = _rotate(k.view(n, c.num_kv_heads, c.head_dim), *rope)
-        flat = cache.view(2, -1, c.num_kv_heads, c.head_dim)  # [2, blocks*block_size, h, d]
-        flat[0, slots] = k
-        flat[1, slots] = v.view(n, c.num_kv_heads, c.head_dim)
-        keys, values = flat[0, context], flat[1, context]  # the whole context, from the cache
+        # (kernel block, offset) pairs index the cache whatever its strides (raykv's GpuKV
+        # may interleave K and V per block)
+        cache[0][slots] = k
+        cache[1][slots] = v.view(n, c.num_kv_heads, c.head_dim)
+        keys, values = cache[0][context], cache[1][context]  # the whole context, from the cache
         # query i sits at position start + i and sees keys 0 .. start + i
-        mask = torch.arange(len(context))[None, :] <= (start + torch.arange(n))[:, None]
+        mask = torch.arange(len(context[0]))[None, :] <= (start + torch.arange(n))[:, None]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
             keys.transpose(0, 1),
@@ -124,9 +125,13 @@ class TinyDecoder(nn.Module):
         start: int,
         kv_cache: list[torch.Tensor],
         block_table: list[int],
+        block_size: int | None = None,
     ) -> torch.Tensor:
+        """``block_table`` holds logical blocks of ``block_size`` tokens (default: the cache's
+        kernel block size); the cache is ``[2, kernel blocks, kernel block size, h, d]``."""
         ids = torch.as_tensor(token_ids, dtype=torch.long)
-        n, block_size = len(ids), kv_cache[0].shape[2]
+        kbs = kv_cache[0].shape[2]
+        n, block_size = len(ids), block_size or kbs
         end = start + n
         if len(block_table) * block_size < end:
             raise InvalidInput(
@@ -137,9 +142,12 @@ class TinyDecoder(nn.Module):
             raise InvalidInput(f"token ids must lie in [0, {self.config.vocab_size})")
         table = torch.as_tensor(block_table, dtype=torch.long)
         pos = torch.arange(end)
-        context = table[pos // block_size] * block_size + pos % block_size  # flat slots
+        offset = pos % block_size
+        kblock = table[pos // block_size] * (block_size // kbs) + offset // kbs
+        context = (kblock, offset % kbs)
+        slots = (kblock[start:], context[1][start:])
         rope = self._rope(pos[start:])
         x = self.embed(ids)
         for layer, cache in zip(self.layers, kv_cache, strict=True):
-            x = layer(x, rope, cache, context[start:], context, start)
+            x = layer(x, rope, cache, slots, context, start)
         return self.lm_head(self.norm(x))

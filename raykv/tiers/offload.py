@@ -116,13 +116,16 @@ class OffloadEngine:
         rec = _InFlight(self._next_id(), "store", run, reservation=reservation)
         rec.writes = self.writes
         if rec.writes:
-            self.fence.fence(rec.job_id, run.block_ids)
-        self._track(rec)
-        if rec.writes:
+            try:
+                self.fence.fence(rec.job_id, run.block_ids)
+            except Exception:
+                self.tier.finish_store(reservation, ok=False)  # nothing half-reserved
+                raise
             try:
                 self._copy(rec, gather=True)
             except Exception as e:  # finish in poll(): frees the CPU blocks, lifts the fence
                 rec.error = f"{type(e).__name__}: {e}"
+        self._track(rec)  # only now may poll() (from any thread) see it
         return rec.job_id
 
     def submit_load(self, job: LoadJob) -> int | None:
@@ -134,11 +137,11 @@ class OffloadEngine:
         run = job.select(keep)
         rec = _InFlight(self._next_id(), "load", run, lease=lease)
         rec.missed = tuple(k for k in job.keys if k not in set(keep))
-        self._track(rec)
         try:
             self._copy(rec, gather=False)
         except Exception as e:
             rec.error = f"{type(e).__name__}: {e}"
+        self._track(rec)
         return rec.job_id
 
     def poll(self) -> list[JobResult]:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 
+import torch
 from click.testing import CliRunner
 
-from raykv.bench.copy import METHODS
+from raykv import ops
+from raykv.bench.copy import METHODS, CopyLayout, _loop_pointers, _Pool
 from raykv.cli import main
 
 
@@ -36,3 +39,16 @@ def test_bench_copy_json_only_on_stdout():
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert {r["blocks"] for r in report["results"]} == {3}
+
+
+def test_per_block_baseline_pointers_move_the_right_bytes():
+    """The memcpy loop's (dst, src, size) spans, run with memmove on CPU, equal a gather."""
+    pool = _Pool(CopyLayout("tiny", 2, 2, 8, 32, 16), 8, torch.device("cpu"))
+    ids = torch.randperm(pool.num_blocks)[:8].to(torch.int64)
+    host = pool.host[:8]
+    dsts, srcs, sizes = (t.tolist() for t in _loop_pointers(pool, ids, host, True))
+    for dst, src, size in zip(dsts, srcs, sizes, strict=True):
+        ctypes.memmove(dst, src, size)
+    want = torch.empty_like(host)
+    ops.gather_blocks(pool.entries, ids, want)
+    assert torch.equal(host, want)

@@ -283,6 +283,12 @@ def test_scatter_rejects_duplicate_ids():
     assert same_bits(layer, before)
 
 
+def test_unknown_mode_is_rejected():
+    _, entries = _pool()
+    with pytest.raises(InvalidInput, match="mode 'fast'"):
+        gather_blocks(entries, torch.tensor([1]), rows_for(entries, 1), mode="fast")
+
+
 def test_cpu_build_reports_the_reference_path():
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the GPU tests cover the kernel path")

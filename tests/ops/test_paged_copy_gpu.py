@@ -29,7 +29,7 @@ def kernel():
 
 
 def poisoned(n: int, width: int, where: str) -> torch.Tensor:
-    if where == "pinned":
+    if where in ("pinned", "staged"):
         rows = torch.empty(n, width, dtype=torch.uint8, pin_memory=True)
     elif where == "cpu":
         rows = torch.empty(n, width, dtype=torch.uint8)
@@ -76,7 +76,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("where", ["device", "pinned", "cpu", "peer"])
+@pytest.mark.parametrize("where", ["device", "pinned", "staged", "cpu", "peer"])
 @pytest.mark.parametrize("kind, block_size, dtype, layers, pool, n", CASES)
 def test_gather_and_scatter_match_reference(
     kernel, where, kind, block_size, dtype, layers, pool, n
@@ -87,8 +87,9 @@ def test_gather_and_scatter_match_reference(
     ids = random_ids(pool, n, gen)
     expected = reference_rows(entries, ids)
 
+    mode = "staged" if where == "staged" else "direct"
     rows = poisoned(n, row_bytes(entries), where)
-    gather_blocks(entries, ids, rows)
+    gather_blocks(entries, ids, rows, mode=mode)
     torch.cuda.synchronize()
     assert torch.equal(rows.cpu(), expected)
 
@@ -98,7 +99,7 @@ def test_gather_and_scatter_match_reference(
     sync_all()
     untouched = sorted(set(range(pool)) - set(ids.tolist()))
     before_untouched = oracle_rows(entries, untouched[:50])
-    scatter_blocks(src, entries, ids)
+    scatter_blocks(src, entries, ids, mode=mode)
     torch.cuda.synchronize()
     assert torch.equal(reference_rows(entries, ids), fresh)
     assert oracle_rows(entries, untouched[:50]) == before_untouched
@@ -155,16 +156,21 @@ def test_logical_views_through_the_kernel(kernel, k):
     assert torch.equal(rows, expected)
 
 
-def test_gather_after_scatter_restores_a_big_pool(kernel):
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_gather_after_scatter_restores_a_big_pool(kernel, mode, monkeypatch):
+    """2048 blocks of 4 layers; staged mode through 1 MiB chunks (32 rows each, 64 chunks)."""
+    monkeypatch.setattr(ops, "_STAGING_BYTES", 1 << 20)
     gen = torch.Generator().manual_seed(3)
-    entries, backing = kv_entries("kv", 2048, 16, torch.bfloat16, 4, gen, "cuda:0")
+    entries, backing = kv_entries("kv", 2048, 128, torch.bfloat16, 4, gen, "cuda:0")
     original = [b.clone() for b in backing]
     ids = random_ids(2048, 2048, gen)
     rows = poisoned(2048, row_bytes(entries), "pinned")
-    gather_blocks(entries, ids, rows)
+    gather_blocks(entries, ids, rows, mode=mode)
+    torch.cuda.synchronize()
+    assert torch.equal(rows[:5], reference_rows(entries, ids[:5]))
     for b in backing:
         b.view(torch.uint8).fill_(0)
-    scatter_blocks(rows, entries, ids)
+    scatter_blocks(rows, entries, ids, mode=mode)
     torch.cuda.synchronize()
     for b, o in zip(backing, original, strict=True):
         assert torch.equal(b.view(torch.uint8), o.view(torch.uint8))

@@ -53,7 +53,7 @@ def loaded_pairs(store, load):
     ]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     model=st.sampled_from(MODELS),
     factor=st.sampled_from([1, 2, 4]),
@@ -205,30 +205,34 @@ def test_load_of_an_evicted_key_changes_nothing():
     assert eng.poll() == [] and tier.num_free == tier.num_blocks
 
 
-@pytest.mark.parametrize("model", ["full", "mla"])
-def test_tp_ranks_store_their_own_copy(model):
-    p = make_plan(model, tp_size=2, factor=2)
+@pytest.mark.parametrize(("model", "tp", "copies"), [("full", 2, 2), ("full", 4, 2), ("mla", 2, 1)])
+def test_tp_ranks_store_their_own_copy(model, tp, copies):
+    """Each distinct TP copy is written once (by its first rank) and read by every rank
+    holding it: 2 KV heads on 4 ranks are 2 copies, MLA's latent is 1 (invariant 5)."""
+    p = make_plan(model, tp_size=tp, factor=2)
     tier = CpuTier(p)
+    assert tier.copies == copies
     ranks = []
-    for r in range(2):
+    for r in range(tp):
         kv = GpuKV.allocate(p)
-        fill_random(kv, seed=r if model == "full" else 0)  # MLA: every rank holds the same
+        fill_random(kv, seed=r * copies // tp)  # replicas hold the same bytes
         ranks.append((kv, OffloadEngine(kv, tier, rank=r)))
+    assert [eng.writes for _, eng in ranks] == [r % (tp // copies) == 0 for r in range(tp)]
     hashes = [[b"h%d" % i for i in range(4)]]
     store = StoreJob.build(p, "r", [[1, 2, 3, 4]], hashes)
     reservation = tier.prepare_store(store.keys, writers=tier.copies)
     for _, eng in ranks:
         eng.submit_store(store, reservation)
-    ranks[0][1].poll()
-    if tier.copies == 2:
-        assert tier.state(b"h1") is BlockState.WRITING  # rank 1 has not reported yet
-    ranks[1][1].poll()
+    last_writer = max(i for i, (_, eng) in enumerate(ranks) if eng.writes)
+    for i, (_, eng) in enumerate(ranks):
+        assert all(res.ok for res in eng.poll())
+        if i < last_writer:
+            assert tier.state(b"h1") is BlockState.WRITING  # a copy is not written yet
     assert tier.state(b"h1") is BlockState.READABLE
     for kv, eng in ranks:
         res = run(eng, eng.submit_load, LoadJob.build(p, "r2", [[9, 10, 11, 12]], hashes))
         assert res.ok and res.missed == ()
         assert [row(kv, 0, b) for b in (9, 10, 11, 12)] == [row(kv, 0, b) for b in (1, 2, 3, 4)]
-    assert ranks[1][1].writes is (tier.copies == 2)
 
 
 def test_two_threads_interleaving_stores_and_loads():
