@@ -59,6 +59,19 @@ print(" ".join(str(s.getsockname()[1]) for s in socks))
 PY
 }
 
+# `ray start --address=127.0.0.1:P` for a joining worker: with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+# the CLI refuses to join at all, and with 1 it rewrites 127.0.0.1 to the host's outward address,
+# where the loopback-bound GCS does not listen. So run the same CLI with the variable at 1 and
+# the rewrite turned off: the worker dials exactly the address given.
+join_loopback_py='
+import sys
+import ray._private.services as services
+services.resolve_ip_for_localhost = lambda host: host
+from ray.scripts.scripts import main
+sys.argv = ["ray", *sys.argv[1:]]
+main()
+'
+
 gpu_count() {
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
     nvidia-smi -L | grep -c '^GPU '
@@ -70,10 +83,6 @@ group_alive() { kill -0 -- "-$1" 2>/dev/null; }
 # start_node NAME RESOURCES_JSON NUM_CPUS NUM_GPUS CUDA_DEVICES [extra ray start args...]
 start_node() {
   local name="$1" resources="$2" cpus="$3" gpus="$4" devices="$5"; shift 5
-  # `ray start --address` (a worker joining) refuses to run while the variable is 0; every
-  # address is pinned with --node-ip-address, so 1 there cannot move a node off loopback.
-  local multi_node=0
-  [ "$name" = head ] || multi_node=1
   local p; read -r -a p <<<"$(free_ports 6)"
   local metrics="${p[0]}"
   local args=(
@@ -86,8 +95,11 @@ start_node() {
     --min-worker-port=0 --max-worker-port=0 # workers bind kernel-chosen ports: no collisions
     "$@"
   )
+  local launcher=(env RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 "$(ray_bin)")
+  [ "$name" = head ] ||
+    launcher=(env RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 "$(python_bin)" -c "$join_loopback_py")
   # setsid: the node's processes form one process group that `stop` can signal as a whole.
-  CUDA_VISIBLE_DEVICES="$devices" RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="$multi_node" setsid "$(ray_bin)" "${args[@]}" \
+  CUDA_VISIBLE_DEVICES="$devices" setsid "${launcher[@]}" "${args[@]}" \
     >"$log_dir/$name.log" 2>&1 </dev/null &
   local pid=$!
   # setsid'd from a background job: the child is its own group leader, so pgid == pid.

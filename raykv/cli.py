@@ -225,5 +225,30 @@ def bench_copy(
     run_copy(quick=quick, json_path=json_path, counts=parsed, reps=reps, device=device)
 
 
+@bench.command("blocks")
+@click.option("--requests", "num_requests", default=256, show_default=True)
+@click.option("--steps", "num_steps", default=256, show_default=True, help="decode steps")
+@click.option("--prompt-len", default=1024, show_default=True, help="half is a shared prefix")
+@click.option("--json", "as_json", is_flag=True, help="print the rows as JSON")
+def bench_blocks(num_requests: int, num_steps: int, prompt_len: int, as_json: bool) -> None:
+    """Block manager: scheduler steps/s and us per request-step (prefix caching on)."""
+    import json
+
+    from raykv.bench.blocks import format_table, run
+
+    rows = run(num_requests=num_requests, num_steps=num_steps, prompt_len=prompt_len)
+    click.echo(json.dumps([r.as_dict() for r in rows], indent=2) if as_json else format_table(rows))
+
+
+
+@bench.command("service")
+@click.option("--quick", is_flag=True, help="Fewer repetitions and blocks (a smoke run).")
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+def bench_service(quick: bool, as_json: bool) -> None:
+    """Lookup rate / p50 / p99 for 32k-token prompts and the object-store mover's GB/s."""
+    from raykv.bench.service import main as run_service
+
+    run_service(quick=quick, as_json=as_json)
+
 if __name__ == "__main__":
     main()

@@ -31,6 +31,7 @@ from raykv.errors import RaykvError, ServiceError
 from raykv.service.spec import COORDINATOR, NAMESPACE, ServedModel, check_token_ids
 
 RETRY_S = 60.0
+# the coordinator restarting (actor errors, timeouts) or not yet named again (ValueError)
 _RETRY = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError)
 
 
@@ -151,6 +152,8 @@ class Client(_Base):
         while True:
             try:
                 return ray.get(getattr(self._coordinator(), method).remote(*args))
+            except ray.exceptions.RayTaskError as e:  # raised by the method: not retried
+                raise _unwrap(e) from None
             except _RETRY as e:
                 if time.monotonic() > deadline:
                     raise ServiceError(
@@ -161,8 +164,6 @@ class Client(_Base):
                 self._coord = None
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
-            except ray.exceptions.RayTaskError as e:
-                raise _unwrap(e) from None
 
     def _model(self) -> tuple[ServedModel, Any]:
         if self._info is None:
@@ -257,6 +258,8 @@ class AsyncClient(_Base):
         while True:
             try:
                 return await getattr(self._coordinator(), method).remote(*args)
+            except ray.exceptions.RayTaskError as e:  # raised by the method: not retried
+                raise _unwrap(e) from None
             except _RETRY as e:
                 if time.monotonic() > deadline:
                     raise ServiceError(
@@ -266,8 +269,6 @@ class AsyncClient(_Base):
                 self._coord = None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
-            except ray.exceptions.RayTaskError as e:
-                raise _unwrap(e) from None
 
     async def _model(self) -> tuple[ServedModel, Any]:
         if self._info is None:

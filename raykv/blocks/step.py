@@ -9,7 +9,7 @@ drift apart (invariant 1). No admission cap appears here: caps belong to the gat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from raykv.blocks.hashing import BlockHash, BlockHasher
@@ -21,7 +21,7 @@ from raykv.blocks.pool import NULL_BLOCK, BlockPool
 class RequestBlocks:
     """What the manager tracks per request (mutable; only ``apply_step`` writes it)."""
 
-    request_id: str
+    request_id: Hashable
     tables: list[list[int]]  # per group: logical block ids, NULL_BLOCK for skipped slots
     num_skipped: list[int]  # per group: leading slots that hold the null block
     num_hashed: list[int]  # per group: leading slots already offered to the prefix cache
@@ -30,6 +30,7 @@ class RequestBlocks:
     num_tokens: int = 0  # positions 0 .. num_tokens - 1 have slots
     num_cached_tokens: int = 0  # prefix-hit tokens of the first step
     hashes: list[BlockHash] = field(default_factory=list)  # chained, per full hash block
+    hash_due: int = 0  # known tokens at which the next block of some group fills
 
     def ensure_hashes(self, hasher: BlockHasher, token_ids: Sequence[int], upto: int) -> None:
         """Memoize the chained hashes of the hash blocks that end at or before ``upto``."""
@@ -165,14 +166,14 @@ def apply_step(
 ) -> list[list[int]]:
     """Apply ``plan`` exactly; the caller has checked ``plan.fits``. Returns the slots
     appended per group (nulls, hits, then fresh blocks)."""
-    # Out-of-reach blocks go back first: their slots become null, newest freed first so
-    # the oldest (least useful) prefixes are evicted first.
+    # Out-of-reach blocks go back first: their slots become null; oldest freed first, so
+    # they are also evicted first.
     for i, s in enumerate(plan.groups):
         if s is not None and s.release:
             table = req.tables[i]
             for j in range(req.num_skipped[i], min(s.skip_to, len(table))):
                 table[j] = NULL_BLOCK
-            pool.free(reversed(s.release))
+            pool.free(s.release)
     # Invariant 8: every group's hits are referenced before any block is allocated, so
     # no allocation can evict a block this step reuses.
     for s in plan.groups:
@@ -191,6 +192,7 @@ def apply_step(
         req.num_skipped[i] = s.skip_to
         if plan.num_hit_tokens:
             req.num_hashed[i] = s.new_nulls + len(s.hits)
+            req.hash_due = 0
         appended.append(new)
     req.num_tokens = plan.num_tokens
     if plan.num_hit_tokens:
@@ -206,12 +208,16 @@ def cache_full_blocks(
     """Offer every block whose tokens are all known and allocated to the prefix cache."""
     hbs = hasher.hash_block_size
     known = min(req.num_tokens, len(req.hashes) * hbs)
+    if known < req.hash_due:
+        return  # the usual decode step: no block filled up
+    due = []
     for i, m in enumerate(managers):
         if not m.cacheable:
             continue
         bs = m.block_size
         start, end = req.num_hashed[i], min(known // bs, len(req.tables[i]))
         if end <= start:
+            due.append((start + 1) * bs)
             continue
         k = bs // hbs
         table = req.tables[i]
@@ -223,3 +229,5 @@ def cache_full_blocks(
             bs,
         )
         req.num_hashed[i] = end
+        due.append((end + 1) * bs)
+    req.hash_due = min(due, default=0)

@@ -97,8 +97,7 @@ class CpuTierActor(Member):
         return n, rows
 
     def blocks(self) -> dict[str, list[tuple[Hashable, int]]]:
-        # CpuTier.keys() is a method of the tier, not a dict view
-        return {m: [(h, -1) for h in t.keys() if h in t] for m, t in self.tiers.items()}  # noqa: SIM118
+        return {m: [(h, -1) for h in t.stored_keys() if h in t] for m, t in self.tiers.items()}
 
     def stats(self) -> dict[str, Any]:
         used = sum(t.num_blocks - t.num_free for t in self.tiers.values())

@@ -82,10 +82,10 @@ def tensor_pages(plan: Plan) -> tuple[int, ...]:
 def _block_major_view(raw: torch.Tensor, page: int, plan: Plan, g: KVGroup, spec: KVSpec):
     """Typed kernel-facing view(s) of one layer in ``raw`` rows; see the module docstring."""
     dtype = torch_dtype(spec.dtype)
-    esize = torch.empty((), dtype=dtype).element_size()
+    esize = dtype.itemsize
     k = g.kernel_blocks_per_block
     shapes = kernel_shape(plan, g, spec)
-    if page % esize or (page // k) % esize:
+    if page % (k * esize):
         raise ConfigError(
             f"page of {page} bytes is not a multiple of {k} kernel blocks x {esize}-byte "
             f"elements; align the page size in the plan"

@@ -178,3 +178,23 @@ def test_events_replay_to_the_pool_map():
     assert mgr.pool.num_evicted > 0
     index.replay(mgr.drain_events())
     assert index.locations == mgr.pool.cached
+
+
+def test_hits_are_touched_before_fresh_blocks_are_taken():
+    # Invariant 8: the hit blocks are the least recently freed, first in line for eviction.
+    mgr = _mgr([FullAttention()], blocks=5, bs=2)
+    x, y = [1, 2, 3, 4], [5, 6, 7, 8]
+    for rid, prompt in (("x", x), ("y", y)):
+        mgr.admit(rid, 4)
+        mgr.allocate(rid, 4, prompt)
+    x_blocks, y_blocks = mgr.block_table("x")[0], mgr.block_table("y")[0]
+    mgr.free("x")
+    mgr.free("y")
+    assert mgr.num_free_blocks == 4
+    mgr.admit("b", 8)
+    assert mgr.blocks_needed("b", 8, [*x, 9, 9, 9, 9]) == 4  # 2 revived hits + 2 fresh
+    mgr.allocate("b", 8, [*x, 9, 9, 9, 9])
+    table = mgr.block_table("b")[0]
+    assert table[:2] == x_blocks and sorted(table[2:]) == sorted(y_blocks)
+    assert mgr.num_cached_tokens("b") == 4
+    check_pool(mgr)

@@ -7,6 +7,7 @@ import pytest
 from raykv.blocks import BlockManager
 from raykv.errors import BlockSizeError, RequestTooLarge
 from raykv.layout import FullAttention, Mamba, SlidingWindow, plan
+from raykv.layout.presets import PRESETS
 
 from .helpers import check_pool, make_plan
 
@@ -149,3 +150,20 @@ def test_kernel_table_maps_null_slots_to_block_zero():
     logical = mgr.block_table("r")[0]
     assert logical[0] == 0
     assert mgr.kernel_block_table("r", 0)[:2] == [0, 1]
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_plan_runs_through_the_block_manager(name):
+    preset = PRESETS[name]
+    p = plan(preset.layers(), gpu_bytes=80 << 30, max_model_len=preset.max_model_len,
+             max_num_batched_tokens=2048)  # fmt: skip
+    mgr = BlockManager(p)
+    prompt = list(range(3000))
+    for rid in ("a", "b"):  # the second one hits the first one's prefix where it can
+        assert mgr.admit(rid, len(prompt))
+        assert mgr.blocks_needed(rid, 3000, prompt) <= mgr.num_free_blocks
+        assert mgr.allocate(rid, 3000, prompt) is not None
+        assert mgr.allocate(rid, 1, [*prompt, 1]) is not None
+    expect_hit = mgr.enable_prefix_caching
+    assert (mgr.num_cached_tokens("b") > 0) == expect_hit
+    check_pool(mgr)

@@ -59,6 +59,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.mgr = BlockManager(plan, enable_prefix_caching=caching)
         self.tokens: dict[int, list[int]] = {}  # request id -> all its future tokens
         self.prompt_len: dict[int, int] = {}
+        self.computed: dict[int, int] = {}  # tokens computed when the last step was planned
         self.next_id = 0
         self.index = PrefixIndex()
 
@@ -85,6 +86,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if ok:
             self.tokens[rid] = tokens
             self.prompt_len[rid] = prompt_len
+            self.computed[rid] = 0
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), give_tokens=st.sampled_from([True, True, False]))
@@ -123,6 +125,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         tables = mgr.block_table(rid)
         for old, appended, table in zip(before[0], new, tables, strict=True):
             assert table[len(old) :] == appended
+        self.computed[rid] = mgr.num_cached_tokens(rid) if done == 0 else done
         if done == 0:
             assert mgr.num_cached_tokens(rid) == expect_hit
             if expect_hit:
@@ -133,7 +136,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def free(self, data):
         rid = data.draw(st.sampled_from(sorted(self.tokens)))
         self.mgr.free(rid)
-        del self.tokens[rid], self.prompt_len[rid]
+        del self.tokens[rid], self.prompt_len[rid], self.computed[rid]
 
     @invariant()
     def pool_is_consistent(self):
@@ -152,8 +155,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 strict=True,
             ):
                 assert len(table) == m.num_slots(n)
-                skip = m.num_skipped(self.mgr.num_cached_tokens(rid) if n else 0)
-                assert all(b == 0 for b in table[:skip])
+                skip = min(m.num_skipped(self.computed[rid]), len(table))
+                assert all(b == 0 for b in table[:skip]), "a slot out of reach holds a block"
+                assert all(b != 0 for b in table[skip:]), "a slot in reach holds the null block"
                 f = m.group.kernel_blocks_per_block
                 assert kernel_table == [b * f + k for b in table for k in range(f)]
 
@@ -174,7 +178,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=200,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

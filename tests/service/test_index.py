@@ -32,8 +32,9 @@ def test_prefix_stops_at_first_missing_block_and_models_are_apart() -> None:
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["add", "remove", "drop"]), st.sampled_from("pqr"),
-                  st.integers(0, 6)),
+        st.tuples(
+            st.sampled_from(["add", "remove", "drop"]), st.sampled_from("pqr"), st.integers(0, 6)
+        ),
         max_size=60,
     )
 )

@@ -5,8 +5,9 @@ import torch
 from raykv.errors import InvalidInput
 from raykv.models import TinyConfig, TinyDecoder
 
-CFG = TinyConfig(vocab_size=97, hidden=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                 head_dim=16, ffn=96)
+CFG = TinyConfig(
+    vocab_size=97, hidden=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn=96
+)
 
 
 def test_prefix_then_suffix_equals_one_pass_with_shuffled_blocks() -> None:

@@ -108,7 +108,8 @@ def fill_random(kv: GpuKV, seed: int = 0) -> None:
 def row(kv: GpuKV, group_id: int, block: int) -> bytes:
     """All bytes of one logical block of one group, entry by entry."""
     return b"".join(
-        e[block].contiguous().view(torch.uint8).numpy().tobytes() for e in kv.entries(group_id)
+        e[block].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        for e in kv.entries(group_id)
     )
 
 

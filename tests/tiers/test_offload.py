@@ -63,7 +63,9 @@ def loaded_pairs(store, load):
     seed=st.integers(0, 2**16),
 )
 def test_store_then_load_restores_bytes(model, factor, kernel, chunks, checksums, seed):
-    p, kv, tier, eng = rig(model, factor=factor, kernel=kernel, checksums=checksums)
+    p, kv, tier, eng = rig(
+        model, factor=factor, kernel=kernel, checksums=checksums, num_gpu_blocks=160
+    )
     rng = random.Random(seed)
     ids = rng.sample(range(1, p.num_gpu_blocks), p.num_gpu_blocks - 1)
     # sliding-window-like null prefixes, possibly straddling an offload block

@@ -1,0 +1,181 @@
+"""``raykv bench service``: lookup rate and latency for 32k-token prompts, and the
+object-store mover's cross-node GB/s, measured in one run on a 2-node local Ray cluster.
+
+Lookups: a 32k-token prompt whose KV one pool holds (a full hit) and one nobody holds (a
+miss), looked up from the other node: client-side block hashing plus one coordinator call.
+Bandwidth: one pool loads N blocks that only the other node's pool holds (one actor call
+whose numpy result crosses nodes through Ray's object store: the slow fallback), next to a
+plain in-process copy of the same bytes for scale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+LOOKUP_MODEL, BW_MODEL = "bench-lookup", "bench-bandwidth"
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _lookup_bench(kv: Any, a_node: str, b_node: str, tokens: int, reps: int) -> dict[str, Any]:
+    from raykv.layout import FullAttention
+
+    layers = {
+        f"l{i}": FullAttention(dtype="float32", num_kv_heads=1, head_dim=16) for i in range(2)
+    }
+    row = 2 * 2 * 16 * 16 * 4
+    blocks = tokens // 16 + 2
+    plan = kv.add_model(
+        LOOKUP_MODEL,
+        layers,
+        max_model_len=tokens + 16,
+        pool_bytes=(blocks + 8) * row,
+        cpu_bytes=64 * row,
+        max_num_batched_tokens=tokens + 16,
+    )
+    a, b = kv.on(a_node), kv.on(b_node)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 100_000, (tokens + 1,), generator=g).tolist()
+    miss = torch.randint(0, 100_000, (tokens + 1,), generator=g).tolist()
+    assert a.admit("bench", len(prompt), prompt)
+    table = a.allocate("bench", len(prompt), prompt)[0]
+    full = tokens // plan.groups[0].block_size
+    a.store("bench", table[:full], torch.zeros((full, plan.gpu_bytes_per_block), dtype=torch.uint8))
+    out: dict[str, Any] = {"prompt_tokens": tokens, "blocks": full}
+    for label, ids in (("hit", prompt), ("miss", miss)):
+        b.lookup(ids)  # warm: resolves the model and the coordinator
+        lat = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            res = b.lookup(ids)
+            lat.append(time.perf_counter() - t0)
+        assert (res.hit_tokens > 0) == (label == "hit"), res
+        out[label] = {
+            "lookups_per_s": len(lat) / sum(lat),
+            "p50_ms": _pct(lat, 0.5) * 1e3,
+            "p99_ms": _pct(lat, 0.99) * 1e3,
+            "hit_tokens": res.hit_tokens,
+        }
+    from raykv.blocks import BlockHasher
+
+    t0 = time.perf_counter()
+    BlockHasher(plan.hash_block_size).hash_blocks(prompt)
+    out["hashing_ms"] = (time.perf_counter() - t0) * 1e3
+    a.free("bench")
+    return out
+
+
+def _bandwidth_bench(kv: Any, a_node: str, b_node: str, nblocks: int, reps: int) -> dict:
+    from raykv.layout import FullAttention
+
+    # a Llama-3-8B-like block row cut to 8 layers: 8 x K,V x 16 tokens x 8 heads x 128 x bf16
+    layers = {
+        f"l{i}": FullAttention(dtype="bfloat16", num_kv_heads=8, head_dim=128) for i in range(8)
+    }
+    row = 8 * 2 * 16 * 8 * 128 * 2
+    tokens = nblocks * 16
+    plan = kv.add_model(
+        BW_MODEL,
+        layers,
+        max_model_len=tokens + 16,
+        pool_bytes=(2 * nblocks + 8) * row,
+        cpu_bytes=8 * row,
+        max_num_batched_tokens=tokens + 16,
+    )
+    a, b = kv.on(a_node), kv.on(b_node)
+    times, nbytes = [], 0
+    for r in range(reps):
+        g = torch.Generator().manual_seed(100 + r)
+        prompt = torch.randint(0, 100_000, (tokens + 1,), generator=g).tolist()
+        assert a.admit(f"s{r}", len(prompt), prompt)
+        ta = a.allocate(f"s{r}", len(prompt), prompt)[0]
+        a.store(
+            f"s{r}",
+            ta[:nblocks],
+            torch.ones((nblocks, plan.gpu_bytes_per_block), dtype=torch.uint8),
+        )
+        assert b.admit(f"l{r}", len(prompt), prompt)
+        tb = b.allocate(f"l{r}", len(prompt), prompt)[0]
+        res = b.load(f"l{r}", prompt, into=tb[:nblocks])
+        assert res.loaded_blocks == nblocks, res
+        times.append(res.seconds)
+        nbytes = res.bytes
+        a.free(f"s{r}")
+        b.free(f"l{r}")
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    local = time.perf_counter() - t0
+    med = statistics.median(times)
+    return {
+        "blocks": nblocks,
+        "bytes": nbytes,
+        "median_s": med,
+        "gb_per_s": nbytes / med / 1e9,
+        "local_copy_gb_per_s": nbytes / local / 1e9,
+    }
+
+
+def run(quick: bool = False, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    import raykv
+
+    node = dict(
+        num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=(200 if quick else 600) << 20
+    )
+    echo("starting a 2-node local Ray cluster on 127.0.0.1 ...")
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    try:
+        worker = cluster.add_node(**node)
+        kv = raykv.connect(cluster.address)
+        a_node, b_node = cluster.head_node.node_id, worker.node_id
+        echo("lookups of 32k-token prompts ...")
+        lookup = _lookup_bench(kv, a_node, b_node, 32768, 20 if quick else 200)
+        echo("cross-node loads through the object store ...")
+        bw = _bandwidth_bench(kv, a_node, b_node, 32 if quick else 256, 2 if quick else 5)
+        return {"lookup": lookup, "object_store": bw, "quick": quick}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lk, bw = r["lookup"], r["object_store"]
+    head = f"{'lookup, 32k-token prompt':<30}{'lookups/s':>11}{'p50 ms':>9}{'p99 ms':>9}"
+    lines = [head]
+    for label in ("hit", "miss"):
+        x = lk[label]
+        lines.append(
+            f"{'  ' + label + ' (' + str(x['hit_tokens']) + ' tokens)':<30}"
+            f"{x['lookups_per_s']:>11.1f}"
+            f"{x['p50_ms']:>9.2f}{x['p99_ms']:>9.2f}"
+        )
+    lines.append(f"  (client-side hashing of {lk['blocks']} blocks: {lk['hashing_ms']:.2f} ms)")
+    lines.append("")
+    lines.append(f"{'cross-node load':<30}{'MiB':>11}{'GB/s':>9}{'local GB/s':>12}{'ratio':>8}")
+    lines.append(
+        f"{'  object store (fallback)':<30}{bw['bytes'] / 2**20:>11.1f}{bw['gb_per_s']:>9.2f}"
+        f"{bw['local_copy_gb_per_s']:>12.2f}{bw['gb_per_s'] / bw['local_copy_gb_per_s']:>8.3f}"
+    )
+    return "\n".join(lines)
+
+
+def main(quick: bool = False, as_json: bool = False) -> None:
+    import click
+
+    r = run(quick=quick, echo=lambda s: click.echo(s, err=True))
+    click.echo(json.dumps(r, indent=2) if as_json else format_report(r))

@@ -1,0 +1,71 @@
+"""`raykv up / status / down` against a head they start, and `raykv demo` end to end.
+
+Each runs the real CLI in a subprocess; the head `up` starts is stopped by `down` through
+the process group `up` recorded (RAYKV_STATE points into the test's tmp dir)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ray
+RAYKV = str(Path(sys.executable).parent / "raykv")
+
+
+def run(*args: str, env: dict, timeout: int = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [RAYKV, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.fixture
+def env(tmp_path):
+    e = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return e | {"RAYKV_STATE": str(tmp_path / "up.json"), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def test_up_status_down(env, tmp_path) -> None:
+    try:
+        up = run(
+            "up",
+            "--preset",
+            "llama-3-8b",
+            "--pool-mem",
+            "64MiB",
+            "--cpu-mem",
+            "32MiB",
+            "--max-model-len",
+            "256",
+            "--num-cpus",
+            "1",
+            env=env,
+        )
+        assert up.returncode == 0, up.stdout + up.stderr
+        state = json.loads((tmp_path / "up.json").read_text())
+        assert state["address"].startswith("127.0.0.1:")
+        assert f"raykv is up at {state['address']}" in up.stdout
+        st = run("status", "--json", env=env)
+        assert st.returncode == 0, st.stderr
+        s = json.loads(st.stdout)
+        assert s["address"] == state["address"]
+        assert "llama-3-8b" in s["models"]
+        assert sorted(m["kind"] for m in s["members"]) == ["pool", "tier"]
+        table = run("status", env=env)
+        assert "hit rate" in table.stdout and "raykv-pool-llama-3-8b" in table.stdout
+    finally:
+        down = run("down", env=env)
+    assert down.returncode == 0, down.stderr
+    assert "stopped the local Ray head" in down.stdout
+    assert not (tmp_path / "up.json").exists()
+    gone = run("status", env=env)
+    assert gone.returncode != 0 and "not up" in gone.stderr
+
+
+def test_demo_matches_a_full_recompute(env) -> None:
+    demo = run("demo", "--prompt-tokens", "512", env=env)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "logits MATCH" in demo.stdout
+    assert "prefill time saved" in demo.stdout
