@@ -75,18 +75,6 @@ def _unwrap(e: BaseException) -> BaseException:
     return e
 
 
-def _runs(locs: Sequence[Any], node_id: str, block_size: int) -> tuple[Hit, ...]:
-    out: list[Hit] = []
-    for loc in locs:
-        key = (loc.tier, loc.node_id)
-        if out and (out[-1].tier, out[-1].node_id) == key:
-            last = out.pop()
-            out.append(Hit(last.tier, last.node_id, last.local, last.num_tokens + block_size))
-        else:
-            out.append(Hit(loc.tier, loc.node_id, loc.node_id == node_id, block_size))
-    return tuple(out)
-
-
 class _Base:
     """Settings and resolution shared by the sync and async forms."""
 
@@ -130,8 +118,9 @@ class _Base:
         hashes = hasher.hash_blocks(ids[:usable])[k - 1 :: k]
         node = self._node_id()
 
-        def post(locs: list) -> LookupResult:
-            return LookupResult(len(locs) * bs, _runs(locs, node, bs), len(ids))
+        def post(runs: list[tuple[str, str, int]]) -> LookupResult:
+            where = tuple(Hit(tier, n, n == node, count * bs) for tier, n, count in runs)
+            return LookupResult(sum(h.num_tokens for h in where), where, len(ids))
 
         return "coord", "lookup", (model.name, hashes, node), post
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from raykv.blocks.events import KVEvent
-from raykv.blocks.hashing import DEFAULT_HASH_SEED, BlockHasher
+from raykv.blocks.hashing import DEFAULT_HASH_SEED, BlockHash, BlockHasher
 from raykv.blocks.managers import GroupManager, manager_for
 from raykv.blocks.pool import BlockPool
 from raykv.blocks.step import RequestBlocks, StepPlan, apply_step, common_hit, plan_step
@@ -236,6 +236,11 @@ class BlockManager:
     def num_cached_tokens(self, request_id: RequestId) -> int:
         """Tokens of the request served by prefix hits (already computed)."""
         return self._request(request_id).num_cached_tokens
+
+    def block_hashes(self, request_id: RequestId) -> tuple[BlockHash, ...]:
+        """The request's chained hashes, one per full hash block of known tokens: the keys
+        an offload job stores under (see ``raykv.tiers.jobs.group_block_hashes``)."""
+        return tuple(self._request(request_id).hashes)
 
     def cached_prefix(
         self,

@@ -9,8 +9,11 @@ GPU memory layout a ``Plan`` describes (what GpuKV allocates, per rank):
   A block id ``b`` is one row in every tensor, so one block costs
   ``gpu_bytes_per_block == sum(tensor_page_bytes)`` and the real allocated bytes are exactly
   ``num_gpu_blocks * gpu_bytes_per_block``.
-* Layer ``group.layer_names[i]`` lives in tensor ``i`` (``Plan.tensor_of``); its page is the
-  first ``group.layer_page_bytes[i]`` bytes of the row, viewed with the group's block size.
+* Layer ``group.layer_names[i]`` lives in tensor ``i`` (``Plan.tensor_of``). Its row is cut
+  into ``kernel_blocks_per_block`` equal slices, kernel block ``j`` of the logical block at
+  byte ``j * row / k``, each slice holding that kernel block's K then V (or latent, or
+  state); padding, where pages were unified by padding, sits at the end of each slice.
+  Copies move whole rows, padding included.
 * One group (a uniform-type model): one tensor per layer, each exactly the layer's page,
   so layers with different head sizes waste nothing.
 * Several groups (hybrid): every group has the same number of layers (the last group of a

@@ -266,19 +266,28 @@ class Coordinator:
 
     # --- lookup -------------------------------------------------------------------------
 
-    async def lookup(self, model: str, block_hashes: list[Hashable], node_id: str) -> list:
-        """Best copy of each leading block of ``block_hashes`` as seen from ``node_id``."""
+    async def lookup(
+        self, model: str, block_hashes: list[Hashable], node_id: str
+    ) -> list[tuple[str, str, int]]:
+        """The leading blocks of ``block_hashes`` someone holds, as runs of
+        ``(tier, node_id, num_blocks)`` of their best copies seen from ``node_id`` (runs keep
+        the answer small: a 32k-token prompt is 2048 blocks)."""
         await self._up()
         t0 = time.perf_counter()
         self.model(model)
-        best = self.index.longest_prefix(model, block_hashes, node_id)
-        for tier in ("gpu", "cpu"):
-            for local in (True, False):
-                n = sum(1 for loc in best if loc.tier == tier and (loc.node_id == node_id) == local)
-                self.metrics.hit(model, f"{'local' if local else 'remote'}_{tier}", n)
-        self.metrics.miss(model, "all", len(block_hashes) - len(best))
+        runs: list[list] = []
+        for loc in self.index.longest_prefix(model, block_hashes, node_id):
+            if runs and runs[-1][0] == loc.tier and runs[-1][1] == loc.node_id:
+                runs[-1][2] += 1
+            else:
+                runs.append([loc.tier, loc.node_id, 1])
+        hit = 0
+        for tier, node, n in runs:
+            self.metrics.hit(model, f"{'local' if node == node_id else 'remote'}_{tier}", n)
+            hit += n
+        self.metrics.miss(model, "all", len(block_hashes) - hit)
         self.metrics.lookup_ms(model, (time.perf_counter() - t0) * 1e3)
-        return best
+        return [tuple(r) for r in runs]
 
     async def locate(self, model: str, block_hashes: list[Hashable], node_id: str) -> list:
         """Every copy of each block, best first (a loader falls back when one fails)."""

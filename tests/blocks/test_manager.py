@@ -198,3 +198,22 @@ def test_hits_are_touched_before_fresh_blocks_are_taken():
     assert table[:2] == x_blocks and sorted(table[2:]) == sorted(y_blocks)
     assert mgr.num_cached_tokens("b") == 4
     check_pool(mgr)
+
+
+def test_block_hashes_are_the_request_chain_over_full_hash_blocks():
+    from raykv.blocks.hashing import BlockHasher
+    from raykv.layout import FullAttention, plan
+
+    p = plan(
+        {f"l{i}": FullAttention(num_kv_heads=1, head_dim=8) for i in range(2)},
+        num_gpu_blocks=64,
+        max_model_len=128,
+        max_num_batched_tokens=128,
+        block_size=4,
+    )
+    m = BlockManager(p)
+    tokens = list(range(10))
+    assert m.admit("r", len(tokens))
+    assert m.allocate("r", len(tokens), tokens) is not None
+    expect = BlockHasher(4, 0).hash_blocks(tokens, end_block=2)
+    assert m.block_hashes("r") == tuple(expect)
