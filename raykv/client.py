@@ -297,6 +297,14 @@ class AsyncClient(_Base):
     async def load(self, request_id: Hashable, token_ids: Sequence[int], into: Sequence[int]):
         return LoadResult(**await self._pool_call("load", request_id, token_ids, list(into)))
 
+    async def blocks_needed(self, request_id: Hashable, num_new_tokens: int, token_ids=None):
+        return await self._pool_call("blocks_needed", request_id, num_new_tokens, token_ids)
+
+    async def read(self, block_ids: Sequence[int]):
+        from raykv.service.mover import as_tensor
+
+        return as_tensor(await self._pool_call("read", list(block_ids)))
+
     async def free(self, request_id: Hashable) -> None:
         await self._pool_call("free", request_id)
 

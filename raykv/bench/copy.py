@@ -2,11 +2,14 @@
 
 For each layout and block count, both directions (GPU -> pinned CPU "d2h", pinned CPU -> GPU
 "h2d"), one run measures side by side:
-  raykv       gather_blocks / scatter_blocks: one launch, all layers, K and V, the kernel
-              reading/writing pinned memory through UVA (mode "direct")
-  raykv-staged  the same kernel into 64 MiB device chunks, the copy engine moving each chunk
+  raykv       gather_blocks / scatter_blocks in the default mode ("staged" unless
+              $RAYKV_COPY_MODE says otherwise): the kernel gathers all layers, K and V, into
+              device chunks while the copy engine moves the previous chunk (pipelined)
+  raykv-direct  the same kernel reading/writing pinned memory through UVA (mode "direct")
   contiguous  one copy of the same bytes between a contiguous GPU buffer and pinned memory
-  per-block   one cudaMemcpyAsync per block, layer and K/V (how vLLM's swap_blocks worked)
+  per-block   one cudaMemcpyAsync per block, layer and K/V, all from one C++ call
+  per-layer   the same memcpys driven as vLLM's swap_blocks was: a Python loop over layers and
+              K/V, one C++ call each that loops over the blocks
   staging     torch index_select into a GPU staging buffer, then one copy (h2d: one copy,
               then index_copy_)
 GB/s counts the payload (blocks x row bytes) once. CUDA events time each call; warm-up first,
@@ -29,7 +32,7 @@ import torch
 
 from raykv import ops
 
-METHODS = ("raykv", "raykv-staged", "contiguous", "per-block", "staging")
+METHODS = ("raykv", "raykv-direct", "contiguous", "per-block", "per-layer", "staging")
 
 
 @dataclass(frozen=True)
@@ -116,26 +119,27 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     return t
 
 
-# --- the four methods ------------------------------------------------------------------------
+# --- the methods ------------------------------------------------------------------------
 
 
 def _methods(pool: _Pool, ids: torch.Tensor, to_host: bool) -> dict[str, Callable[[], None]]:
     n, host, staging = ids.numel(), pool.host[: ids.numel()], pool.staging[: ids.numel()]
     module = ops.kernel_module() if pool.device.type == "cuda" else None
     loop = _loop_pointers(pool, ids, host, to_host)
+    per_entry = _per_entry(loop, len(pool.entries))
     parts = pool.entry_major(n)
     as_int = [ops._as_int(e) for e in pool.entries]
     flat_staging = pool.staging.view(-1)[: n * pool.row_bytes]
     flat_host = host.view(-1)
 
-    def raykv(mode: str = "direct") -> None:
+    def raykv(mode: str | None = None) -> None:
         if to_host:
             ops.gather_blocks(pool.entries, ids, host, mode=mode)
         else:
             ops.scatter_blocks(host, pool.entries, ids, mode=mode)
 
-    def raykv_staged() -> None:
-        raykv("staged")
+    def raykv_direct() -> None:
+        raykv("direct")
 
     def contiguous() -> None:
         if to_host:
@@ -150,6 +154,13 @@ def _methods(pool: _Pool, ids: torch.Tensor, to_host: bool) -> dict[str, Callabl
         for dst, src in _python_loop(pool, ids, host, to_host):
             dst.copy_(src, non_blocking=True)
 
+    def per_layer() -> None:
+        if module is not None:
+            for spans in per_entry:
+                module.memcpy_loop(*spans)
+            return
+        per_block()  # no kernel module: the python loop above is all there is
+
     def staging_copy() -> None:
         ids_now = ids.to(pool.device, non_blocking=True)
         if to_host:
@@ -163,9 +174,10 @@ def _methods(pool: _Pool, ids: torch.Tensor, to_host: bool) -> dict[str, Callabl
 
     return {
         "raykv": raykv,
-        "raykv-staged": raykv_staged,
+        "raykv-direct": raykv_direct,
         "contiguous": contiguous,
         "per-block": per_block,
+        "per-layer": per_layer,
         "staging": staging_copy,
     }
 
@@ -184,6 +196,12 @@ def _loop_pointers(pool: _Pool, ids: torch.Tensor, host: torch.Tensor, to_host: 
     dst, src = (rows, paged) if to_host else (paged, rows)
     as_tensor = [torch.from_numpy(np.ascontiguousarray(a).reshape(-1)) for a in (dst, src, sizes)]
     return tuple(as_tensor)
+
+
+def _per_entry(loop, num_entries: int) -> list[tuple[torch.Tensor, ...]]:
+    """The memcpy loop's spans regrouped entry by entry: one (dst, src, sizes) per entry."""
+    by_entry = [t.view(-1, num_entries).t().contiguous() for t in loop]
+    return [tuple(t[j] for t in by_entry) for j in range(num_entries)]
 
 
 def _python_loop(pool: _Pool, ids: torch.Tensor, host: torch.Tensor, to_host: bool):
@@ -268,7 +286,8 @@ def run(config: BenchConfig) -> dict:
                         "gbps": gbps,
                         "raykv_over_contiguous": gbps["raykv"] / gbps["contiguous"],
                         "raykv_over_per_block": gbps["raykv"] / gbps["per-block"],
-                        "staged_over_contiguous": gbps["raykv-staged"] / gbps["contiguous"],
+                        "raykv_over_per_layer": gbps["raykv"] / gbps["per-layer"],
+                        "direct_over_contiguous": gbps["raykv-direct"] / gbps["contiguous"],
                         "verified": verified,
                     }
                 )
@@ -280,7 +299,8 @@ def run(config: BenchConfig) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "path": ops.kernel_status() if device.type == "cuda" else "torch reference (CPU)",
-        "per_block_loop": "C++ cudaMemcpyAsync loop"
+        "mode": ops._DEFAULT_MODE,
+        "per_block_loop": "C++ cudaMemcpyAsync loop (per-layer: one call per layer and K/V)"
         if device.type == "cuda" and ops.kernel_module() is not None
         else "python loop of tensor.copy_",
         "config": {
@@ -295,6 +315,7 @@ def format_table(report: dict) -> str:
     lines = [
         f"raykv bench copy  {report['date']}  device: {report['device']}  torch {report['torch']}",
         f"raykv path: {report['path']}",
+        f"raykv mode: {report['mode']} (raykv-direct: mode direct)",
         f"per-block baseline: {report['per_block_loop']}",
     ]
     if report["device"] == "cpu":
@@ -303,7 +324,8 @@ def format_table(report: dict) -> str:
     head = (
         f"{'layout':<27} {'blocks':>6} {'direction':<11} {'MiB':>7} "
         + " ".join(f"{m:>12}" for m in METHODS)
-        + f" {'raykv/contig':>12} {'staged/contig':>13} {'raykv/per-blk':>13} ok"
+        + f" {'raykv/contig':>12} {'direct/contig':>13} {'raykv/per-blk':>13}"
+        + f" {'raykv/per-lyr':>13} ok"
     )
     lines += [head, "-" * len(head)]
     for r in report["results"]:
@@ -311,8 +333,9 @@ def format_table(report: dict) -> str:
             f"{r['layout']:<27} {r['blocks']:>6} {r['direction']:<11} "
             f"{r['bytes'] / 2**20:>7.0f} "
             + " ".join(f"{r['gbps'][m]:>12.2f}" for m in METHODS)
-            + f" {r['raykv_over_contiguous']:>12.3f} {r['staged_over_contiguous']:>13.3f}"
-            + f" {r['raykv_over_per_block']:>13.2f} {'yes' if r['verified'] else 'NO'}"
+            + f" {r['raykv_over_contiguous']:>12.3f} {r['direct_over_contiguous']:>13.3f}"
+            + f" {r['raykv_over_per_block']:>13.2f} {r['raykv_over_per_layer']:>13.2f}"
+            + f" {'yes' if r['verified'] else 'NO'}"
         )
     return "\n".join(lines)
 

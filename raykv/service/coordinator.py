@@ -66,6 +66,7 @@ class Coordinator:
         self.restarts = ray.get_runtime_context().was_current_actor_reconstructed
         self._ready: asyncio.Event | None = None
         self._health: asyncio.Task | None = None
+        self._placed_on: set[str] = set()  # nodes _place has seen (new ones get placed)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -100,14 +101,17 @@ class Coordinator:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             with contextlib.suppress(Exception):  # the loop must outlive a bad tick
-                self._drop_dead()
+                alive = self._drop_dead()
+                if self.models and alive - self._placed_on:
+                    await self._place()  # a node joined: give it a tier and pools
 
-    def _drop_dead(self) -> None:
+    def _drop_dead(self) -> set[str]:
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         now = time.monotonic()
         for m in list(self.members.values()):
             if m.node_id not in alive or now - m.last_seen > DEAD_AFTER_S:
                 self._forget(m.name)
+        return alive
 
     def _forget(self, name: str) -> None:
         self.members.pop(name, None)
@@ -153,6 +157,7 @@ class Coordinator:
             if not node["Alive"]:
                 continue
             nid = node["NodeID"]
+            self._placed_on.add(nid)
             pin = NodeAffinitySchedulingStrategy(nid, soft=False)
             common = dict(
                 namespace=NAMESPACE,

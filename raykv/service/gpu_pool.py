@@ -11,6 +11,7 @@ without GPUs the same actor runs with ``device="cpu"`` (development and CI).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -24,7 +25,13 @@ from raykv.service.index import GPU
 from raykv.service.member import Member
 from raykv.service.metrics import ServiceMetrics
 from raykv.service.mover import ObjectStoreMover, as_tensor
-from raykv.service.spec import NAMESPACE, ServedModel, check_token_ids, tier_name
+from raykv.service.spec import (
+    COORDINATOR,
+    NAMESPACE,
+    ServedModel,
+    check_token_ids,
+    tier_name,
+)
 
 
 def rows_tensor(rows: Any, num_blocks: int, row_bytes: int) -> torch.Tensor:
@@ -285,8 +292,11 @@ class GpuPool(Member):
         }
 
     async def _fetch(self, rid: Hashable, want: list[tuple[bytes, int]], filled: set[int]) -> int:
-        coord = ray.get_actor("raykv-coordinator", namespace=NAMESPACE)
-        where = await coord.locate.remote(self.model.name, [h for h, _ in want], self.node_id)
+        try:
+            coord = ray.get_actor(COORDINATOR, namespace=NAMESPACE)
+            where = await coord.locate.remote(self.model.name, [h for h, _ in want], self.node_id)
+        except Exception:  # coordinator restarting: nothing is known to be elsewhere, a miss
+            return 0
         failed: set[str] = {self.name}
         moved, i = 0, 0
         while i < len(want):
@@ -303,7 +313,8 @@ class GpuPool(Member):
                 )
             except Exception:  # the source died or left: its copies are misses
                 failed.add(source)
-                await coord.member_failed.remote(source)
+                with contextlib.suppress(Exception):
+                    await coord.member_failed.remote(source)
                 continue
             if rid not in self.bm:
                 return moved

@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 
 from raykv import ops
-from raykv.bench.copy import METHODS, CopyLayout, _loop_pointers, _Pool
+from raykv.bench.copy import METHODS, CopyLayout, _loop_pointers, _per_entry, _Pool
 from raykv.cli import main
 
 
@@ -30,6 +30,7 @@ def test_bench_copy_quick_runs_and_reports_every_method(tmp_path):
         assert set(r["gbps"]) == set(METHODS)
         assert all(v > 0 for v in r["gbps"].values())
         assert r["raykv_over_contiguous"] > 0 and r["raykv_over_per_block"] > 0
+        assert r["raykv_over_per_layer"] > 0 and r["direct_over_contiguous"] > 0
 
 
 def test_bench_copy_json_only_on_stdout():
@@ -49,6 +50,22 @@ def test_per_block_baseline_pointers_move_the_right_bytes():
     dsts, srcs, sizes = (t.tolist() for t in _loop_pointers(pool, ids, host, True))
     for dst, src, size in zip(dsts, srcs, sizes, strict=True):
         ctypes.memmove(dst, src, size)
+    want = torch.empty_like(host)
+    ops.gather_blocks(pool.entries, ids, want)
+    assert torch.equal(host, want)
+
+
+def test_per_layer_baseline_regroups_the_same_spans_entry_by_entry():
+    """The per-layer loop's spans (one call per layer and K/V) run with memmove equal a gather."""
+    pool = _Pool(CopyLayout("tiny", 2, 2, 8, 32, 16), 8, torch.device("cpu"))
+    ids = torch.randperm(pool.num_blocks)[:8].to(torch.int64)
+    host = pool.host[:8]
+    per_entry = _per_entry(_loop_pointers(pool, ids, host, True), len(pool.entries))
+    assert len(per_entry) == len(pool.entries) == 4
+    for dsts, srcs, sizes in per_entry:
+        assert dsts.is_contiguous() and len(dsts) == len(srcs) == len(sizes) == 8
+        for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
+            ctypes.memmove(dst, src, size)
     want = torch.empty_like(host)
     ops.gather_blocks(pool.entries, ids, want)
     assert torch.equal(host, want)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from paged_copy_cases import DTYPES, emulate_kernel, kv_entries, oracle_rows, random_bits
 
+from raykv import ops
 from raykv.errors import InvalidInput
 from raykv.ops import (
     gather_blocks,
@@ -294,3 +298,34 @@ def test_cpu_build_reports_the_reference_path():
         pytest.skip("CUDA present: the GPU tests cover the kernel path")
     assert not kernel_available()
     assert kernel_status().startswith("torch reference")
+
+
+@FAST
+@given(
+    num_rows=st.integers(1, 5000),
+    width=st.integers(1, 40 << 20),
+    staging=st.integers(1, 256 << 20),
+    first=st.integers(1, 16 << 20),
+    gather=st.booleans(),
+)
+def test_staged_chunk_plan_covers_every_row_once(num_rows, width, staging, first, gather):
+    """Staged mode's chunks tile [0, num_rows) in order, fit one of the two buffers, grow
+    from the small one (gather) or shrink to it (scatter), so the pipeline fills fast."""
+    with (
+        mock.patch.object(ops, "_STAGING_BYTES", staging),
+        mock.patch.object(ops, "_FIRST_CHUNK_BYTES", first),
+    ):
+        plan = ops._chunk_plan(num_rows, width, gather)
+    starts = [s for s, _ in plan]
+    counts = [c for _, c in plan]
+    assert starts == [sum(counts[:i]) for i in range(len(counts))]
+    assert sum(counts) == num_rows and min(counts) >= 1
+    cap = max(1, staging // 2 // width)
+    assert max(counts) <= cap
+    ramp = counts if gather else counts[::-1]  # issue order -> growth order
+    assert ramp[0] == min(max(1, min(cap, first // width)), num_rows)
+    for a, b in itertools.pairwise(ramp[:-1]):
+        assert b == min(cap, 2 * a)
+    if len(ramp) > 1:  # the last one may be a remainder
+        assert ramp[-1] <= min(cap, 2 * ramp[-2])
+    assert len(plan) <= num_rows // cap + cap.bit_length() + 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
@@ -174,3 +175,83 @@ def test_gather_after_scatter_restores_a_big_pool(kernel, mode, monkeypatch):
     torch.cuda.synchronize()
     for b, o in zip(backing, original, strict=True):
         assert torch.equal(b.view(torch.uint8), o.view(torch.uint8))
+
+
+def odd_width_entries(gen: torch.Generator, num_blocks: int):
+    """bf16 K/V halves plus a misaligned 5-byte entry: an odd row width, every vector width."""
+    entries, backing = kv_entries("kv", num_blocks, 16, torch.bfloat16, 2, gen, "cuda:0")
+    flat = random_bits((num_blocks * 6 + 1,), torch.uint8, gen, "cuda:0")
+    entries.append(flat.as_strided((num_blocks, 5), (6, 1), storage_offset=1))
+    return entries, [*backing, flat]
+
+
+@pytest.mark.parametrize("rows_per_chunk, first_rows", [(1, 1), (3, 1), (7, 2), (64, 5)])
+def test_pipelined_staged_copy_through_many_odd_chunks(
+    kernel, monkeypatch, rows_per_chunk, first_rows
+):
+    """1001 blocks through chunks of a few rows (up to ~1000 chunks, both buffers reused many
+    times), odd row width: the same bytes as the reference, both directions."""
+    gen = torch.Generator().manual_seed(rows_per_chunk)
+    entries, _backing = odd_width_entries(gen, 1200)
+    width = row_bytes(entries)
+    assert width % 2 == 1
+    monkeypatch.setattr(ops, "_STAGING_BYTES", 2 * rows_per_chunk * width + 1)
+    monkeypatch.setattr(ops, "_FIRST_CHUNK_BYTES", first_rows * width)
+    ids = random_ids(1200, 1001, gen)
+    assert len(ops._chunk_plan(1001, width, True)) >= 1001 // rows_per_chunk
+    expected = reference_rows(entries, ids)
+    rows = poisoned(1001, width, "pinned")
+    gather_blocks(entries, ids, rows, mode="staged")
+    torch.cuda.synchronize()
+    assert torch.equal(rows, expected)
+
+    fresh = torch.randint(0, 256, expected.shape, dtype=torch.uint8, generator=gen)
+    rows.copy_(fresh)
+    untouched = sorted(set(range(1200)) - set(ids.tolist()))
+    before_untouched = oracle_rows(entries, untouched)
+    scatter_blocks(rows, entries, ids, mode="staged")
+    torch.cuda.synchronize()
+    assert torch.equal(reference_rows(entries, ids), fresh)
+    assert oracle_rows(entries, untouched) == before_untouched
+
+
+def test_staged_copy_is_ordered_on_the_callers_stream(kernel, monkeypatch):
+    """Work queued before the copy on the caller's stream (delayed by a sleep kernel) is seen by
+    it, and work queued after it sees every byte, with only that stream synchronized."""
+    gen = torch.Generator().manual_seed(11)
+    entries, backing = kv_entries("kv", 80, 16, torch.bfloat16, 32, gen, "cuda:0")  # 32 KiB rows
+    ids = random_ids(80, 41, gen)
+    width = row_bytes(entries)
+    monkeypatch.setattr(ops, "_STAGING_BYTES", 4 * width)  # 21 chunks of at most 2 rows
+    monkeypatch.setattr(ops, "_FIRST_CHUNK_BYTES", 1)
+    caller = torch.cuda.Stream()
+    new_pool = [random_bits(tuple(b.shape), b.dtype, gen, "cuda:0") for b in backing]
+    rows = poisoned(41, width, "pinned")
+    caller.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(caller):
+        torch.cuda._sleep(50_000_000)  # tens of ms: a missing wait would read the old pool
+        for b, n in zip(backing, new_pool, strict=True):
+            b.copy_(n)
+        gather_blocks(entries, ids, rows, mode="staged")
+        echo = rows.to("cuda:0", non_blocking=True)  # reads the host rows after the copy
+    caller.synchronize()
+    expected = reference_rows(entries, ids)
+    assert torch.equal(rows, expected)
+    assert torch.equal(echo.cpu(), expected)
+
+    fresh = random_bits((41, width), torch.uint8, gen, "cuda:0")
+    rows.fill_(POISON)
+    with torch.cuda.stream(caller):
+        torch.cuda._sleep(50_000_000)
+        rows.copy_(fresh, non_blocking=True)  # the host rows are written on the caller's stream
+        scatter_blocks(rows, entries, ids, mode="staged")
+        after = [b.clone() for b in backing]  # queued after the scatter on the same stream
+    caller.synchronize()
+    assert torch.equal(reference_rows(entries, ids), fresh.cpu())
+    assert torch.equal(reference_rows([h for t in after for h in (t[0], t[1])], ids), fresh.cpu())
+
+
+def test_default_mode_is_staged_for_pinned_rows(kernel):
+    assert ops._DEFAULT_MODE in ops.MODES
+    if "RAYKV_COPY_MODE" not in os.environ:
+        assert ops._DEFAULT_MODE == "staged"

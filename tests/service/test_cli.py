@@ -69,3 +69,12 @@ def test_demo_matches_a_full_recompute(env) -> None:
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert "logits MATCH" in demo.stdout
     assert "prefill time saved" in demo.stdout
+
+
+def test_bench_service_quick(env) -> None:
+    out = run("bench", "service", "--quick", "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["lookup"]["hit"]["hit_tokens"] == 32768 and r["lookup"]["miss"]["hit_tokens"] == 0
+    assert r["lookup"]["hit"]["p99_ms"] >= r["lookup"]["hit"]["p50_ms"] > 0
+    assert r["object_store"]["gb_per_s"] > 0

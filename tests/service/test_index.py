@@ -58,3 +58,11 @@ def test_index_matches_a_model_of_sets(ops) -> None:
     assert len(idx) == sum(1 for v in model.values() if v)
     for member in "pqr":
         assert idx.blocks_of(member) == sum(1 for v in model.values() if member in v)
+
+
+def test_import_raykv_does_not_import_ray() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, raykv; assert 'ray' not in sys.modules; assert callable(raykv.connect)"
+    subprocess.run([sys.executable, "-c", code], check=True)

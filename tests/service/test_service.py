@@ -173,6 +173,23 @@ def test_bad_input_is_refused_and_changes_nothing(svc) -> None:
     a.free("bad")
 
 
+def test_a_joining_node_gets_a_pool_and_a_tier(svc) -> None:
+    node = svc.cluster.add_node(
+        num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=80 << 20
+    )
+    deadline = time.monotonic() + 60
+    kinds: list = []
+    while time.monotonic() < deadline:
+        kinds = sorted(m["kind"] for m in svc.kv.stats()["members"] if m["node_id"] == node.node_id)
+        if kinds == ["pool", "tier"]:
+            break
+        time.sleep(0.5)
+    assert kinds == ["pool", "tier"]
+    ids = tokens(200, 1)  # the prompt node 0 holds since the first test
+    d = svc.kv.on(node.node_id)
+    assert d.lookup(ids).hit_tokens == 192
+
+
 def test_client_retries_through_a_coordinator_restart_and_no_state_is_lost(svc) -> None:
     ids = tokens(200, 1)
     before = svc.kv.stats()

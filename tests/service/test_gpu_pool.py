@@ -1,0 +1,43 @@
+"""A GPU pool (num_gpus=1, KV in HBM) on a one-node local Ray: store, read, load back."""
+
+import os
+
+import pytest
+import torch
+
+from raykv.layout import FullAttention
+
+pytestmark = [pytest.mark.gpu, pytest.mark.ray]
+
+
+def test_gpu_pool_round_trip() -> None:
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+
+    import raykv
+
+    ray.init(num_cpus=2, num_gpus=1, _node_ip_address="127.0.0.1", include_dashboard=False)
+    try:
+        kv = raykv.connect()
+        layers = {
+            f"l{i}": FullAttention(dtype="bfloat16", num_kv_heads=8, head_dim=128) for i in range(4)
+        }
+        plan = kv.add_model(
+            "g", layers, max_model_len=1024, pool_bytes=128 << 20, cpu_bytes=64 << 20
+        )
+        pools = [m for m in kv.stats()["members"] if m["kind"] == "pool"]
+        assert [p["device"] for p in pools] == ["cuda"]
+        ids = list(range(1, 330))
+        assert kv.admit("r", len(ids), ids)
+        table = kv.allocate("r", len(ids), ids)[0]
+        data = torch.randint(0, 256, (20, plan.gpu_bytes_per_block), dtype=torch.uint8)
+        assert kv.store("r", table[:20], data) == 20
+        assert torch.equal(kv.read(table[:20]), data)
+        kv.free("r")
+        assert kv.lookup(ids).hit_tokens == 320
+        assert kv.admit("r2", len(ids), ids)
+        t2 = kv.allocate("r2", len(ids), ids)[0]
+        assert kv.load("r2", ids, into=[]).num_tokens == 320  # local GPU prefix hits
+        assert torch.equal(kv.read(t2[:20]), data)
+    finally:
+        ray.shutdown()
