@@ -18,7 +18,7 @@
 #   RAYKV_HEAD_CPUS / RAYKV_WORKER_CPUS      CPUs per raylet (default 1 / 2)
 #   RAYKV_OBJECT_STORE_BYTES                 object store per raylet (default 256 MiB)
 #   RAYKV_DASHBOARD=0     skip the dashboard (faster start; default 1)
-#   RAYKV_STOP_GRACE_S    seconds `stop` waits after SIGTERM before SIGKILL (default 5)
+#   RAYKV_STOP_GRACE_S    seconds `stop` waits after SIGTERM before SIGKILL (default 3)
 #   RAYKV_UP=1            run `raykv up --address ADDR` once the cluster is up
 #   RAY                   the `ray` executable (default: `ray` on PATH, else the repo's .venv)
 #
@@ -189,7 +189,7 @@ cmd_stop() {
     group_alive "$pgid" && kill -TERM -- "-$pgid" 2>/dev/null || true
     # Raylets drain on SIGTERM; the GCS and the autoscaler monitor may not exit on it at all,
     # so whatever is left after the grace period gets SIGKILL (as `ray stop` does).
-    local t grace=$((${RAYKV_STOP_GRACE_S:-5} * 10))
+    local t grace=$((${RAYKV_STOP_GRACE_S:-3} * 10))
     for ((t = 0; t < grace; t++)); do group_alive "$pgid" || break; sleep 0.1; done
     group_alive "$pgid" && kill -KILL -- "-$pgid" 2>/dev/null || true
     rm -f "$f"

@@ -260,7 +260,10 @@ def test_two_threads_interleaving_stores_and_loads():
             dst = list(range(9 + 30 * t, 17 + 30 * t))
             for it in range(60):
                 n = rng.choice([2, 4, 8])
-                hashes = [[b"t%d-%d" % (t, i) for i in range(n)]]
+                # three key generations per thread: 12 CPU blocks of keys cycle through a
+                # 6-block tier, so every thread's own stores must evict
+                g = rng.randrange(3)
+                hashes = [[b"t%d-g%d-%d" % (t, g, i) for i in range(n)]]
                 if rng.random() < 0.5:
                     jid = eng.submit_store(StoreJob.build(p, f"s{t}", [src[:n]], hashes))
                     if jid is not None:
