@@ -78,6 +78,17 @@ class BlockJob:
     group_sizes: tuple[int, ...]
     slots: tuple[tuple[int, int], ...]
 
+    @classmethod
+    def build(
+        cls,
+        plan: Plan,
+        request_id: str,
+        block_table: Sequence[Sequence[int]],
+        block_hashes: Sequence[Sequence[bytes]],
+        num_chunks: Sequence[int] | None = None,
+    ) -> Self:
+        return _build(cls, plan, request_id, block_table, block_hashes, num_chunks)
+
     def __post_init__(self) -> None:
         if sum(self.group_sizes) != len(self.block_ids) or len(self.slots) != len(self.block_ids):
             raise InvalidInput(
@@ -134,31 +145,9 @@ class BlockJob:
 class StoreJob(BlockJob):
     """GPU -> CPU tier: ``block_ids`` are the request's GPU blocks to copy out."""
 
-    @classmethod
-    def build(
-        cls,
-        plan: Plan,
-        request_id: str,
-        block_table: Sequence[Sequence[int]],
-        block_hashes: Sequence[Sequence[bytes]],
-        num_chunks: Sequence[int] | None = None,
-    ) -> StoreJob:
-        return _build(cls, plan, request_id, block_table, block_hashes, num_chunks)
-
 
 class LoadJob(BlockJob):
     """CPU tier -> GPU: ``block_ids`` are freshly allocated GPU blocks to fill."""
-
-    @classmethod
-    def build(
-        cls,
-        plan: Plan,
-        request_id: str,
-        block_table: Sequence[Sequence[int]],
-        block_hashes: Sequence[Sequence[bytes]],
-        num_chunks: Sequence[int] | None = None,
-    ) -> LoadJob:
-        return _build(cls, plan, request_id, block_table, block_hashes, num_chunks)
 
 
 def _build(cls, plan, request_id, block_table, block_hashes, num_chunks):
