@@ -106,8 +106,9 @@ start_node() {
   printf 'pgid=%q\nmetrics_port=%q\nresources=%q\ngpus=%q\ncuda_visible_devices=%q\n' \
     "$pid" "$metrics" "$resources" "$gpus" "$devices" >"$state_dir/$name.env"
   if ! wait "$pid"; then
-    cat "$log_dir/$name.log" >&2
-    die "ray start failed for $name (log: $log_dir/$name.log); run '$0 stop' to clean up"
+    tail -n 40 "$log_dir/$name.log" >&2
+    cmd_stop >/dev/null # no half-started cluster left behind
+    die "ray start failed for $name (log: $log_dir/$name.log); stopped the nodes already up"
   fi
 }
 
@@ -120,6 +121,13 @@ cmd_start() {
     # shellcheck disable=SC1091
     . "$state_dir/head.env"
     group_alive "$pgid" && die "a cluster is already running in $cluster_dir ('$0 stop' first)"
+  fi
+  # GPUs: worker i gets the contiguous slice [i*per, (i+1)*per) of the host's GPUs.
+  local per=0
+  if [ "$gpus" -gt 0 ] && [ "$n" -gt 0 ]; then
+    per=$((gpus / n))
+    [ "$per" -ge 1 ] || die "$gpus GPUs cannot give each of $n workers its own GPU; \
+start at most $gpus workers"
   fi
   [ "${#ray_tmp}" -le 60 ] || die "RAYKV_CLUSTER_DIR is too long (${#cluster_dir} chars): \
 Ray's socket paths under $ray_tmp would pass the 107-byte unix limit; use a shorter path"
@@ -136,13 +144,6 @@ Ray's socket paths under $ray_tmp would pass the 107-byte unix limit; use a shor
   local addr="$ip:$head_port"
   echo "$addr" >"$cluster_dir/address"
 
-  # GPUs: worker i gets the contiguous slice [i*per, (i+1)*per) of the host's GPUs.
-  local per=0
-  if [ "$gpus" -gt 0 ] && [ "$n" -gt 0 ]; then
-    per=$((gpus / n))
-    [ "$per" -ge 1 ] || die "$gpus GPUs cannot give each of $n workers its own GPU; \
-start at most $gpus workers"
-  fi
   local i
   for ((i = 1; i <= n; i++)); do
     local devices="" g

@@ -20,7 +20,7 @@ def config() -> dict:
 
 
 @pytest.fixture(scope="module")
-def validator() -> jsonschema.Validator:
+def validator() -> jsonschema.protocols.Validator:
     schema = json.loads(SCHEMA.read_text())
     cls = jsonschema.validators.validator_for(schema)
     cls.check_schema(schema)

@@ -255,3 +255,14 @@ def test_default_mode_is_staged_for_pinned_rows(kernel):
     assert ops._DEFAULT_MODE in ops.MODES
     if "RAYKV_COPY_MODE" not in os.environ:
         assert ops._DEFAULT_MODE == "staged"
+
+
+def test_scatter_rejects_duplicate_ids_on_the_device(kernel):
+    gen = torch.Generator().manual_seed(5)
+    entries, backing = kv_entries("kv", 20, 16, torch.bfloat16, 1, gen, "cuda:0")
+    before = [b.clone() for b in backing]
+    rows = poisoned(3, row_bytes(entries), "pinned")
+    with pytest.raises(ops.InvalidInput, match="duplicates"):
+        scatter_blocks(rows, entries, torch.tensor([4, 9, 4], device="cuda:0"))
+    for b, o in zip(backing, before, strict=True):
+        assert torch.equal(b.view(torch.uint8), o.view(torch.uint8))

