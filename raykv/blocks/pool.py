@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 
 from raykv.blocks.events import BlockRemoved, BlockStored, KVEvent
@@ -138,11 +138,16 @@ class BlockPool:
         """Drop one reference per block; at zero it joins the free queue's tail (so blocks
         freed first are evicted first)."""
         rc = self.ref_counts
-        for b in block_ids:
-            if b == NULL_BLOCK:
-                continue
-            if rc[b] <= 0:
-                raise InvalidInput(f"block {b} freed more often than it was taken")
+        ids = [b for b in block_ids if b != NULL_BLOCK]
+        # Check every id before changing any count: a bad call leaves the pool as it was.
+        for b, n in Counter(ids).items():
+            held = rc[b] if 0 < b < self.num_blocks else 0
+            if held < n:
+                raise InvalidInput(
+                    f"block {b} freed {n} time(s) but holds {held} reference(s); free only "
+                    "blocks this pool handed out, once per reference"
+                )
+        for b in ids:
             rc[b] -= 1
             if rc[b] == 0:
                 if self.block_keys[b] is not None:

@@ -61,3 +61,12 @@ def test_double_free_is_an_error():
     pool.free([a])
     with pytest.raises(InvalidInput):
         pool.free([a])
+
+
+def test_over_free_is_refused_and_changes_nothing():
+    pool = BlockPool(8)
+    a, b = pool.allocate(2)
+    before = (list(pool.ref_counts), pool.free_block_ids())
+    with pytest.raises(InvalidInput, match=f"block {b} freed 2 time"):
+        pool.free([a, b, b])
+    assert (list(pool.ref_counts), pool.free_block_ids()) == before
