@@ -113,6 +113,7 @@ start_node() {
 }
 
 cmd_start() {
+  ray_bin >/dev/null # fail here, not halfway, when Ray is missing
   local gpus; gpus="$(gpu_count)"
   local n="${1:-}"
   if [ -z "$n" ]; then if [ "$gpus" -gt 0 ]; then n="$gpus"; else n=2; fi; fi

@@ -1,16 +1,23 @@
-"""GpuPool: the paged KV of one GPU (one TP rank) as a Ray actor, for one served model.
+"""GpuPool: the paged KV of one engine instance's TP group as a Ray actor, for one model.
 
-It owns a ``GpuKV`` (the tensors) and a ``BlockManager`` (who holds which block). A block
-becomes *valid* — published to the coordinator's index, servable to other nodes — only once
-its bytes were written by ``store`` or ``load`` and the block manager caches it under the
-same hash. Under memory pressure the block manager evicts cached blocks; the pool copies an
-evicted valid block's bytes to the node's CPU tier before handing the block out (nothing can
+It is rank 0 of the group and its leader: it owns the ``BlockManager`` (every rank uses the
+same block ids) and rank 0's ``GpuKV``; ranks 1..tp-1 are ``RankPool`` actors it drives
+(tp_size=1: it is the whole group). Any plan the layout makes is served: hybrid groups
+(block tables per group, keys per group, null blocks skipped), TP ranks (per-rank rows; the
+CPU tier keeps each distinct copy once) and CPU-tier entries of several GPU blocks.
+
+A block becomes *valid* — published to the coordinator's index under its group key,
+servable to other nodes — only once its bytes were written by ``store`` or ``load`` and the
+block manager caches it under the same key. Under memory pressure the block manager evicts
+cached blocks; the pool copies each complete chunk (``raykv.service.groups``) an evicted
+valid block belongs to into the node's CPU tier before handing the block out (nothing can
 overwrite it in between: the actor runs one call at a time between awaits). On a node
-without GPUs the same actor runs with ``device="cpu"`` (development and CI).
+without GPUs the same actors run with ``device="cpu"`` (development and CI).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Hashable, Sequence
@@ -20,67 +27,67 @@ import numpy as np
 import ray
 import torch
 
-from raykv.errors import ConfigError, InvalidInput
+from raykv.errors import InvalidInput, ServiceError
+from raykv.service.groups import (
+    Chunk,
+    as_tables,
+    check_servable,
+    common_hit,
+    complete_chunks,
+    copy_of_rank,
+    group_keys,
+    key_group,
+    managers,
+    row_widths,
+    writer_ranks,
+)
 from raykv.service.index import GPU
 from raykv.service.member import Member
 from raykv.service.metrics import ServiceMetrics
-from raykv.service.mover import ObjectStoreMover, as_tensor
-from raykv.service.spec import (
-    COORDINATOR,
-    NAMESPACE,
-    ServedModel,
-    check_token_ids,
-    tier_name,
-)
-
-
-def rows_tensor(rows: Any, num_blocks: int, row_bytes: int) -> torch.Tensor:
-    """Caller rows as uint8 [num_blocks, row_bytes]; InvalidInput (nothing changed) else."""
-    if isinstance(rows, np.ndarray):
-        rows = as_tensor(rows)
-    if not isinstance(rows, torch.Tensor):
-        raise InvalidInput(f"KV rows must be a torch.Tensor or numpy array, got {type(rows)}")
-    if rows.dtype != torch.uint8:
-        raise InvalidInput(
-            f"KV rows must be uint8 bytes (one row per block), got dtype {rows.dtype}; "
-            "gather the blocks with raykv.ops.gather_blocks into a uint8 buffer"
-        )
-    if tuple(rows.shape) != (num_blocks, row_bytes):
-        raise InvalidInput(
-            f"KV rows must have shape [{num_blocks}, {row_bytes}] ({num_blocks} blocks x "
-            f"{row_bytes} bytes per block of this plan), got {list(rows.shape)}"
-        )
-    return rows.contiguous()
+from raykv.service.mover import ObjectStoreMover
+from raykv.service.rank import RankKV
+from raykv.service.rows import RankRows, as_rank_rows, as_tensor
+from raykv.service.spec import COORDINATOR, NAMESPACE, ServedModel, check_token_ids, tier_name
+from raykv.tiers.jobs import NULL_BLOCK, StoreJob
 
 
 class GpuPool(Member):
     kind = "pool"
 
     def __init__(
-        self, name: str, model: ServedModel, plan: Any, node_id: str, device: str = "cpu"
+        self,
+        name: str,
+        model: ServedModel,
+        plan: Any,
+        node_id: str,
+        device: str = "cpu",
+        ranks: Sequence[str] = (),
     ) -> None:
         from raykv.blocks import BlockManager
-        from raykv.tiers.gpu_kv import GpuKV
 
         super().__init__(name, node_id)
-        if len(plan.groups) != 1 or plan.groups[0].spec.kind not in ("full", "mla"):
-            kinds = [g.spec.kind for g in plan.groups]
-            raise ConfigError(
-                f"model {model.name!r} has KV groups {kinds}; the service moves models with "
-                "one full-attention or MLA group for now (hybrid models: use raykv.blocks "
-                "and raykv.tiers in-process)"
+        check_servable(plan)
+        if len(ranks) != plan.tp_size - 1:
+            raise ServiceError(
+                f"pool {name!r}: tp_size={plan.tp_size} needs {plan.tp_size - 1} other ranks, "
+                f"got {len(ranks)}"
             )
         self.model, self.plan, self.device = model, plan, device
         self.bm = BlockManager(plan, enable_prefix_caching=True)
-        self.kv = GpuKV.allocate(plan, device)
-        self.group = plan.groups[0]
-        self.entries = self.kv.entries(self.group.group_id)
-        self.row_bytes = self.kv.row_bytes(self.group.group_id)
-        self.k = self.group.block_size // plan.hash_block_size  # hash blocks per block
+        self.local = RankKV(plan, device)  # rank 0
+        self.rank_names = list(ranks)
+        self._rank_handles: list[Any] | None = None
+        self.gids = [g.group_id for g in plan.groups]
+        self.gindex = {gid: i for i, gid in enumerate(self.gids)}
+        self.widths = row_widths(plan)
+        self.managers = managers(plan)
+        self.copy_of = copy_of_rank(plan)
+        self.writers = writer_ranks(plan)
         self.tokens: dict[Hashable, list[int]] = {}
         self._hashes: dict[Hashable, list[bytes]] = {}
-        self.valid: dict[bytes, int] = {}  # hash -> block holding its bytes
-        self.hash_of: dict[int, bytes] = {}
+        self.valid: dict[bytes, int] = {}  # group key -> block holding its bytes
+        self.key_of: dict[int, bytes] = {}
+        self.chunk_of: dict[bytes, Chunk] = {}  # valid key -> a complete chunk it is part of
         self.mover = ObjectStoreMover()
         self.metrics = ServiceMetrics("pool")
 
@@ -89,6 +96,49 @@ class GpuPool(Member):
         await tier.add_model.remote(self.model.name, self.plan)
         return await super().start()
 
+    # --- the TP group's bytes -----------------------------------------------------------
+
+    def _ranks(self) -> list[Any]:
+        if self._rank_handles is None:
+            self._rank_handles = [ray.get_actor(n, namespace=NAMESPACE) for n in self.rank_names]
+        return self._rank_handles
+
+    async def _remote(self, refs: list) -> list:
+        try:
+            return list(await asyncio.gather(*refs))
+        except ray.exceptions.RayActorError as e:
+            self._rank_handles = None
+            raise ServiceError(
+                f"a TP rank of pool {self.name!r} is gone ({type(e).__name__}); the pool "
+                "cannot serve until its group is placed again"
+            ) from e
+
+    async def _gather(self, gi: int, block_ids: list[int], ranks: Sequence[int]) -> torch.Tensor:
+        """``[len(ranks), n, width]``: the rows of ``block_ids`` on each rank of ``ranks``."""
+        handles = self._ranks()
+        refs = [handles[r - 1].gather.remote(gi, block_ids) for r in ranks if r]
+        remote = iter(await self._remote(refs))
+        out = [self.local.gather(gi, block_ids) if r == 0 else as_tensor(next(remote)) for r in ranks]
+        return torch.stack(out) if out else torch.empty((0, len(block_ids), self.widths[gi]))
+
+    async def _scatter(self, gi: int, rows: Sequence[torch.Tensor], block_ids: list[int]) -> None:
+        """Rank ``r`` gets ``rows[r]``."""
+        if not block_ids:
+            return
+        handles = self._ranks()
+        refs = [h.scatter.remote(gi, rows[r + 1].numpy(), block_ids) for r, h in enumerate(handles)]
+        self.local.scatter(gi, rows[0], block_ids)
+        await self._remote(refs)
+
+    async def _scatter_copies(self, gi: int, copies: torch.Tensor, block_ids: list[int]) -> None:
+        """Every rank gets the rows of the distinct copy it holds."""
+        await self._scatter(gi, [copies[c] for c in self.copy_of], block_ids)
+
+    async def _copy_blocks(self, gi: int, src: list[int], dst: list[int]) -> None:
+        refs = [h.copy.remote(gi, src, dst) for h in self._ranks()]
+        self.local.copy(gi, src, dst)
+        await self._remote(refs)
+
     # --- helpers ------------------------------------------------------------------------
 
     def _ids(self, token_ids: Sequence[int] | None) -> list[int] | None:
@@ -96,9 +146,8 @@ class GpuPool(Member):
             return None
         return check_token_ids(token_ids, self.plan.max_model_len, self.model.name)
 
-    def _block_hashes(self, rid: Hashable) -> list[bytes]:
-        """Hash of each full block of the request's known tokens (block j: its last
-        hash block's chained hash)."""
+    def _keys(self, rid: Hashable) -> list[list[bytes]]:
+        """Per group, the key of each full block of the request's known tokens."""
         tokens = self.tokens.get(rid, [])
         hashes = self._hashes.setdefault(rid, [])
         hbs = self.bm.hasher.hash_block_size
@@ -106,58 +155,55 @@ class GpuPool(Member):
             hashes += self.bm.hasher.hash_blocks(
                 tokens, first_block=len(hashes), parent=hashes[-1] if hashes else None
             )
-        return hashes[self.k - 1 :: self.k]
+        return group_keys(self.plan, hashes)
 
-    def _cached_as(self, block: int, h: bytes) -> bool:
-        return self.bm.pool.block_keys[block] == (self.group.group_id, h)
-
-    def _gather(self, block_ids: Sequence[int]) -> torch.Tensor:
-        from raykv import ops
-
-        dst = torch.empty((len(block_ids), self.row_bytes), dtype=torch.uint8)
-        ops.gather_blocks(self.entries, torch.tensor(block_ids, dtype=torch.long), dst)
-        return dst
-
-    def _scatter(self, rows: torch.Tensor, block_ids: Sequence[int]) -> None:
-        from raykv import ops
-
-        ops.scatter_blocks(rows, self.entries, torch.tensor(block_ids, dtype=torch.long))
+    def _cached_as(self, block: int, key: bytes) -> bool:
+        return self.bm.pool.block_keys[block] == (key_group(key), key[4:])
 
     def _invalidate(self, block: int) -> bytes | None:
-        h = self.hash_of.pop(block, None)
-        if h is not None and self.valid.get(h) == block:
-            del self.valid[h]
-        return h
+        key = self.key_of.pop(block, None)
+        if key is not None and self.valid.get(key) == block:
+            del self.valid[key]
+            self.chunk_of.pop(key, None)
+        return key
 
-    def _validate(self, rid: Hashable, block_ids: Sequence[int]) -> list[tuple[bytes, int]]:
+    def _validate(self, rid: Hashable, written: list[list[int]]) -> list[tuple[bytes, int]]:
         """Mark written blocks valid where the block manager caches them under their
-        position's hash. Returns the newly valid (hash, block) pairs."""
-        table = self.bm.block_table(rid)[0]
-        pos = {b: j for j, b in enumerate(table)}
-        hashes = self._block_hashes(rid)
+        position's key. Returns the newly valid (key, block) pairs."""
+        tables, keys = self.bm.block_table(rid), self._keys(rid)
         out = []
-        for b in block_ids:
-            j = pos[b]
-            if (
-                j < len(hashes)
-                and self._cached_as(b, hashes[j])
-                and self.hash_of.get(b) != hashes[j]
-            ):
-                self._invalidate(b)
-                self.valid[hashes[j]], self.hash_of[b] = b, hashes[j]
-                out.append((hashes[j], b))
+        for gi, ids in enumerate(written):
+            pos = {b: j for j, b in enumerate(tables[gi]) if b != NULL_BLOCK}
+            for b in ids:
+                j = pos[b]
+                if j >= len(keys[gi]):
+                    continue
+                key = keys[gi][j]
+                if self._cached_as(b, key) and self.key_of.get(b) != key:
+                    self._invalidate(b)
+                    self.valid[key], self.key_of[b] = b, key
+                    out.append((key, b))
+        for chunk in complete_chunks(self.plan, tables, keys):
+            for m in chunk.members:
+                if m is not None and m in self.valid:
+                    self.chunk_of[m] = chunk
         return out
 
-    def _own_blocks(self, rid: Hashable, block_ids: Sequence[int]) -> None:
-        table = set(self.bm.block_table(rid)[0])
-        bad = [b for b in block_ids if b not in table or b == 0]
-        if bad:
-            raise InvalidInput(
-                f"blocks {bad[:8]} are not in request {rid!r}'s block table (it holds "
-                f"{len(table)} blocks); pass ids that allocate returned for this request"
-            )
-        if len(set(block_ids)) != len(block_ids):
-            raise InvalidInput(f"block ids {list(block_ids)[:8]}... hold duplicates")
+    def _own_blocks(self, rid: Hashable, tables: list[list[int]]) -> None:
+        """Every non-null id must be in the request's table of its group, once."""
+        have = self.bm.block_table(rid)
+        for gi, ids in enumerate(tables):
+            real = [b for b in ids if b != NULL_BLOCK]
+            table = set(have[gi])
+            bad = [b for b in real if b not in table]
+            where = f" (group {gi})" if len(tables) > 1 else ""
+            if bad:
+                raise InvalidInput(
+                    f"blocks {bad[:8]} are not in request {rid!r}'s block table{where} (it "
+                    f"holds {len(have[gi])} blocks); pass ids that allocate returned for it"
+                )
+            if len(set(real)) != len(real):
+                raise InvalidInput(f"block ids {real[:8]}...{where} hold duplicates")
 
     # --- engine-facing ------------------------------------------------------------------
 
@@ -182,119 +228,171 @@ class GpuPool(Member):
             self.tokens[rid] = ids
         self.bm.drain_events()  # our index is ``valid``: only written blocks count
         # Blocks whose cached prefix the manager evicted to make this step fit: their bytes
-        # are still intact (nobody wrote them yet), so offload them before returning.
+        # are still intact (nobody wrote them yet), so offload their chunks first.
         evicted = [
-            b for b in new[0] if b in self.hash_of and not self._cached_as(b, self.hash_of[b])
+            b
+            for table in new
+            for b in table
+            if b in self.key_of and not self._cached_as(b, self.key_of[b])
         ]
         if evicted:
-            rows = self._gather(evicted)
-            hashes = [self._invalidate(b) for b in evicted]
+            chunks = {id(c): c for b in evicted if (c := self.chunk_of.get(self.key_of[b]))}
+            await self._offload(list(chunks.values()))
+            keys = [self._invalidate(b) for b in evicted]
             self.metrics.evicted(self.model.name, GPU, len(evicted))
-            await self._offload(hashes, rows)
-            await self.publish(self.model.name, [], hashes)
+            await self.publish(self.model.name, [], keys)
         self.metrics.used(self.model.name, GPU, self.bm.pool.num_used_blocks)
         return new
 
-    async def _offload(self, hashes: list[bytes], rows: torch.Tensor) -> None:
+    async def _offload(self, chunks: list[Chunk]) -> int:
+        """Copy complete chunks whose real blocks are all valid here to the node's CPU tier
+        (every distinct TP copy). Returns the entries newly stored; 0 when there is no tier
+        or no room (a miss later, never wrong KV)."""
+        ready = [c for c in chunks if all(m is None or m in self.valid for m in c.members)]
+        if not ready:
+            return 0
+        keys, kgroups, widths, ids, sizes, slots, members = [], [], [], [], [], [], []
+        for gi in range(len(self.gids)):
+            n = 0
+            for c in (c for c in ready if c.group == gi):
+                k = len(keys)
+                keys.append(c.key)
+                kgroups.append(self.gids[gi])
+                widths.append(len(c.members))
+                members.append(c.members)
+                for s, m in enumerate(c.members):
+                    if m is not None:
+                        ids.append(self.valid[m])
+                        slots.append((k, s))
+                        n += 1
+            sizes.append(n)
+        job = StoreJob(
+            "offload", tuple(keys), tuple(kgroups), tuple(widths), tuple(ids), tuple(sizes),
+            tuple(slots),
+        )  # fmt: skip
+        rows = []
+        for gi, sl in enumerate(job.group_slices()):
+            rows.append((await self._gather(gi, list(job.block_ids[sl]), self.writers)).numpy())
         try:
             tier = ray.get_actor(tier_name(self.node_id), namespace=NAMESPACE)
-            n = await tier.put.remote(self.model.name, hashes, rows.numpy())
-            self.metrics.offloaded(self.model.name, n)
+            n = await tier.store.remote(self.model.name, job, tuple(members), rows)
         except Exception:  # no tier: the blocks are simply gone (a miss later, never wrong)
-            pass
+            return 0
+        self.metrics.offloaded(self.model.name, n)
+        return n
 
-    async def store(self, rid: Hashable, block_ids: Sequence[int], rows: Any) -> int:
-        """Write the KV bytes of ``block_ids`` (this request's blocks); full blocks become
-        hits for everyone. Returns the blocks newly published."""
-        block_ids = [int(b) for b in block_ids]
-        self._own_blocks(rid, block_ids)
-        src = rows_tensor(rows, len(block_ids), self.row_bytes)
-        self._scatter(src, block_ids)
-        stored = self._validate(rid, block_ids)
+    async def store(
+        self, rid: Hashable, block_ids: Sequence, rows: Any, offload: bool = False
+    ) -> int:
+        """Write the KV bytes of ``block_ids`` (this request's blocks, per group; null ids
+        skipped) on every rank; full blocks become hits for everyone. ``offload`` also copies
+        the request's complete chunks to the node's CPU tier now. Returns the blocks newly
+        published."""
+        tables = as_tables(self.plan, block_ids)
+        self._own_blocks(rid, tables)
+        data: RankRows = as_rank_rows(self.plan, rows, tables, self.widths)
+        written = [[b for b in t if b != NULL_BLOCK] for t in tables]
+        for gi, ids in enumerate(written):
+            await self._scatter(gi, [data[r][gi] for r in range(self.plan.tp_size)], ids)
+        stored = self._validate(rid, written)
         await self.publish(self.model.name, stored, [])
+        if offload and rid in self.bm:
+            keys = self._keys(rid)
+            await self._offload(complete_chunks(self.plan, self.bm.block_table(rid), keys))
         return len(stored)
 
-    async def read(self, block_ids: Sequence[int]) -> np.ndarray:
-        """The bytes of ``block_ids`` as uint8 [n, row_bytes] (the engine's view on CPU)."""
-        block_ids = [int(b) for b in block_ids]
-        bad = [b for b in block_ids if not 0 < b < self.plan.num_gpu_blocks]
+    async def read(self, block_ids: Sequence, rank: int = 0) -> list[np.ndarray]:
+        """Rows of ``block_ids`` (per group) on ``rank``: uint8 [n, row_bytes] per group."""
+        tables = as_tables(self.plan, block_ids)
+        if not 0 <= rank < self.plan.tp_size:
+            raise InvalidInput(f"rank {rank} is outside tp_size={self.plan.tp_size}")
+        bad = [b for t in tables for b in t if not 0 < b < self.plan.num_gpu_blocks]
         if bad:
             raise InvalidInput(
                 f"block ids {bad[:8]} out of range 1..{self.plan.num_gpu_blocks - 1}"
             )
-        return self._gather(block_ids).numpy()
+        return [(await self._gather(gi, t, [rank]))[0].numpy() for gi, t in enumerate(tables)]
 
     async def read_hashes(
-        self, model: str, block_hashes: list[bytes], block_ids: list[int] | None = None
+        self, model: str, keys: list[bytes], block_ids: list[int] | None = None
     ) -> tuple[int, np.ndarray]:
-        """Rows of the leading ``block_hashes`` still valid here (for other pools)."""
+        """Rows of the leading ``keys`` (one group) still valid here, for other pools:
+        (count, uint8 [distinct copies, count, row_bytes])."""
         blocks = []
-        for h in block_hashes:
-            b = self.valid.get(h)
-            if b is None or model != self.model.name:
+        gid = key_group(keys[0]) if keys else None
+        for key in keys:
+            b = self.valid.get(key)
+            if b is None or model != self.model.name or key_group(key) != gid:
                 break
             blocks.append(b)
-        rows = self._gather(blocks).numpy()
+        if not blocks:
+            return 0, np.empty((len(self.writers), 0, 0), np.uint8)
+        rows = (await self._gather(self.gindex[gid], blocks, self.writers)).numpy()
         self.metrics.hit(model, GPU, len(blocks))
         self.metrics.moved(model, GPU, rows.nbytes)
         return len(blocks), rows
 
-    async def load(
-        self, rid: Hashable, token_ids: Sequence[int], into: Sequence[int]
-    ) -> dict[str, Any]:
-        """Fill ``into`` (blocks of this request's table) with the KV of their prefix
-        positions from the best copies in the cluster. Copies that vanished are misses.
-        Returns the request's tokens now backed by written KV, from its start."""
+    async def load(self, rid: Hashable, token_ids: Sequence[int], into: Sequence) -> dict:
+        """Fill ``into`` (blocks of this request's tables, per group) with the KV of their
+        positions from the best copies in the cluster; copies that vanished, and slots
+        nobody holds (e.g. out of a sliding window), are misses. Returns the request's
+        leading tokens now backed by written KV in every group."""
         t0 = time.perf_counter()
         ids = self._ids(token_ids)
-        into = [int(b) for b in into]
-        self._own_blocks(rid, into)
+        into_tables = as_tables(self.plan, into)
+        self._own_blocks(rid, into_tables)
         if ids is not None and len(ids) > len(self.tokens.get(rid, [])):
             self.tokens[rid] = ids
-        table = self.bm.block_table(rid)[0]
-        hashes = self._block_hashes(rid)
-        pos = {b: j for j, b in enumerate(table)}
-        late = [b for b in into if pos[b] >= len(hashes)]
-        if late:
-            raise InvalidInput(
-                f"blocks {late[:8]} hold positions past the request's known full blocks "
-                f"({len(hashes)}); pass the request's token_ids"
-            )
-        todo = sorted((pos[b], b) for b in into if self.hash_of.get(b) != hashes[pos[b]])
+        tables, keys = self.bm.block_table(rid), self._keys(rid)
+        todo: list[list[tuple[int, int]]] = []
+        for gi, blocks in enumerate(into_tables):
+            pos = {b: j for j, b in enumerate(tables[gi]) if b != NULL_BLOCK}
+            real = [b for b in blocks if b != NULL_BLOCK]
+            late = [b for b in real if pos[b] >= len(keys[gi])]
+            if late:
+                raise InvalidInput(
+                    f"blocks {late[:8]} hold positions past the request's known full blocks "
+                    f"({len(keys[gi])}); pass the request's token_ids"
+                )
+            todo.append(sorted((pos[b], b) for b in real if self.key_of.get(b) != keys[gi][pos[b]]))
         filled: set[int] = set()
         moved = 0
-        # 1) another block of this pool already holds the bytes
-        local = [(j, b) for j, b in todo if hashes[j] in self.valid]
-        if local:
-            self._scatter(
-                self._gather([self.valid[hashes[j]] for j, _ in local]), [b for _, b in local]
-            )
-            filled.update(b for _, b in local)
-        todo = [(j, b) for j, b in todo if b not in filled]
-        # 2) the node's CPU tier or another node, best copy first
-        if todo:
-            moved = await self._fetch(rid, [(hashes[j], b) for j, b in todo], filled)
-        if rid not in self.bm:  # freed while we were fetching: nothing to publish
-            return {"num_tokens": 0, "loaded_blocks": 0, "bytes": moved}
-        written = [b for b in into if b in filled]
+        for gi, want in enumerate(todo):
+            # 1) another block of this pool already holds the bytes
+            local = [(j, b) for j, b in want if keys[gi][j] in self.valid]
+            if local:
+                src = [self.valid[keys[gi][j]] for j, _ in local]
+                await self._copy_blocks(gi, src, [b for _, b in local])
+                filled.update(b for _, b in local)
+            # 2) the node's CPU tier or another node, best copy first
+            rest = [(keys[gi][j], b) for j, b in want if b not in filled]
+            if rest:
+                moved += await self._fetch(rid, gi, rest, filled)
+                if rid not in self.bm:  # freed while we were fetching: nothing to publish
+                    return {"num_tokens": 0, "loaded_blocks": 0, "bytes": moved, "seconds": 0.0}
+        written = [[b for b in t if b in filled] for t in into_tables]
         await self.publish(self.model.name, self._validate(rid, written), [])
-        n = 0
-        for j, b in enumerate(table):
-            if j >= len(hashes) or (b not in filled and self.hash_of.get(b) != hashes[j]):
-                break
-            n += 1
+
+        def backed(gi: int, j: int) -> bool:
+            b = tables[gi][j]
+            return b != NULL_BLOCK and (b in filled or self.key_of.get(b) == keys[gi][j])
+
+        limit = min(len(k) * g.block_size for k, g in zip(keys, self.plan.groups, strict=True))
         self.metrics.moved(self.model.name, "load", moved)
         return {
-            "num_tokens": n * self.group.block_size,
-            "loaded_blocks": len(written),
+            "num_tokens": common_hit(self.managers, backed, limit),
+            "loaded_blocks": sum(len(w) for w in written),
             "bytes": moved,
             "seconds": time.perf_counter() - t0,
         }
 
-    async def _fetch(self, rid: Hashable, want: list[tuple[bytes, int]], filled: set[int]) -> int:
+    async def _fetch(
+        self, rid: Hashable, gi: int, want: list[tuple[bytes, int]], filled: set[int]
+    ) -> int:
+        """Copy the blocks of ``want`` (key, our block) from wherever they are held."""
         try:
             coord = ray.get_actor(COORDINATOR, namespace=NAMESPACE)
-            where = await coord.locate.remote(self.model.name, [h for h, _ in want], self.node_id)
+            where = await coord.locate.remote(self.model.name, [k for k, _ in want], self.node_id)
         except Exception:  # coordinator restarting: nothing is known to be elsewhere, a miss
             return 0
         failed: set[str] = {self.name}
@@ -302,14 +400,15 @@ class GpuPool(Member):
         while i < len(want):
             source = next((c.member for c in where[i] if c.member not in failed), None)
             if source is None:
-                break  # nobody else holds it: a miss, and the prefix ends here
+                i += 1  # nobody (else) holds it: a miss; later slots may still be needed
+                continue
             run = i
             while run < len(want) and any(c.member == source for c in where[run]):
                 run += 1
             batch = want[i:run]
             try:
                 n, rows = await self.mover.fetch(
-                    source, self.model.name, [h for h, _ in batch], [-1] * len(batch)
+                    source, self.model.name, [k for k, _ in batch], [-1] * len(batch)
                 )
             except Exception:  # the source died or left: its copies are misses
                 failed.add(source)
@@ -319,9 +418,9 @@ class GpuPool(Member):
             if rid not in self.bm:
                 return moved
             if n:
-                self._scatter(rows[:n], [b for _, b in batch[:n]])
+                await self._scatter_copies(gi, rows[:, :n], [b for _, b in batch[:n]])
                 filled.update(b for _, b in batch[:n])
-                moved += int(rows[:n].numel())
+                moved += int(rows[:, :n].numel())
             if n < len(batch):
                 failed.add(source)  # it lost the rest meanwhile; try the next copy
             i += n
@@ -343,6 +442,8 @@ class GpuPool(Member):
     def stats(self) -> dict[str, Any]:
         return {
             "device": self.device,
+            "tp_size": self.plan.tp_size,
+            "ranks": [self.name, *self.rank_names],
             "blocks_total": self.bm.pool.num_usable_blocks,
             "blocks_used": self.bm.pool.num_used_blocks,
             "blocks_valid": len(self.valid),
@@ -352,3 +453,14 @@ class GpuPool(Member):
 
     async def get_stats(self) -> dict[str, Any]:
         return self.stats()
+
+    async def rank_info(self) -> list[dict[str, Any]]:
+        """Where each rank of the group runs (rank 0 first)."""
+        me = {
+            "name": self.name,
+            "rank": 0,
+            "device": self.device,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "bytes": self.local.kv.total_bytes,
+        }
+        return [me, *await self._remote([h.info.remote() for h in self._ranks()])]

@@ -21,6 +21,19 @@ CI_IDS = [p.name.removesuffix("-values.yaml") for p in CI_VALUES]
 PRODUCTION = CHART / "ci" / "production-values.yaml"
 CPU_ONLY = CHART / "ci" / "cpu-only-values.yaml"
 SECRET_KEYS = {"ray-auth-token", "raykv-transport-secret"}
+# Shapes beyond the CI files whose rendering must be just as valid.
+EXTRA_SHAPES = {
+    "no-token-auth": {"auth": {"rayTokenAuth": False}},
+    "no-autoscaling-no-metrics-service": {
+        "autoscaling": {"enabled": False},
+        "metrics": {"service": {"enabled": False}},
+        "raykv": {"start": "none"},
+    },
+    "gpu-and-cpu-groups": {"cpuWorkers": {"enabled": True}, "raykv": {"preset": "llama-3-8b"}},
+}
+SHAPES = [pytest.param([f], None, id=i) for f, i in zip(CI_VALUES, CI_IDS, strict=True)] + [
+    pytest.param([], v, id=i) for i, v in EXTRA_SHAPES.items()
+]
 
 
 def by_kind(objects: list[dict], kind: str) -> list[dict]:
@@ -71,11 +84,11 @@ def test_lint_strict(helm_run, values_file):
     assert "[ERROR]" not in done.stdout and "[WARNING]" not in done.stdout, done.stdout
 
 
-@pytest.mark.parametrize("values_file", CI_VALUES, ids=CI_IDS)
-def test_renders_builtin_objects_that_pass_kubernetes_validate_strict(render, values_file):
-    objects = render(files=[values_file])
+@pytest.mark.parametrize(("files", "values"), SHAPES)
+def test_renders_builtin_objects_that_pass_kubernetes_validate_strict(render, files, values):
+    objects = render(files=files, values=values)
     builtin = [o for o in objects if "." not in o["apiVersion"].split("/")[0]]
-    assert {o["kind"] for o in builtin} >= {"Secret", "Service", "Pod"}
+    assert {o["kind"] for o in builtin} >= {"Secret", "Pod"}
     for obj in builtin:
         try:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
@@ -84,9 +97,9 @@ def test_renders_builtin_objects_that_pass_kubernetes_validate_strict(render, va
             pytest.fail(f"{obj['kind']}/{obj['metadata']['name']}: {path}: {e.message}")
 
 
-@pytest.mark.parametrize("values_file", CI_VALUES, ids=CI_IDS)
-def test_rendered_ray_objects_match_kuberay_crds(render, crd_validators, values_file):
-    objects = render(files=[values_file])
+@pytest.mark.parametrize(("files", "values"), SHAPES)
+def test_rendered_ray_objects_match_kuberay_crds(render, crd_validators, files, values):
+    objects = render(files=files, values=values)
     ray_objects = [o for o in objects if o["apiVersion"].startswith("ray.io/")]
     assert by_kind(ray_objects, "RayCluster")
     for obj in ray_objects:
@@ -189,25 +202,52 @@ def test_cpu_only_has_no_gpu_anywhere(render):
     assert "nvidia.com/gpu" not in yaml.safe_dump(objects)
 
 
+def secret_refs(container: dict) -> dict[str, dict]:
+    return {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in container.get("env", [])
+        if "valueFrom" in e
+    }
+
+
 @pytest.mark.parametrize("values_file", CI_VALUES, ids=CI_IDS)
-def test_every_ray_container_reads_both_secrets_from_the_release_secret(render, values_file):
+def test_secrets_come_from_the_release_secret_and_only_where_needed(render, values_file):
     objects = render(files=[values_file])
     secret = one(objects, "Secret")
     assert set(secret["data"]) == SECRET_KEYS
-    containers = [c for spec in pod_specs_of(objects) for c in spec["containers"]]
-    assert containers
-    for container in containers:
-        refs = {
-            e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e
+    name = secret["metadata"]["name"]
+    cluster = one(objects, "RayCluster")
+    ray_nodes = [c for spec in pod_specs(cluster) for c in spec["containers"]]
+    clients = [
+        c
+        for o in objects
+        if o["kind"] != "RayCluster"
+        for s in pod_specs(o)
+        for c in s["containers"]
+    ]
+    assert len(ray_nodes) >= 2 and clients
+    for container in ray_nodes:
+        assert secret_refs(container) == {
+            "RAY_AUTH_TOKEN": {"name": name, "key": "ray-auth-token"},
+            "RAYKV_TRANSPORT_SECRET": {"name": name, "key": "raykv-transport-secret"},
         }
-        assert refs["RAY_AUTH_TOKEN"] == {
-            "name": secret["metadata"]["name"],
-            "key": "ray-auth-token",
-        }
-        assert refs["RAYKV_TRANSPORT_SECRET"]["key"] == "raykv-transport-secret"
         assert {"name": "RAY_AUTH_MODE", "value": "token"} in container["env"]
-    autoscaler_env = one(objects, "RayCluster")["spec"]["autoscalerOptions"]["env"]
-    assert any(e["name"] == "RAY_AUTH_TOKEN" for e in autoscaler_env)
+    # The test pod, the RayJob submitter and the autoscaler talk to Ray; they never see the
+    # transport secret.
+    for env_holder in [*clients, cluster["spec"]["autoscalerOptions"]]:
+        assert secret_refs(env_holder) == {
+            "RAY_AUTH_TOKEN": {"name": name, "key": "ray-auth-token"}
+        }
+
+
+def test_token_auth_off_leaves_only_the_transport_secret(render):
+    objects = render(values={"auth": {"rayTokenAuth": False}})
+    for obj in objects:
+        for spec in pod_specs(obj):
+            for container in spec["containers"]:
+                assert "RAY_AUTH_TOKEN" not in secret_refs(container)
+                assert all(e["name"] != "RAY_AUTH_MODE" for e in container.get("env", []))
+    assert "RAYKV_TRANSPORT_SECRET" in secret_refs(head_container(objects))
 
 
 def pod_specs_of(objects: list[dict]) -> list[dict]:

@@ -94,8 +94,8 @@ done
 exit 1
 {{- end -}}
 
-{{/* Env every Ray process of the release gets: the auth token and the transport secret. */}}
-{{- define "raykv.secretEnv" -}}
+{{/* Ray token auth env: every process that talks to the cluster (nodes, autoscaler, clients). */}}
+{{- define "raykv.rayAuthEnv" -}}
 {{- if .Values.auth.rayTokenAuth -}}
 - name: RAY_AUTH_MODE
   value: token
@@ -104,6 +104,13 @@ exit 1
     secretKeyRef:
       name: {{ include "raykv.secretName" . }}
       key: ray-auth-token
+{{- end -}}
+{{- end -}}
+
+{{/* Env of the Ray nodes (head and workers): auth plus the secret raykv's transport uses. */}}
+{{- define "raykv.nodeEnv" -}}
+{{- with (include "raykv.rayAuthEnv" .) }}
+{{- . }}
 {{ end -}}
 - name: RAYKV_TRANSPORT_SECRET
   valueFrom:

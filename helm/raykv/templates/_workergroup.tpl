@@ -40,7 +40,7 @@ KubeRay passes the limit to `ray start --num-gpus`.
           ports:
             - {containerPort: {{ $root.Values.metrics.port }}, name: metrics, protocol: TCP}
           env:
-            {{- include "raykv.secretEnv" $root | nindent 12 }}
+            {{- include "raykv.nodeEnv" $root | nindent 12 }}
           resources:
             {{- toYaml $resources | nindent 12 }}
           securityContext:
