@@ -1,8 +1,16 @@
-// Thin torch binding over raykv_paged_copy: stream, device guard, and the two CUDA runtime
-// queries the Python side needs (the UVA pointer of pinned host memory, peer access).
+// Torch binding over raykv_paged_copy: stream, device guard, the staged (pipelined) copy
+// between host rows and the paged tensors, and the two CUDA runtime queries the Python side
+// needs (the UVA pointer of pinned host memory, peer access).
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
+
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "paged_copy.h"
 
@@ -81,6 +89,239 @@ void memcpy_loop(const torch::Tensor& dst_ptrs, const torch::Tensor& src_ptrs,
   }
 }
 
+// --- staged mode: host rows through two device chunks, the whole pipeline from one call -------
+//
+// The caller's ("compute") stream runs the kernels, a per-device side stream the copy engine's
+// chunk copies; events hand each chunk across and each buffer back. The side stream first waits
+// for the compute stream, and the compute stream finally waits for the side stream, so the call
+// is ordered like one op on the compute stream, and the buffers (allocated on it) may go back
+// to torch's caching allocator as soon as the pipeline is enqueued.
+
+// torch.cuda.Stream(device) equivalent, one per device for the process.
+c10::cuda::CUDAStream side_stream(c10::DeviceIndex device) {
+  static std::mutex mu;
+  static std::unordered_map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+  const std::lock_guard<std::mutex> lock(mu);
+  auto it = streams.find(device);
+  if (it == streams.end()) {
+    it = streams.emplace(device, c10::cuda::getStreamFromPool(false, device)).first;
+  }
+  return it->second;
+}
+
+// Timing-free events, reused across calls (an event may be recorded again once every wait on
+// its previous record is enqueued). Taken and given back with the device current.
+class EventPool {
+ public:
+  cudaEvent_t take(c10::DeviceIndex device) {
+    {
+      const std::lock_guard<std::mutex> lock(mu_);
+      auto& free = free_[device];
+      if (!free.empty()) {
+        const cudaEvent_t event = free.back();
+        free.pop_back();
+        return event;
+      }
+    }
+    cudaEvent_t event = nullptr;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    return event;
+  }
+  void give(c10::DeviceIndex device, cudaEvent_t event) {
+    const std::lock_guard<std::mutex> lock(mu_);
+    free_[device].push_back(event);
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<c10::DeviceIndex, std::vector<cudaEvent_t>> free_;
+};
+
+EventPool& event_pool() {
+  static EventPool* pool = new EventPool();  // never destroyed: events outlive interpreter exit
+  return *pool;
+}
+
+// `waiter` runs its later work only after everything enqueued on `signaller` so far.
+void order(cudaStream_t waiter, cudaStream_t signaller, cudaEvent_t event) {
+  C10_CUDA_CHECK(cudaEventRecord(event, signaller));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(waiter, event, 0));
+}
+
+// One staged gather (paged -> device chunk -> host rows) or scatter (host rows -> device chunk
+// -> paged). Constructing it allocates the chunk buffers and orders the side stream after the
+// compute stream; a scatter may send its first `prefill` chunks to the device right away (they
+// write only the buffers, never the paged tensors), so the copy engine starts while the caller
+// still validates. run() enqueues everything else; cancel() (or destruction) drops a copy that
+// never ran, leaving the paged tensors untouched.
+class StagedCopy {
+ public:
+  StagedCopy(torch::Tensor rows, int64_t device, std::vector<int64_t> counts, bool gather,
+             int64_t prefill)
+      : rows_(std::move(rows)),
+        counts_(std::move(counts)),
+        device_(static_cast<c10::DeviceIndex>(device)),
+        gather_(gather),
+        compute_(c10::cuda::getCurrentCUDAStream(device_)),
+        side_(side_stream(device_)) {
+    TORCH_CHECK(rows_.device().is_cpu() && rows_.scalar_type() == torch::kUInt8 &&
+                    rows_.dim() == 2 && rows_.is_contiguous(),
+                "raykv StagedCopy: rows must be a contiguous uint8 [N, W] host tensor");
+    int64_t total = 0, biggest = 0;
+    for (const int64_t count : counts_) {
+      TORCH_CHECK(count > 0, "raykv StagedCopy: chunk row counts must be positive");
+      starts_.push_back(total);
+      total += count;
+      biggest = std::max(biggest, count);
+    }
+    TORCH_CHECK(!counts_.empty() && total == rows_.size(0),
+                "raykv StagedCopy: the chunks must cover the ", rows_.size(0), " rows");
+    const c10::cuda::CUDAGuard guard(device_);
+    const int64_t slots = std::min<int64_t>(2, static_cast<int64_t>(counts_.size()));
+    // one allocation, each chunk 256-byte aligned (odd row widths keep wide vectors and DMA)
+    const int64_t chunk_bytes = biggest * rows_.size(1), stride = (chunk_bytes + 255) / 256 * 256;
+    buffers_ = torch::empty({slots * stride},
+                            torch::dtype(torch::kUInt8).device(torch::kCUDA, device_));
+    for (int64_t s = 0; s < slots; ++s) {
+      chunks_.push_back(buffers_.narrow(0, s * stride, chunk_bytes).view({biggest, rows_.size(1)}));
+    }
+    for (cudaEvent_t* event : {&sync_, &handed_[0], &handed_[1], &released_[0], &released_[1]}) {
+      *event = event_pool().take(device_);
+    }
+    try {
+      // everything queued before on the compute stream (writes to the paged tensors, to or
+      // reads of the host rows) happens before any chunk copy
+      order(side_, compute_, sync_);
+      for (; !gather_ && static_cast<int64_t>(sent_) < std::min(prefill, slots); ++sent_) {
+        send(sent_);
+      }
+    } catch (...) {
+      finish();
+      throw;
+    }
+  }
+
+  StagedCopy(const StagedCopy&) = delete;
+  StagedCopy& operator=(const StagedCopy&) = delete;
+
+  ~StagedCopy() {
+    if (!finished_) {
+      try {
+        cancel();
+      } catch (...) {  // never throw from a destructor; the CUDA error resurfaces on next use
+      }
+    }
+  }
+
+  // segs: int64 [S, 4] on the device; block_ids: int64 [N] on the host or the device.
+  void run(const torch::Tensor& segs, const torch::Tensor& block_ids, int64_t num_ctas) {
+    TORCH_CHECK(!finished_, "raykv StagedCopy: run() after run() or cancel()");
+    TORCH_CHECK(segs.is_cuda() && segs.get_device() == device_ &&
+                    segs.scalar_type() == torch::kInt64 && segs.is_contiguous() &&
+                    segs.dim() == 2 && segs.size(1) == 4,
+                "raykv StagedCopy: segs must be a contiguous int64 [S, 4] tensor on the device");
+    TORCH_CHECK(block_ids.scalar_type() == torch::kInt64 && block_ids.dim() == 1 &&
+                    block_ids.numel() == rows_.size(0),
+                "raykv StagedCopy: block_ids must be int64 [N], one per row");
+    const c10::cuda::CUDAGuard guard(device_);
+    try {
+      // uploaded on the compute stream (a scatter's first chunks are already on their way)
+      const torch::Tensor ids =
+          block_ids.to(buffers_.device(), torch::kInt64, /*non_blocking=*/true).contiguous();
+      const auto* table = reinterpret_cast<const RaykvSegment*>(segs.data_ptr<int64_t>());
+      const int num_segs = static_cast<int>(segs.size(0));
+      const int64_t* id = ids.data_ptr<int64_t>();
+      for (size_t i = 0; i < counts_.size(); ++i) {
+        const size_t slot = i % 2;
+        if (gather_) {
+          if (i >= 2) wait(compute_, released_[slot]);  // its last chunk has left for the host
+          launch(table, num_segs, id + starts_[i], counts_[i], slot, num_ctas);
+          order(side_, compute_, handed_[slot]);
+          host_copy(i);
+          C10_CUDA_CHECK(cudaEventRecord(released_[slot], side_));
+        } else {
+          if (i >= sent_) send(i);
+          wait(compute_, handed_[slot]);
+          launch(table, num_segs, id + starts_[i], counts_[i], slot, num_ctas);
+          C10_CUDA_CHECK(cudaEventRecord(released_[slot], compute_));
+        }
+      }
+    } catch (...) {
+      finish();
+      throw;
+    }
+    finish();
+  }
+
+  // Drops a copy that never ran: the side stream's chunk copies complete into the buffers,
+  // the compute stream is ordered after them, nothing else is touched.
+  void cancel() {
+    if (finished_) return;
+    const c10::cuda::CUDAGuard guard(device_);
+    finish();
+  }
+
+ private:
+  // Scatter: chunk i from the host rows into its buffer on the side stream, then handed over.
+  void send(size_t i) {
+    const size_t slot = i % 2;
+    if (i >= 2) wait(side_, released_[slot]);  // the kernel reading its last chunk is done
+    host_copy(i);
+    C10_CUDA_CHECK(cudaEventRecord(handed_[slot], side_));
+  }
+
+  // Chunk i between the host rows and its buffer, on the side stream (torch's copy_, so a
+  // pinned block of torch's host allocator is not reused before the copy engine is done).
+  void host_copy(size_t i) {
+    const c10::cuda::CUDAStreamGuard on_side(side_);
+    torch::Tensor device_part = chunks_[i % 2].narrow(0, 0, counts_[i]);
+    torch::Tensor host_part = rows_.narrow(0, starts_[i], counts_[i]);
+    if (gather_) {
+      host_part.copy_(device_part, /*non_blocking=*/true);
+    } else {
+      device_part.copy_(host_part, /*non_blocking=*/true);
+    }
+  }
+
+  void launch(const RaykvSegment* table, int num_segs, const int64_t* ids, int64_t count,
+              size_t slot, int64_t num_ctas) {
+    void* chunk = chunks_[slot].data_ptr();
+    const cudaError_t err = static_cast<cudaError_t>(
+        raykv_paged_copy(table, num_segs, ids, count, chunk, rows_.size(1), gather_ ? 1 : 0,
+                         static_cast<int>(num_ctas), compute_.stream()));
+    TORCH_CHECK(err == cudaSuccess, "raykv paged_copy launch failed: ", cudaGetErrorString(err));
+  }
+
+  static void wait(const c10::cuda::CUDAStream& stream, cudaEvent_t event) {
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), event, 0));
+  }
+
+  // Later work on the compute stream sees every byte moved; the buffers and events go back
+  // (the buffers to torch's allocator, in the compute stream's order, which is now after every
+  // use on the side stream).
+  void finish() {
+    finished_ = true;
+    cudaError_t err = cudaEventRecord(sync_, side_);
+    if (err == cudaSuccess) err = cudaStreamWaitEvent(compute_, sync_, 0);
+    for (cudaEvent_t event : {sync_, handed_[0], handed_[1], released_[0], released_[1]}) {
+      event_pool().give(device_, event);
+    }
+    chunks_.clear();
+    buffers_ = torch::Tensor();
+    rows_ = torch::Tensor();
+    C10_CUDA_CHECK(err);
+  }
+
+  torch::Tensor rows_, buffers_;
+  std::vector<torch::Tensor> chunks_;  // [biggest, W] views of buffers_, one per slot
+  std::vector<int64_t> counts_, starts_;
+  c10::DeviceIndex device_;
+  bool gather_, finished_ = false;
+  c10::cuda::CUDAStream compute_, side_;
+  cudaEvent_t sync_ = nullptr, handed_[2] = {}, released_[2] = {};
+  size_t sent_ = 0;  // scatter: chunks already sent to the device
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -88,4 +329,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mapped_pointer", &mapped_pointer, "UVA device pointer of pinned host memory, or 0");
   m.def("enable_peer_access", &enable_peer_access, "enable peer access device -> peer");
   m.def("memcpy_loop", &memcpy_loop, "one cudaMemcpyAsync per span (benchmark baseline)");
+  py::class_<StagedCopy>(m, "StagedCopy")
+      .def(py::init<torch::Tensor, int64_t, std::vector<int64_t>, bool, int64_t>(),
+           py::arg("rows"), py::arg("device"), py::arg("counts"), py::arg("gather"),
+           py::arg("prefill"), "set up a staged copy (a scatter sends `prefill` chunks now)")
+      .def("run", &StagedCopy::run, py::arg("segs"), py::arg("block_ids"), py::arg("num_ctas"),
+           "enqueue the whole pipeline")
+      .def("cancel", &StagedCopy::cancel, "drop a copy that never ran");
 }

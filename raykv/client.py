@@ -7,6 +7,11 @@
     kv.load(rid, prompt, into=table[:hit.hit_tokens // block_size])
     ...; kv.store(rid, table, rows); kv.free(rid)
 
+Hybrid models (several KV groups) take block ids per group, as ``allocate`` returns them
+(``store(rid, tables, [rows_g0, rows_g1, ...])``, ``load(rid, prompt, into=tables)``); a
+one-group model also takes one flat list. A model served with ``tp_size=N`` takes rows per
+rank (``store(rid, ids, [rows_rank0, ..., rows_rankN-1])``) and ``read(ids, rank=r)``.
+
 Engine-facing calls go to the pool of the caller's node (found through the coordinator);
 ``lookup`` and ``stats`` go to the coordinator, and retry through a coordinator restart for
 up to ``retry_s`` seconds. A ``Client`` pickles to its settings, so a scheduler can hand it
@@ -109,20 +114,34 @@ class _Base:
     # Each op is (target, method, args, post): "coord" calls retry, "pool" calls do not.
     def _lookup_op(self, token_ids: Sequence[int], model: ServedModel, plan: Any):
         from raykv.blocks import BlockHasher
+        from raykv.service.groups import group_keys, primary_group
 
         ids = check_token_ids(token_ids, plan.max_model_len, model.name)
-        bs = plan.groups[0].block_size
-        hasher = BlockHasher(plan.hash_block_size)
-        k = bs // plan.hash_block_size
-        usable = max(len(ids) - 1, 0) // bs * bs  # at least one token is left to compute
-        hashes = hasher.hash_blocks(ids[:usable])[k - 1 :: k]
+        limit = max(len(ids) - 1, 0)  # at least one token is left to compute
+        keys = group_keys(plan, BlockHasher(plan.hash_block_size).hash_blocks(ids[:limit]))
+        bs = plan.groups[primary_group(plan)].block_size
         node = self._node_id()
 
-        def post(runs: list[tuple[str, str, int]]) -> LookupResult:
-            where = tuple(Hit(tier, n, n == node, count * bs) for tier, n, count in runs)
-            return LookupResult(sum(h.num_tokens for h in where), where, len(ids))
+        def post(res: dict[str, Any]) -> LookupResult:
+            where = tuple(Hit(tier, n, n == node, count * bs) for tier, n, count in res["runs"])
+            return LookupResult(res["hit_tokens"], where, len(ids))
 
-        return "coord", "lookup", (model.name, hashes, node), post
+        return "coord", "lookup", (model.name, keys, node, limit), post
+
+
+def _flat(block_ids: Sequence) -> bool:
+    """True for one flat list of ids (a one-group model's table)."""
+    return not any(isinstance(b, (list, tuple)) or getattr(b, "ndim", 0) > 0 for b in block_ids)
+
+
+def _read_post(flat: bool) -> Callable:
+    from raykv.service.rows import as_tensor
+
+    def post(rows: list) -> Any:
+        out = [as_tensor(r) for r in rows]
+        return out[0] if flat else out
+
+    return post
 
 
 def _ident(x: Any) -> Any:
@@ -216,24 +235,35 @@ class Client(_Base):
     ) -> list[list[int]] | None:
         return self._pool_call("allocate", request_id, num_new_tokens, token_ids)
 
-    def store(self, request_id: Hashable, block_ids: Sequence[int], rows: Any) -> int:
-        """Write uint8 rows [len(block_ids), row_bytes] into the request's blocks."""
-        import torch
+    def store(
+        self, request_id: Hashable, block_ids: Sequence, rows: Any, *, offload: bool = False
+    ) -> int:
+        """Write uint8 rows [n, row_bytes] into the request's blocks (per group, per rank;
+        see the module docstring; null ids are skipped). Full blocks become hits for every
+        node. ``offload`` also copies the request's complete CPU-tier entries to the node's
+        CPU tier now (else that happens when the GPU blocks are evicted). Returns the blocks
+        newly published."""
+        from raykv.service.rows import to_wire
 
-        if isinstance(rows, torch.Tensor) and rows.dtype == torch.uint8:
-            rows = rows.detach().cpu().contiguous().numpy()  # zero-copy through plasma
-        return self._pool_call("store", request_id, list(block_ids), rows)
+        return self._pool_call("store", request_id, list(block_ids), to_wire(rows), offload)
 
-    def load(self, request_id: Hashable, token_ids: Sequence[int], into: Sequence[int]):
+    def load(self, request_id: Hashable, token_ids: Sequence[int], into: Sequence) -> LoadResult:
+        """Fill ``into`` (the request's blocks, per group) with their positions' KV from the
+        best copies in the cluster; ``num_tokens`` is the prefix now backed in every group."""
         return self._pool_call(
             "load", request_id, token_ids, list(into), post=lambda d: LoadResult(**d)
         )
 
-    def read(self, block_ids: Sequence[int]):
-        """Bytes of the pool's blocks as a uint8 tensor [n, row_bytes]."""
-        from raykv.service.mover import as_tensor
+    def read(self, block_ids: Sequence, rank: int = 0):
+        """Bytes of the pool's blocks on ``rank``: a uint8 tensor [n, row_bytes] for a flat
+        list of ids, else a list of them, one per group."""
+        ids = list(block_ids)
+        return self._pool_call("read", ids, rank, post=_read_post(_flat(ids)))
 
-        return self._pool_call("read", list(block_ids), post=as_tensor)
+    def block_table(self, request_id: Hashable) -> list[list[int]]:
+        """The request's block ids per group now; slots a sliding window or chunk dropped
+        hold the null block 0 (``allocate`` returns only what a step appends)."""
+        return self._pool_call("block_table", request_id)
 
     def free(self, request_id: Hashable) -> None:
         self._pool_call("free", request_id)
@@ -291,19 +321,25 @@ class AsyncClient(_Base):
     async def allocate(self, request_id: Hashable, num_new_tokens: int, token_ids=None):
         return await self._pool_call("allocate", request_id, num_new_tokens, token_ids)
 
-    async def store(self, request_id: Hashable, block_ids: Sequence[int], rows: Any) -> int:
-        return await self._pool_call("store", request_id, list(block_ids), rows)
+    async def store(
+        self, request_id: Hashable, block_ids: Sequence, rows: Any, *, offload: bool = False
+    ) -> int:
+        from raykv.service.rows import to_wire
 
-    async def load(self, request_id: Hashable, token_ids: Sequence[int], into: Sequence[int]):
+        return await self._pool_call("store", request_id, list(block_ids), to_wire(rows), offload)
+
+    async def load(self, request_id: Hashable, token_ids: Sequence[int], into: Sequence):
         return LoadResult(**await self._pool_call("load", request_id, token_ids, list(into)))
 
     async def blocks_needed(self, request_id: Hashable, num_new_tokens: int, token_ids=None):
         return await self._pool_call("blocks_needed", request_id, num_new_tokens, token_ids)
 
-    async def read(self, block_ids: Sequence[int]):
-        from raykv.service.mover import as_tensor
+    async def read(self, block_ids: Sequence, rank: int = 0):
+        ids = list(block_ids)
+        return _read_post(_flat(ids))(await self._pool_call("read", ids, rank))
 
-        return as_tensor(await self._pool_call("read", list(block_ids)))
+    async def block_table(self, request_id: Hashable) -> list[list[int]]:
+        return await self._pool_call("block_table", request_id)
 
     async def free(self, request_id: Hashable) -> None:
         await self._pool_call("free", request_id)

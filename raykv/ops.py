@@ -4,8 +4,9 @@
 layer's K half, V half, an MLA latent...) into one contiguous uint8 row; `scatter_blocks` is
 its inverse. The CUDA kernel in `kernels/` does all entries and many blocks per launch: GPU <->
 GPU directly, GPU <-> pinned host either pipelined through device chunks that the copy engine
-moves ("staged", the default) or through mapped (UVA) host pointers ("direct"); the torch
-reference below runs everywhere else and gives the same bytes.
+moves ("staged", the default; one C++ call enqueues the whole pipeline) or through mapped (UVA)
+host pointers ("direct"); the torch reference below runs everywhere else and gives the same
+bytes.
 
 Logical vs kernel blocks (invariant 7): a logical block b covers the ADJACENT kernel blocks
 b*k .. b*k+k-1 (k = block_size // kernel_block_size), so `logical_view(t, k)` regroups dim 0
@@ -246,7 +247,7 @@ _module: ModuleType | None = None
 _status: str | None = None  # why the kernel is (not) in use, once decided
 _tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # segment tables per entries key, LRU
 _shapes: OrderedDict[tuple, tuple[int, int]] = OrderedDict()  # entries that passed the checks
-_copy_streams: dict[int | None, torch.cuda.Stream] = {}  # staged mode's side stream per device
+_chunk_counts_cache: dict[tuple, list[int]] = {}  # staged plans per (rows, width, direction...)
 
 
 def _load() -> ModuleType | None:
@@ -354,26 +355,22 @@ def _launch(
     ids: torch.Tensor,
     rows: torch.Tensor,
     gather: bool,
-    mode: str,
 ) -> bool:
-    """Runs the CUDA kernel; False where it cannot serve this call (the caller falls back)."""
+    """Runs the CUDA kernel in one launch (rows on a GPU, or pinned host memory through UVA);
+    False where it cannot serve this call (the caller falls back to the reference)."""
     device = entries[0].device
     if device.type != "cuda" or rows.shape[1] == 0:
         return False
     module = _load()
     if module is None:
         return False
-    staged = mode == "staged" and rows.device.type == "cpu" and rows.is_pinned()
-    pointer = 1 if staged else _rows_pointer(module, device, rows)
+    pointer = _rows_pointer(module, device, rows)
     if not pointer:
         return False
     with torch.cuda.device(device):
         table = _segment_table(entries, key)
         ids = ids.to(device, non_blocking=True).contiguous()
-        if staged:
-            _staged(module, table, ids, rows, gather)
-        else:
-            module.paged_copy(table, ids, pointer, rows.shape[1], gather, _CTAS)
+        module.paged_copy(table, ids, pointer, rows.shape[1], gather, _CTAS)
     return True
 
 
@@ -399,64 +396,45 @@ def _chunk_plan(num_rows: int, width: int, gather: bool) -> list[tuple[int, int]
     return plan
 
 
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The per-device side stream that carries staged mode's host <-> device chunk copies."""
-    with _lock:
-        stream = _copy_streams.get(device.index)
-        if stream is None:
-            stream = _copy_streams[device.index] = torch.cuda.Stream(device=device)
-    return stream
+def _chunk_counts(num_rows: int, width: int, gather: bool) -> list[int]:
+    """Row counts of `_chunk_plan`, cached (the plan is the same for every call of a size)."""
+    key = (num_rows, width, gather, _STAGING_BYTES, _FIRST_CHUNK_BYTES)
+    counts = _chunk_counts_cache.get(key)
+    if counts is None:
+        counts = [count for _, count in _chunk_plan(num_rows, width, gather)]
+        if len(_chunk_counts_cache) >= 1024:
+            _chunk_counts_cache.clear()
+        _chunk_counts_cache[key] = counts
+    return counts
 
 
-def _staged(
-    module: ModuleType, table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, gather: bool
-) -> None:
-    """Host rows through two alternating device chunks: the kernel gathers/scatters in HBM (~50x
-    faster than PCIe) on the caller's stream while the copy engine moves the neighbouring chunk
-    on a side stream, so PCIe stays busy from the first small chunk to the last.
+def _start_staged(rows: object, entries: list, gather: bool, mode: str):
+    """The kernel module's StagedCopy for host `rows`, or None where staged mode cannot serve
+    this call. Checks only what it needs itself: it may run before the arguments are validated.
 
-    Ordering matches one op on the caller's stream: the side stream first waits for everything
-    queued there, events hand each chunk across (and a buffer back once its last reader is
-    done), and the caller's stream finally waits for the side stream. The buffers are allocated
-    on the caller's stream and every side-stream use is ordered before its later work, so the
-    caching allocator may hand them out again as soon as this returns.
+    Staged mode moves host rows through two alternating device chunks: the kernel gathers or
+    scatters in HBM (~50x faster than PCIe) on the caller's stream while the copy engine moves
+    the neighbouring chunk on a side stream, so PCIe stays busy from the first chunk to the
+    last; kernels/paged_copy_binding.cpp enqueues the whole pipeline in one call (`run`) and
+    orders it like one op on the caller's stream. A scatter sends its first two chunks at once
+    (they write only the device chunks, never the paged tensors): the copy engine starts
+    before the ids are checked and uploaded.
     """
-    width, device = rows.shape[1], ids.device
-    plan = _chunk_plan(rows.shape[0], width, gather)
-    compute, side = torch.cuda.current_stream(device), _copy_stream(device)
-    biggest = max(count for _, count in plan)
-    buffers = [
-        torch.empty(biggest, width, dtype=torch.uint8, device=device)
-        for _ in range(min(2, len(plan)))
-    ]
-    released: list[torch.cuda.Event | None] = [None] * len(buffers)
-    side.wait_stream(compute)  # prior writes to the pool, or to / reads of the host rows
-    for i, (start, count) in enumerate(plan):
-        slot = i % len(buffers)
-        dev, part = buffers[slot][:count], rows[start : start + count]
-        chunk_ids = ids[start : start + count]
-        handed = torch.cuda.Event()
-        if gather:
-            if released[slot] is not None:
-                compute.wait_event(released[slot])  # its previous chunk has left for the host
-            module.paged_copy(table, chunk_ids, dev.data_ptr(), width, True, _CTAS)
-            handed.record(compute)
-            side.wait_event(handed)
-            with torch.cuda.stream(side):
-                part.copy_(dev, non_blocking=True)
-            released[slot] = torch.cuda.Event()
-            released[slot].record(side)
-        else:
-            if released[slot] is not None:
-                side.wait_event(released[slot])  # its previous chunk is scattered
-            with torch.cuda.stream(side):
-                dev.copy_(part, non_blocking=True)
-            handed.record(side)
-            compute.wait_event(handed)
-            module.paged_copy(table, chunk_ids, dev.data_ptr(), width, False, _CTAS)
-            released[slot] = torch.cuda.Event()
-            released[slot].record(compute)
-    compute.wait_stream(side)  # later work on the caller's stream sees every byte moved
+    if mode != "staged" or not entries or not isinstance(rows, torch.Tensor):
+        return None
+    first = entries[0]
+    if not isinstance(first, torch.Tensor) or not first.is_cuda:
+        return None
+    if rows.device.type != "cpu" or rows.dtype != torch.uint8 or rows.dim() != 2:
+        return None
+    num_rows, width = rows.shape
+    if not num_rows or not width or not rows.is_contiguous() or not rows.is_pinned():
+        return None
+    module = _load()
+    if module is None:
+        return None
+    counts = _chunk_counts(num_rows, width, gather)
+    return module.StagedCopy(rows, first.get_device(), counts, gather, 0 if gather else 2)
 
 
 _CTAS = int(os.environ.get("RAYKV_COPY_CTAS", "0"))  # 0: one full persistent grid
@@ -511,7 +489,12 @@ def gather_blocks(
     """
     mode = _mode(mode, "gather_blocks")
     entries, key, block_ids = _check(entries, block_ids, dst, "gather_blocks")
-    if block_ids.numel() and not _launch(entries, key, block_ids, dst, True, mode):
+    if not block_ids.numel():
+        return
+    staged = _start_staged(dst, entries, True, mode)  # after the checks: a gather reads the pool
+    if staged is not None:
+        staged.run(_segment_table(entries, key), block_ids, _CTAS)
+    elif not _launch(entries, key, block_ids, dst, True):
         _gather_reference(entries, block_ids, dst)
 
 
@@ -528,11 +511,22 @@ def scatter_blocks(
     since two rows written to one block would race.
     """
     mode = _mode(mode, "scatter_blocks")
-    entries, key, block_ids = _check(entries, block_ids, src, "scatter_blocks")
-    if _has_duplicates(block_ids):
-        raise InvalidInput(
-            f"scatter_blocks: block_ids hold duplicates ({block_ids.numel()} ids, "
-            f"{torch.unique(block_ids).numel()} distinct); each block may be written once"
-        )
-    if block_ids.numel() and not _launch(entries, key, block_ids, src, False, mode):
+    entries = list(entries)
+    # Host rows start towards the device before the checks (they overlap the first DMA): only
+    # device chunks are written until run(), so bad input still leaves the pool untouched.
+    staged = _start_staged(src, entries, False, mode)
+    try:
+        entries, key, block_ids = _check(entries, block_ids, src, "scatter_blocks")
+        if _has_duplicates(block_ids):
+            raise InvalidInput(
+                f"scatter_blocks: block_ids hold duplicates ({block_ids.numel()} ids, "
+                f"{torch.unique(block_ids).numel()} distinct); each block may be written once"
+            )
+    except BaseException:
+        if staged is not None:
+            staged.cancel()
+        raise
+    if staged is not None:
+        staged.run(_segment_table(entries, key), block_ids, _CTAS)
+    elif block_ids.numel() and not _launch(entries, key, block_ids, src, False):
         _scatter_reference(src, entries, block_ids)

@@ -260,9 +260,31 @@ _DIRECTIONS = {
 }
 
 
-def run(config: BenchConfig) -> dict:
+def run(
+    config: BenchConfig,
+    on_start: Callable[[dict], None] | None = None,
+    on_result: Callable[[dict], None] | None = None,
+) -> dict:
+    """The report; on_start sees it before the first measurement (results still empty),
+    on_result each result as it is measured (a long run shows its rows as it goes)."""
     device = torch.device(config.device)
-    results = []
+    report = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "path": ops.kernel_status() if device.type == "cuda" else "torch reference (CPU)",
+        "mode": ops._DEFAULT_MODE,
+        "per_block_loop": "C++ cudaMemcpyAsync loop (per-layer: one call per layer and K/V)"
+        if device.type == "cuda" and ops.kernel_module() is not None
+        else "python loop of tensor.copy_",
+        "config": {
+            **asdict(config),
+            "layouts": [{**asdict(lay), "dtype": str(lay.dtype)} for lay in config.layouts],
+        },
+        "results": [],
+    }
+    if on_start is not None:
+        on_start(report)
     for layout in config.layouts:
         pool = _Pool(layout, max(config.counts), device)
         gen = torch.Generator().manual_seed(0)
@@ -276,42 +298,33 @@ def run(config: BenchConfig) -> dict:
                         verified = verified and _verify(fns[name], pool, ids, to_host)
                 gbytes = n * pool.row_bytes / 1e9
                 gbps = {m: gbytes / (ms / 1e3) for m, ms in row.items()}
-                results.append(
-                    {
-                        "layout": layout.name,
-                        "blocks": n,
-                        "direction": _DIRECTIONS[device.type == "cuda"][to_host],
-                        "bytes": n * pool.row_bytes,
-                        "ms": row,
-                        "gbps": gbps,
-                        "raykv_over_contiguous": gbps["raykv"] / gbps["contiguous"],
-                        "raykv_over_per_block": gbps["raykv"] / gbps["per-block"],
-                        "raykv_over_per_layer": gbps["raykv"] / gbps["per-layer"],
-                        "direct_over_contiguous": gbps["raykv-direct"] / gbps["contiguous"],
-                        "verified": verified,
-                    }
-                )
+                result = {
+                    "layout": layout.name,
+                    "blocks": n,
+                    "direction": _DIRECTIONS[device.type == "cuda"][to_host],
+                    "bytes": n * pool.row_bytes,
+                    "ms": row,
+                    "gbps": gbps,
+                    "raykv_over_contiguous": gbps["raykv"] / gbps["contiguous"],
+                    "raykv_over_per_block": gbps["raykv"] / gbps["per-block"],
+                    "raykv_over_per_layer": gbps["raykv"] / gbps["per-layer"],
+                    "direct_over_contiguous": gbps["raykv-direct"] / gbps["contiguous"],
+                    "verified": verified,
+                }
+                report["results"].append(result)
+                if on_result is not None:
+                    on_result(result)
         del pool
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "path": ops.kernel_status() if device.type == "cuda" else "torch reference (CPU)",
-        "mode": ops._DEFAULT_MODE,
-        "per_block_loop": "C++ cudaMemcpyAsync loop (per-layer: one call per layer and K/V)"
-        if device.type == "cuda" and ops.kernel_module() is not None
-        else "python loop of tensor.copy_",
-        "config": {
-            **asdict(config),
-            "layouts": [{**asdict(lay), "dtype": str(lay.dtype)} for lay in config.layouts],
-        },
-        "results": results,
-    }
+    return report
 
 
 def format_table(report: dict) -> str:
+    return "\n".join(_header_lines(report) + [_row_line(r) for r in report["results"]])
+
+
+def _header_lines(report: dict) -> list[str]:
     lines = [
         f"raykv bench copy  {report['date']}  device: {report['device']}  torch {report['torch']}",
         f"raykv path: {report['path']}",
@@ -327,17 +340,18 @@ def format_table(report: dict) -> str:
         + f" {'raykv/contig':>12} {'direct/contig':>13} {'raykv/per-blk':>13}"
         + f" {'raykv/per-lyr':>13} ok"
     )
-    lines += [head, "-" * len(head)]
-    for r in report["results"]:
-        lines.append(
-            f"{r['layout']:<27} {r['blocks']:>6} {r['direction']:<11} "
-            f"{r['bytes'] / 2**20:>7.0f} "
-            + " ".join(f"{r['gbps'][m]:>12.2f}" for m in METHODS)
-            + f" {r['raykv_over_contiguous']:>12.3f} {r['direct_over_contiguous']:>13.3f}"
-            + f" {r['raykv_over_per_block']:>13.2f} {r['raykv_over_per_layer']:>13.2f}"
-            + f" {'yes' if r['verified'] else 'NO'}"
-        )
-    return "\n".join(lines)
+    return [*lines, head, "-" * len(head)]
+
+
+def _row_line(r: dict) -> str:
+    return (
+        f"{r['layout']:<27} {r['blocks']:>6} {r['direction']:<11} "
+        f"{r['bytes'] / 2**20:>7.0f} "
+        + " ".join(f"{r['gbps'][m]:>12.2f}" for m in METHODS)
+        + f" {r['raykv_over_contiguous']:>12.3f} {r['direct_over_contiguous']:>13.3f}"
+        + f" {r['raykv_over_per_block']:>13.2f} {r['raykv_over_per_layer']:>13.2f}"
+        + f" {'yes' if r['verified'] else 'NO'}"
+    )
 
 
 def main(
@@ -354,11 +368,15 @@ def main(
         )
     if reps:
         config = BenchConfig(config.layouts, config.counts, config.warmup, reps, config.device)
-    report = run(config)
     if json_path == "-":
+        report = run(config)
         print(json.dumps(report, indent=2))
-    else:
-        print(format_table(report))
+    else:  # the table row by row as measured, the same text format_table(report) gives
+        report = run(
+            config,
+            on_start=lambda rep: print("\n".join(_header_lines(rep)), flush=True),
+            on_result=lambda r: print(_row_line(r), flush=True),
+        )
         if json_path:
             with open(json_path, "w") as f:
                 json.dump(report, f, indent=2)

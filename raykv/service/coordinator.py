@@ -18,9 +18,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
-from raykv.errors import ConfigError, InvalidInput
+from raykv.errors import ConfigError, InvalidInput, ServiceError
+from raykv.service.groups import (
+    check_servable,
+    common_hit,
+    key_limit,
+    managers,
+    needed_slots,
+    primary_group,
+)
 from raykv.service.index import CPU, GPU, Location, PrefixIndex
 from raykv.service.metrics import ServiceMetrics
 from raykv.service.spec import (
@@ -28,13 +39,22 @@ from raykv.service.spec import (
     DEFAULT_POOL_BYTES,
     NAMESPACE,
     ServedModel,
+    group_name,
     pool_name,
+    rank_name,
     tier_name,
 )
 
 HEARTBEAT_S = 1.0
 DEAD_AFTER_S = 6.0  # missed heartbeats before a member's blocks stop being hits
 CALL_TIMEOUT_S = 10.0
+PLACE_TIMEOUT_S = 60.0
+CPU_POOL_SLIVER = 0.01  # CPU share a CPU-device pool's bundle reserves (bundles can't be empty)
+NODE_LABEL = "ray.io/node-id"  # Ray's built-in node label: pins a TP group's bundles
+_DETACHED = dict(
+    namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=0, num_cpus=0
+)
+_MEMBER_PREFIXES = ("raykv-pool-", "raykv-tier-")
 
 
 @dataclass
@@ -67,6 +87,7 @@ class Coordinator:
         self._ready: asyncio.Event | None = None
         self._health: asyncio.Task | None = None
         self._placed_on: set[str] = set()  # nodes _place has seen (new ones get placed)
+        self._managers: dict[str, Any] = {}  # model -> its group managers (hit rules)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -85,7 +106,7 @@ class Coordinator:
         names = [
             a["name"]
             for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == NAMESPACE and a["name"].startswith(("raykv-pool-", "raykv-tier-"))
+            if a["namespace"] == NAMESPACE and a["name"].startswith(_MEMBER_PREFIXES)
         ]
 
         async def snap(name: str) -> None:
@@ -124,8 +145,10 @@ class Coordinator:
     # --- models and placement -----------------------------------------------------------
 
     async def add_model(self, model: ServedModel) -> Any:
-        """Plan ``model`` once and place its pools (one per GPU, or one CPU-device pool per
-        GPU-less node) and a CPU tier per node. Idempotent for the same model."""
+        """Plan ``model`` once (with its tp_size) and place its TP groups (``tp_size`` pools
+        per group: one group per ``tp_size`` GPUs of a node, or one of CPU-device pools per
+        GPU-less node) and a CPU tier per node. Idempotent for the same model. A model the
+        service cannot serve raises ConfigError before anything is recorded."""
         await self._up()
         have = self.models.get(model.name)
         if have is not None:
@@ -135,8 +158,17 @@ class Coordinator:
                     "remove it first (raykv down) or serve the new one under another name"
                 )
         else:
+            gpus = [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"]]
+            if any(gpus) and max(gpus) < model.tp_size:
+                raise ConfigError(
+                    f"model {model.name!r} has tp_size={model.tp_size}, but the largest node "
+                    f"has {max(gpus)} GPU(s) and a TP group lives on one node; lower tp_size "
+                    f"to at most {max(gpus)} or add a node with {model.tp_size} GPUs"
+                )
             gpu_bytes = model.pool_bytes or await self._probe_gpu_bytes(model)
-            self.plans[model.name] = model.plan(gpu_bytes)
+            plan = model.plan(gpu_bytes)
+            check_servable(plan)
+            self.plans[model.name] = plan
             self.models[model.name] = model
         await self._place()
         return self.plans[model.name]
@@ -148,9 +180,8 @@ class Coordinator:
         return await probe.remote(model.gpu_mem_fraction)
 
     async def _place(self) -> None:
-        """Start whatever is missing: a tier per alive node, the pools of every model."""
+        """Start whatever is missing: a tier per alive node, the TP groups of every model."""
         from raykv.service.cpu_tier import CpuTierActor
-        from raykv.service.gpu_pool import GpuPool
 
         starting = []
         for node in ray.nodes():
@@ -159,27 +190,81 @@ class Coordinator:
             nid = node["NodeID"]
             self._placed_on.add(nid)
             pin = NodeAffinitySchedulingStrategy(nid, soft=False)
-            common = dict(
-                namespace=NAMESPACE,
-                lifetime="detached",
-                get_if_exists=True,
-                scheduling_strategy=pin,
-                max_restarts=0,
-                num_cpus=0,
+            tier = (
+                ray.remote(CpuTierActor)
+                .options(name=tier_name(nid), scheduling_strategy=pin, **_DETACHED)
+                .remote(nid)
             )
-            tier = ray.remote(CpuTierActor).options(name=tier_name(nid), **common).remote(nid)
             starting.append(tier.start.remote())
             num_gpus = int(node["Resources"].get("GPU", 0))
             for name, model in self.models.items():
-                for i in range(max(num_gpus, 1)):
-                    pname = pool_name(name, nid, i)
-                    pool = (
-                        ray.remote(GpuPool)
-                        .options(name=pname, num_gpus=1 if num_gpus else 0, **common)
-                        .remote(pname, model, self.plans[name], nid, "cuda" if num_gpus else "cpu")
-                    )
-                    starting.append(pool.start.remote())
+                groups = num_gpus // model.tp_size if num_gpus else 1
+                for i in range(groups):
+                    starting.append(self._place_group(name, nid, i, num_gpus > 0))
         await asyncio.gather(*starting)
+
+    async def _place_group(self, model: str, nid: str, index: int, gpu: bool) -> str:
+        """One TP group of ``model`` on node ``nid``: tp_size=1 is one pool pinned to the
+        node; more ranks share a STRICT_PACK placement group on that node (one GPU per
+        bundle, or a sliver of CPU for CPU-device pools: bundles cannot be empty)."""
+        from raykv.service.gpu_pool import GpuPool
+        from raykv.service.rank import RankPool
+
+        m, plan = self.models[model], self.plans[model]
+        pname, device = pool_name(model, nid, index), "cuda" if gpu else "cpu"
+        if m.tp_size == 1:
+            pin = NodeAffinitySchedulingStrategy(nid, soft=False)
+            pool = (
+                ray.remote(GpuPool)
+                .options(name=pname, num_gpus=int(gpu), scheduling_strategy=pin, **_DETACHED)
+                .remote(pname, m, plan, nid, device)
+            )
+            return await pool.start.remote()
+        pg = await self._tp_placement(pname, nid, m.tp_size, gpu)
+        ranks = [rank_name(pname, r) for r in range(1, m.tp_size)]
+
+        def in_bundle(r: int) -> dict:
+            return dict(
+                num_gpus=int(gpu),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r),
+                **_DETACHED,
+            )
+
+        for r, rname in enumerate(ranks, start=1):
+            ray.remote(RankPool).options(name=rname, **in_bundle(r)).remote(rname, plan, r, device)
+        pool = (
+            ray.remote(GpuPool)
+            .options(name=pname, **in_bundle(0))
+            .remote(pname, m, plan, nid, device, ranks)
+        )
+        return await pool.start.remote()
+
+    async def _tp_placement(self, pool: str, nid: str, tp: int, gpu: bool) -> Any:
+        from ray.util.placement_group import get_placement_group, placement_group
+
+        name = group_name(pool)
+        try:
+            pg = get_placement_group(name)
+        except ValueError:
+            bundle = {"GPU": 1} if gpu else {"CPU": CPU_POOL_SLIVER}
+            pg = placement_group(
+                [dict(bundle) for _ in range(tp)],
+                strategy="STRICT_PACK",
+                name=name,
+                lifetime="detached",
+                bundle_label_selector=[{NODE_LABEL: nid} for _ in range(tp)],
+            )
+        try:
+            await asyncio.wait_for(pg.ready(), PLACE_TIMEOUT_S)
+        except TimeoutError:
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(pg)
+            raise ServiceError(
+                f"could not place a TP group of {tp} ranks on node {nid[:12]} within "
+                f"{PLACE_TIMEOUT_S:.0f}s (placement group {name!r}); check its free "
+                f"{'GPUs' if gpu else 'CPUs'}"
+            ) from None
+        return pg
 
     def model(self, name: str) -> tuple[ServedModel, Any]:
         if name not in self.models:
@@ -272,27 +357,50 @@ class Coordinator:
     # --- lookup -------------------------------------------------------------------------
 
     async def lookup(
-        self, model: str, block_hashes: list[Hashable], node_id: str
-    ) -> list[tuple[str, str, int]]:
-        """The leading blocks of ``block_hashes`` someone holds, as runs of
-        ``(tier, node_id, num_blocks)`` of their best copies seen from ``node_id`` (runs keep
-        the answer small: a 32k-token prompt is 2048 blocks)."""
+        self, model: str, keys: list, node_id: str, limit: int | None = None
+    ) -> dict[str, Any]:
+        """The longest prefix (<= ``limit`` tokens) every group can serve, with ``keys`` per
+        group (a one-group model also takes a flat list): ``hit_tokens``, and ``runs`` of
+        ``(tier, node_id, num_blocks)`` of the best copies, seen from ``node_id``, of the
+        blocks the primary group (full attention / MLA, else the first) needs for it. Runs
+        keep the answer small: a 32k-token prompt is 2048 blocks."""
         await self._up()
         t0 = time.perf_counter()
-        self.model(model)
+        _, plan = self.model(model)
+        if keys and not isinstance(keys[0], list):
+            keys = [keys]
+        if len(keys) != len(plan.groups):
+            raise InvalidInput(
+                f"model {model!r} has {len(plan.groups)} KV groups, lookup got keys for {len(keys)}"
+            )
+        mgrs = self._managers.get(model)
+        if mgrs is None:
+            mgrs = self._managers[model] = managers(plan)
+        best: dict[tuple[int, int], Location | None] = {}
+
+        def where(gi: int, j: int) -> Location | None:
+            if (gi, j) not in best:
+                copies = self.index.copies(model, keys[gi][j])
+                best[gi, j] = min(copies, key=lambda c: c.rank(node_id)) if copies else None
+            return best[gi, j]
+
+        cap = key_limit(plan, keys)
+        cap = cap if limit is None else min(cap, limit)
+        hit = common_hit(mgrs, lambda gi, j: where(gi, j) is not None, cap)
+        p = primary_group(plan)
         runs: list[list] = []
-        for loc in self.index.longest_prefix(model, block_hashes, node_id):
+        for j in needed_slots(mgrs[p], hit):
+            loc = where(p, j)
             if runs and runs[-1][0] == loc.tier and runs[-1][1] == loc.node_id:
                 runs[-1][2] += 1
             else:
                 runs.append([loc.tier, loc.node_id, 1])
-        hit = 0
         for tier, node, n in runs:
             self.metrics.hit(model, f"{'local' if node == node_id else 'remote'}_{tier}", n)
-            hit += n
-        self.metrics.miss(model, "all", len(block_hashes) - hit)
+        looked = cap // plan.groups[p].block_size
+        self.metrics.miss(model, "all", looked - hit // plan.groups[p].block_size)
         self.metrics.lookup_ms(model, (time.perf_counter() - t0) * 1e3)
-        return [tuple(r) for r in runs]
+        return {"hit_tokens": hit, "runs": [tuple(r) for r in runs]}
 
     async def locate(self, model: str, block_hashes: list[Hashable], node_id: str) -> list:
         """Every copy of each block, best first (a loader falls back when one fails)."""
@@ -337,8 +445,14 @@ class Coordinator:
                     "max_model_len": m.max_model_len,
                     "block_size": m.block_size,
                     "tp_size": m.tp_size,
+                    "groups": [
+                        [g.spec.kind, g.block_size, len(g.layer_names)]
+                        for g in self.plans[name].groups
+                    ],
                     "num_gpu_blocks": self.plans[name].num_gpu_blocks,
                     "cpu_num_blocks": self.plans[name].cpu_num_blocks,
+                    "cpu_bytes_per_block": self.plans[name].cpu_bytes_per_block,
+                    "block_size_factor": self.plans[name].block_size_factor,
                 }
                 for name, m in self.models.items()
             },
@@ -353,19 +467,28 @@ class Coordinator:
         }
 
     async def shutdown_service(self) -> int:
-        """Kill every pool and tier (``raykv down``); the caller then kills this actor."""
+        """Kill every pool, TP rank and tier and remove the TP placement groups (``raykv
+        down``); the caller then kills this actor. Returns the actors killed."""
+        from ray.util.placement_group import PlacementGroup, remove_placement_group
+
         names = [
             a["name"]
             for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == NAMESPACE and a["name"].startswith(("raykv-pool-", "raykv-tier-"))
+            if a["namespace"] == NAMESPACE
+            and a["name"].startswith((*_MEMBER_PREFIXES, "raykv-rank-"))
         ]
         for name in names:
             with contextlib.suppress(Exception):  # gone already
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        for pg_id, pg in ray.util.placement_group_table().items():
+            if pg.get("name", "").startswith("raykv-tp-") and pg.get("state") != "REMOVED":
+                with contextlib.suppress(Exception):  # removed meanwhile
+                    remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
         self.members.clear()
         self.index = PrefixIndex()
         self.models.clear()
         self.plans.clear()
+        self._managers.clear()
         return len(names)
 
 

@@ -98,8 +98,9 @@ class CpuTierActor(Member):
         carried blocks of group g in job order. Returns the entries newly stored."""
         mt = self._tier(model)
         tier, f = mt.tier, mt.tier.factor
+        masks = job.valid_masks()
         if len(members) != len(job.keys) or any(
-            len(m) != w or sum(x is not None for x in m) != sum(job.valid_masks()[k])
+            len(m) != w or [x is not None for x in m] != list(masks[k])
             for k, (m, w) in enumerate(zip(members, job.key_widths, strict=True))
         ):
             raise InvalidInput("each stored entry needs one member key per sub-slot it carries")
@@ -138,7 +139,6 @@ class CpuTierActor(Member):
             tier.finish_store(res, ok=False)
             raise
         index = {k: i for i, k in enumerate(job.keys)}
-        masks = job.valid_masks()
         tier.finish_store(res, ok=True, valid=[masks[index[k]] for k in res.keys])
         removed = [m for e in res.evicted for m in mt.forget(e)]
         added = [m for k in res.keys for m in mt.note(k, members[index[k]])]
@@ -174,8 +174,6 @@ class CpuTierActor(Member):
             rows = tier.arena[:, idx, : mt.widths[gid]].numpy()
         finally:
             tier.finish_load(lease)
-        for e in entries:
-            tier.policy.touch(e)
         self.metrics.hit(model, CPU, len(chosen))
         self.metrics.moved(model, CPU, rows.nbytes)
         return len(chosen), rows

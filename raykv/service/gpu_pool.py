@@ -118,7 +118,9 @@ class GpuPool(Member):
         handles = self._ranks()
         refs = [handles[r - 1].gather.remote(gi, block_ids) for r in ranks if r]
         remote = iter(await self._remote(refs))
-        out = [self.local.gather(gi, block_ids) if r == 0 else as_tensor(next(remote)) for r in ranks]
+        out = [
+            self.local.gather(gi, block_ids) if r == 0 else as_tensor(next(remote)) for r in ranks
+        ]
         return torch.stack(out) if out else torch.empty((0, len(block_ids), self.widths[gi]))
 
     async def _scatter(self, gi: int, rows: Sequence[torch.Tensor], block_ids: list[int]) -> None:
@@ -236,7 +238,7 @@ class GpuPool(Member):
             if b in self.key_of and not self._cached_as(b, self.key_of[b])
         ]
         if evicted:
-            chunks = {id(c): c for b in evicted if (c := self.chunk_of.get(self.key_of[b]))}
+            chunks = {c.key: c for b in evicted if (c := self.chunk_of.get(self.key_of[b]))}
             await self._offload(list(chunks.values()))
             keys = [self._invalidate(b) for b in evicted]
             self.metrics.evicted(self.model.name, GPU, len(evicted))
@@ -425,6 +427,10 @@ class GpuPool(Member):
                 failed.add(source)  # it lost the rest meanwhile; try the next copy
             i += n
         return moved
+
+    async def block_table(self, rid: Hashable) -> list[list[int]]:
+        """The request's logical block ids per group now (null slots are 0)."""
+        return self.bm.block_table(rid)
 
     async def free(self, rid: Hashable) -> None:
         self.bm.free(rid)

@@ -20,17 +20,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from raykv.blocks.managers import GroupManager, manager_for
+from raykv.blocks.pool import NULL_BLOCK
 from raykv.errors import ConfigError, InvalidInput
 from raykv.layout.plan import Plan
-from raykv.tiers.cpu_tier import tp_copies
-from raykv.tiers.gpu_kv import tensor_pages
-from raykv.tiers.jobs import NULL_BLOCK, group_block_hashes, group_factor
 
+# raykv.tiers (torch) is imported where it is used: the coordinator looks prefixes up
+# without torch.
 Tables = list[list[int]]
 
 
 def group_keys(plan: Plan, hashes: Sequence[bytes]) -> list[list[bytes]]:
     """Per group, the key of each full block (from a request's chained hashes)."""
+    from raykv.tiers.jobs import group_block_hashes
+
     return group_block_hashes(plan, hashes)
 
 
@@ -41,17 +43,23 @@ def key_group(key: bytes) -> int:
 
 def row_widths(plan: Plan) -> tuple[int, ...]:
     """Per group (plan order): bytes of one block's row on one rank (the tensors it uses)."""
+    from raykv.tiers.gpu_kv import tensor_pages
+
     pages = tensor_pages(plan)
     return tuple(sum(pages[: len(g.layer_names)]) for g in plan.groups)
 
 
 def factors(plan: Plan) -> tuple[int, ...]:
     """Per group: GPU blocks per CPU-tier entry (ConfigError if they do not line up)."""
+    from raykv.tiers.jobs import group_factor
+
     return tuple(group_factor(plan, g) for g in plan.groups)
 
 
 def copy_of_rank(plan: Plan) -> tuple[int, ...]:
     """Per rank: the distinct TP copy it holds (MLA: every rank holds copy 0)."""
+    from raykv.tiers.cpu_tier import tp_copies
+
     copies = tp_copies(plan)
     return tuple(r * copies // plan.tp_size for r in range(plan.tp_size))
 
@@ -130,9 +138,7 @@ def managers(plan: Plan) -> tuple[GroupManager, ...]:
     return tuple(manager_for(g) for g in plan.groups)
 
 
-def common_hit(
-    mgrs: Sequence[GroupManager], has: Callable[[int, int], bool], limit: int
-) -> int:
+def common_hit(mgrs: Sequence[GroupManager], has: Callable[[int, int], bool], limit: int) -> int:
     """Longest prefix (<= ``limit`` tokens) every group serves; ``has(group index, slot)``
     says whether that slot's block is available. Each group answers the longest hit <= the
     candidate; the candidate only shrinks, so it ends at a length all groups accept."""

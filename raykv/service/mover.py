@@ -9,15 +9,16 @@ and UCX transports of ``raykv.transport`` exist.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Hashable, Sequence
 from typing import Protocol
 
-import numpy as np
 import ray
 import torch
 
+from raykv.service.rows import as_tensor
 from raykv.service.spec import NAMESPACE
+
+__all__ = ["BlockMover", "ObjectStoreMover", "as_tensor"]
 
 
 class BlockMover(Protocol):
@@ -26,7 +27,8 @@ class BlockMover(Protocol):
     async def fetch(
         self, source: str, model: str, block_hashes: Sequence[Hashable], block_ids: Sequence[int]
     ) -> tuple[int, torch.Tensor]:
-        """Rows of the leading blocks ``source`` still holds: (count, uint8 [count, row])."""
+        """Rows of the leading blocks ``source`` still holds (block keys of one group):
+        (count, uint8 [distinct TP copies, count, row_bytes])."""
         ...
 
 
@@ -41,10 +43,3 @@ class ObjectStoreMover:
         actor = ray.get_actor(source, namespace=NAMESPACE)
         n, rows = await actor.read_hashes.remote(model, list(block_hashes), list(block_ids))
         return n, as_tensor(rows)
-
-
-def as_tensor(rows: np.ndarray) -> torch.Tensor:
-    """Zero-copy view of rows read from the object store (read-only: we only copy from it)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "non-writable array"
-        return torch.from_numpy(rows)

@@ -1,8 +1,9 @@
 """What the service serves: one ``ServedModel`` per model name, planned once per model.
 
-A model's plan is the same for every pool (one rank of one GPU, or a CPU-device pool), so
-every pool's block ids, row bytes and block hashes agree and blocks move between them as
-plain rows of bytes.
+A model's plan is the same for every pool (one TP rank of one GPU, or a CPU-device pool),
+so every pool's block ids, row bytes and block keys agree and blocks move between them as
+plain rows of bytes. ``tp_size`` ranks of one engine instance form one TP group: a
+``GpuPool`` (rank 0) plus ``tp_size - 1`` ``RankPool`` actors in one placement group.
 """
 
 from __future__ import annotations
@@ -27,20 +28,34 @@ def tier_name(node_id: str) -> str:
     return f"raykv-tier-{node_id[:12]}"
 
 
+def rank_name(pool: str, rank: int) -> str:
+    """Rank ``rank`` (>= 1) of the TP group whose rank 0 is the pool ``pool``."""
+    return "raykv-rank-" + pool.removeprefix("raykv-pool-") + f"-r{rank}"
+
+
+def group_name(pool: str) -> str:
+    """The placement group of the TP group whose rank 0 is the pool ``pool``."""
+    return "raykv-tp-" + pool.removeprefix("raykv-pool-")
+
+
 @dataclass(frozen=True)
 class ServedModel:
     """A model the service holds KV for. ``pool_bytes`` 0: ``gpu_mem_fraction`` of the GPU's
-    memory on GPU pools, ``DEFAULT_POOL_BYTES`` on CPU-device pools."""
+    memory on GPU pools, ``DEFAULT_POOL_BYTES`` on CPU-device pools. Any layer mix the
+    layout plans is served as long as every group is prefix-cacheable (no Mamba / cross
+    attention); ``offload_block_size`` a multiple of the block size makes CPU-tier entries
+    of several GPU blocks."""
 
     name: str
     layers: Mapping[str, KVSpec] = field(hash=False)
     max_model_len: int
     max_num_batched_tokens: int = 8192
     block_size: int = 16
-    tp_size: int = 1
+    tp_size: int = 1  # ranks per engine instance: per-rank pool bytes, one pool actor each
     gpu_mem_fraction: float = 0.9
-    pool_bytes: int = 0
+    pool_bytes: int = 0  # KV bytes per rank
     cpu_bytes: int = DEFAULT_TIER_BYTES
+    offload_block_size: int | None = None  # tokens per CPU-tier entry (default block_size)
 
     def __post_init__(self) -> None:
         if (
@@ -66,6 +81,7 @@ class ServedModel:
             tp_size=self.tp_size,
             cpu_bytes=self.cpu_bytes,
             block_size=self.block_size,
+            offload_block_size=self.offload_block_size,
         )
 
 

@@ -329,3 +329,49 @@ def test_staged_chunk_plan_covers_every_row_once(num_rows, width, staging, first
     if len(ramp) > 1:  # the last one may be a remainder
         assert ramp[-1] <= min(cap, 2 * ramp[-2])
     assert len(plan) <= num_rows // cap + cap.bit_length() + 2
+
+
+class RecordingStagedCopy:
+    """Stands in for the kernel module's StagedCopy: records what scatter_blocks asks of it."""
+
+    def __init__(self, calls: list[str]):
+        self.calls = calls
+
+    def run(self, segs, block_ids, num_ctas):
+        self.calls.append("run")
+
+    def cancel(self):
+        self.calls.append("cancel")
+
+
+@pytest.mark.parametrize("ids", [[4, 0, 2], [4, 5, 2], [4, -1, 2], [4, 0, 4], [4, 0]])
+def test_staged_scatter_starts_before_the_checks_and_cancels_on_bad_ids(monkeypatch, ids):
+    """Staged scatter sets its copy up (first chunks on their way) before validating; bad ids
+    cancel it before run() could write the pool, good ones run it exactly once."""
+    layer, entries = _pool()
+    before = layer.clone()
+    calls: list[str] = []
+
+    def start(rows, entries_, gather, mode):
+        calls.append("start")
+        assert not gather and rows is src
+        return RecordingStagedCopy(calls)
+
+    real_check = ops._check
+
+    def check(*args):
+        calls.append("check")
+        return real_check(*args)
+
+    monkeypatch.setattr(ops, "_start_staged", start)
+    monkeypatch.setattr(ops, "_check", check)
+    src = rows_for(entries, 3)
+    valid = ids == [4, 0, 2]
+    if valid:
+        scatter_blocks(src, entries, torch.tensor(ids))
+        assert calls == ["start", "check", "run"]
+    else:
+        with pytest.raises(InvalidInput):
+            scatter_blocks(src, entries, torch.tensor(ids))
+        assert calls == ["start", "check", "cancel"]
+    assert same_bits(layer, before)  # the stand-in never writes; the reference never ran

@@ -266,3 +266,37 @@ def test_scatter_rejects_duplicate_ids_on_the_device(kernel):
         scatter_blocks(rows, entries, torch.tensor([4, 9, 4], device="cuda:0"))
     for b, o in zip(backing, before, strict=True):
         assert torch.equal(b.view(torch.uint8), o.view(torch.uint8))
+
+
+@pytest.mark.parametrize("bad", ["id_high", "id_negative", "duplicates", "id_dtype", "count"])
+def test_staged_scatter_rejects_bad_ids_before_touching_the_pool(kernel, monkeypatch, bad):
+    """A staged scatter sends its first chunks to the device before it checks the ids; a bad id
+    still raises InvalidInput with every byte of the pool as it was, and the next (valid)
+    scatter through the same streams and buffers lands exactly."""
+    monkeypatch.setattr(ops, "_STAGING_BYTES", 64 << 10)  # 64 chunks: in flight at the raise
+    gen = torch.Generator().manual_seed(13)
+    entries, backing = kv_entries("kv", 600, 16, torch.bfloat16, 4, gen, "cuda:0")
+    before = [b.clone() for b in backing]
+    ids = random_ids(600, 512, gen)
+    src = poisoned(512, row_bytes(entries), "pinned")
+    src.copy_(torch.randint(0, 256, tuple(src.shape), dtype=torch.uint8, generator=gen))
+    bad_ids = ids.clone()
+    if bad == "id_high":
+        bad_ids[300] = 600
+    elif bad == "id_negative":
+        bad_ids[-1] = -1
+    elif bad == "duplicates":
+        bad_ids[7] = bad_ids[400]
+    elif bad == "id_dtype":
+        bad_ids = bad_ids.to(torch.int32)
+    else:
+        bad_ids = bad_ids[:-1]
+    with pytest.raises(ops.InvalidInput):
+        scatter_blocks(src, entries, bad_ids, mode="staged")
+    torch.cuda.synchronize()
+    for b, o in zip(backing, before, strict=True):
+        assert torch.equal(b.view(torch.uint8), o.view(torch.uint8))
+
+    scatter_blocks(src, entries, ids, mode="staged")
+    torch.cuda.synchronize()
+    assert torch.equal(reference_rows(entries, ids), src)

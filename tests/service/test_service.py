@@ -2,7 +2,6 @@
 input, a coordinator restart and a node leaving. Destructive tests run last."""
 
 import asyncio
-import os
 import time
 from types import SimpleNamespace
 
@@ -35,32 +34,11 @@ def rows(n: int, seed: int) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def svc():
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    import ray
-    from ray.cluster_utils import Cluster
-
-    import raykv
-
-    node = dict(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=80 << 20)
-    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
-    workers = [cluster.add_node(**node) for _ in range(2)]
-    try:
-        kv = raykv.connect(cluster.address)
-        plan = kv.add_model(
-            "t", LAYERS, max_model_len=MAX_LEN, pool_bytes=48 * ROW, cpu_bytes=64 * ROW
-        )
-        yield SimpleNamespace(
-            cluster=cluster,
-            kv=kv,
-            plan=plan,
-            workers=workers,
-            head=cluster.head_node.node_id,
-            ids=[w.node_id for w in workers],
-        )
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+def svc(ray_cluster):
+    plan = ray_cluster.kv.add_model(
+        "t", LAYERS, max_model_len=MAX_LEN, pool_bytes=48 * ROW, cpu_bytes=64 * ROW
+    )
+    return SimpleNamespace(**vars(ray_cluster), plan=plan)
 
 
 def put(client, rid, ids, seed):
@@ -138,20 +116,13 @@ def test_pressure_offloads_to_the_cpu_tier_and_loads_back(svc) -> None:
     assert tier["indexed_blocks"] > 0
 
 
-def _pool_state(kv) -> list:
-    s = kv.stats()
-    return [s["indexed_blocks"]] + [
-        (m["name"], m.get("blocks_used"), m.get("blocks_valid")) for m in s["members"]
-    ]
-
-
-def test_bad_input_is_refused_and_changes_nothing(svc) -> None:
+def test_bad_input_is_refused_and_changes_nothing(svc, state) -> None:
     a = svc.kv.on(svc.ids[0])
     ids = tokens(64, 4)
     assert a.admit("bad", len(ids), ids)
     table = a.allocate("bad", len(ids), ids)[0]
     before_rows = a.read(table)
-    before = _pool_state(svc.kv)
+    before = state(svc.kv)
     with pytest.raises(InvalidInput, match="uint8"):
         a.store("bad", table, torch.zeros((4, ROW // 4), dtype=torch.float32))
     with pytest.raises(InvalidInput, match=r"shape \[4, 4096\]"):
@@ -169,7 +140,7 @@ def test_bad_input_is_refused_and_changes_nothing(svc) -> None:
     with pytest.raises(UnknownRequest):
         a.free("never-admitted")
     assert torch.equal(a.read(table), before_rows)
-    assert _pool_state(svc.kv) == before
+    assert state(svc.kv) == before
     a.free("bad")
 
 

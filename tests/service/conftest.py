@@ -1,0 +1,55 @@
+"""A local Ray cluster per test module (every node on 127.0.0.1) with the raykv service
+on it. A module sets ``RAY_WORKERS`` (default 2) for the nodes beside the head."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+NODE = dict(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=80 << 20)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(request):
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+    from ray.cluster_utils import Cluster
+
+    import raykv
+
+    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+    try:
+        workers = [
+            cluster.add_node(**NODE) for _ in range(getattr(request.module, "RAY_WORKERS", 2))
+        ]
+        kv = raykv.connect(cluster.address)
+        yield SimpleNamespace(
+            cluster=cluster,
+            kv=kv,
+            workers=workers,
+            head=cluster.head_node.node_id,
+            ids=[w.node_id for w in workers],
+        )
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def member_state(kv) -> list:
+    """What a refused call must not change: the index size and every member's block
+    counts, read from the members themselves (the coordinator's copy lags a heartbeat)."""
+    import ray
+
+    from raykv.service.spec import NAMESPACE
+
+    s = kv.stats()
+    out: list = [s["indexed_blocks"], sorted(s["models"])]
+    for m in s["members"]:
+        live = ray.get(ray.get_actor(m["name"], namespace=NAMESPACE).snapshot.remote())["stats"]
+        out.append((m["name"], live.get("blocks_used"), live.get("blocks_valid")))
+    return out
+
+
+@pytest.fixture
+def state():
+    return member_state
