@@ -245,6 +245,8 @@ class Coordinator:
         name = group_name(pool)
         try:
             pg = get_placement_group(name)
+            if ray.util.placement_group_table(pg).get("state") == "REMOVED":
+                raise ValueError(name)  # left by an earlier ``raykv down``: make a new one
         except ValueError:
             bundle = {"GPU": 1} if gpu else {"CPU": CPU_POOL_SLIVER}
             pg = placement_group(

@@ -11,7 +11,8 @@ servable to other nodes — only once its bytes were written by ``store`` or ``l
 block manager caches it under the same key. Under memory pressure the block manager evicts
 cached blocks; the pool copies each complete chunk (``raykv.service.groups``) an evicted
 valid block belongs to into the node's CPU tier before handing the block out (nothing can
-overwrite it in between: the actor runs one call at a time between awaits). On a node
+overwrite it in between: its new owner learns its id only when ``allocate`` returns, and
+every rank's read is sent before the pool first yields). On a node
 without GPUs the same actors run with ``device="cpu"`` (development and CI).
 """
 
@@ -113,15 +114,23 @@ class GpuPool(Member):
                 "cannot serve until its group is placed again"
             ) from e
 
-    async def _gather(self, gi: int, block_ids: list[int], ranks: Sequence[int]) -> torch.Tensor:
-        """``[len(ranks), n, width]``: the rows of ``block_ids`` on each rank of ``ranks``."""
+    def _start_gather(self, gi: int, block_ids: list[int], ranks: Sequence[int]) -> tuple:
+        """Read rank 0's rows and send the other ranks their reads, without yielding: the
+        bytes are read before any later call can write them (a rank runs its calls in the
+        order they were sent)."""
         handles = self._ranks()
         refs = [handles[r - 1].gather.remote(gi, block_ids) for r in ranks if r]
+        local = self.local.gather(gi, block_ids) if 0 in ranks else None
+        return ranks, local, refs
+
+    async def _finish_gather(self, started: tuple) -> torch.Tensor:
+        """``[len(ranks), n, width]``: the rows of each rank of a started gather."""
+        ranks, local, refs = started
         remote = iter(await self._remote(refs))
-        out = [
-            self.local.gather(gi, block_ids) if r == 0 else as_tensor(next(remote)) for r in ranks
-        ]
-        return torch.stack(out) if out else torch.empty((0, len(block_ids), self.widths[gi]))
+        return torch.stack([local if r == 0 else as_tensor(next(remote)) for r in ranks])
+
+    async def _gather(self, gi: int, block_ids: list[int], ranks: Sequence[int]) -> torch.Tensor:
+        return await self._finish_gather(self._start_gather(gi, block_ids, ranks))
 
     async def _scatter(self, gi: int, rows: Sequence[torch.Tensor], block_ids: list[int]) -> None:
         """Rank ``r`` gets ``rows[r]``."""
@@ -272,9 +281,11 @@ class GpuPool(Member):
             "offload", tuple(keys), tuple(kgroups), tuple(widths), tuple(ids), tuple(sizes),
             tuple(slots),
         )  # fmt: skip
-        rows = []
-        for gi, sl in enumerate(job.group_slices()):
-            rows.append((await self._gather(gi, list(job.block_ids[sl]), self.writers)).numpy())
+        started = [
+            self._start_gather(gi, list(job.block_ids[sl]), self.writers)
+            for gi, sl in enumerate(job.group_slices())
+        ]  # every group's bytes are read before the first await
+        rows = [(await self._finish_gather(s)).numpy() for s in started]
         try:
             tier = ray.get_actor(tier_name(self.node_id), namespace=NAMESPACE)
             n = await tier.store.remote(self.model.name, job, tuple(members), rows)

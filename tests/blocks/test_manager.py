@@ -200,6 +200,31 @@ def test_hits_are_touched_before_fresh_blocks_are_taken():
     check_pool(mgr)
 
 
+def test_every_groups_hits_are_touched_before_any_group_takes_fresh_blocks():
+    # Invariant 8 across groups: x's blocks are the least recently freed, group 0's before
+    # group 1's, so group 0's fresh blocks would evict group 1's hits if groups were served
+    # one after the other (touch g0 hits, allocate g0, touch g1 hits, ...).
+    mgr = _mgr([FullAttention(), SlidingWindow(window=64)], blocks=9, bs=2)
+    x, y = [1, 2, 3, 4], [5, 6, 7, 8]
+    for rid, prompt in (("x", x), ("y", y)):
+        assert mgr.admit(rid, 4)
+        mgr.allocate(rid, 4, prompt)
+    x_tables, y_tables = mgr.block_table("x"), mgr.block_table("y")
+    mgr.free("x")
+    mgr.free("y")
+    assert mgr.num_free_blocks == 8 and mgr.pool.num_free_blocks == 8
+    assert mgr.admit("b", 8)
+    prompt = [*x, 9, 9, 9, 9]
+    assert mgr.blocks_needed("b", 8, prompt) == 8  # 2 revived hits + 2 fresh, per group
+    mgr.allocate("b", 8, prompt)
+    assert mgr.num_cached_tokens("b") == 4
+    y_blocks = {b for t in y_tables for b in t}
+    for table, x_table in zip(mgr.block_table("b"), x_tables, strict=True):
+        assert table[:2] == x_table  # every group kept its hits
+        assert set(table[2:]) <= y_blocks  # fresh blocks evicted y's, never a hit
+    check_pool(mgr)
+
+
 def test_block_hashes_are_the_request_chain_over_full_hash_blocks():
     from raykv.blocks.hashing import BlockHasher
     from raykv.layout import FullAttention, plan

@@ -21,8 +21,11 @@ def _sliding_window_manager() -> BlockManager:
 def _step(mgr: BlockManager, rid: str, n: int, tokens: list[int] | None) -> int:
     predicted = mgr.blocks_needed(rid, n, tokens)
     before = mgr.pool.num_taken
-    assert mgr.allocate(rid, n, tokens) is not None
+    new = mgr.allocate(rid, n, tokens)
+    assert new is not None
     assert mgr.pool.num_taken - before == predicted, "predicted != allocated"
+    # one request, no prefix hits: the real blocks the step appended are the ones it took
+    assert sum(1 for group in new for b in group if b) == predicted, "predicted != allocated"
     check_pool(mgr)
     return predicted
 

@@ -238,3 +238,14 @@ def test_down_removes_tp_ranks_and_placement_groups(svc) -> None:
     while left() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert left() == []
+    # serving it again places fresh TP groups (nothing left over blocks them)
+    svc.kv.add_model(
+        "tp2", TP_LAYERS, max_model_len=MAX_LEN, tp_size=2, pool_bytes=17 * TP_ROW,
+        cpu_bytes=CPU_BYTES,
+    )  # fmt: skip
+    b = on("tp2", svc.head)
+    x = tokens(40, 6)
+    assert b.admit("z", 40, x) and b.lookup(x).hit_tokens == 0
+    tb = b.allocate("z", 40, x)[0]
+    assert b.store("z", tb[:2], [rows(2, 1, TP_ROW), rows(2, 2, TP_ROW)]) == 2
+    assert torch.equal(b.read(tb[:2], rank=1), rows(2, 2, TP_ROW))
