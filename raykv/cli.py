@@ -111,13 +111,18 @@ def plan_cmd(
 @click.option("--preset", default="llama-3-8b", show_default=True, help="model to serve")
 @click.option("--cpu-mem", default="1GiB", show_default=True, help="CPU tier per node")
 @click.option("--gpu-mem-fraction", default=0.9, show_default=True, help="GPU memory for KV")
-@click.option("--pool-mem", default="0", show_default=True,
-              help="KV bytes per pool (0: the GPU fraction; 2GiB on CPU-device pools)")
+@click.option(
+    "--pool-mem",
+    default="0",
+    show_default=True,
+    help="KV bytes per pool (0: the GPU fraction; 2GiB on CPU-device pools)",
+)
 @click.option("--block-size", default=16, show_default=True)
 @click.option("--max-model-len", type=int, help="default: the preset's")
 @click.option("--num-cpus", type=int, help="CPUs of a head started here (default: all)")
-def up(address, preset, cpu_mem, gpu_mem_fraction, pool_mem, block_size, max_model_len,
-       num_cpus) -> None:
+def up(
+    address, preset, cpu_mem, gpu_mem_fraction, pool_mem, block_size, max_model_len, num_cpus
+) -> None:
     """Start (or join) the raykv service and print where it runs."""
     from raykv.errors import RaykvError
     from raykv.layout.report import parse_size
@@ -127,30 +132,28 @@ def up(address, preset, cpu_mem, gpu_mem_fraction, pool_mem, block_size, max_mod
     try:
         import ray  # noqa: F401  (fail early with a clear message if Ray is missing)
 
-        if not pool_bytes:
-            pool_bytes = 0 if _has_gpu_node(address) else 2 << 30
         info = launcher.up(
-            address, preset=preset, cpu_bytes=parse_size(cpu_mem),
-            gpu_mem_fraction=gpu_mem_fraction, block_size=block_size,
-            max_model_len=max_model_len, pool_bytes=pool_bytes, num_cpus=num_cpus,
+            address,
+            preset=preset,
+            cpu_bytes=parse_size(cpu_mem),
+            gpu_mem_fraction=gpu_mem_fraction,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            pool_bytes=pool_bytes,
+            num_cpus=num_cpus,
         )
     except RaykvError as e:
         raise click.ClickException(str(e)) from e
     head = " (started a local Ray head; `raykv down` stops it)" if info["started_head"] else ""
     click.echo(f"raykv is up at {info['address']}{head}")
-    click.echo(f"  model {info['model']}: {info['num_gpu_blocks']} GPU blocks per pool, "
-               f"{info['cpu_num_blocks']} CPU-tier blocks per node")
-    click.echo(f"  {info['nodes']} node(s), {info['members']} pools and tiers; "
-               f"connect with raykv.connect('{info['address']}')")
-
-
-def _has_gpu_node(address: str | None) -> bool:
-    try:
-        import torch
-
-        return address is not None or torch.cuda.is_available()
-    except Exception:
-        return False
+    click.echo(
+        f"  model {info['model']}: {info['num_gpu_blocks']} GPU blocks per pool, "
+        f"{info['cpu_num_blocks']} CPU-tier blocks per node"
+    )
+    click.echo(
+        f"  {info['nodes']} node(s), {info['members']} pools and tiers; "
+        f"connect with raykv.connect('{info['address']}')"
+    )
 
 
 @main.command()
@@ -240,7 +243,6 @@ def bench_blocks(num_requests: int, num_steps: int, prompt_len: int, as_json: bo
     click.echo(json.dumps([r.as_dict() for r in rows], indent=2) if as_json else format_table(rows))
 
 
-
 @bench.command("service")
 @click.option("--quick", is_flag=True, help="Fewer repetitions and blocks (a smoke run).")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
@@ -249,6 +251,7 @@ def bench_service(quick: bool, as_json: bool) -> None:
     from raykv.bench.service import main as run_service
 
     run_service(quick=quick, as_json=as_json)
+
 
 if __name__ == "__main__":
     main()

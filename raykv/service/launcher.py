@@ -188,12 +188,13 @@ def status_table(s: dict[str, Any]) -> str:
     for n in s["nodes"]:
         lines.append(f"{n['node_id'][:12]:<14}{n['address']:<16}{n['alive']!s:<7}{n['gpus']:>4}")
     lines.append("")
+    w = max([len("member"), *(len(m["name"]) for m in s["members"])]) + 2
     lines.append(
-        f"{'member':<34}{'kind':<6}{'node':<14}{'used':>8}{'total':>8}{'indexed':>9}{'hb age':>8}"
+        f"{'member':<{w}}{'kind':<6}{'node':<14}{'used':>8}{'total':>8}{'indexed':>9}{'hb age':>8}"
     )
     for m in s["members"]:
         lines.append(
-            f"{m['name']:<34}{m['kind']:<6}{m['node_id'][:12]:<14}{m.get('blocks_used', 0):>8}"
+            f"{m['name']:<{w}}{m['kind']:<6}{m['node_id'][:12]:<14}{m.get('blocks_used', 0):>8}"
             f"{m.get('blocks_total', 0):>8}{m['indexed_blocks']:>9}{m['heartbeat_age_s']:>7}s"
         )
     hits = ", ".join(f"{k} {v}" for k, v in sorted(s["hits"].items())) or "none"

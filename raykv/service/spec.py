@@ -16,7 +16,7 @@ from raykv.layout.specs import KVSpec
 
 NAMESPACE = "raykv"
 COORDINATOR = "raykv-coordinator"
-DEFAULT_POOL_BYTES = 256 << 20  # KV bytes of a CPU-device pool (dev and CI)
+DEFAULT_POOL_BYTES = 2 << 30  # KV bytes of a CPU-device pool (dev and CI)
 DEFAULT_TIER_BYTES = 512 << 20  # CPU-tier bytes per node and model
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from raykv.errors import BlockSizeError, InsufficientMemoryError
 from raykv.layout import FullAttention, Mamba, cpu_tier_size, kernel_block_ids, plan
+from raykv.tiers import GpuKV
 
 GiB = 1 << 30
 
@@ -31,6 +32,12 @@ def test_tp4_uniform_group_with_different_head_sizes_sizes_cpu_from_real_bytes()
     assert p.tensor_page_bytes == tuple(pages)
     real_tensor_bytes = sum(p.num_gpu_blocks * page for page in pages)
     assert p.num_gpu_blocks == GiB // sum(pages)
+    # ... and those are the bytes GpuKV really allocates from this plan (meta: no memory).
+    kv = GpuKV.allocate(p, "meta")
+    tensors = kv.entries(0)  # one tensor per layer: a uniform-type group shares none
+    assert len(tensors) == len(head_dims)
+    assert sum(t.nbytes for t in tensors) == real_tensor_bytes
+    assert kv.total_bytes == real_tensor_bytes
     expected = 64 * GiB // (real_tensor_bytes // p.num_gpu_blocks * 4 * 2)
     assert p.cpu_num_blocks == expected
     assert p.cpu_bytes_per_block == sum(pages) * 4 * 2
@@ -88,6 +95,13 @@ def test_mamba_hybrid_num_blocks_comes_from_the_plan():
     # ... not what one tensor's or one layer's shape would give.
     assert p.num_gpu_blocks not in {4 * GiB // page, 4 * GiB // max(mamba_pages)}
     assert p.num_gpu_blocks not in {4 * GiB // (len(layers) * x) for x in mamba_pages | attn_pages}
+    # The tensors built from the plan keep the plan's count; a count read back from a shared
+    # tensor's bytes over a layer's own (smaller, padded) page would not.
+    kv = GpuKV.allocate(p, "meta")
+    assert kv.num_blocks == p.num_gpu_blocks
+    assert kv.total_bytes == p.num_gpu_blocks * p.gpu_bytes_per_block
+    shared = kv.entries(p.groups[0].group_id)[0]
+    assert shared.nbytes // min(mamba_pages) != p.num_gpu_blocks
 
 
 def test_block_size_not_divisible_by_hash_block_size_names_both_and_says_align():

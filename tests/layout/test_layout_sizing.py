@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from raykv.errors import BlockSizeError, ConfigError, InsufficientMemoryError, PageSizeError
+from raykv.blocks import BlockManager
+from raykv.errors import (
+    BlockSizeError,
+    ConfigError,
+    InsufficientMemoryError,
+    PageSizeError,
+    RequestTooLarge,
+)
 from raykv.layout import FullAttention, Mamba, SlidingWindow, cpu_tier_size, plan
 
 from .strategies import layer_mixes
@@ -90,6 +99,11 @@ def test_sizing_and_admission_share_one_formula(layers, args):
     need = sum(probe.admission_blocks(a["max_model_len"]))
     fits = plan(layers, **a, num_gpu_blocks=need + 1)  # + the null block
     assert fits.usable_gpu_blocks == need
+    # The block manager's gate agrees at the same boundary: admitted into the empty pool the
+    # plan sized, refused up front (never queued) one block below it.
+    assert BlockManager(fits).admit("r", a["max_model_len"])
+    with pytest.raises(RequestTooLarge):
+        BlockManager(dataclasses.replace(fits, num_gpu_blocks=need)).admit("r", a["max_model_len"])
     with pytest.raises(InsufficientMemoryError, match=str(a["max_model_len"])):
         plan(layers, **a, num_gpu_blocks=need)
     with pytest.raises(InsufficientMemoryError):

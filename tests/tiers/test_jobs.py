@@ -128,3 +128,42 @@ def test_job_rejects_bad_counts():
     p = make_plan("hybrid")
     with pytest.raises(InvalidInput, match="one block table and one hash list per group"):
         StoreJob.build(p, "r", [[1]], [[b"x"]])
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    block_size=st.sampled_from([2, 4]),
+    factor=st.sampled_from([1, 2, 3, 4]),
+    window=st.integers(1, 24),
+    steps=st.lists(st.integers(1, 12), min_size=1, max_size=8),
+)
+def test_jobs_from_a_block_managers_sliding_window_tables(block_size, factor, window, steps):
+    """Invariant 4 on the tables the block manager really produces: after chunked prefill and
+    decode steps the window has nulled the oldest GPU blocks, and an offload block may cover
+    null and real blocks at once."""
+    from raykv.blocks import BlockManager
+
+    p = make_plan("sliding", block_size=block_size, factor=factor, window=window)
+    total = min(sum(steps), p.max_model_len)
+    tokens = list(range(100, 100 + total))
+    mgr = BlockManager(p)
+    assert mgr.admit("r", total, tokens)
+    done = 0
+    for n in steps:
+        n = min(n, total - done)
+        done += n
+        assert mgr.allocate("r", n, tokens[:done]) is not None
+    table = mgr.block_table("r")
+    hashes = group_block_hashes(p, mgr.block_hashes("r"))
+    f = group_factor(p, p.groups[0])
+    covered = min(len(table[0]), len(hashes[0])) // f
+    chunks = [table[0][c * f : (c + 1) * f] for c in range(covered)]
+    for kind in (StoreJob, LoadJob):
+        job = kind.build(p, "r", table, hashes)
+        assert sum(job.group_sizes) == len(job.block_ids)  # invariant 4
+        assert list(job.block_ids) == [b for c in chunks for b in c if b != NULL_BLOCK]
+        assert job.keys == tuple(
+            hashes[0][(c + 1) * f - 1] for c in range(covered) if any(chunks[c])
+        )
+        assert job.num_skipped == sum(c.count(NULL_BLOCK) for c in chunks if any(c))
+        assert sum(map(sum, job.valid_masks())) == len(job.block_ids)
