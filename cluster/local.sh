@@ -182,6 +182,15 @@ cmd_status() {
   done
 }
 
+stray_pids() {
+  local d c
+  for d in /proc/[0-9]*; do
+    c=$(tr '\0' ' ' <"$d/cmdline" 2>/dev/null) || continue
+    [[ $c == *"$ray_tmp"* ]] && echo "${d#/proc/}"
+  done
+  return 0
+}
+
 cmd_stop() {
   [ -d "$state_dir" ] || { echo "no local cluster in $cluster_dir"; return 0; }
   local f pgid
@@ -195,6 +204,18 @@ cmd_stop() {
     for ((t = 0; t < grace; t++)); do group_alive "$pgid" || break; sleep 0.1; done
     group_alive "$pgid" && kill -KILL -- "-$pgid" 2>/dev/null || true
     rm -f "$f"
+  done
+  # A raylet or worker that left its node's process group (Ray re-parents some) still names
+  # this cluster's temp dir in its argv: end those too, and wait until none is left.
+  local pids
+  for sig in TERM KILL; do
+    for ((t = 0; t < 50; t++)); do
+      pids=$(stray_pids)
+      [ -z "$pids" ] && break
+      # shellcheck disable=SC2086
+      kill -"$sig" $pids 2>/dev/null || true
+      sleep 0.1
+    done
   done
   rm -f "$cluster_dir/address"
   echo "local cluster in $cluster_dir stopped (logs kept in $log_dir and $ray_tmp)"

@@ -176,8 +176,9 @@ class CpuTier:
     def prepare_store(self, keys: Sequence[Key], writers: int = 1) -> StoreReservation | None:
         """Reserve a block for every key not yet stored, evicting if needed — all or nothing.
 
-        Returns None (and changes nothing) when the blocks cannot all be found. Never evicts
-        a block being written or read, nor any of ``keys``.
+        Returns None when the blocks cannot all be found: nothing is reserved or evicted (keys
+        already present still count as used, for the policy). Never evicts a block being
+        written or read, nor any of ``keys``.
         """
         with self._lock:
             wanted = list(dict.fromkeys(keys))

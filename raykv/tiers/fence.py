@@ -2,13 +2,12 @@
 
 The offload engine fences a store's GPU block ids before the copy starts and releases them
 when the store completes or fails. The block pool (``raykv.blocks``) must not reuse a fenced
-block. Two decoupled ways (tiers may import blocks, never the reverse): pass the block
-manager's reference hooks, ``StoreFence(hold=manager.hold_blocks,
+block: pass the block manager's reference hooks, ``StoreFence(hold=manager.hold_blocks,
 release=manager.release_blocks)``, so a fenced block keeps a reference and is neither free
-nor counted free until its store is done; or give the pool a plain callable such as
-``fence.can_reuse`` and subscribe to ``on_release`` to put deferred blocks back. A block can
-be fenced by several stores at once (a shared prefix stored by two requests): a count per
-block, released per job.
+nor counted free until its store is done (tiers may import blocks, never the reverse). An
+allocator of the caller's own, which ``BlockPool`` is not, can instead ask ``can_reuse`` and
+subscribe to ``on_release`` to put deferred blocks back. A block can be fenced by several
+stores at once (a shared prefix stored by two requests): a count per block, released per job.
 """
 
 from __future__ import annotations

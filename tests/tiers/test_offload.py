@@ -136,6 +136,46 @@ def test_fence_holds_blocks_in_the_block_manager():
     assert mgr.num_free_blocks == free_before + len(table[0])
 
 
+def test_failed_store_hands_fenced_blocks_back_to_the_block_manager_only_when_reported(
+    monkeypatch,
+):
+    """Invariant 9 on the failure path: the blocks stay out of the free queue until the failed
+    store is reported, then come back exactly once; a new request never gets them meanwhile."""
+    from raykv.blocks.manager import BlockManager
+    from raykv.tiers import group_block_hashes
+
+    p = make_plan("full", num_gpu_blocks=24)
+    mgr = BlockManager(p)
+    tokens = list(range(12))
+    assert mgr.admit("r", 12, tokens)
+    mgr.allocate("r", 12, tokens)
+    (stored,) = mgr.block_table("r")
+    hashes = group_block_hashes(p, mgr.block_hashes("r"))
+    kv, tier = GpuKV.allocate(p), CpuTier(p)
+    eng = OffloadEngine(kv, tier, fence=StoreFence(mgr.hold_blocks, mgr.release_blocks))
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("copy engine fault")
+
+    monkeypatch.setattr(offload_mod.ops, "gather_blocks", boom)
+    assert eng.submit_store(StoreJob.build(p, "r", [stored], hashes)) is not None
+    mgr.free("r")
+    others = []
+    while mgr.num_free_blocks:  # new requests drain every free block
+        rid, n = f"o{len(others)}", min(mgr.num_free_blocks * p.block_size, p.max_model_len)
+        assert mgr.admit(rid, n) and mgr.allocate(rid, n) is not None
+        others.append(rid)
+    taken = {b for rid in others for b in mgr.block_table(rid)[0]}
+    assert not taken & set(stored)  # fenced: never handed out while the store is in flight
+    (res,) = eng.poll()
+    assert not res.ok and eng.fence.fenced_blocks() == frozenset()
+    assert mgr.num_free_blocks == len(stored)  # handed back once the failure is reported
+    assert all(tier.state(k) is None for k in res.job.keys)
+    for rid in others:
+        mgr.free(rid)
+    assert mgr.num_free_blocks == p.num_gpu_blocks - 1
+
+
 def test_failed_store_releases_fence_and_leaves_nothing_readable(monkeypatch):
     p, _kv, tier, eng = rig("uneven_hybrid", factor=2)
     tables = [[1, 2, 3, 4], [0, 5, 6, 7]]
