@@ -129,8 +129,11 @@ class SlidingWindow(FullAttention):
             raise ConfigError(f"sliding window must be >= 1 token, got {self.window}")
 
     def max_blocks(self, num_tokens: int, block_size: int) -> int:
-        # Admission cap: the blocks that cover one window. Applied only at the gate.
-        return min(cdiv(num_tokens, block_size), cdiv(self.window, block_size))
+        # Admission cap, applied only at the gate: a query reads itself and the window - 1
+        # tokens before it, and those window tokens straddle a block edge unless aligned, so
+        # one window can span cdiv(window - 1, block_size) + 1 blocks. A cap of
+        # cdiv(window, block_size) admits requests that can then never decode (invariant 2).
+        return min(cdiv(num_tokens, block_size), cdiv(self.window - 1, block_size) + 1)
 
     def type_key(self) -> tuple:
         return (self.kind, self.window)

@@ -14,7 +14,10 @@ from .helpers import check_pool, make_plan
 
 def _sliding_window_manager() -> BlockManager:
     p = make_plan([SlidingWindow(window=8)], num_gpu_blocks=100, block_size=2)
-    assert p.admission_blocks(10_000) == (4,), "admission cap 4"
+    # The scenario names an admission cap of 4 (= window / block size). A window of 8 that
+    # does not start on a block edge spans 5 blocks of 2, so the cap that keeps invariant 2
+    # (admitted => can always make progress) is 5; see the decode test below.
+    assert p.admission_blocks(10_000) == (5,)
     return BlockManager(p)
 
 
@@ -170,3 +173,20 @@ def test_every_preset_plan_runs_through_the_block_manager(name):
     expect_hit = mgr.enable_prefix_caching
     assert (mgr.num_cached_tokens("b") > 0) == expect_hit
     check_pool(mgr)
+
+
+@pytest.mark.parametrize("window, block_size", [(8, 2), (7, 2), (8, 4), (5, 3), (1, 2)])
+def test_sliding_window_admitted_request_always_decodes_in_the_smallest_pool(window, block_size):
+    """The admission cap is the most blocks any decode step holds: a pool of exactly
+    cap + 1 (null) blocks admits the request and never refuses one of its decode steps."""
+    spec = SlidingWindow(window=window)
+    cap = spec.max_blocks(10_000, block_size)
+    mgr = BlockManager(make_plan([spec], num_gpu_blocks=cap + 1, block_size=block_size))
+    assert mgr.admit("r", 60)
+    tokens = list(range(60))
+    for done in range(1, 61):
+        assert _step(mgr, "r", 1, tokens[:done]) <= 1, f"decode step {done} did not fit"
+    # one block fewer and the same request is refused up front, never queued forever
+    small = BlockManager(make_plan([spec], num_gpu_blocks=cap, block_size=block_size))
+    with pytest.raises(RequestTooLarge):
+        small.admit("r", 60)

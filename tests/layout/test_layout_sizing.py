@@ -153,7 +153,7 @@ def test_integer_ratio_raises_the_smaller_page():
     assert (full.block_size, sw.block_size) == (16, 64)  # 4x fewer heads -> 4x the tokens
     assert full.layer_page_bytes == sw.layer_page_bytes == (65536, 65536)
     assert p.padding_waste == 0
-    assert sw.max_blocks(4096) == 8  # the window cap at the raised block size
+    assert sw.max_blocks(4096) == 9  # cdiv(512 - 1, 64) + 1: the window cap at the raised size
 
 
 def test_padding_is_reported_and_bounded():
