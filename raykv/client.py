@@ -108,6 +108,17 @@ class _Base:
             self._coord = ray.get_actor(COORDINATOR, namespace=self.namespace)
         return self._coord
 
+    def _forget_coordinator(self, method: str, error: Exception, deadline: float) -> None:
+        """A coordinator call failed in a retryable way: give up past ``deadline``, else drop
+        the cached handle so the next try finds the restarted actor by name."""
+        if time.monotonic() > deadline:
+            raise ServiceError(
+                f"the raykv coordinator did not answer {method!r} within "
+                f"{self.retry_s:.0f}s ({type(error).__name__}); is the service up "
+                "(raykv up / raykv status)?"
+            ) from error
+        self._coord = None
+
     def _node_id(self) -> str:
         return self.node_id or ray.get_runtime_context().get_node_id()
 
@@ -163,13 +174,7 @@ class Client(_Base):
             except ray.exceptions.RayTaskError as e:  # raised by the method: not retried
                 raise _unwrap(e) from None
             except _RETRY as e:
-                if time.monotonic() > deadline:
-                    raise ServiceError(
-                        f"the raykv coordinator did not answer {method!r} within "
-                        f"{self.retry_s:.0f}s ({type(e).__name__}); is the service up "
-                        "(raykv up / raykv status)?"
-                    ) from e
-                self._coord = None
+                self._forget_coordinator(method, e, deadline)
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
@@ -280,12 +285,7 @@ class AsyncClient(_Base):
             except ray.exceptions.RayTaskError as e:  # raised by the method: not retried
                 raise _unwrap(e) from None
             except _RETRY as e:
-                if time.monotonic() > deadline:
-                    raise ServiceError(
-                        f"the raykv coordinator did not answer {method!r} within "
-                        f"{self.retry_s:.0f}s ({type(e).__name__})"
-                    ) from e
-                self._coord = None
+                self._forget_coordinator(method, e, deadline)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 

@@ -24,7 +24,7 @@ from raykv.blocks.managers import GroupManager, manager_for
 from raykv.blocks.pool import BlockPool
 from raykv.blocks.step import RequestBlocks, StepPlan, apply_step, common_hit, plan_step
 from raykv.errors import BlockSizeError, InvalidInput, RequestTooLarge, UnknownRequest
-from raykv.layout import KernelBlockId, Plan, kernel_block_ids
+from raykv.layout import KernelBlockIds, Plan, kernel_block_ids, require_logical
 
 RequestId = Hashable
 
@@ -212,7 +212,7 @@ class BlockManager:
         """Logical block ids per group (null slots are 0)."""
         return [list(t) for t in self._request(request_id).tables]
 
-    def kernel_block_table(self, request_id: RequestId, group: int) -> list[KernelBlockId]:
+    def kernel_block_table(self, request_id: RequestId, group: int) -> KernelBlockIds:
         """Group ``group``'s table in kernel block ids: logical block b becomes
         ``b * f + k`` for k < f, f = block_size // kernel_block_size (the null block
         becomes kernel blocks 0 .. f - 1)."""
@@ -264,9 +264,11 @@ class BlockManager:
         """Add a reference so the blocks are not reused while, e.g., a store to the CPU
         tier still reads them (invariant 9); ``release_blocks`` drops it. Held blocks are
         not free, so ``num_free_blocks`` and the step planner stay exact."""
+        require_logical(block_ids, "hold_blocks")
         self.pool.touch(block_ids)
 
     def release_blocks(self, block_ids: Sequence[int]) -> None:
+        require_logical(block_ids, "release_blocks")
         self.pool.free(block_ids)
 
     def drain_events(self) -> list[KVEvent]:

@@ -2,9 +2,11 @@
 
 from raykv.layout.kernel_blocks import (
     KernelBlockId,
+    KernelBlockIds,
     LogicalBlockId,
     kernel_block_ids,
     logical_block_id,
+    require_logical,
 )
 from raykv.layout.plan import KVGroup, Plan
 from raykv.layout.sizing import cpu_tier_size, plan
@@ -26,6 +28,7 @@ __all__ = [
     "KVGroup",
     "KVSpec",
     "KernelBlockId",
+    "KernelBlockIds",
     "LogicalBlockId",
     "Mamba",
     "Plan",
@@ -34,4 +37,5 @@ __all__ = [
     "kernel_block_ids",
     "logical_block_id",
     "plan",
+    "require_logical",
 ]

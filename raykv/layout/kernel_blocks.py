@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NewType
 
-from raykv.errors import BlockSizeError
+from raykv.errors import BlockSizeError, InvalidInput
 from raykv.layout.specs import KVSpec
 
 LogicalBlockId = NewType("LogicalBlockId", int)
@@ -20,12 +20,33 @@ KernelBlockId = NewType("KernelBlockId", int)
 KernelBlockSizes = Sequence[int] | Mapping[str, Sequence[int]] | None
 
 
+class KernelBlockIds(list[KernelBlockId]):
+    """A list of kernel block ids that remembers it is one: every interface that takes
+    logical ids refuses it at run time (``require_logical``), so the two kinds cannot be
+    mixed up even where the static types are erased (invariant 7)."""
+
+    def __init__(self, ids: Iterable[KernelBlockId], blocks_per_block: int):
+        super().__init__(ids)
+        self.blocks_per_block = blocks_per_block
+
+
 def kernel_block_ids(
     logical_ids: Iterable[LogicalBlockId | int], blocks_per_block: int
-) -> list[KernelBlockId]:
+) -> KernelBlockIds:
     """Kernel block ids of logical blocks, in order: ``b * blocks_per_block + j``."""
+    require_logical(logical_ids, "kernel_block_ids")
     k = blocks_per_block
-    return [KernelBlockId(b * k + j) for b in logical_ids for j in range(k)]
+    return KernelBlockIds((KernelBlockId(b * k + j) for b in logical_ids for j in range(k)), k)
+
+
+def require_logical(ids: object, where: str) -> None:
+    """Refuse kernel block ids where logical ids are expected (invariant 7)."""
+    if isinstance(ids, KernelBlockIds):
+        raise InvalidInput(
+            f"{where} takes logical block ids but got {len(ids)} kernel block ids "
+            f"({ids.blocks_per_block} per logical block); pass the ids of block_table(), "
+            "not kernel_block_table()"
+        )
 
 
 def logical_block_id(kernel_id: KernelBlockId | int, blocks_per_block: int) -> LogicalBlockId:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from raykv.blocks.managers import GroupManager, manager_for
 from raykv.blocks.pool import NULL_BLOCK
 from raykv.errors import ConfigError, InvalidInput
+from raykv.layout.kernel_blocks import require_logical
 from raykv.layout.plan import Plan
 
 # raykv.tiers (torch) is imported where it is used: the coordinator looks prefixes up
@@ -92,6 +93,9 @@ def _is_seq(x: object) -> bool:
 def as_tables(plan: Plan, block_ids: Sequence) -> Tables:
     """Block ids per group. A one-group model also takes a flat list."""
     n = len(plan.groups)
+    require_logical(block_ids, "the service")
+    for t in block_ids:
+        require_logical(t, "the service")
     try:
         if not any(_is_seq(b) for b in block_ids):
             if n != 1:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Self
 
 from raykv.errors import ConfigError, InvalidInput
+from raykv.layout.kernel_blocks import require_logical
 from raykv.layout.plan import KVGroup, Plan
 
 NULL_BLOCK = 0
@@ -153,6 +154,8 @@ class LoadJob(BlockJob):
 def _build(cls, plan, request_id, block_table, block_hashes, num_chunks):
     """``block_table[g]`` / ``block_hashes[g]``: group g's logical ids and block hashes by
     position; ``num_chunks[g]`` caps the offload blocks covered (default: all complete)."""
+    for table in block_table:
+        require_logical(table, f"{cls.__name__}.build")
     if len(block_table) != len(plan.groups) or len(block_hashes) != len(plan.groups):
         raise InvalidInput(
             f"expected one block table and one hash list per group ({len(plan.groups)}), got "

@@ -190,3 +190,26 @@ def test_sliding_window_admitted_request_always_decodes_in_the_smallest_pool(win
     small = BlockManager(make_plan([spec], num_gpu_blocks=cap, block_size=block_size))
     with pytest.raises(RequestTooLarge):
         small.admit("r", 60)
+
+
+def test_kernel_ids_are_refused_where_logical_ids_are_expected():
+    """Invariant 7 at run time: a kernel block table handed to an interface that takes
+    logical ids is an error that says which is which, and changes nothing."""
+    from raykv.errors import InvalidInput
+    from raykv.layout import KernelBlockIds
+    from raykv.tiers import StoreJob
+
+    p = make_plan([FullAttention()], num_gpu_blocks=32, block_size=128, kernel_block_sizes=[64])
+    mgr = BlockManager(p)
+    assert mgr.admit("r", 256)
+    assert mgr.allocate("r", 256, list(range(256))) is not None
+    kernel = mgr.kernel_block_table("r", 0)
+    assert isinstance(kernel, KernelBlockIds) and kernel.blocks_per_block == 2
+    free_before = mgr.num_free_blocks
+    with pytest.raises(InvalidInput, match=r"kernel block ids .*kernel_block_table"):
+        mgr.hold_blocks(kernel)
+    with pytest.raises(InvalidInput, match="kernel block ids"):
+        StoreJob.build(p, "r", [kernel], [[b"h"] * len(kernel)])
+    assert mgr.num_free_blocks == free_before
+    mgr.hold_blocks(mgr.block_table("r")[0])  # the logical table is accepted
+    assert mgr.num_free_blocks == free_before
