@@ -152,8 +152,8 @@ def _check_entries(entries: list[torch.Tensor], what: str) -> None:
 
 def _check(
     entries: Sequence[torch.Tensor], block_ids: torch.Tensor, rows: torch.Tensor, what: str
-) -> tuple[list[torch.Tensor], tuple, torch.Tensor]:
-    """(entries, their cache key, block_ids) once every argument is valid."""
+) -> tuple[list[torch.Tensor], tuple]:
+    """(entries as a list, their cache key) once every argument is valid."""
     entries = list(entries)
     key = _entries_key(entries, what)
     (width, num_blocks), device = _entries_shape(entries, key, what), entries[0].device
@@ -193,7 +193,7 @@ def _check(
                 f"{what}: block ids span [{lo}, {hi}] but the entries hold {num_blocks} blocks; "
                 f"ids must lie in [0, {num_blocks - 1}] (logical ids for logical views)"
             )
-    return entries, key, block_ids
+    return entries, key
 
 
 def _block_contiguous(e: torch.Tensor) -> bool:
@@ -488,7 +488,7 @@ def gather_blocks(
     any mismatch.
     """
     mode = _mode(mode, "gather_blocks")
-    entries, key, block_ids = _check(entries, block_ids, dst, "gather_blocks")
+    entries, key = _check(entries, block_ids, dst, "gather_blocks")
     if not block_ids.numel():
         return
     staged = _start_staged(dst, entries, True, mode)  # after the checks: a gather reads the pool
@@ -516,7 +516,7 @@ def scatter_blocks(
     # device chunks are written until run(), so bad input still leaves the pool untouched.
     staged = _start_staged(src, entries, False, mode)
     try:
-        entries, key, block_ids = _check(entries, block_ids, src, "scatter_blocks")
+        entries, key = _check(entries, block_ids, src, "scatter_blocks")
         if _has_duplicates(block_ids):
             raise InvalidInput(
                 f"scatter_blocks: block_ids hold duplicates ({block_ids.numel()} ids, "

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -50,11 +49,6 @@ class CopyLayout:
     @property
     def blocks_per_block(self) -> int:
         return self.block_size // self.kernel_block_size
-
-    @property
-    def row_bytes(self) -> int:  # one logical block of every layer, K and V
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.layers * self.block_size * self.kv_heads * self.head_dim * elem
 
 
 @dataclass(frozen=True)
@@ -106,7 +100,7 @@ class _Pool:
         flat = self.staging.view(-1)[: n * self.row_bytes]
         parts, offset = [], 0
         for e in self.entries:
-            width = math.prod(e.shape[1:]) * e.element_size()
+            width = ops._block_bytes(e)
             part = flat[offset : offset + n * width].view(ops._as_int(e).dtype)
             parts.append(part.view(n, *e.shape[1:]))
             offset += n * width
@@ -187,7 +181,7 @@ def _loop_pointers(pool: _Pool, ids: torch.Tensor, host: torch.Tensor, to_host: 
     block = ids.numpy().astype(np.int64)[:, None]
     starts = np.array([e.data_ptr() for e in pool.entries], dtype=np.int64)[None, :]
     strides = np.array([e.stride(0) * e.element_size() for e in pool.entries], dtype=np.int64)
-    widths = np.array([math.prod(e.shape[1:]) * e.element_size() for e in pool.entries])
+    widths = np.array([ops._block_bytes(e) for e in pool.entries])
     offsets = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(np.int64)[None, :]
     paged = starts + block * strides[None, :]
     rows = host.data_ptr() + np.arange(len(block), dtype=np.int64)[:, None] * pool.row_bytes
@@ -207,9 +201,9 @@ def _per_entry(loop, num_entries: int) -> list[tuple[torch.Tensor, ...]]:
 def _python_loop(pool: _Pool, ids: torch.Tensor, host: torch.Tensor, to_host: bool):
     offset, views = 0, []
     for e in pool.entries:
-        width = math.prod(e.shape[1:]) * e.element_size()
-        part = host[:, offset : offset + width].view(ops._as_int(e).dtype)
-        views.append((ops._as_int(e), part.view(ids.numel(), *e.shape[1:])))
+        width, as_int = ops._block_bytes(e), ops._as_int(e)
+        part = host[:, offset : offset + width].view(as_int.dtype)
+        views.append((as_int, part.view(ids.numel(), *e.shape[1:])))
         offset += width
     for i, b in enumerate(ids.tolist()):
         for e, part in views:
@@ -363,11 +357,9 @@ def main(
 ) -> dict:
     config = default_config(quick, device)
     if counts:
-        config = BenchConfig(
-            config.layouts, tuple(counts), config.warmup, config.reps, config.device
-        )
+        config = replace(config, counts=tuple(counts))
     if reps:
-        config = BenchConfig(config.layouts, config.counts, config.warmup, reps, config.device)
+        config = replace(config, reps=reps)
     if json_path == "-":
         report = run(config)
         print(json.dumps(report, indent=2))

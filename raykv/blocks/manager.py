@@ -25,6 +25,7 @@ from raykv.blocks.pool import BlockPool
 from raykv.blocks.step import RequestBlocks, StepPlan, apply_step, common_hit, plan_step
 from raykv.errors import BlockSizeError, InvalidInput, RequestTooLarge, UnknownRequest
 from raykv.layout import KernelBlockIds, Plan, kernel_block_ids, require_logical
+from raykv.layout.sizing import max_len_that_fits
 
 RequestId = Hashable
 
@@ -128,10 +129,7 @@ class BlockManager:
             f"group {g.group_id} ({g.spec.kind}, block size {g.block_size}): {n}"
             for g, n in zip(self.plan.groups, self.plan.admission_blocks(num_tokens), strict=True)
         )
-        lo, hi = 0, num_tokens  # the longest request that fits: admission blocks are monotone
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self.admission_blocks(mid) <= usable else (lo, mid - 1)
+        lo = max_len_that_fits(self.plan.groups, usable, num_tokens)
         return (
             f"request {request_id!r} of {num_tokens} tokens needs {need} blocks ({per_group}) "
             f"but the pool has only {usable} usable blocks ({self.plan.num_gpu_blocks} minus "
@@ -157,12 +155,16 @@ class BlockManager:
         token_ids: Sequence[int] | None = None,
     ) -> StepPlan:
         """The plan of the next step: what ``allocate`` with these arguments would do."""
-        req = self._request(request_id)
+        return self._step_plan(self._request(request_id), num_new_tokens, token_ids)
+
+    def _step_plan(
+        self, req: RequestBlocks, num_new_tokens: int, token_ids: Sequence[int] | None
+    ) -> StepPlan:
         if num_new_tokens < 0:
             raise InvalidInput(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if req.num_tokens + num_new_tokens > self.plan.max_model_len:
             raise InvalidInput(
-                f"request {request_id!r} would reach {req.num_tokens + num_new_tokens} tokens "
+                f"request {req.request_id!r} would reach {req.num_tokens + num_new_tokens} tokens "
                 f"({req.num_tokens} + {num_new_tokens}), past max_model_len="
                 f"{self.plan.max_model_len}; finish or truncate it"
             )
@@ -193,7 +195,7 @@ class BlockManager:
         nothing changed when the step does not fit.
         """
         req = self._request(request_id)
-        plan = self.step_plan(request_id, num_new_tokens, token_ids)
+        plan = self._step_plan(req, num_new_tokens, token_ids)
         if not plan.fits(self.pool.num_free_blocks):
             return None
         return apply_step(req, plan, token_ids, self.managers, self.pool, self.hasher)

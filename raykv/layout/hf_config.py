@@ -84,19 +84,17 @@ def _dense(cfg: Mapping[str, Any], model_type: str, dtype: str) -> dict[str, KVS
     flags = _sliding_flags(cfg, model_type, n)
     if len(flags) != n:
         raise ConfigError(f"layer_types has {len(flags)} entries for {n} layers; fix the config")
-    window = cfg.get("sliding_window")
-    out: dict[str, KVSpec] = {}
-    for i, sliding in enumerate(flags):
-        if sliding:
-            out[f"layers.{i}.attn"] = SlidingWindow(
-                num_kv_heads=full.num_kv_heads,
-                head_dim=full.head_dim,
-                dtype=dtype,
-                window=int(_need(cfg, "sliding_window") if window is None else window),
-            )
-        else:
-            out[f"layers.{i}.attn"] = full
-    return out
+    local = (
+        SlidingWindow(
+            num_kv_heads=full.num_kv_heads,
+            head_dim=full.head_dim,
+            dtype=dtype,
+            window=int(_need(cfg, "sliding_window")),
+        )
+        if any(flags)
+        else full
+    )
+    return {f"layers.{i}.attn": local if sliding else full for i, sliding in enumerate(flags)}
 
 
 def _mla(cfg: Mapping[str, Any], dtype: str) -> dict[str, KVSpec]:

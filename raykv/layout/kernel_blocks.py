@@ -54,24 +54,30 @@ def logical_block_id(kernel_id: KernelBlockId | int, blocks_per_block: int) -> L
     return LogicalBlockId(kernel_id // blocks_per_block)
 
 
+def supported_kernel_block_sizes(
+    layer_names: Iterable[str], kernel_block_sizes: KernelBlockSizes
+) -> list[Sequence[int]]:
+    """The size lists that constrain ``layer_names``. ``kernel_block_sizes``: None (kernel
+    block = block, no list), one list for all attention layers, or a mapping layer name ->
+    supported sizes (layers not named accept any size)."""
+    if kernel_block_sizes is None:
+        return []
+    if isinstance(kernel_block_sizes, Mapping):
+        return [kernel_block_sizes[n] for n in layer_names if n in kernel_block_sizes]
+    return [kernel_block_sizes]
+
+
 def pick_kernel_block_size(
     layer_names: Sequence[str],
     specs: Mapping[str, KVSpec],
     block_size: int,
     kernel_block_sizes: KernelBlockSizes,
 ) -> int:
-    """Largest size every layer's backend supports that divides ``block_size``.
-
-    ``kernel_block_sizes``: None (kernel block = block), one list for all attention layers,
-    or a mapping layer name -> supported sizes (layers not named accept any size). Mamba
-    groups are never split.
-    """
-    if kernel_block_sizes is None or specs[layer_names[0]].kind == "mamba":
+    """Largest size every layer's backend supports that divides ``block_size`` (see
+    ``supported_kernel_block_sizes``). Mamba groups are never split."""
+    if specs[layer_names[0]].kind == "mamba":
         return block_size
-    if isinstance(kernel_block_sizes, Mapping):
-        per_layer = [kernel_block_sizes[n] for n in layer_names if n in kernel_block_sizes]
-    else:
-        per_layer = [kernel_block_sizes]
+    per_layer = supported_kernel_block_sizes(layer_names, kernel_block_sizes)
     if not per_layer:
         return block_size
     common = set(per_layer[0]).intersection(*per_layer[1:])

@@ -8,6 +8,7 @@ from typing import Any
 
 from raykv.errors import ConfigError
 from raykv.layout.plan import Plan
+from raykv.layout.specs import KVSpec
 
 _UNITS = {
     "": 1, "b": 1,
@@ -79,8 +80,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _spec_label(plan: Plan, i: int) -> str:
-    spec = plan.groups[i].spec
+def _spec_label(spec: KVSpec) -> str:
     extra = {"sliding_window": "window", "chunked_local": "chunk", "cross": "max_encoder_len"}
     field = extra.get(spec.kind)
     return f"{spec.kind} {field}={getattr(spec, field)}" if field else spec.kind
@@ -110,16 +110,14 @@ def plan_table(plan: Plan, title: str = "") -> str:
     body = [
         (
             str(g.group_id),
-            _spec_label(plan, i),
+            _spec_label(g.spec),
             str(len(g.layer_names)),
             str(g.block_size),
             str(g.kernel_block_size),
             f"{n} blocks",
             format_bytes(max(g.layer_page_bytes)),
         )
-        for i, (g, n) in enumerate(
-            zip(plan.groups, plan.admission_blocks(plan.max_model_len), strict=True)
-        )
+        for g, n in zip(plan.groups, plan.admission_blocks(plan.max_model_len), strict=True)
     ]
     widths = [max(len(r[c]) for r in [header, *body]) for c in range(len(header))]
     lines.append("")

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from raykv.errors import BlockSizeError, ConfigError, InsufficientMemoryError, PageSizeError
 from raykv.layout.grouping import split_groups
-from raykv.layout.kernel_blocks import KernelBlockSizes, pick_kernel_block_size
+from raykv.layout.kernel_blocks import (
+    KernelBlockSizes,
+    pick_kernel_block_size,
+    supported_kernel_block_sizes,
+)
 from raykv.layout.plan import KVGroup, Plan
 from raykv.layout.specs import KVSpec
 from raykv.layout.unify import unify_pages
@@ -49,19 +53,16 @@ def _raise_align(
 ) -> int:
     """Step for raising a block size: the hash block size, lcm'd with the smallest kernel
     block size every attention backend supports (so the raised size still splits)."""
-    if kernel_block_sizes is None:
+    per_layer = supported_kernel_block_sizes(layers, kernel_block_sizes)
+    if not per_layer:
         return hash_bs
-    if isinstance(kernel_block_sizes, Mapping):
-        sets = [set(v) for n, v in kernel_block_sizes.items() if n in layers]
-        sets = sets or [set()]
-    else:
-        sets = [set(kernel_block_sizes)]
-    common = {s for s in set.intersection(*sets) if s > 0}
+    common = {s for s in set(per_layer[0]).intersection(*per_layer[1:]) if s > 0}
     return math.lcm(hash_bs, min(common)) if common else hash_bs
 
 
-def _max_len_that_fits(groups: tuple[KVGroup, ...], usable: int, upper: int) -> int:
-    """Longest request (< upper) whose admission blocks fit ``usable`` blocks; 0 if none."""
+def max_len_that_fits(groups: Sequence[KVGroup], usable: int, upper: int) -> int:
+    """Longest request (<= upper) whose admission blocks fit ``usable`` blocks; 0 if none.
+    Admission blocks grow with the length, so a binary search finds it."""
     lo, hi = 0, upper
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -181,7 +182,7 @@ def plan(
     need = sum(g.max_blocks(max_model_len) for g in groups)
     if need > usable:  # invariant 2: the admission gate's formula, over one shared pool
         need_bytes = (need + 1) * gpu_bytes_per_block
-        fits = _max_len_that_fits(groups, usable, max_model_len)
+        fits = max_len_that_fits(groups, usable, max_model_len)
         shorter = f"lower max_model_len to {fits} or less, " if fits else ""
         raise InsufficientMemoryError(
             f"one request of max_model_len={max_model_len} tokens needs {need} blocks "

@@ -244,8 +244,5 @@ class Mamba(KVSpec):
     def max_blocks(self, num_tokens: int, block_size: int) -> int:
         return 1
 
-    def type_key(self) -> tuple:
-        return (self.kind,)
-
 
 ATTENTION_KINDS = frozenset({"full", "sliding_window", "chunked_local", "cross", "mla"})

@@ -39,6 +39,9 @@ class BlockState(enum.Enum):
     READING = "reading"
 
 
+READABLE = (BlockState.READABLE, BlockState.READING)  # a key in these states is a hit
+
+
 @dataclass
 class _Block:
     index: int
@@ -144,10 +147,7 @@ class CpuTier:
             n = 0
             for key in keys:
                 i = self._by_key.get(key)
-                if i is None or self._blocks[i].state not in (
-                    BlockState.READABLE,
-                    BlockState.READING,
-                ):
+                if i is None or self._blocks[i].state not in READABLE:
                     break
                 self.policy.touch(key)
                 n += 1
@@ -161,7 +161,7 @@ class CpuTier:
             return None if i is None else self._blocks[i].state
 
     def __contains__(self, key: Key) -> bool:
-        return self.state(key) in (BlockState.READABLE, BlockState.READING)
+        return self.state(key) in READABLE
 
     @property
     def num_free(self) -> int:
@@ -246,8 +246,7 @@ class CpuTier:
         """Take a read reference on every key, or on none (None) if one is not readable."""
         with self._lock:
             idx = [self._by_key.get(k) for k in keys]
-            readable = (BlockState.READABLE, BlockState.READING)
-            if any(i is None or self._blocks[i].state not in readable for i in idx):
+            if any(i is None or self._blocks[i].state not in READABLE for i in idx):
                 return None
             for k, i in zip(keys, idx, strict=True):
                 b = self._blocks[i]
@@ -314,9 +313,5 @@ class CpuTier:
                     assert b.state is not BlockState.FREE, b
                     assert b.dropped or self._by_key.get(b.key) == b.index, b
                 assert (b.state is BlockState.READING) == (b.readers > 0), b
-            readable = {
-                k
-                for k, i in self._by_key.items()
-                if self._blocks[i].state in (BlockState.READABLE, BlockState.READING)
-            }
+            readable = {k for k, i in self._by_key.items() if self._blocks[i].state in READABLE}
             assert set(self.policy) == readable, "policy and index disagree"

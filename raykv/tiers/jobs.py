@@ -19,11 +19,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Self
 
+from raykv.blocks.pool import NULL_BLOCK
 from raykv.errors import ConfigError, InvalidInput
 from raykv.layout.kernel_blocks import require_logical
 from raykv.layout.plan import KVGroup, Plan
-
-NULL_BLOCK = 0
 
 
 def group_block_hashes(plan: Plan, hashes: Sequence[bytes]) -> list[list[bytes]]:

@@ -133,10 +133,10 @@ class OffloadEngine:
         lease = self.tier.prepare_load(job.keys)
         if lease is None:
             return None
-        keep = self._usable_keys(job, lease)
+        keep = set(self._usable_keys(job, lease))
         run = job.select(keep)
         rec = _InFlight(self._next_id(), "load", run, lease=lease)
-        rec.missed = tuple(k for k in job.keys if k not in set(keep))
+        rec.missed = tuple(k for k in job.keys if k not in keep)
         try:
             self._copy(rec, gather=False)
         except Exception as e:
@@ -204,11 +204,11 @@ class OffloadEngine:
                 staging = torch.empty((len(rows), width), dtype=torch.uint8, pin_memory=self.pin)
                 if gather:
                     ops.gather_blocks(entries, ids_t, staging)
-                    rec.host_copies.append(_HostCopy(idx, staging, width))
                 else:
                     torch.index_select(rows_all[:, :width], 0, idx, out=staging)
                     ops.scatter_blocks(staging, entries, ids_t)
-                    rec.host_copies.append(_HostCopy(idx, staging, width))  # keep it alive
+                # a store lands these rows in poll(); a load keeps its staging alive till then
+                rec.host_copies.append(_HostCopy(idx, staging, width))
             if self.stream is not None:
                 rec.event = torch.cuda.Event()
                 rec.event.record(self.stream)

@@ -10,24 +10,16 @@ heads = st.sampled_from([1, 2, 4, 8, 16])
 head_dims = st.sampled_from([32, 64, 128, 256])
 dtypes = st.sampled_from(["bfloat16", "float16", "float32", "float8_e4m3fn"])
 
-full = st.builds(FullAttention, num_kv_heads=heads, head_dim=head_dims, dtype=dtypes)
-sliding = st.builds(
-    SlidingWindow,
-    num_kv_heads=heads,
-    head_dim=head_dims,
-    dtype=dtypes,
-    window=st.integers(1, 4096),
-)
-chunked = st.builds(
-    ChunkedLocal, num_kv_heads=heads, head_dim=head_dims, dtype=dtypes, chunk=st.integers(1, 4096)
-)
-cross = st.builds(
-    CrossAttention,
-    num_kv_heads=heads,
-    head_dim=head_dims,
-    dtype=dtypes,
-    max_encoder_len=st.integers(1, 2048),
-)
+
+def _attention(cls: type[FullAttention], **extra: st.SearchStrategy) -> st.SearchStrategy:
+    """``cls`` (FullAttention or a subclass) with drawn heads, head_dim, dtype and ``extra``."""
+    return st.builds(cls, num_kv_heads=heads, head_dim=head_dims, dtype=dtypes, **extra)
+
+
+full = _attention(FullAttention)
+sliding = _attention(SlidingWindow, window=st.integers(1, 4096))
+chunked = _attention(ChunkedLocal, chunk=st.integers(1, 4096))
+cross = _attention(CrossAttention, max_encoder_len=st.integers(1, 2048))
 mla = st.builds(
     MLA,
     kv_lora_rank=st.sampled_from([128, 256, 512]),

@@ -23,47 +23,27 @@ MODELS = (
 
 
 def layers_for(model: str, num_layers: int = 2, window: int = 16, dtype: str = "bfloat16"):
-    attn = {
-        f"a{i}": FullAttention(dtype=dtype, num_kv_heads=2, head_dim=8) for i in range(num_layers)
-    }
+    full = FullAttention(dtype=dtype, num_kv_heads=2, head_dim=8)
+    sliding = SlidingWindow(dtype=dtype, num_kv_heads=2, head_dim=8, window=window)
+    attn = {f"a{i}": full for i in range(num_layers)}
     if model == "full":
         return attn
     if model == "mixed_heads":  # one group, layers of different page sizes
-        return {
-            "a0": FullAttention(dtype=dtype, num_kv_heads=2, head_dim=8),
-            "a1": FullAttention(dtype=dtype, num_kv_heads=4, head_dim=8),
-        }
+        return {"a0": full, "a1": FullAttention(dtype=dtype, num_kv_heads=4, head_dim=8)}
     if model == "mla":
         return {
             f"m{i}": MLA(dtype=dtype, kv_lora_rank=16, qk_rope_head_dim=8)
             for i in range(num_layers)
         }
     if model == "sliding":
-        return {
-            f"s{i}": SlidingWindow(dtype=dtype, num_kv_heads=2, head_dim=8, window=window)
-            for i in range(num_layers)
-        }
+        return {f"s{i}": sliding for i in range(num_layers)}
     if model == "hybrid":
-        return {
-            **attn,
-            **{
-                f"s{i}": SlidingWindow(dtype=dtype, num_kv_heads=2, head_dim=8, window=window)
-                for i in range(num_layers)
-            },
-        }
+        return {**attn, **{f"s{i}": sliding for i in range(num_layers)}}
     if model == "ratio_hybrid":  # pages 1:2, unified by doubling the full group's block size
-        return {
-            "a0": FullAttention(dtype=dtype, num_kv_heads=2, head_dim=8),
-            "s0": SlidingWindow(dtype=dtype, num_kv_heads=4, head_dim=8, window=window),
-        }
+        wide = SlidingWindow(dtype=dtype, num_kv_heads=4, head_dim=8, window=window)
+        return {"a0": full, "s0": wide}
     if model == "uneven_hybrid":  # a group that leaves some shared tensors unused
-        return {
-            **{f"a{i}": FullAttention(dtype=dtype, num_kv_heads=2, head_dim=8) for i in range(3)},
-            **{
-                f"s{i}": SlidingWindow(dtype=dtype, num_kv_heads=2, head_dim=8, window=window)
-                for i in range(2)
-            },
-        }
+        return {**{f"a{i}": full for i in range(3)}, **{f"s{i}": sliding for i in range(2)}}
     if model == "mamba_hybrid":
         return {**attn, "mamba0": Mamba(dtype=dtype, state_shapes=((8, 3), (2, 4, 8)))}
     raise ValueError(model)
