@@ -122,6 +122,26 @@ class _Base:
     def _node_id(self) -> str:
         return self.node_id or ray.get_runtime_context().get_node_id()
 
+    def _bind_pool(self, node: str, model: str, names: list[str]) -> Any:
+        """Cache the handle of the first pool in ``names`` (the coordinator's answer)."""
+        if not names:
+            raise ServiceError(f"no pool serves model {model!r}; is the service up?")
+        try:
+            self._pool = (node, ray.get_actor(names[0], namespace=self.namespace))
+        except ValueError:  # died since the coordinator last heard of it
+            raise ServiceError(
+                f"pool {names[0]!r} is gone; the coordinator starts a fresh one within a few "
+                "seconds (its blocks are misses), retry then"
+            ) from None
+        return self._pool[1]
+
+    def _pool_gone(self, error: Exception) -> ServiceError:
+        self._pool = None
+        return ServiceError(
+            f"the pool of this node is gone ({type(error).__name__}); the coordinator starts a "
+            "fresh one within a few seconds (its blocks are misses), retry then"
+        )
+
     # Each op is (target, method, args, post): "coord" calls retry, "pool" calls do not.
     def _lookup_op(self, token_ids: Sequence[int], model: ServedModel, plan: Any):
         from raykv.blocks import BlockHasher
@@ -188,10 +208,7 @@ class Client(_Base):
         node = self._node_id()
         if self._pool is None or self._pool[0] != node:
             model, _ = self._model()
-            names = self._coord_call("pools", model.name, node)
-            if not names:
-                raise ServiceError(f"no pool serves model {model.name!r}; is the service up?")
-            self._pool = (node, ray.get_actor(names[0], namespace=self.namespace))
+            return self._bind_pool(node, model.name, self._coord_call("pools", model.name, node))
         return self._pool[1]
 
     def _pool_call(self, method: str, *args: Any, post: Callable = _ident) -> Any:
@@ -200,10 +217,7 @@ class Client(_Base):
         except ray.exceptions.RayTaskError as e:
             raise _unwrap(e) from None
         except ray.exceptions.RayActorError as e:
-            self._pool = None
-            raise ServiceError(
-                f"the pool of this node is gone ({e}); retry after re-placing"
-            ) from e
+            raise self._pool_gone(e) from e
 
     # --- service ------------------------------------------------------------------------
 
@@ -299,14 +313,22 @@ class AsyncClient(_Base):
         node = self._node_id()
         if self._pool is None or self._pool[0] != node:
             model, _ = await self._model()
-            names = await self._coord_call("pools", model.name, node)
-            if not names:
-                raise ServiceError(f"no pool serves model {model.name!r}; is the service up?")
-            self._pool = (node, ray.get_actor(names[0], namespace=self.namespace))
+            self._bind_pool(node, model.name, await self._coord_call("pools", model.name, node))
         try:
             return await getattr(self._pool[1], method).remote(*args)
         except ray.exceptions.RayTaskError as e:
             raise _unwrap(e) from None
+        except ray.exceptions.RayActorError as e:
+            raise self._pool_gone(e) from e
+
+    async def add_model(
+        self, name: str, layers: Mapping[str, Any], *, max_model_len: int, **settings: Any
+    ) -> Any:
+        """Serve ``name`` (see ``ServedModel`` for settings); returns its ``Plan``."""
+        model = ServedModel(name, dict(layers), max_model_len, **settings)
+        plan = await self._coord_call("add_model", model)
+        self.model_name, self._info, self._pool = name, (model, plan), None
+        return plan
 
     async def stats(self) -> dict:
         return await self._coord_call("stats")
@@ -345,14 +367,28 @@ class AsyncClient(_Base):
         await self._pool_call("free", request_id)
 
 
+def _listening(address: str) -> bool:
+    """Whether something accepts connections at ``host:port`` (a GCS that is up)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def _local_address() -> str | None:
-    """A Ray this host already runs for raykv: RAY_ADDRESS, else ``raykv up``'s head."""
+    """A Ray this host already runs for raykv: RAY_ADDRESS, else ``raykv up``'s head if it
+    still answers (a state file left by a head that died is ignored, not waited on)."""
     if os.environ.get("RAY_ADDRESS"):
         return os.environ["RAY_ADDRESS"]
     try:
-        return json.loads(state_file().read_text())["address"]
-    except (OSError, ValueError, KeyError):
+        address = json.loads(state_file().read_text())["address"]
+    except (OSError, ValueError, KeyError, TypeError):
         return None
+    return address if _listening(address) else None
 
 
 def ensure_service(namespace: str = NAMESPACE) -> Any:

@@ -5,7 +5,8 @@ Lookups: a 32k-token prompt whose KV one pool holds (a full hit) and one nobody 
 miss), looked up from the other node: client-side block hashing plus one coordinator call.
 Bandwidth: one pool loads N blocks that only the other node's pool holds (one actor call
 whose numpy result crosses nodes through Ray's object store: the slow fallback), next to a
-plain in-process copy of the same bytes for scale.
+plain in-process copy of the same bytes for scale. The nodes declare no GPUs (both models
+get CPU-device pools, as on a GPU-less host): the fallback's cost is the object store's.
 """
 
 from __future__ import annotations
@@ -136,7 +137,10 @@ def run(quick: bool = False, echo: Callable[[str], None] = print) -> dict[str, A
     import raykv
 
     node = dict(
-        num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=(200 if quick else 600) << 20
+        num_cpus=1,
+        num_gpus=0,  # GPU pools take a whole GPU each: two models could not share one
+        node_ip_address="127.0.0.1",
+        object_store_memory=(200 if quick else 600) << 20,
     )
     echo("starting a 2-node local Ray cluster on 127.0.0.1 ...")
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})

@@ -6,6 +6,8 @@ tiers on nodes, and cluster stats. It holds NO block data: every byte lives in t
 tiers, which are detached actors of their own. When Ray restarts the coordinator it asks
 every live member (found by name) for a snapshot, so the index comes back whole; a member
 that talks to it first just re-registers (its heartbeat or event sequence says "unknown").
+A member that dies on a live node (or a TP group that lost a rank: its leader leaves) is
+dropped from the index at once and started afresh under its name: its blocks are misses.
 """
 
 from __future__ import annotations
@@ -68,6 +70,15 @@ class Member:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
+def engine_groups(nodes: list[dict], models: dict[str, ServedModel]) -> list[dict[str, int]]:
+    """Per node (``ray.nodes()`` entries): how many TP groups of each model it hosts. With
+    GPUs in the cluster, ``num_gpus // tp_size`` on each node (none on CPU-only nodes: a
+    CPU-device pool there would take the GPU plan's bytes of host memory); without, one
+    group of CPU-device pools per node (development and CI)."""
+    gpus = [int(n["Resources"].get("GPU", 0)) for n in nodes]
+    return [{name: g // m.tp_size if any(gpus) else 1 for name, m in models.items()} for g in gpus]
+
+
 def _gpu_bytes_probe(fraction: float) -> int:
     import torch
 
@@ -87,6 +98,9 @@ class Coordinator:
         self._ready: asyncio.Event | None = None
         self._health: asyncio.Task | None = None
         self._placed_on: set[str] = set()  # nodes _place has seen (new ones get placed)
+        self._expected: dict[str, str] = {}  # member name -> node: what _place started
+        self._placing: asyncio.Task | None = None
+        self._place_lock = asyncio.Lock()  # one _place at a time (TP placement groups by name)
         self._managers: dict[str, Any] = {}  # model -> its group managers (hit rules)
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -123,8 +137,17 @@ class Coordinator:
             await asyncio.sleep(HEARTBEAT_S)
             with contextlib.suppress(Exception):  # the loop must outlive a bad tick
                 alive = self._drop_dead()
-                if self.models and alive - self._placed_on:
-                    await self._place()  # a node joined: give it a tier and pools
+                gone = [n for n, nid in self._expected.items() if nid in alive]
+                gone = [n for n in gone if n not in self.members]
+                idle = self._placing is None or self._placing.done()
+                if self.models and idle and (alive - self._placed_on or gone):
+                    # a node joined (give it a tier and pools), or a member on a live node
+                    # died (start a fresh one: its blocks are misses, its name serves again)
+                    self._placing = asyncio.get_running_loop().create_task(self._replace())
+
+    async def _replace(self) -> None:
+        with contextlib.suppress(Exception):  # e.g. no free GPU yet: the next tick retries
+            await self._place()
 
     def _drop_dead(self) -> set[str]:
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
@@ -159,6 +182,13 @@ class Coordinator:
                 )
         else:
             gpus = [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"]]
+            if any(gpus) and self.models:
+                raise ConfigError(
+                    f"cannot serve model {model.name!r} next to {sorted(self.models)} on GPUs: "
+                    "a GPU pool takes a whole GPU (num_gpus=1) and the served model's pools "
+                    "hold every GPU of the cluster; serve one model per raykv service on GPUs "
+                    "(raykv down first, or run another Ray cluster)"
+                )
             if any(gpus) and max(gpus) < model.tp_size:
                 raise ConfigError(
                     f"model {model.name!r} has tp_size={model.tp_size}, but the largest node "
@@ -176,32 +206,62 @@ class Coordinator:
     async def _probe_gpu_bytes(self, model: ServedModel) -> int:
         if not any(n["Alive"] and n["Resources"].get("GPU", 0) for n in ray.nodes()):
             return DEFAULT_POOL_BYTES
-        probe = ray.remote(num_gpus=1, num_cpus=0)(_gpu_bytes_probe)
-        return await probe.remote(model.gpu_mem_fraction)
+        ref = ray.remote(num_gpus=1, num_cpus=0)(_gpu_bytes_probe).remote(model.gpu_mem_fraction)
+        try:
+            return await asyncio.wait_for(ref, PLACE_TIMEOUT_S)
+        except TimeoutError:
+            ray.cancel(ref, force=True)
+            raise ServiceError(
+                f"no GPU was free within {PLACE_TIMEOUT_S:.0f}s to size model {model.name!r}'s "
+                "pools (a GPU pool takes a whole GPU); free one, or pass pool_bytes "
+                "(raykv up --pool-mem)"
+            ) from None
 
     async def _place(self) -> None:
-        """Start whatever is missing: a tier per alive node, the TP groups of every model."""
+        """Start whatever is missing on every alive node that runs engines: its CPU tier and
+        the TP groups of every model. On a cluster with GPUs only GPU nodes run engines (a
+        CPU-only node, e.g. a KubeRay head, gets nothing: a CPU-device pool there would take
+        the GPU plan's bytes of host memory); without GPUs every node gets CPU-device pools."""
+        async with self._place_lock:
+            await self._place_all()
+
+    async def _place_all(self) -> None:
         from raykv.service.cpu_tier import CpuTierActor
 
+        nodes = [n for n in ray.nodes() if n["Alive"]]
         starting = []
-        for node in ray.nodes():
-            if not node["Alive"]:
-                continue
+        for node, groups in zip(nodes, engine_groups(nodes, self.models), strict=True):
             nid = node["NodeID"]
             self._placed_on.add(nid)
+            num_gpus = int(node["Resources"].get("GPU", 0))
+            if not any(groups.values()):
+                continue
             pin = NodeAffinitySchedulingStrategy(nid, soft=False)
             tier = (
                 ray.remote(CpuTierActor)
                 .options(name=tier_name(nid), scheduling_strategy=pin, **_DETACHED)
                 .remote(nid)
             )
-            starting.append(tier.start.remote())
-            num_gpus = int(node["Resources"].get("GPU", 0))
-            for name, model in self.models.items():
-                groups = num_gpus // model.tp_size if num_gpus else 1
-                for i in range(groups):
+            self._expected[tier_name(nid)] = nid
+            starting.append(self._started(tier, tier_name(nid), nid))
+            for name, n in groups.items():
+                for i in range(n):
+                    self._expected[pool_name(name, nid, i)] = nid
                     starting.append(self._place_group(name, nid, i, num_gpus > 0))
         await asyncio.gather(*starting)
+
+    async def _started(self, actor: Any, name: str, nid: str) -> str:
+        """``actor.start()``, or ServiceError (and the actor killed) if Ray cannot run it
+        within PLACE_TIMEOUT_S: a request that can never be scheduled must not hang."""
+        try:
+            return await asyncio.wait_for(actor.start.remote(), PLACE_TIMEOUT_S)
+        except TimeoutError:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+            raise ServiceError(
+                f"{name} did not start on node {nid[:12]} within {PLACE_TIMEOUT_S:.0f}s; "
+                "check that node's free resources (a GPU pool needs a whole free GPU)"
+            ) from None
 
     async def _place_group(self, model: str, nid: str, index: int, gpu: bool) -> str:
         """One TP group of ``model`` on node ``nid``: tp_size=1 is one pool pinned to the
@@ -219,7 +279,7 @@ class Coordinator:
                 .options(name=pname, num_gpus=int(gpu), scheduling_strategy=pin, **_DETACHED)
                 .remote(pname, m, plan, nid, device)
             )
-            return await pool.start.remote()
+            return await self._started(pool, pname, nid)
         pg = await self._tp_placement(pname, nid, m.tp_size, gpu)
         ranks = [rank_name(pname, r) for r in range(1, m.tp_size)]
 
@@ -237,7 +297,7 @@ class Coordinator:
             .options(name=pname, **in_bundle(0))
             .remote(pname, m, plan, nid, device, ranks)
         )
-        return await pool.start.remote()
+        return await self._started(pool, pname, nid)
 
     async def _tp_placement(self, pool: str, nid: str, tp: int, gpu: bool) -> Any:
         from ray.util.placement_group import get_placement_group, placement_group
@@ -473,6 +533,8 @@ class Coordinator:
         down``); the caller then kills this actor. Returns the actors killed."""
         from ray.util.placement_group import PlacementGroup, remove_placement_group
 
+        if self._placing is not None:  # a re-placement must not start members after this
+            self._placing.cancel()
         names = [
             a["name"]
             for a in ray.util.list_named_actors(all_namespaces=True)
@@ -487,6 +549,8 @@ class Coordinator:
                 with contextlib.suppress(Exception):  # removed meanwhile
                     remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
         self.members.clear()
+        self._expected.clear()
+        self._placed_on.clear()
         self.index = PrefixIndex()
         self.models.clear()
         self.plans.clear()

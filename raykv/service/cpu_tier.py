@@ -137,6 +137,8 @@ class CpuTierActor(Member):
                     tier.rows(c)[:, :width].index_copy_(0, arena_rows, sel[c])
         except Exception:
             tier.finish_store(res, ok=False)
+            gone = [m for e in res.evicted for m in mt.forget(e)]  # evicted at prepare
+            await self.publish(model, [], [m for m in gone if m not in mt.where])
             raise
         index = {k: i for i, k in enumerate(job.keys)}
         tier.finish_store(res, ok=True, valid=[masks[index[k]] for k in res.keys])
@@ -168,6 +170,7 @@ class CpuTierActor(Member):
         if lease is None:
             self.metrics.miss(model, CPU, len(keys))
             return 0, np.empty((tier.copies, 0, mt.widths[gid]), np.uint8)
+        self.metrics.miss(model, CPU, len(keys) - len(chosen))
         try:
             block_of = dict(zip(lease.keys, lease.blocks, strict=True))
             idx = torch.tensor([block_of[e] * tier.factor + s for e, s in chosen], dtype=torch.long)

@@ -78,6 +78,7 @@ class GpuPool(Member):
         self.local = RankKV(plan, device)  # rank 0
         self.rank_names = list(ranks)
         self._rank_handles: list[Any] | None = None
+        self._leaving: asyncio.Task | None = None  # set once a rank died (see _retire)
         self.gids = [g.group_id for g in plan.groups]
         self.gindex = {gid: i for i, gid in enumerate(self.gids)}
         self.widths = row_widths(plan)
@@ -85,6 +86,10 @@ class GpuPool(Member):
         self.copy_of = copy_of_rank(plan)
         self.writers = writer_ranks(plan)
         self.tokens: dict[Hashable, list[int]] = {}
+        # admission number of each live request: a call that awaited checks it is still the
+        # same request (a free and a re-admit under the same id hand its blocks to others)
+        self._gen: dict[Hashable, int] = {}
+        self._admitted = 0
         self._hashes: dict[Hashable, list[bytes]] = {}
         self.valid: dict[bytes, int] = {}  # group key -> block holding its bytes
         self.key_of: dict[int, bytes] = {}
@@ -109,10 +114,26 @@ class GpuPool(Member):
             return list(await asyncio.gather(*refs))
         except ray.exceptions.RayActorError as e:
             self._rank_handles = None
+            self._retire()
             raise ServiceError(
-                f"a TP rank of pool {self.name!r} is gone ({type(e).__name__}); the pool "
-                "cannot serve until its group is placed again"
+                f"a TP rank of pool {self.name!r} is gone ({type(e).__name__}); the "
+                "coordinator places the group again within a few seconds (its blocks are "
+                "misses), retry then"
             ) from e
+
+    def _retire(self) -> None:
+        """A rank died: the group's KV is incomplete. Leave the index and exit, so the
+        coordinator places a fresh group (the live ranks are reused, their bytes unpublished)."""
+        if self._leaving is not None:
+            return
+        if self._beat is not None:
+            self._beat.cancel()
+
+        async def leave() -> None:
+            await self._call("member_failed", self.name)
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+        self._leaving = asyncio.get_running_loop().create_task(leave())
 
     def _start_gather(self, gi: int, block_ids: list[int], ranks: Sequence[int]) -> tuple:
         """Read rank 0's rows and send the other ranks their reads, without yielding: the
@@ -152,10 +173,24 @@ class GpuPool(Member):
 
     # --- helpers ------------------------------------------------------------------------
 
-    def _ids(self, token_ids: Sequence[int] | None) -> list[int] | None:
+    def _ids(self, token_ids: Sequence[int] | None, rid: Hashable = None) -> list[int] | None:
+        """Checked token ids; those of a known request must extend the ones it had."""
         if token_ids is None:
             return None
-        return check_token_ids(token_ids, self.plan.max_model_len, self.model.name)
+        ids = check_token_ids(token_ids, self.plan.max_model_len, self.model.name)
+        known = self.tokens.get(rid)
+        n = min(len(known), len(ids)) if known is not None else 0
+        if n and known[:n] != ids[:n]:
+            at = next(i for i in range(n) if known[i] != ids[i])
+            raise InvalidInput(
+                f"token_ids of request {rid!r} differ at position {at} from the {len(known)} "
+                "it was given before; a request's tokens only grow (free it and admit the new "
+                "prompt under a new request id)"
+            )
+        return ids
+
+    def _live(self, rid: Hashable, gen: int | None) -> bool:
+        return gen is not None and self._gen.get(rid) == gen
 
     def _keys(self, rid: Hashable) -> list[list[bytes]]:
         """Per group, the key of each full block of the request's known tokens."""
@@ -178,11 +213,18 @@ class GpuPool(Member):
             self.chunk_of.pop(key, None)
         return key
 
-    def _validate(self, rid: Hashable, written: list[list[int]]) -> list[tuple[bytes, int]]:
+    def _gone(self, keys: list[bytes | None]) -> list[bytes]:
+        """The keys no block here holds any more (a KV event's ``removed``)."""
+        return [k for k in dict.fromkeys(keys) if k is not None and k not in self.valid]
+
+    def _validate(
+        self, rid: Hashable, written: list[list[int]]
+    ) -> tuple[list[tuple[bytes, int]], list[bytes]]:
         """Mark written blocks valid where the block manager caches them under their
-        position's key. Returns the newly valid (key, block) pairs."""
+        position's key. Returns the newly valid (key, block) pairs and the keys that
+        blocks re-keyed here held before and no block holds now."""
         tables, keys = self.bm.block_table(rid), self._keys(rid)
-        out = []
+        out, old = [], []
         for gi, ids in enumerate(written):
             pos = {b: j for j, b in enumerate(tables[gi]) if b != NULL_BLOCK}
             for b in ids:
@@ -191,14 +233,14 @@ class GpuPool(Member):
                     continue
                 key = keys[gi][j]
                 if self._cached_as(b, key) and self.key_of.get(b) != key:
-                    self._invalidate(b)
+                    old.append(self._invalidate(b))
                     self.valid[key], self.key_of[b] = b, key
                     out.append((key, b))
         for chunk in complete_chunks(self.plan, tables, keys):
             for m in chunk.members:
                 if m is not None and m in self.valid:
                     self.chunk_of[m] = chunk
-        return out
+        return out, self._gone(old)
 
     def _own_blocks(self, rid: Hashable, tables: list[list[int]]) -> None:
         """Every non-null id must be in the request's table of its group, once."""
@@ -219,19 +261,22 @@ class GpuPool(Member):
     # --- engine-facing ------------------------------------------------------------------
 
     async def admit(self, rid: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None):
-        ids = self._ids(token_ids)
+        ids = self._ids(token_ids, rid)
         ok = self.bm.admit(rid, num_tokens, ids)
-        if ok and ids is not None:
-            self.tokens[rid] = ids
+        if ok:
+            self._admitted += 1
+            self._gen[rid] = self._admitted
+            if ids is not None:
+                self.tokens[rid] = ids
         return ok
 
     async def blocks_needed(self, rid: Hashable, num_new_tokens: int, token_ids=None) -> int:
-        return self.bm.blocks_needed(rid, num_new_tokens, self._ids(token_ids))
+        return self.bm.blocks_needed(rid, num_new_tokens, self._ids(token_ids, rid))
 
     async def allocate(
         self, rid: Hashable, num_new_tokens: int, token_ids: Sequence[int] | None = None
     ) -> list[list[int]] | None:
-        ids = self._ids(token_ids)
+        ids = self._ids(token_ids, rid)
         new = self.bm.allocate(rid, num_new_tokens, ids)
         if new is None:
             return None
@@ -249,7 +294,7 @@ class GpuPool(Member):
         if evicted:
             chunks = {c.key: c for b in evicted if (c := self.chunk_of.get(self.key_of[b]))}
             await self._offload(list(chunks.values()))
-            keys = [self._invalidate(b) for b in evicted]
+            keys = self._gone([self._invalidate(b) for b in evicted])
             self.metrics.evicted(self.model.name, GPU, len(evicted))
             await self.publish(self.model.name, [], keys)
         self.metrics.used(self.model.name, GPU, self.bm.pool.num_used_blocks)
@@ -305,11 +350,14 @@ class GpuPool(Member):
         self._own_blocks(rid, tables)
         data: RankRows = as_rank_rows(self.plan, rows, tables, self.widths)
         written = [[b for b in t if b != NULL_BLOCK] for t in tables]
+        gen = self._gen.get(rid)
         for gi, ids in enumerate(written):
             await self._scatter(gi, [data[r][gi] for r in range(self.plan.tp_size)], ids)
-        stored = self._validate(rid, written)
-        await self.publish(self.model.name, stored, [])
-        if offload and rid in self.bm:
+        if not self._live(rid, gen):  # freed meanwhile: its blocks may be someone else's
+            return 0
+        stored, removed = self._validate(rid, written)
+        await self.publish(self.model.name, stored, removed)
+        if offload and self._live(rid, gen):
             keys = self._keys(rid)
             await self._offload(complete_chunks(self.plan, self.bm.block_table(rid), keys))
         return len(stored)
@@ -335,9 +383,14 @@ class GpuPool(Member):
         gid = key_group(keys[0]) if keys else None
         for key in keys:
             b = self.valid.get(key)
+            # a stale index entry (evicted, re-keyed, a restarted coordinator's guess) is a
+            # miss: only a block the manager still caches under this very key is served
             if b is None or model != self.model.name or key_group(key) != gid:
                 break
+            if not self._cached_as(b, key):
+                break
             blocks.append(b)
+        self.metrics.miss(model, GPU, len(keys) - len(blocks))
         if not blocks:
             return 0, np.empty((len(self.writers), 0, 0), np.uint8)
         rows = (await self._gather(self.gindex[gid], blocks, self.writers)).numpy()
@@ -351,9 +404,11 @@ class GpuPool(Member):
         nobody holds (e.g. out of a sliding window), are misses. Returns the request's
         leading tokens now backed by written KV in every group."""
         t0 = time.perf_counter()
-        ids = self._ids(token_ids)
+        ids = self._ids(token_ids, rid)
         into_tables = as_tables(self.plan, into)
         self._own_blocks(rid, into_tables)
+        gen = self._gen.get(rid)
+        nothing = {"num_tokens": 0, "loaded_blocks": 0, "bytes": 0, "seconds": 0.0}
         if ids is not None and len(ids) > len(self.tokens.get(rid, [])):
             self.tokens[rid] = ids
         tables, keys = self.bm.block_table(rid), self._keys(rid)
@@ -380,11 +435,11 @@ class GpuPool(Member):
             # 2) the node's CPU tier or another node, best copy first
             rest = [(keys[gi][j], b) for j, b in want if b not in filled]
             if rest:
-                moved += await self._fetch(rid, gi, rest, filled)
-                if rid not in self.bm:  # freed while we were fetching: nothing to publish
-                    return {"num_tokens": 0, "loaded_blocks": 0, "bytes": moved, "seconds": 0.0}
+                moved += await self._fetch(rid, gen, gi, rest, filled)
+            if not self._live(rid, gen):  # freed meanwhile: nothing to publish
+                return nothing | {"bytes": moved}
         written = [[b for b in t if b in filled] for t in into_tables]
-        await self.publish(self.model.name, self._validate(rid, written), [])
+        await self.publish(self.model.name, *self._validate(rid, written))
 
         def backed(gi: int, j: int) -> bool:
             b = tables[gi][j]
@@ -400,7 +455,7 @@ class GpuPool(Member):
         }
 
     async def _fetch(
-        self, rid: Hashable, gi: int, want: list[tuple[bytes, int]], filled: set[int]
+        self, rid: Hashable, gen: int | None, gi: int, want: list[tuple[bytes, int]], filled: set
     ) -> int:
         """Copy the blocks of ``want`` (key, our block) from wherever they are held."""
         try:
@@ -428,7 +483,7 @@ class GpuPool(Member):
                 with contextlib.suppress(Exception):
                     await coord.member_failed.remote(source)
                 continue
-            if rid not in self.bm:
+            if not self._live(rid, gen):  # freed: our blocks may be someone else's now
                 return moved
             if n:
                 await self._scatter_copies(gi, rows[:, :n], [b for _, b in batch[:n]])
@@ -447,6 +502,8 @@ class GpuPool(Member):
         self.bm.free(rid)
         self.tokens.pop(rid, None)
         self._hashes.pop(rid, None)
+        self._gen.pop(rid, None)
+        self.metrics.used(self.model.name, GPU, self.bm.pool.num_used_blocks)
 
     # --- membership ---------------------------------------------------------------------
 

@@ -54,7 +54,14 @@ def start_head(num_cpus: int | None = None, timeout_s: float = 60.0) -> dict[str
     path = state_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     log = path.with_suffix(".log")
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    # The auth mode is explicit: with RAY_AUTH_MODE unset, `ray start` turns token auth on
+    # whenever ~/.ray/auth_token exists (any earlier embedded ray.init() writes one), while a
+    # driver joining by address does not, and `raykv status` would be refused.
+    env = {
+        "RAY_AUTH_MODE": "disabled",
+        **os.environ,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    }
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
@@ -118,7 +125,10 @@ def _join(address: str | None) -> Any:
 
     address = address or _local_address()
     if address is None:
-        raise ServiceError("raykv is not up on this host (no RAY_ADDRESS, no raykv up state)")
+        raise ServiceError(
+            "raykv is not up on this host (no RAY_ADDRESS, and no Ray head started by raykv up "
+            f"answers; {state_file()} records the last one); start it with raykv up"
+        )
     ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     return address
 

@@ -8,6 +8,7 @@ plain rows of bytes. ``tp_size`` ranks of one engine instance form one TP group:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -86,10 +87,16 @@ class ServedModel:
 
 
 def check_token_ids(token_ids: Sequence[int], max_model_len: int, model: str) -> list[int]:
-    """Token ids as a list of ints; raises InvalidInput (changing nothing) on bad input."""
+    """Token ids as a list of ints; raises InvalidInput (changing nothing) on bad input.
+    Floats are refused, not truncated: 1.5 is no token id."""
+    dtype = getattr(token_ids, "dtype", None)
+    if dtype is not None and "int" not in str(dtype):
+        raise InvalidInput(f"token ids must have an integer dtype, got {dtype}")
+    if dtype is not None and hasattr(token_ids, "tolist"):
+        token_ids = token_ids.tolist()  # a tensor or array: one conversion, not one per id
     try:
-        ids = [int(t) for t in token_ids]
-    except (TypeError, ValueError):
+        ids = [operator.index(t) for t in token_ids]
+    except TypeError:
         raise InvalidInput(
             f"token ids must be a sequence of integers, got {type(token_ids).__name__}"
         ) from None

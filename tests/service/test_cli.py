@@ -28,6 +28,10 @@ def env(tmp_path):
 
 
 def test_up_status_down(env, tmp_path) -> None:
+    # a token left by an earlier embedded ray.init() must not lock `status` out of the head
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("0123456789abcdef" * 4)
+    env = env | {"HOME": str(tmp_path)}
     try:
         up = run(
             "up",
@@ -62,6 +66,17 @@ def test_up_status_down(env, tmp_path) -> None:
     assert not (tmp_path / "up.json").exists()
     gone = run("status", env=env)
     assert gone.returncode != 0 and "not up" in gone.stderr
+
+
+def test_a_state_file_left_by_a_dead_head_is_not_waited_on(env, tmp_path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "up.json").write_text(json.dumps({"address": f"127.0.0.1:{port}", "pid": 1}))
+    st = run("status", env=env, timeout=60)
+    assert st.returncode != 0 and "not up" in st.stderr
 
 
 def test_demo_matches_a_full_recompute(env) -> None:

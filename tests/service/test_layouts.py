@@ -11,12 +11,12 @@ import torch
 
 from raykv.blocks import BlockHasher
 from raykv.client import Client
-from raykv.errors import BlockSizeError, ConfigError, InvalidInput
+from raykv.errors import BlockSizeError, ConfigError, InvalidInput, ServiceError
 from raykv.layout import FullAttention, Mamba
 from raykv.layout.hf_config import layers_from_hf_config
 from raykv.layout.presets import get_preset
 from raykv.service.groups import group_keys
-from raykv.service.spec import NAMESPACE, group_name, tier_name
+from raykv.service.spec import NAMESPACE, group_name, rank_name, tier_name
 
 pytestmark = pytest.mark.ray
 RAY_WORKERS = 1
@@ -186,6 +186,39 @@ def test_tp2_group_on_one_node_moves_every_rank(svc) -> None:
         for rank in range(2):
             assert torch.equal(b.read(tb[:6], rank=rank), per_rank[rank])
         b.free("y")
+
+
+def test_a_dead_tp_rank_gets_its_group_placed_again(svc) -> None:
+    a, x = on("tp2", svc.a), tokens(40, 7)
+    assert a.admit("k", 40, x)
+    ta = a.allocate("k", 40, x)[0]
+    assert a.store("k", ta[:2], [rows(2, 1, TP_ROW), rows(2, 2, TP_ROW)]) == 2
+    a.free("k")
+    assert on("tp2", svc.head).lookup(x).hit_tokens == 32
+    members = svc.kv.stats()["members"]
+    pool = next(m["name"] for m in members if m.get("model") == "tp2" and m["node_id"] == svc.a)
+    ray.kill(ray.get_actor(rank_name(pool, 1), namespace=NAMESPACE), no_restart=True)
+    with pytest.raises(ServiceError, match="gone"):
+        a.read(ta[:2], rank=1)
+
+    # the group leaves the index and comes back whole on its node, holding nothing
+    def fresh() -> bool:
+        return any(
+            m["name"] == pool and m.get("blocks_valid") == 0 for m in svc.kv.stats()["members"]
+        )
+
+    deadline = time.monotonic() + 60
+    while not fresh() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert fresh() and on("tp2", svc.head).lookup(x).hit_tokens == 0
+    ranks = ray.get(ray.get_actor(pool, namespace=NAMESPACE).rank_info.remote())
+    assert [(r["rank"], r["node_id"]) for r in ranks] == [(0, svc.a), (1, svc.a)]
+    c = on("tp2", svc.a)
+    assert c.admit("k2", 40, x)
+    tc = c.allocate("k2", 40, x)[0]
+    assert c.store("k2", tc[:2], [rows(2, 3, TP_ROW), rows(2, 4, TP_ROW)]) == 2
+    assert torch.equal(c.read(tc[:2], rank=1), rows(2, 4, TP_ROW))
+    c.free("k2")
 
 
 def test_bad_input_and_unservable_models_change_nothing(svc, state) -> None:

@@ -11,9 +11,9 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raykv.client import Client
-from raykv.errors import InvalidInput, UnknownRequest
+from raykv.errors import InvalidInput, ServiceError, UnknownRequest
 from raykv.layout import FullAttention
-from raykv.service.spec import COORDINATOR, NAMESPACE
+from raykv.service.spec import COORDINATOR, NAMESPACE, pool_name, tier_name
 
 pytestmark = pytest.mark.ray
 
@@ -137,11 +137,66 @@ def test_bad_input_is_refused_and_changes_nothing(svc, state) -> None:
         a.admit("big", 600, list(range(600)))
     with pytest.raises(InvalidInput, match="integers"):
         a.lookup(["x"])
+    with pytest.raises(InvalidInput, match="integers"):
+        a.lookup([1.5] * 20)  # refused, not truncated to other tokens
+    with pytest.raises(InvalidInput, match=r"integer dtype, got torch\.float32"):
+        a.admit("f", 20, torch.ones(20))
+    with pytest.raises(InvalidInput, match="differ at position 3"):
+        a.allocate("bad", 4, [*ids[:3], ids[3] + 1])  # not the tokens it was admitted with
     with pytest.raises(UnknownRequest):
         a.free("never-admitted")
     assert torch.equal(a.read(table), before_rows)
     assert state(svc.kv) == before
     a.free("bad")
+
+
+def test_stats_count_hits_per_tier_misses_evictions_and_bytes_moved(svc) -> None:
+    assert svc.kv.lookup(tokens(100, 77)).hit_tokens == 0  # 6 blocks nobody holds
+    s = svc.kv.stats()
+    assert {"local_gpu", "remote_gpu", "local_cpu"} <= set(s["hits"]), s["hits"]
+    assert s["misses"] >= 6 and 0 < s["hit_rate"] < 1
+    pool = ray.get(
+        ray.get_actor(pool_name("t", svc.ids[0], 0), namespace=NAMESPACE).snapshot.remote()
+    )
+    tier = ray.get(ray.get_actor(tier_name(svc.ids[0]), namespace=NAMESPACE).snapshot.remote())
+    ps, ts = pool["stats"], tier["stats"]
+    assert ps["evictions"] > 0 and ps["offloads"] > 0 and ps["hits_gpu"] >= 12
+    assert ps["bytes_moved"] >= 12 * ROW and ts["hits_cpu"] > 0 and ts["bytes_moved"] > 0
+    assert 0 < ps["blocks_valid"] <= ps["blocks_total"] and ts["blocks_used"] > 0
+
+
+def test_a_dead_pool_is_placed_again_and_its_blocks_become_misses(svc) -> None:
+    h, c = svc.kv.on(svc.head), svc.kv.on(svc.ids[1])
+    ids = tokens(120, 6)
+    put(h, "d1", ids, seed=6)
+    h.free("d1")
+    assert c.lookup(ids).hit_tokens == 112
+    ray.kill(ray.get_actor(pool_name("t", svc.head, 0), namespace=NAMESPACE), no_restart=True)
+    # Before the coordinator notices, a load from the dead pool is a miss, not an error.
+    assert c.admit("d2", len(ids), ids)
+    table = c.allocate("d2", len(ids), ids)[0]
+    assert c.load("d2", ids, into=table[:7]).num_tokens == 0
+    c.free("d2")
+    # The coordinator starts a fresh pool under the same name, on the same node.
+    name = pool_name("t", svc.head, 0)
+
+    def fresh() -> bool:
+        members = svc.kv.stats()["members"]
+        return any(m["name"] == name and m.get("blocks_valid") == 0 for m in members)
+
+    deadline = time.monotonic() + 60
+    while not fresh() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert fresh() and c.lookup(ids).hit_tokens == 0
+    pool = ray.get_actor(name, namespace=NAMESPACE)
+    assert ray.get(pool.rank_info.remote())[0]["node_id"] == svc.head
+    with pytest.raises(ServiceError, match="gone"):
+        h.admit("d3", len(ids), ids)  # the handle still points at the dead actor: one error
+    assert h.admit("d3", len(ids), ids)  # then it finds the fresh one
+    table = h.allocate("d3", len(ids), ids)[0]
+    assert h.store("d3", table[:7], rows(7, seed=7)) == 7
+    h.free("d3")
+    assert c.lookup(ids).hit_tokens == 112
 
 
 def test_a_joining_node_gets_a_pool_and_a_tier(svc) -> None:

@@ -1,0 +1,28 @@
+"""Where the coordinator puts each model's TP groups (pure: from ``ray.nodes()`` entries)."""
+
+from raykv.layout import FullAttention
+from raykv.service.coordinator import engine_groups
+from raykv.service.spec import ServedModel
+
+LAYERS = {"l0": FullAttention(dtype="bfloat16", num_kv_heads=8, head_dim=128)}
+
+
+def node(gpus: int) -> dict:
+    return {"NodeID": f"n{gpus}", "Alive": True, "Resources": {"CPU": 8.0, "GPU": float(gpus)}}
+
+
+def test_gpu_clusters_place_tp_groups_on_gpu_nodes_only() -> None:
+    tp1 = ServedModel("a", LAYERS, max_model_len=1024)
+    tp2 = ServedModel("b", LAYERS, max_model_len=1024, tp_size=2)
+    # a KubeRay-style CPU head next to GPU workers: no CPU-device pool on the head (it would
+    # take the GPU plan's bytes of host memory)
+    assert engine_groups([node(0), node(8), node(3)], {"a": tp1}) == [{"a": 0}, {"a": 8}, {"a": 3}]
+    assert engine_groups([node(0), node(8), node(3)], {"b": tp2}) == [{"b": 0}, {"b": 4}, {"b": 1}]
+
+
+def test_clusters_without_gpus_get_one_cpu_device_group_per_node_and_model() -> None:
+    models = {
+        "a": ServedModel("a", LAYERS, max_model_len=1024),
+        "b": ServedModel("b", LAYERS, max_model_len=1024, tp_size=2),
+    }
+    assert engine_groups([node(0), node(0)], models) == [{"a": 1, "b": 1}] * 2
