@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from raykv.layout.specs import cdiv
+
 MODEL = "tiny-demo"
 
 
@@ -90,7 +92,7 @@ class DemoEngine:
 
     def full_recompute(self, tokens: list[int]) -> dict[str, Any]:
         """The reference: every token computed here, nothing from raykv."""
-        n = -(-len(tokens) // self.block_size)
+        n = cdiv(len(tokens), self.block_size)
         table = list(range(1, n + 1))  # a private cache, the pool is not involved
         cache = [torch.zeros_like(c) for c in self.cache]
         t0 = time.perf_counter()
