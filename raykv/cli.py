@@ -106,6 +106,38 @@ def plan_cmd(
 # --- service: up / status / down / demo (issue 4) ---------------------------------------
 
 
+def _bounded(seconds: float, what: str) -> None:
+    """End the command after ``seconds`` with a clear error, and let Ctrl-C end it at once.
+
+    Ray can block inside its C++ client where neither its timeouts nor KeyboardInterrupt
+    reach; a user's shell must never wait on a cluster without a bound."""
+    import os
+    import signal
+    import threading
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    def give_up() -> None:
+        click.echo(
+            f"Error: {what} did not finish within {seconds:.0f}s; is the Ray cluster up and "
+            "reachable (raykv status, or pass --address)? Raise --timeout if it is just slow.",
+            err=True,
+        )
+        os._exit(2)
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
+
+
+_timeout = click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=1),
+    help="give up (exit 2) after this many seconds",
+)
+
+
 @main.command()
 @click.option("--address", help="Ray cluster to join (default: this host's, else start one)")
 @click.option("--preset", default="llama-3-8b", show_default=True, help="model to serve")
@@ -120,13 +152,24 @@ def plan_cmd(
 @click.option("--block-size", default=16, show_default=True)
 @click.option("--max-model-len", type=int, help="default: the preset's")
 @click.option("--num-cpus", type=int, help="CPUs of a head started here (default: all)")
+@_timeout
 def up(
-    address, preset, cpu_mem, gpu_mem_fraction, pool_mem, block_size, max_model_len, num_cpus
+    address,
+    preset,
+    cpu_mem,
+    gpu_mem_fraction,
+    pool_mem,
+    block_size,
+    max_model_len,
+    num_cpus,
+    timeout_s,
 ) -> None:
     """Start (or join) the raykv service and print where it runs."""
     from raykv.errors import RaykvError
     from raykv.layout.report import parse_size
     from raykv.service import launcher
+
+    _bounded(timeout_s or 300, "raykv up")
 
     pool_bytes = parse_size(pool_mem)
     try:
@@ -154,17 +197,22 @@ def up(
         f"  {info['nodes']} node(s), {info['members']} pools and tiers; "
         f"connect with raykv.connect('{info['address']}')"
     )
+    if info.get("token"):
+        click.echo(f"  Ray token auth is on; the token is in {info['token']}")
 
 
 @main.command()
 @click.option("--address", help="Ray cluster address (default: this host's raykv)")
 @click.option("--json", "as_json", is_flag=True, help="print the stats as JSON")
-def status(address, as_json) -> None:
+@_timeout
+def status(address, as_json, timeout_s) -> None:
     """Nodes, pools, tiers, usage and hit rates of the running service."""
     import json
 
     from raykv.errors import RaykvError
     from raykv.service import launcher
+
+    _bounded(timeout_s or 60, "raykv status")
 
     try:
         s = launcher.status(address)
@@ -175,10 +223,13 @@ def status(address, as_json) -> None:
 
 @main.command()
 @click.option("--address", help="Ray cluster address (default: this host's raykv)")
-def down(address) -> None:
+@_timeout
+def down(address, timeout_s) -> None:
     """Stop the service (and the local Ray head if `raykv up` started it)."""
     from raykv.errors import RaykvError
     from raykv.service import launcher
+
+    _bounded(timeout_s or 180, "raykv down")
 
     try:
         info = launcher.down(address)

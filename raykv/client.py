@@ -22,20 +22,19 @@ methods as coroutines.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
 
 from raykv.errors import RaykvError, ServiceError
+from raykv.service.ray_join import join
 from raykv.service.spec import COORDINATOR, NAMESPACE, ServedModel, check_token_ids
 
 RETRY_S = 60.0
+START_TIMEOUT_S = 60.0
 # the coordinator restarting (actor errors, timeouts) or not yet named again (ValueError)
 _RETRY = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError)
 
@@ -67,11 +66,6 @@ class LoadResult:
     loaded_blocks: int  # blocks copied into ``into``
     bytes: int  # bytes that came from another tier or node
     seconds: float
-
-
-def state_file() -> Path:
-    """Where ``raykv up`` records the Ray head it started (address, pid)."""
-    return Path(os.environ.get("RAYKV_STATE", Path.home() / ".cache" / "raykv" / "up.json"))
 
 
 def _unwrap(e: BaseException) -> BaseException:
@@ -367,30 +361,6 @@ class AsyncClient(_Base):
         await self._pool_call("free", request_id)
 
 
-def _listening(address: str) -> bool:
-    """Whether something accepts connections at ``host:port`` (a GCS that is up)."""
-    import socket
-
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=1.0):
-            return True
-    except (OSError, ValueError):
-        return False
-
-
-def _local_address() -> str | None:
-    """A Ray this host already runs for raykv: RAY_ADDRESS, else ``raykv up``'s head if it
-    still answers (a state file left by a head that died is ignored, not waited on)."""
-    if os.environ.get("RAY_ADDRESS"):
-        return os.environ["RAY_ADDRESS"]
-    try:
-        address = json.loads(state_file().read_text())["address"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return address if _listening(address) else None
-
-
 def ensure_service(namespace: str = NAMESPACE) -> Any:
     """The coordinator actor, created (named, detached) if it does not exist yet."""
     from raykv.service.coordinator import coordinator_actor
@@ -398,7 +368,13 @@ def ensure_service(namespace: str = NAMESPACE) -> Any:
     coord = coordinator_actor().remote() if namespace == NAMESPACE else None
     if coord is None:
         raise ServiceError(f"the service runs in namespace {NAMESPACE!r}, not {namespace!r}")
-    ray.get(coord.ping.remote())
+    try:
+        ray.get(coord.ping.remote(), timeout=START_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise ServiceError(
+            f"the raykv coordinator did not start within {START_TIMEOUT_S:.0f}s; does the "
+            "cluster have a free CPU (raykv status, ray status)?"
+        ) from None
     return coord
 
 
@@ -407,19 +383,12 @@ def connect(
 ) -> Client:
     """A client of the raykv service; starts the coordinator if there is none.
 
-    ``address`` None: use the Ray this process already joined, else the one ``raykv up``
-    started on this host (or RAY_ADDRESS), else start an embedded local Ray on 127.0.0.1.
+    ``address`` None: use the Ray this process already joined, else RAY_ADDRESS, else the
+    head ``raykv up`` started on this host, else start an embedded local Ray on 127.0.0.1
+    (records of dead clusters are ignored). An address that does not answer is a
+    ``ServiceError`` within seconds.
     """
     if not ray.is_initialized():
-        address = address or _local_address()
-        if address:
-            ray.init(address=address, namespace=namespace, log_to_driver=False)
-        else:
-            ray.init(
-                namespace=namespace,
-                _node_ip_address="127.0.0.1",
-                include_dashboard=False,
-                log_to_driver=False,
-            )
+        join(address, namespace, start_local=True)
     ensure_service(namespace)
     return Client(namespace, model)

@@ -20,7 +20,14 @@ class BlockSizeError(ConfigError):
 
 
 class InsufficientMemoryError(ConfigError):
-    """Too little memory to hold even one request of max_model_len tokens."""
+    """Too little memory to hold even one request of max_model_len tokens.
+
+    ``need_bytes``: the pool bytes one request needs; ``fits_len``: the longest
+    max_model_len the given bytes hold (0: none), so callers can word their own fix."""
+
+    def __init__(self, message: str, *, need_bytes: int = 0, fits_len: int = 0) -> None:
+        super().__init__(message)
+        self.need_bytes, self.fits_len = need_bytes, fits_len
 
 
 class RequestTooLarge(RaykvError, ValueError):

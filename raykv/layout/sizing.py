@@ -189,7 +189,9 @@ def plan(
             f"(+1 null) = {_fmt(need_bytes)} per GPU at tp_size={tp_size}, but only "
             f"{_fmt(available)} is available ({usable} usable blocks of "
             f"{gpu_bytes_per_block} bytes); fix: give the KV cache more GPU memory, "
-            f"{shorter}or raise tp_size"
+            f"{shorter}or raise tp_size",
+            need_bytes=need_bytes,
+            fits_len=fits or 0,
         )
 
     # CPU tier (invariant 5).

@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from raykv.errors import ConfigError, InvalidInput, ServiceError
+from raykv.errors import ConfigError, InsufficientMemoryError, InvalidInput, ServiceError
 from raykv.service.groups import (
     check_servable,
     common_hit,
@@ -77,6 +77,28 @@ def engine_groups(nodes: list[dict], models: dict[str, ServedModel]) -> list[dic
     group of CPU-device pools per node (development and CI)."""
     gpus = [int(n["Resources"].get("GPU", 0)) for n in nodes]
     return [{name: g // m.tp_size if any(gpus) else 1 for name, m in models.items()} for g in gpus]
+
+
+def _plan_or_explain(model: ServedModel, pool_bytes: int, *, on_gpus: bool) -> Any:
+    """``model.plan``; on a cluster without GPUs the fix for too little memory is the
+    CPU-device pools' size (``--pool-mem``), not more GPU memory."""
+    try:
+        return model.plan(pool_bytes)
+    except InsufficientMemoryError as e:
+        if on_gpus:
+            raise
+        shorter = (
+            f", or lower max_model_len to {e.fits_len} (--max-model-len)" if e.fits_len else ""
+        )
+        raise InsufficientMemoryError(
+            f"model {model.name!r}: one request of max_model_len={model.max_model_len} tokens "
+            f"needs {e.need_bytes / 2**20:.0f} MiB of KV per pool, but this cluster has no GPUs "
+            f"and its pools hold {pool_bytes / 2**20:.0f} MiB of host memory each; fix: raise "
+            f"the pool size to at least {-(-e.need_bytes // 2**20)} MiB (raykv up --pool-mem "
+            f"{-(-e.need_bytes // 2**20)}MiB, or pool_bytes= in add_model){shorter}",
+            need_bytes=e.need_bytes,
+            fits_len=e.fits_len,
+        ) from None
 
 
 def _gpu_bytes_probe(fraction: float) -> int:
@@ -196,7 +218,7 @@ class Coordinator:
                     f"to at most {max(gpus)} or add a node with {model.tp_size} GPUs"
                 )
             gpu_bytes = model.pool_bytes or await self._probe_gpu_bytes(model)
-            plan = model.plan(gpu_bytes)
+            plan = _plan_or_explain(model, gpu_bytes, on_gpus=any(gpus))
             check_servable(plan)
             self.plans[model.name] = plan
             self.models[model.name] = model

@@ -8,8 +8,8 @@ With no address, ``up`` starts a local Ray head on 127.0.0.1 that outlives the c
 
 from __future__ import annotations
 
+import contextlib
 import json
-import logging
 import os
 import signal
 import socket
@@ -19,8 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from raykv.client import _local_address, connect, state_file
-from raykv.errors import ServiceError
+from raykv.client import connect
+from raykv.errors import RaykvError, ServiceError
+from raykv.service.ray_join import ensure_token, join, local_address, read_state, state_file
+
+STOP_TIMEOUT_S = 60.0
 
 
 def _free_port() -> int:
@@ -54,12 +57,13 @@ def start_head(num_cpus: int | None = None, timeout_s: float = 60.0) -> dict[str
     path = state_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     log = path.with_suffix(".log")
-    # The auth mode is explicit: with RAY_AUTH_MODE unset, `ray start` turns token auth on
-    # whenever ~/.ray/auth_token exists (any earlier embedded ray.init() writes one), while a
-    # driver joining by address does not, and `raykv status` would be refused.
+    # Token auth stays on (Ray's default for a new cluster): the head and every raykv driver
+    # use the same token file, created here if this host has none. Loopback stays loopback.
+    token = ensure_token()
     env = {
-        "RAY_AUTH_MODE": "disabled",
+        "RAY_AUTH_MODE": "token",
         **os.environ,
+        "RAY_AUTH_TOKEN_PATH": str(token),
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     }
     with open(log, "wb") as out:
@@ -73,7 +77,7 @@ def start_head(num_cpus: int | None = None, timeout_s: float = 60.0) -> dict[str
                 f"could not start a Ray head on 127.0.0.1:{port} (exit {proc.poll()}); see {log}"
             )
         time.sleep(0.5)
-    state = {"address": f"127.0.0.1:{port}", "pid": proc.pid, "log": str(log)}
+    state = {"address": f"127.0.0.1:{port}", "pid": proc.pid, "log": str(log), "token": str(token)}
     path.write_text(json.dumps(state))
     return state
 
@@ -94,24 +98,33 @@ def up(
 
     p = get_preset(preset)
     started = None
-    address = address or _local_address()
+    address = address or local_address()
     if address is None:
         started = start_head(num_cpus)
         address = started["address"]
-    client = connect(address)
-    plan = client.add_model(
-        preset,
-        p.layers(),
-        max_model_len=max_model_len or p.max_model_len,
-        block_size=block_size,
-        gpu_mem_fraction=gpu_mem_fraction,
-        cpu_bytes=cpu_bytes,
-        pool_bytes=pool_bytes,
-    )
+    try:
+        client = connect(address)
+        plan = client.add_model(
+            preset,
+            p.layers(),
+            max_model_len=max_model_len or p.max_model_len,
+            block_size=block_size,
+            gpu_mem_fraction=gpu_mem_fraction,
+            cpu_bytes=cpu_bytes,
+            pool_bytes=pool_bytes,
+        )
+    except RaykvError as e:
+        if started is None:
+            raise
+        raise type(e)(
+            f"{e}\n(the Ray head raykv up started at {address} keeps running: run raykv up "
+            "again with other settings, or raykv down)"
+        ) from e
     stats = client.stats()
     return {
         "address": address,
         "started_head": started is not None,
+        "token": started["token"] if started else None,
         "model": preset,
         "num_gpu_blocks": plan.num_gpu_blocks,
         "cpu_num_blocks": plan.cpu_num_blocks,
@@ -120,17 +133,11 @@ def up(
     }
 
 
-def _join(address: str | None) -> Any:
-    import ray
+def _join(address: str | None) -> str:
+    from raykv.service.spec import NAMESPACE
 
-    address = address or _local_address()
-    if address is None:
-        raise ServiceError(
-            "raykv is not up on this host (no RAY_ADDRESS, and no Ray head started by raykv up "
-            f"answers; {state_file()} records the last one); start it with raykv up"
-        )
-    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-    return address
+    joined = join(address, NAMESPACE, start_local=False)
+    return joined
 
 
 def status(address: str | None) -> dict[str, Any]:
@@ -165,20 +172,54 @@ def down(address: str | None) -> dict[str, Any]:
     except ValueError:
         pass
     ray.shutdown()
+    state = read_state()
     stopped_head = False
-    path = state_file()
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError):
-        state = {}
     if state.get("address") == addr and state.get("pid"):
-        try:
-            os.killpg(state["pid"], signal.SIGTERM)  # the session `up` created, by its id
-            stopped_head = True
-        except ProcessLookupError:
-            pass
-        path.unlink(missing_ok=True)
+        stopped_head = stop_head(state["pid"])
+        state_file().unlink(missing_ok=True)
     return {"address": addr, "actors_stopped": killed, "stopped_head": stopped_head}
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Processes of the session ``raykv up`` started for the head (Ray's workers included:
+    they get process groups of their own, but stay in the session)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getsid(int(entry)) == sid:
+                    pids.append(int(entry))
+    return pids
+
+
+def stop_head(sid: int, grace_s: float = 3.0, timeout_s: float = STOP_TIMEOUT_S) -> bool:
+    """Stop every process of the head's session and wait until they are gone (or zombies
+    waiting to be reaped): SIGTERM, SIGKILL after ``grace_s``, give up at ``timeout_s``.
+    The whole cluster goes, so nothing needs Ray's slower one-by-one shutdown (~30 s).
+    False if nothing of it was running."""
+    if not _session_pids(sid):
+        return False
+    deadline = time.monotonic() + timeout_s
+    for sig, until in ((signal.SIGTERM, time.monotonic() + grace_s), (signal.SIGKILL, deadline)):
+        for pid in _session_pids(sid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        while time.monotonic() < until and not _all_exited(sid):
+            time.sleep(0.2)
+        if _all_exited(sid):
+            break
+    return True
+
+
+def _all_exited(sid: int) -> bool:
+    def exited(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+        except OSError:
+            return True
+
+    return all(exited(pid) for pid in _session_pids(sid))
 
 
 def status_table(s: dict[str, Any]) -> str:
