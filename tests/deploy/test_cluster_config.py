@@ -2,6 +2,8 @@
 
 import copy
 import json
+import shlex
+import tomllib
 from pathlib import Path
 
 import jsonschema
@@ -64,3 +66,17 @@ def test_head_starts_raykv_after_ray_and_every_node_exports_metrics(config):
     assert "--cpu-mem" in head[ups[0]]
     for cmd in (head[starts[0]], " ".join(config["worker_start_ray_commands"])):
         assert "--metrics-export-port=8080" in cmd
+
+
+def test_setup_installs_the_wheel_built_from_this_checkout(config):
+    """raykv is not on a package index: nodes install the wheel `pip wheel . -w dist` builds,
+    copied to them by file_mounts (the wheel carries the CUDA kernel sources)."""
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    wheel = f"raykv-{version}-py3-none-any.whl"
+    argv = [a for c in config["setup_commands"] for a in shlex.split(c)]
+    assert "raykv" not in argv  # no install by name from an index
+    (installed,) = [Path(a) for a in argv if a.endswith(".whl")]
+    assert installed.name == wheel
+    mounts = {Path(remote): local for remote, local in config["file_mounts"].items()}
+    assert installed.parent in mounts
+    assert Path(mounts[installed.parent]) == Path("dist")

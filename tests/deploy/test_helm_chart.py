@@ -30,6 +30,14 @@ EXTRA_SHAPES = {
         "raykv": {"start": "none"},
     },
     "gpu-and-cpu-groups": {"cpuWorkers": {"enabled": True}, "raykv": {"preset": "llama-3-8b"}},
+    "stock-image-pip-install": {
+        "image": {
+            "repository": "rayproject/ray",
+            "tag": "2.60.0-py311-gpu",
+            "pipInstall": ["raykv @ https://files.example.com/raykv-0.1.0-py3-none-any.whl"],
+        },
+        "raykv": {"start": "rayJob"},
+    },
 }
 SHAPES = [pytest.param([f], None, id=i) for f, i in zip(CI_VALUES, CI_IDS, strict=True)] + [
     pytest.param([], v, id=i) for i, v in EXTRA_SHAPES.items()

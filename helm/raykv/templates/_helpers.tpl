@@ -72,8 +72,13 @@ Values, address (the Ray address it is run against).
 {{- $args := list "raykv" "up" "--address" .address "--cpu-mem" $group.pinnedMemory "--gpu-mem-fraction" (toString $r.gpuMemFraction) "--block-size" (toString $r.blockSize) -}}
 {{- if $r.preset -}}{{- $args = concat $args (list "--preset" $r.preset) -}}{{- end -}}
 {{- $args = concat $args $r.extraArgs -}}
+{{- include "raykv.shellJoin" $args -}}
+{{- end -}}
+
+{{/* A list of arguments as one shell command line (arguments with shell metacharacters single-quoted). */}}
+{{- define "raykv.shellJoin" -}}
 {{- $quoted := list -}}
-{{- range $args -}}
+{{- range . -}}
 {{- $a := toString . -}}
 {{- if regexMatch "^[A-Za-z0-9_./:=@%+,-]+$" $a -}}
 {{- $quoted = append $quoted $a -}}
@@ -82,6 +87,29 @@ Values, address (the Ray address it is run against).
 {{- end -}}
 {{- end -}}
 {{- join " " $quoted -}}
+{{- end -}}
+
+{{/*
+image.pipInstall (the stock Ray image): the shell command that installs it, or "" when the image
+already contains raykv.
+*/}}
+{{- define "raykv.pipInstallCommand" -}}
+{{- with .Values.image.pipInstall -}}
+{{- include "raykv.shellJoin" (concat (list "python" "-m" "pip" "install" "--no-cache-dir") .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The Ray container's command where image.pipInstall is set: install, then KubeRay's own `ray start`
+(the RayCluster carries ray.io/overwrite-container-cmd, so KubeRay hands it over in
+$KUBERAY_GEN_RAY_START_CMD instead of running it itself). Nothing otherwise.
+*/}}
+{{- define "raykv.rayContainerCommand" -}}
+{{- with (include "raykv.pipInstallCommand" .) -}}
+command: ["/bin/bash", "-lc", "--"]
+args:
+  - {{ printf "ulimit -n 65536; %s && $KUBERAY_GEN_RAY_START_CMD" . | quote }}
+{{- end -}}
 {{- end -}}
 
 {{/* The head's postStart script (start: headCommand). */}}

@@ -37,6 +37,9 @@ KubeRay passes the limit to `ray start --num-gpus`.
         - name: ray-worker
           image: {{ include "raykv.image" $root }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          {{- with (include "raykv.rayContainerCommand" $root) }}
+          {{- . | nindent 10 }}
+          {{- end }}
           ports:
             - {containerPort: {{ $root.Values.metrics.port }}, name: metrics, protocol: TCP}
           env:
