@@ -1,93 +1,203 @@
-"""`raykv up / status / down` against a head they start, and `raykv demo` end to end.
+"""The installed `raykv` as a user runs it: a subprocess from a plain shell (PATH and HOME
+only, no RAY_* variables), on a host whose routed address is not loopback.
 
-Each runs the real CLI in a subprocess; the head `up` starts is stopped by `down` through
-the process group `up` recorded (RAYKV_STATE points into the test's tmp dir)."""
+Where `ip netns` is permitted, the commands run in a network namespace the test makes, whose
+default route leaves through 192.0.2.2 (TEST-NET-1, never dialled): the host on which Ray swaps
+127.0.0.1 for the routed address and a driver that does not stay on loopback waits forever.
+Every listener still binds 127.0.0.1 inside that namespace."""
+
+from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.ray
-RAYKV = str(Path(sys.executable).parent / "raykv")
+BIN = Path(sys.executable).parent
+RAYKV = str(BIN / "raykv")
+SMALL = ["--pool-mem", "64MiB", "--cpu-mem", "32MiB", "--max-model-len", "256", "--num-cpus", "1"]
 
 
-def run(*args: str, env: dict, timeout: int = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [RAYKV, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
+def _netns(name: str) -> bool:
+    peer = name + "p"
+    steps = [
+        ["ip", "netns", "add", name],
+        ["ip", "netns", "add", peer],
+        ["ip", "-n", name, "link", "set", "lo", "up"],
+        ["ip", "link", "add", name + "a", "netns", name, "type", "veth", "peer"],
+        ["ip", "-n", name, "addr", "add", "192.0.2.2/24", "dev", name + "a"],
+        ["ip", "-n", peer, "addr", "add", "192.0.2.1/24", "dev", name + "b"],
+        ["ip", "-n", name, "link", "set", name + "a", "up"],
+        ["ip", "-n", peer, "link", "set", name + "b", "up"],
+        ["ip", "-n", name, "route", "add", "default", "via", "192.0.2.1"],
+    ]
+    steps[3] += ["name", name + "b", "netns", peer]
+    if shutil.which("ip") is None:
+        return False
+    for cmd in steps:
+        if subprocess.run(cmd, capture_output=True, check=False).returncode != 0:
+            _drop_netns(name)
+            return False
+    return True
+
+
+def _drop_netns(name: str) -> None:
+    for ns in (name, name + "p"):
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+@pytest.fixture(scope="module")
+def host() -> Iterator[list[str]]:
+    """The command prefix that runs a program on the non-loopback host ([] where network
+    namespaces are not permitted: then this machine's own network)."""
+    name = f"rkv{os.getpid() % 100000}"
+    if _netns(name):
+        yield ["ip", "netns", "exec", name]
+        _drop_netns(name)
+    else:
+        yield []
 
 
 @pytest.fixture
-def env(tmp_path):
-    e = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return e | {"RAYKV_STATE": str(tmp_path / "up.json"), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+def home() -> Iterator[Path]:
+    # short: Ray's unix sockets live under RAY_TMPDIR where a test sets it (107-byte limit)
+    path = Path(tempfile.mkdtemp(prefix="rkv", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
-def test_up_status_down(env, tmp_path) -> None:
-    # a token left by an earlier embedded ray.init() must not lock `status` out of the head
-    (tmp_path / ".ray").mkdir()
-    (tmp_path / ".ray" / "auth_token").write_text("0123456789abcdef" * 4)
-    env = env | {"HOME": str(tmp_path)}
+def plain_env(home: Path, **extra: str) -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "HOME": str(home), **extra}
+
+
+def run(host: list[str], *args: str, env: dict, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*host, "env", "-i", *(f"{k}={v}" for k, v in env.items()), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def session_alive(sid: int) -> list[str]:
+    """Processes of session ``sid`` that have not exited (zombies are exited)."""
+    out = subprocess.run(["ps", "-eo", "sid=,stat=,comm="], capture_output=True, text=True)
+    rows = [line.split(None, 2) for line in out.stdout.splitlines()]
+    return [r[2] for r in rows if len(r) == 3 and r[0] == str(sid) and not r[1].startswith("Z")]
+
+
+def test_up_status_down_from_a_plain_shell(host, home) -> None:
+    env = plain_env(home)
+    state_path = home / ".cache" / "raykv" / "up.json"
     try:
-        up = run(
-            "up",
-            "--preset",
-            "llama-3-8b",
-            "--pool-mem",
-            "64MiB",
-            "--cpu-mem",
-            "32MiB",
-            "--max-model-len",
-            "256",
-            "--num-cpus",
-            "1",
-            env=env,
-        )
+        t0 = time.monotonic()
+        up = run(host, RAYKV, "up", "--preset", "llama-3-8b", *SMALL, env=env)
         assert up.returncode == 0, up.stdout + up.stderr
-        state = json.loads((tmp_path / "up.json").read_text())
-        assert state["address"].startswith("127.0.0.1:")
-        assert f"raykv is up at {state['address']}" in up.stdout
-        st = run("status", "--json", env=env)
+        state = json.loads(state_path.read_text())
+        address = state["address"]
+        assert address.startswith("127.0.0.1:")
+        assert f"raykv is up at {address}" in up.stdout
+        token = home / ".ray" / "auth_token"
+        assert f"the token is in {token}" in up.stdout and token.stat().st_mode & 0o077 == 0
+
+        st = run(host, RAYKV, "status", "--json", env=env, timeout=60)
         assert st.returncode == 0, st.stderr
         s = json.loads(st.stdout)
-        assert s["address"] == state["address"]
-        assert "llama-3-8b" in s["models"]
+        assert s["address"] == address and "llama-3-8b" in s["models"]
         assert sorted(m["kind"] for m in s["members"]) == ["pool", "tier"]
-        table = run("status", env=env)
+        table = run(host, RAYKV, "status", env=env, timeout=60)
         assert "hit rate" in table.stdout and "raykv-pool-llama-3-8b" in table.stdout
+
+        # a model too large for CPU-device pools: the fix named is the pool size, not GPUs
+        big = run(host, RAYKV, "up", "--preset", "llama-3-70b", "--pool-mem", "64MiB", env=env)
+        assert big.returncode != 0
+        assert "--pool-mem" in big.stderr and "GPU memory" not in big.stderr, big.stderr
+
+        # Ray's token auth is on: a driver without the token is refused (and not hung)
+        stranger = home / "stranger"
+        stranger.mkdir()
+        probe = f"import ray; ray.init(address={address!r}, _node_ip_address='127.0.0.1')"
+        no_token = run(
+            host,
+            sys.executable,
+            "-c",
+            probe,
+            env=plain_env(stranger, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"),
+            timeout=120,
+        )
+        assert no_token.returncode != 0
+        assert "InvalidAuthToken" in no_token.stderr, no_token.stderr[-2000:]
+        print(f"up/status/70b/refused driver took {time.monotonic() - t0:.1f}s")
     finally:
-        down = run("down", env=env)
+        down = run(host, RAYKV, "down", env=env)
     assert down.returncode == 0, down.stderr
     assert "stopped the local Ray head" in down.stdout
-    assert not (tmp_path / "up.json").exists()
-    gone = run("status", env=env)
+    assert session_alive(state["pid"]) == [], "down returned while the head still runs"
+    assert not state_path.exists()
+    gone = run(host, RAYKV, "status", env=env, timeout=30)
     assert gone.returncode != 0 and "not up" in gone.stderr
+    assert str(state_path) not in gone.stderr  # down deleted it: not named as a lead
 
 
-def test_a_state_file_left_by_a_dead_head_is_not_waited_on(env, tmp_path) -> None:
+def test_status_when_nothing_is_up_answers_at_once(host, home) -> None:
+    t0 = time.monotonic()
+    st = run(host, RAYKV, "status", env=plain_env(home), timeout=30)
+    assert st.returncode != 0 and "not up" in st.stderr and "raykv up" in st.stderr
+    assert time.monotonic() - t0 < 20
+
+
+def test_a_state_file_left_by_a_dead_head_is_not_waited_on(host, home) -> None:
     import socket
 
     with socket.socket() as s:  # a port nothing listens on once closed
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    (tmp_path / "up.json").write_text(json.dumps({"address": f"127.0.0.1:{port}", "pid": 1}))
-    st = run("status", env=env, timeout=60)
+    state = home / ".cache" / "raykv" / "up.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"address": f"127.0.0.1:{port}", "pid": 1}))
+    st = run(host, RAYKV, "status", env=plain_env(home), timeout=60)
     assert st.returncode != 0 and "not up" in st.stderr
+    assert f"127.0.0.1:{port}, which does not answer" in st.stderr
 
 
-def test_demo_matches_a_full_recompute(env) -> None:
-    demo = run("demo", "--prompt-tokens", "512", env=env)
+def test_connect_ignores_rays_record_of_a_dead_cluster(host, home) -> None:
+    """After a crash Ray's `ray_current_cluster` names a cluster that is gone: connect()
+    starts the embedded Ray it promises instead of waiting on the dead one."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray_tmp = home / "t"
+    (ray_tmp / "ray").mkdir(parents=True)
+    (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}")
+    script = "import raykv; kv = raykv.connect(); print('NODES', len(kv.stats()['nodes']))"
+    t0 = time.monotonic()
+    out = run(host, sys.executable, "-c", script, env=plain_env(home, RAY_TMPDIR=str(ray_tmp)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "NODES 1" in out.stdout
+    assert f"127.0.0.1:{port}" not in out.stderr
+    assert time.monotonic() - t0 < 120
+
+
+def test_demo_matches_a_full_recompute(host, home) -> None:
+    demo = run(host, RAYKV, "demo", "--prompt-tokens", "512", env=plain_env(home))
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert "logits MATCH" in demo.stdout
     assert "prefill time saved" in demo.stdout
 
 
-def test_bench_service_quick(env) -> None:
-    out = run("bench", "service", "--quick", "--json", env=env)
+def test_bench_service_quick(home) -> None:
+    out = run([], RAYKV, "bench", "service", "--quick", "--json", env=plain_env(home))
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["lookup"]["hit"]["hit_tokens"] == 32768 and r["lookup"]["miss"]["hit_tokens"] == 0
