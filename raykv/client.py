@@ -303,7 +303,7 @@ class Client(_Base):
     def load(self, request_id: Hashable, token_ids: Sequence[int], into: Sequence) -> LoadResult:
         """Fill ``into`` (the request's blocks, per group) with their positions' KV from the
         best copies in the cluster; ``num_tokens`` is the prefix now backed in every group."""
-        request_id, ids, _ = _step_args(request_id, 0, token_ids, "num_tokens")
+        request_id, _, ids = _step_args(request_id, 0, token_ids, "num_tokens")
         return self._pool_call(
             "load", request_id, ids, check_block_ids(into), post=lambda d: LoadResult(**d)
         )
@@ -389,7 +389,7 @@ class AsyncClient(_Base):
         return await self._pool_call("store", request_id, ids, to_wire(rows), offload)
 
     async def load(self, request_id: Hashable, token_ids: Sequence[int], into: Sequence):
-        request_id, ids, _ = _step_args(request_id, 0, token_ids, "num_tokens")
+        request_id, _, ids = _step_args(request_id, 0, token_ids, "num_tokens")
         return LoadResult(**await self._pool_call("load", request_id, ids, check_block_ids(into)))
 
     async def blocks_needed(self, request_id: Hashable, num_new_tokens: int, token_ids=None):

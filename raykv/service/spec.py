@@ -114,7 +114,7 @@ def check_count(value: object, what: str) -> int:
     """A token count (``num_tokens``, ``num_new_tokens``): an integer >= 0."""
     n = check_int(value, what, f"pass the number of tokens as an int, e.g. {what}=len(token_ids)")
     if n < 0:
-        raise InvalidInput(f"{what} must be >= 0, got {n}")
+        raise InvalidInput(f"{what} must be >= 0, got {n}; pass the number of tokens (0 or more)")
     return n
 
 
