@@ -11,12 +11,11 @@ servable to other nodes — only once its bytes were written by ``store`` or ``l
 block manager caches it under the same key. A valid block is immutable: ``store`` and
 ``load`` skip it (and any block another call is writing at that moment), so the first write
 of a shared prefix block is the only one and its bytes never change while it stays valid.
-Under memory pressure the block manager evicts
-cached blocks; the pool copies each complete chunk (``raykv.service.groups``) an evicted
-valid block belongs to into the node's CPU tier before handing the block out (nothing can
-overwrite it in between: its new owner learns its id only when ``allocate`` returns, and
-every rank's read is sent before the pool first yields). On a node
-without GPUs the same actors run with ``device="cpu"`` (development and CI).
+Under memory pressure the block manager evicts cached blocks; the pool copies each complete
+chunk (``raykv.service.groups``) an evicted valid block belongs to into the node's CPU tier
+before handing the block out (nothing can overwrite it in between: its new owner learns its
+id only when ``allocate`` returns, and every rank's read is sent before the pool first
+yields). On a node without GPUs the same actors run with ``device="cpu"`` (development and CI).
 """
 
 from __future__ import annotations

@@ -225,3 +225,8 @@ class StoreResult(int):
 
     def __repr__(self) -> str:
         return f"StoreResult(published={int(self)}, written={self.written}, skipped={self.skipped})"
+
+    def __str__(self) -> str:  # prints as the count, like the int store used to return
+        return str(int(self))
+
+    __format__ = int.__format__

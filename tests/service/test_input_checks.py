@@ -165,6 +165,7 @@ def test_store_result_is_the_published_count_and_pickles() -> None:
 
     r = StoreResult(3, 4, [[7]])
     assert r == 3 and r.published == 3 and r.written == 4 and r.num_skipped == 1
+    assert f"{r} {r:>2}" == "3  3" and "skipped=[[7]]" in repr(r)
     back = pickle.loads(pickle.dumps(r))
     assert (back, back.written, back.skipped) == (3, 4, [[7]])
 
