@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # `raykv.connect` / `raykv.Client` import Ray only when used, so `import raykv` stays light.
-    if name in ("connect", "Client", "AsyncClient", "LookupResult", "LoadResult"):
+    if name in ("connect", "Client", "AsyncClient", "LookupResult", "LoadResult", "StoreResult"):
         from raykv import client
 
         return getattr(client, name)

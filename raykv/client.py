@@ -31,7 +31,17 @@ import ray
 
 from raykv.errors import RaykvError, ServiceError
 from raykv.service.ray_join import join
-from raykv.service.spec import COORDINATOR, NAMESPACE, ServedModel, check_token_ids
+from raykv.service.spec import (
+    COORDINATOR,
+    NAMESPACE,
+    ServedModel,
+    StoreResult,
+    check_block_ids,
+    check_count,
+    check_int,
+    check_request_id,
+    check_token_ids,
+)
 
 RETRY_S = 60.0
 START_TIMEOUT_S = 60.0
@@ -173,6 +183,16 @@ def _ident(x: Any) -> Any:
     return x
 
 
+def _step_args(request_id: Any, num_tokens: Any, token_ids: Any, what: str) -> tuple:
+    """The checks the pool makes, made here first so bad input raises locally (raykv.errors)."""
+    ids = None if token_ids is None else check_token_ids(token_ids)
+    return check_request_id(request_id), check_count(num_tokens, what), ids
+
+
+def _rank(rank: Any) -> int:
+    return check_int(rank, "rank", "pass a TP rank (an int in 0..tp_size-1)")
+
+
 class Client(_Base):
     """Synchronous handle. ``aio`` gives the asyncio form (``AsyncClient``)."""
 
@@ -238,48 +258,63 @@ class Client(_Base):
         return post(self._coord_call(method, *args))
 
     def admit(self, request_id: Hashable, num_tokens: int, token_ids=None) -> bool:
-        return self._pool_call("admit", request_id, num_tokens, token_ids)
+        args = _step_args(request_id, num_tokens, token_ids, "num_tokens")
+        return self._pool_call("admit", *args)
 
     def blocks_needed(self, request_id: Hashable, num_new_tokens: int, token_ids=None) -> int:
-        return self._pool_call("blocks_needed", request_id, num_new_tokens, token_ids)
+        args = _step_args(request_id, num_new_tokens, token_ids, "num_new_tokens")
+        return self._pool_call("blocks_needed", *args)
 
     def allocate(
         self, request_id: Hashable, num_new_tokens: int, token_ids=None
     ) -> list[list[int]] | None:
-        return self._pool_call("allocate", request_id, num_new_tokens, token_ids)
+        args = _step_args(request_id, num_new_tokens, token_ids, "num_new_tokens")
+        return self._pool_call("allocate", *args)
 
     def store(
         self, request_id: Hashable, block_ids: Sequence, rows: Any, *, offload: bool = False
-    ) -> int:
+    ) -> StoreResult:
         """Write uint8 rows [n, row_bytes] into the request's blocks (per group, per rank;
         see the module docstring; null ids are skipped). Full blocks become hits for every
         node. ``offload`` also copies the request's complete CPU-tier entries to the node's
-        CPU tier now (else that happens when the GPU blocks are evicted). Returns the blocks
-        newly published."""
+        CPU tier now (else that happens when the GPU blocks are evicted).
+
+        Published bytes are immutable: a block that already holds published KV (written
+        before and cached under its prefix key, by this request or by one sharing the block
+        through a prefix hit), or that another store / load is writing at that moment, is
+        skipped: its row is ignored and its bytes never change (the first write of a shared
+        prefix block wins; the same prefix recomputed by another request is not written
+        again). Blocks private to the request (not published: e.g. a partial last block, or
+        a duplicate of a prefix another block already publishes) are written, again and
+        again if need be. Returns a ``StoreResult``: an int, the blocks newly published,
+        with ``written`` (blocks written) and ``skipped`` (per group, the ids left as they
+        were). Bad input raises InvalidInput before anything is written."""
         from raykv.service.rows import to_wire
 
-        return self._pool_call("store", request_id, list(block_ids), to_wire(rows), offload)
+        request_id, ids = check_request_id(request_id), check_block_ids(block_ids)
+        return self._pool_call("store", request_id, ids, to_wire(rows), offload)
 
     def load(self, request_id: Hashable, token_ids: Sequence[int], into: Sequence) -> LoadResult:
         """Fill ``into`` (the request's blocks, per group) with their positions' KV from the
         best copies in the cluster; ``num_tokens`` is the prefix now backed in every group."""
+        request_id, _, ids = _step_args(request_id, 0, token_ids, "num_tokens")
         return self._pool_call(
-            "load", request_id, token_ids, list(into), post=lambda d: LoadResult(**d)
+            "load", request_id, ids, check_block_ids(into), post=lambda d: LoadResult(**d)
         )
 
     def read(self, block_ids: Sequence, rank: int = 0):
         """Bytes of the pool's blocks on ``rank``: a uint8 tensor [n, row_bytes] for a flat
         list of ids, else a list of them, one per group."""
-        ids = list(block_ids)
-        return self._pool_call("read", ids, rank, post=_read_post(_flat(ids)))
+        ids = check_block_ids(block_ids)
+        return self._pool_call("read", ids, _rank(rank), post=_read_post(_flat(ids)))
 
     def block_table(self, request_id: Hashable) -> list[list[int]]:
         """The request's block ids per group now; slots a sliding window or chunk dropped
         hold the null block 0 (``allocate`` returns only what a step appends)."""
-        return self._pool_call("block_table", request_id)
+        return self._pool_call("block_table", check_request_id(request_id))
 
     def free(self, request_id: Hashable) -> None:
-        self._pool_call("free", request_id)
+        self._pool_call("free", check_request_id(request_id))
 
 
 class AsyncClient(_Base):
@@ -332,33 +367,38 @@ class AsyncClient(_Base):
         return post(await self._coord_call(method, *args))
 
     async def admit(self, request_id: Hashable, num_tokens: int, token_ids=None) -> bool:
-        return await self._pool_call("admit", request_id, num_tokens, token_ids)
+        args = _step_args(request_id, num_tokens, token_ids, "num_tokens")
+        return await self._pool_call("admit", *args)
 
     async def allocate(self, request_id: Hashable, num_new_tokens: int, token_ids=None):
-        return await self._pool_call("allocate", request_id, num_new_tokens, token_ids)
+        args = _step_args(request_id, num_new_tokens, token_ids, "num_new_tokens")
+        return await self._pool_call("allocate", *args)
 
     async def store(
         self, request_id: Hashable, block_ids: Sequence, rows: Any, *, offload: bool = False
-    ) -> int:
+    ) -> StoreResult:
         from raykv.service.rows import to_wire
 
-        return await self._pool_call("store", request_id, list(block_ids), to_wire(rows), offload)
+        request_id, ids = check_request_id(request_id), check_block_ids(block_ids)
+        return await self._pool_call("store", request_id, ids, to_wire(rows), offload)
 
     async def load(self, request_id: Hashable, token_ids: Sequence[int], into: Sequence):
-        return LoadResult(**await self._pool_call("load", request_id, token_ids, list(into)))
+        request_id, _, ids = _step_args(request_id, 0, token_ids, "num_tokens")
+        return LoadResult(**await self._pool_call("load", request_id, ids, check_block_ids(into)))
 
     async def blocks_needed(self, request_id: Hashable, num_new_tokens: int, token_ids=None):
-        return await self._pool_call("blocks_needed", request_id, num_new_tokens, token_ids)
+        args = _step_args(request_id, num_new_tokens, token_ids, "num_new_tokens")
+        return await self._pool_call("blocks_needed", *args)
 
     async def read(self, block_ids: Sequence, rank: int = 0):
-        ids = list(block_ids)
-        return _read_post(_flat(ids))(await self._pool_call("read", ids, rank))
+        ids = check_block_ids(block_ids)
+        return _read_post(_flat(ids))(await self._pool_call("read", ids, _rank(rank)))
 
     async def block_table(self, request_id: Hashable) -> list[list[int]]:
-        return await self._pool_call("block_table", request_id)
+        return await self._pool_call("block_table", check_request_id(request_id))
 
     async def free(self, request_id: Hashable) -> None:
-        await self._pool_call("free", request_id)
+        await self._pool_call("free", check_request_id(request_id))
 
 
 def ensure_service(namespace: str = NAMESPACE) -> Any:

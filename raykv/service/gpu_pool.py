@@ -8,12 +8,14 @@ CPU tier keeps each distinct copy once) and CPU-tier entries of several GPU bloc
 
 A block becomes *valid* — published to the coordinator's index under its group key,
 servable to other nodes — only once its bytes were written by ``store`` or ``load`` and the
-block manager caches it under the same key. Under memory pressure the block manager evicts
-cached blocks; the pool copies each complete chunk (``raykv.service.groups``) an evicted
-valid block belongs to into the node's CPU tier before handing the block out (nothing can
-overwrite it in between: its new owner learns its id only when ``allocate`` returns, and
-every rank's read is sent before the pool first yields). On a node
-without GPUs the same actors run with ``device="cpu"`` (development and CI).
+block manager caches it under the same key. A valid block is immutable: ``store`` and
+``load`` skip it (and any block another call is writing at that moment), so the first write
+of a shared prefix block is the only one and its bytes never change while it stays valid.
+Under memory pressure the block manager evicts cached blocks; the pool copies each complete
+chunk (``raykv.service.groups``) an evicted valid block belongs to into the node's CPU tier
+before handing the block out (nothing can overwrite it in between: its new owner learns its
+id only when ``allocate`` returns, and every rank's read is sent before the pool first
+yields). On a node without GPUs the same actors run with ``device="cpu"`` (development and CI).
 """
 
 from __future__ import annotations
@@ -48,7 +50,17 @@ from raykv.service.metrics import ServiceMetrics
 from raykv.service.mover import ObjectStoreMover
 from raykv.service.rank import RankKV
 from raykv.service.rows import RankRows, as_rank_rows, as_tensor
-from raykv.service.spec import COORDINATOR, NAMESPACE, ServedModel, check_token_ids, tier_name
+from raykv.service.spec import (
+    COORDINATOR,
+    NAMESPACE,
+    ServedModel,
+    StoreResult,
+    check_count,
+    check_int,
+    check_request_id,
+    check_token_ids,
+    tier_name,
+)
 from raykv.tiers.jobs import NULL_BLOCK, StoreJob
 
 
@@ -94,6 +106,7 @@ class GpuPool(Member):
         self.valid: dict[bytes, int] = {}  # group key -> block holding its bytes
         self.key_of: dict[int, bytes] = {}
         self.chunk_of: dict[bytes, Chunk] = {}  # valid key -> a complete chunk it is part of
+        self._writing: set[int] = set()  # blocks a store or load is writing now
         self.mover = ObjectStoreMover()
         self.metrics = ServiceMetrics("pool")
 
@@ -203,6 +216,11 @@ class GpuPool(Member):
             )
         return group_keys(self.plan, hashes)
 
+    def _immutable(self, block: int) -> bool:
+        """A block nobody may write now: it holds published bytes (valid), or another call
+        is writing it."""
+        return block in self.key_of or block in self._writing
+
     def _cached_as(self, block: int, key: bytes) -> bool:
         return self.bm.pool.block_keys[block] == (key_group(key), key[4:])
 
@@ -261,6 +279,7 @@ class GpuPool(Member):
     # --- engine-facing ------------------------------------------------------------------
 
     async def admit(self, rid: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None):
+        rid, num_tokens = check_request_id(rid), check_count(num_tokens, "num_tokens")
         ids = self._ids(token_ids, rid)
         ok = self.bm.admit(rid, num_tokens, ids)
         if ok:
@@ -271,11 +290,13 @@ class GpuPool(Member):
         return ok
 
     async def blocks_needed(self, rid: Hashable, num_new_tokens: int, token_ids=None) -> int:
-        return self.bm.blocks_needed(rid, num_new_tokens, self._ids(token_ids, rid))
+        rid, n = check_request_id(rid), check_count(num_new_tokens, "num_new_tokens")
+        return self.bm.blocks_needed(rid, n, self._ids(token_ids, rid))
 
     async def allocate(
         self, rid: Hashable, num_new_tokens: int, token_ids: Sequence[int] | None = None
     ) -> list[list[int]] | None:
+        rid, num_new_tokens = check_request_id(rid), check_count(num_new_tokens, "num_new_tokens")
         ids = self._ids(token_ids, rid)
         new = self.bm.allocate(rid, num_new_tokens, ids)
         if new is None:
@@ -341,30 +362,51 @@ class GpuPool(Member):
 
     async def store(
         self, rid: Hashable, block_ids: Sequence, rows: Any, offload: bool = False
-    ) -> int:
+    ) -> StoreResult:
         """Write the KV bytes of ``block_ids`` (this request's blocks, per group; null ids
-        skipped) on every rank; full blocks become hits for everyone. ``offload`` also copies
-        the request's complete chunks to the node's CPU tier now. Returns the blocks newly
-        published."""
+        skipped) on every rank; full blocks become hits for everyone. Blocks holding
+        published bytes (valid here: written before and cached under their prefix key, by
+        this request or one sharing the block through a prefix hit) and blocks another call
+        is writing now are immutable: they are skipped, their bytes unchanged, and reported
+        in ``skipped``. ``offload`` also copies the request's complete chunks to the node's
+        CPU tier now. Returns a ``StoreResult``: the blocks newly published (its int value),
+        the blocks written and the ones skipped."""
+        rid = check_request_id(rid)
         tables = as_tables(self.plan, block_ids)
         self._own_blocks(rid, tables)
         data: RankRows = as_rank_rows(self.plan, rows, tables, self.widths)
-        written = [[b for b in t if b != NULL_BLOCK] for t in tables]
+        real = [[b for b in t if b != NULL_BLOCK] for t in tables]
+        keep = [[i for i, b in enumerate(ids) if not self._immutable(b)] for ids in real]
+        written = [[ids[i] for i in k] for ids, k in zip(real, keep, strict=True)]
+        skipped = [[b for b in ids if self._immutable(b)] for ids in real]
+        num_written = sum(len(w) for w in written)
         gen = self._gen.get(rid)
-        for gi, ids in enumerate(written):
-            await self._scatter(gi, [data[r][gi] for r in range(self.plan.tp_size)], ids)
+        busy = {b for ids in written for b in ids}
+        self._writing |= busy
+        try:
+            for gi, ids in enumerate(written):
+                if not ids:
+                    continue
+                sel = None if len(ids) == len(real[gi]) else torch.tensor(keep[gi])
+                per_rank = [data[r][gi] for r in range(self.plan.tp_size)]
+                if sel is not None:
+                    per_rank = [x[sel] for x in per_rank]
+                await self._scatter(gi, per_rank, ids)
+        finally:
+            self._writing -= busy
         if not self._live(rid, gen):  # freed meanwhile: its blocks may be someone else's
-            return 0
+            return StoreResult(0, num_written, skipped)
         stored, removed = self._validate(rid, written)
         await self.publish(self.model.name, stored, removed)
         if offload and self._live(rid, gen):
             keys = self._keys(rid)
             await self._offload(complete_chunks(self.plan, self.bm.block_table(rid), keys))
-        return len(stored)
+        return StoreResult(len(stored), num_written, skipped)
 
     async def read(self, block_ids: Sequence, rank: int = 0) -> list[np.ndarray]:
         """Rows of ``block_ids`` (per group) on ``rank``: uint8 [n, row_bytes] per group."""
         tables = as_tables(self.plan, block_ids)
+        rank = check_int(rank, "rank", f"pass a TP rank in 0..{self.plan.tp_size - 1}")
         if not 0 <= rank < self.plan.tp_size:
             raise InvalidInput(f"rank {rank} is outside tp_size={self.plan.tp_size}")
         bad = [b for t in tables for b in t if not 0 < b < self.plan.num_gpu_blocks]
@@ -404,6 +446,7 @@ class GpuPool(Member):
         nobody holds (e.g. out of a sliding window), are misses. Returns the request's
         leading tokens now backed by written KV in every group."""
         t0 = time.perf_counter()
+        rid = check_request_id(rid)
         ids = self._ids(token_ids, rid)
         into_tables = as_tables(self.plan, into)
         self._own_blocks(rid, into_tables)
@@ -422,22 +465,28 @@ class GpuPool(Member):
                     f"blocks {late[:8]} hold positions past the request's known full blocks "
                     f"({len(keys[gi])}); pass the request's token_ids"
                 )
-            todo.append(sorted((pos[b], b) for b in real if self.key_of.get(b) != keys[gi][pos[b]]))
+            # published blocks keep their bytes (valid under this key: already backed)
+            todo.append(sorted((pos[b], b) for b in real if not self._immutable(b)))
         filled: set[int] = set()
         moved = 0
-        for gi, want in enumerate(todo):
-            # 1) another block of this pool already holds the bytes
-            local = [(j, b) for j, b in want if keys[gi][j] in self.valid]
-            if local:
-                src = [self.valid[keys[gi][j]] for j, _ in local]
-                await self._copy_blocks(gi, src, [b for _, b in local])
-                filled.update(b for _, b in local)
-            # 2) the node's CPU tier or another node, best copy first
-            rest = [(keys[gi][j], b) for j, b in want if b not in filled]
-            if rest:
-                moved += await self._fetch(rid, gen, gi, rest, filled)
-            if not self._live(rid, gen):  # freed meanwhile: nothing to publish
-                return nothing | {"bytes": moved}
+        busy = {b for want in todo for _, b in want}
+        self._writing |= busy
+        try:
+            for gi, want in enumerate(todo):
+                # 1) another block of this pool already holds the bytes
+                local = [(j, b) for j, b in want if keys[gi][j] in self.valid]
+                if local:
+                    src = [self.valid[keys[gi][j]] for j, _ in local]
+                    await self._copy_blocks(gi, src, [b for _, b in local])
+                    filled.update(b for _, b in local)
+                # 2) the node's CPU tier or another node, best copy first
+                rest = [(keys[gi][j], b) for j, b in want if b not in filled]
+                if rest:
+                    moved += await self._fetch(rid, gen, gi, rest, filled)
+                if not self._live(rid, gen):  # freed meanwhile: nothing to publish
+                    return nothing | {"bytes": moved}
+        finally:
+            self._writing -= busy
         written = [[b for b in t if b in filled] for t in into_tables]
         await self.publish(self.model.name, *self._validate(rid, written))
 
@@ -496,10 +545,10 @@ class GpuPool(Member):
 
     async def block_table(self, rid: Hashable) -> list[list[int]]:
         """The request's logical block ids per group now (null slots are 0)."""
-        return self.bm.block_table(rid)
+        return self.bm.block_table(check_request_id(rid))
 
     async def free(self, rid: Hashable) -> None:
-        self.bm.free(rid)
+        self.bm.free(check_request_id(rid))
         self.tokens.pop(rid, None)
         self._hashes.pop(rid, None)
         self._gen.pop(rid, None)

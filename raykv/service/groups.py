@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from raykv.blocks.managers import GroupManager, manager_for
 from raykv.blocks.pool import NULL_BLOCK
 from raykv.errors import ConfigError, InvalidInput
-from raykv.layout.kernel_blocks import require_logical
 from raykv.layout.plan import Plan
+from raykv.service.spec import check_block_ids
 
 # raykv.tiers (torch) is imported where it is used: the coordinator looks prefixes up
 # without torch.
@@ -86,33 +86,21 @@ def check_servable(plan: Plan) -> None:
     factors(plan)
 
 
-def _is_seq(x: object) -> bool:
-    return isinstance(x, (list, tuple)) or getattr(x, "ndim", 0) > 0
-
-
 def as_tables(plan: Plan, block_ids: Sequence) -> Tables:
-    """Block ids per group. A one-group model also takes a flat list."""
+    """Block ids per group (checked by ``check_block_ids``). A one-group model also takes
+    a flat list."""
     n = len(plan.groups)
-    require_logical(block_ids, "the service")
-    for t in block_ids:
-        require_logical(t, "the service")
-    try:
-        if not any(_is_seq(b) for b in block_ids):
-            if n != 1:
-                raise InvalidInput(
-                    f"the model has {n} KV groups: pass block ids per group (a list of {n} "
-                    "lists, as allocate returns them), not one flat list"
-                )
-            return [[int(b) for b in block_ids]]
-        if len(block_ids) != n:
+    ids = check_block_ids(block_ids)
+    if not any(isinstance(t, list) for t in ids):
+        if n != 1:
             raise InvalidInput(
-                f"expected block ids for {n} KV group(s), got {len(block_ids)} lists"
+                f"the model has {n} KV groups: pass block ids per group (a list of {n} "
+                "lists, as allocate returns them), not one flat list"
             )
-        return [[int(b) for b in t] for t in block_ids]
-    except (TypeError, ValueError) as e:
-        if isinstance(e, InvalidInput):
-            raise
-        raise InvalidInput(f"block ids must be integers per group ({e})") from None
+        return [ids]
+    if len(ids) != n:
+        raise InvalidInput(f"expected block ids for {n} KV group(s), got {len(ids)} lists")
+    return ids
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ plain rows of bytes. ``tp_size`` ranks of one engine instance form one TP group:
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 from raykv.errors import ConfigError, InvalidInput
@@ -86,21 +86,107 @@ class ServedModel:
         )
 
 
-def check_token_ids(token_ids: Sequence[int], max_model_len: int, model: str) -> list[int]:
-    """Token ids as a list of ints; raises InvalidInput (changing nothing) on bad input.
-    Floats are refused, not truncated: 1.5 is no token id."""
-    dtype = getattr(token_ids, "dtype", None)
-    if dtype is not None and "int" not in str(dtype):
-        raise InvalidInput(f"token ids must have an integer dtype, got {dtype}")
-    if dtype is not None and hasattr(token_ids, "tolist"):
-        token_ids = token_ids.tolist()  # a tensor or array: one conversion, not one per id
+# --- caller input: one check per concept, used by the client (before the actor call, so the
+# error is raised locally) and by the pool (for anyone calling the actor directly) ---------
+
+
+def _bad(value: object) -> str:
+    text = repr(value)
+    return f"{text[:60]}..." if len(text) > 63 else text
+
+
+def check_int(value: object, what: str, fix: str) -> int:
+    """``value`` as a Python int. Ints and numpy / torch integer scalars pass; bools (an int
+    subclass), floats (never truncated: 21.5 is no id), strings and None raise InvalidInput
+    naming the value, its type and ``fix``."""
+    dtype = getattr(value, "dtype", None)
+    if not isinstance(value, bool) and (dtype is None or "bool" not in str(dtype)):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise InvalidInput(
+        f"{what} must be an integer, got {_bad(value)} ({type(value).__name__}); {fix}"
+    )
+
+
+def check_count(value: object, what: str) -> int:
+    """A token count (``num_tokens``, ``num_new_tokens``): an integer >= 0."""
+    n = check_int(value, what, f"pass the number of tokens as an int, e.g. {what}=len(token_ids)")
+    if n < 0:
+        raise InvalidInput(f"{what} must be >= 0, got {n}; pass the number of tokens (0 or more)")
+    return n
+
+
+def check_request_id(request_id: object) -> Hashable:
+    """Request ids key the pool's tables: any hashable value (a str or an int is usual)."""
     try:
-        ids = [operator.index(t) for t in token_ids]
+        hash(request_id)
     except TypeError:
         raise InvalidInput(
-            f"token ids must be a sequence of integers, got {type(token_ids).__name__}"
+            f"request id {_bad(request_id)} ({type(request_id).__name__}) is not hashable; "
+            "use a str or an int (e.g. str(request_id))"
         ) from None
-    if len(ids) > max_model_len:
+    return request_id
+
+
+BLOCK_ID_FIX = "pass the int block ids that allocate / block_table returned"
+
+
+def _is_seq(x: object) -> bool:
+    return isinstance(x, (list, tuple)) or getattr(x, "ndim", 0) > 0
+
+
+def check_block_ids(block_ids: object) -> list:
+    """Block ids as plain ints: one flat list, or one list per group (as ``allocate``
+    returns them). Kernel block ids, floats, bools, strings and non-sequences raise
+    InvalidInput. Whether they belong to a request is the pool's check."""
+    from raykv.layout.kernel_blocks import require_logical
+
+    if not _is_seq(block_ids):
+        raise InvalidInput(
+            f"block ids must be a list of ints (or one list per KV group), got "
+            f"{_bad(block_ids)} ({type(block_ids).__name__}); {BLOCK_ID_FIX}"
+        )
+    require_logical(block_ids, "the service")
+    out: list = []
+    for t in block_ids:  # type: ignore[attr-defined]
+        if _is_seq(t):
+            require_logical(t, "the service")
+            out.append([check_int(b, "block ids", BLOCK_ID_FIX) for b in t])
+        else:
+            out.append(check_int(t, "block ids", BLOCK_ID_FIX))
+    if any(isinstance(t, list) for t in out) and not all(isinstance(t, list) for t in out):
+        raise InvalidInput(
+            "block ids mix ints and lists: pass one flat list of ints or one list per KV group"
+        )
+    return out
+
+
+def check_token_ids(
+    token_ids: Sequence[int], max_model_len: int | None = None, model: str = ""
+) -> list[int]:
+    """Token ids as a list of ints; raises InvalidInput (changing nothing) on bad input.
+    A sequence, array or tensor of integers: floats are refused, not truncated (1.5 is no
+    token id); bools, mappings (a dict would give its keys), sets and strings are refused.
+    ``max_model_len`` None: no length check (the pool makes it)."""
+    fix = "pass the prompt's token ids as a sequence of integers (a list or an integer array)"
+    dtype = getattr(token_ids, "dtype", None)
+    if dtype is not None and ("int" not in str(dtype) or "bool" in str(dtype)):
+        raise InvalidInput(f"token ids must have an integer dtype, got {dtype}; {fix}")
+    if dtype is not None and hasattr(token_ids, "tolist"):
+        token_ids = token_ids.tolist()  # a tensor or array: one conversion, not one per id
+    if isinstance(token_ids, (str, bytes, bytearray, Mapping, Set)) or not isinstance(
+        token_ids, Iterable
+    ):
+        raise InvalidInput(
+            f"token ids must be a sequence of integers, got {_bad(token_ids)} "
+            f"({type(token_ids).__name__}); {fix}"
+        )
+    ids = list(token_ids)
+    if set(map(type, ids)) - {int}:  # anything but a plain list of ints: check each id
+        ids = [check_int(t, f"token id at position {i}", fix) for i, t in enumerate(ids)]
+    if max_model_len is not None and len(ids) > max_model_len:
         raise InvalidInput(
             f"{len(ids)} token ids exceed model {model!r}'s max_model_len={max_model_len}; "
             "truncate the prompt or serve the model with a larger max_model_len"
@@ -108,3 +194,39 @@ def check_token_ids(token_ids: Sequence[int], max_model_len: int, model: str) ->
     if ids and min(ids) < 0:
         raise InvalidInput(f"token ids must be >= 0, got {min(ids)}")
     return ids
+
+
+class StoreResult(int):
+    """What ``store`` did. Its int value is the number of blocks newly published (so
+    ``store(...) == n`` reads as it always did); ``written`` counts the blocks whose bytes
+    were written; ``skipped`` lists, per group, the block ids left untouched because their
+    bytes are immutable (published, or being written by another call)."""
+
+    written: int
+    skipped: list[list[int]]
+
+    def __new__(
+        cls, published: int, written: int = 0, skipped: list[list[int]] | None = None
+    ) -> StoreResult:
+        self = super().__new__(cls, published)
+        self.written, self.skipped = written, skipped or []
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (StoreResult, (int(self), self.written, self.skipped))
+
+    @property
+    def published(self) -> int:
+        return int(self)
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(len(s) for s in self.skipped)
+
+    def __repr__(self) -> str:
+        return f"StoreResult(published={int(self)}, written={self.written}, skipped={self.skipped})"
+
+    def __str__(self) -> str:  # prints as the count, like the int store used to return
+        return str(int(self))
+
+    __format__ = int.__format__
