@@ -1,7 +1,11 @@
 """The README's two commands are the ones that work: CI runs the test command verbatim."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,3 +28,23 @@ def test_ci_runs_the_readme_test_command_verbatim():
     test_cmd = _readme_commands()[1]
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert test_cmd in ci_lines
+
+
+def _python_snippets() -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.M | re.S)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("index", range(2))
+def test_readme_python_snippets_run_as_pasted(index: int, tmp_path: Path) -> None:
+    """Each ```python block of the README, run as it stands, in a plain shell's environment
+    (PATH and HOME only): it must finish and its own asserts must hold."""
+    snippets = _python_snippets()
+    assert len(snippets) == 2, "update the range above when the README gains a snippet"
+    script = tmp_path / "snippet.py"
+    script.write_text(snippets[index])
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, snippets[index] + done.stderr[-3000:]
