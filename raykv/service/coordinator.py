@@ -278,10 +278,10 @@ class Coordinator:
             tier = (
                 ray.remote(CpuTierActor)
                 .options(name=tier_name(nid), scheduling_strategy=pin, **_DETACHED)
-                .remote(nid)
+                .remote(nid, dict(self.plans))
             )
             self._expected[tier_name(nid)] = nid
-            starting.append(self._tier_started(tier, nid))
+            starting.append(self._started(tier, tier_name(nid), nid))
             for name, n in groups.items():
                 for i in range(n):
                     self._expected[pool_name(name, nid, i)] = nid
@@ -300,13 +300,6 @@ class Coordinator:
                 f"{name} did not start on node {nid[:12]} within {PLACE_TIMEOUT_S:.0f}s; "
                 "check that node's free resources (a GPU pool needs a whole free GPU)"
             ) from None
-
-    async def _tier_started(self, tier: Any, nid: str) -> str:
-        """Start a node's CPU tier and give it every served model (a tier placed again after
-        it died starts empty: without this its node's pools could not offload any more)."""
-        name = await self._started(tier, tier_name(nid), nid)
-        await asyncio.gather(*(tier.add_model.remote(m, p) for m, p in self.plans.items()))
-        return name
 
     async def _place_group(self, model: str, nid: str, index: int, gpu: bool) -> str:
         """One TP group of ``model`` on node ``nid``: tp_size=1 is one pool pinned to the
