@@ -157,6 +157,18 @@ class Engine:
         except ServiceError as e:
             return "ServiceError", str(e), time.monotonic() - t0
 
+    def admit_async(self, rid: str, ids: list[int]) -> bool:
+        """The same through a fresh ``aio`` handle (it resolves its pool on its own)."""
+        import asyncio
+
+        async def run() -> bool:
+            kv = self.kv.aio
+            ok = await kv.admit(rid, len(ids), ids)
+            await kv.allocate(rid, len(ids), ids)
+            return ok
+
+        return asyncio.run(run())
+
     def cycle(self, rid: str, ids: list[int]) -> tuple[int, int, int]:
         r = cycle(self.kv, rid, ids)
         return r.served, r.checked, r.wrong
@@ -217,6 +229,9 @@ def test_a_client_stays_on_its_nodes_pool_while_that_pool_is_placed_again(svc) -
     replaced = time.monotonic() - killed
     assert actor_id(name) != old
     assert replaced < REPLACE_S, f"w1's pool took {replaced:.1f}s to be placed again"
+    assert ray.get(engine.admit_async.remote("b-aio", ids))
+    assert holders("b-aio") == [svc.w1]
+    ray.get(engine.free.remote("b-aio"))
     served, _, wrong = ray.get(engine.cycle.remote("c0", shared))
     assert (served, wrong) == (len(shared) // BLOCK, 0)  # w2's copy (s1), loaded into w1
     assert_no_leaks(svc.kv)
