@@ -12,16 +12,20 @@ Hybrid models (several KV groups) take block ids per group, as ``allocate`` retu
 one-group model also takes one flat list. A model served with ``tp_size=N`` takes rows per
 rank (``store(rid, ids, [rows_rank0, ..., rows_rankN-1])``) and ``read(ids, rank=r)``.
 
-Engine-facing calls go to the pool of the caller's node (found through the coordinator);
-``lookup`` and ``stats`` go to the coordinator, and retry through a coordinator restart for
-up to ``retry_s`` seconds. A ``Client`` pickles to its settings, so a scheduler can hand it
-to workers on other nodes; each re-resolves its own local pool. ``client.aio`` has the same
-methods as coroutines.
+Engine-facing calls go to the pool of the caller's node (found through the coordinator),
+never to another node's: its block ids are that pool's (on GPUs, that GPU's). A call that
+finds its pool dead raises ServiceError (the request's blocks died with it); later calls wait,
+up to ``retry_s`` seconds, until the coordinator has placed a fresh pool under the same name
+on the same node, and go there. ``lookup`` and ``stats`` go to the coordinator, and retry
+through a coordinator restart for up to ``retry_s`` seconds. A ``Client`` pickles to its
+settings, so a scheduler can hand it to workers on other nodes; each re-resolves its own
+local pool. ``client.aio`` has the same methods as coroutines.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -98,7 +102,9 @@ class _Base:
         self.node_id = node_id  # None: the node this handle is used on
         self._coord = None
         self._info: tuple[ServedModel, Any] | None = None
-        self._pool: tuple[str, Any] | None = None  # (node id, handle)
+        self._pool: tuple[str, str, Any] | None = None  # (node id, pool name, handle)
+        # (node id, model, pool name) bound last: a name outlives its actor's deaths
+        self._pool_name: tuple[str, str, str] | None = None
 
     def __reduce__(self):
         return (type(self), (self.namespace, self.model_name, self.retry_s, self.node_id))
@@ -126,24 +132,51 @@ class _Base:
     def _node_id(self) -> str:
         return self.node_id or ray.get_runtime_context().get_node_id()
 
-    def _bind_pool(self, node: str, model: str, names: list[str]) -> Any:
-        """Cache the handle of the first pool in ``names`` (the coordinator's answer)."""
-        if not names:
-            raise ServiceError(f"no pool serves model {model!r}; is the service up?")
+    def _bind_pool(self, node: str, model: str, names: list[str]) -> Any | None:
+        """Bind this node's pool from ``names`` (the coordinator's live pools of ``node``):
+        the one bound before while it is placed again (the same name is the same GPU slot),
+        else the first. None while there is none to bind yet: the caller waits."""
+        last = self._pool_name
+        if last is not None and last[:2] == (node, model):
+            name = last[2] if last[2] in names else None
+        else:
+            name = names[0] if names else None
+        if name is None:
+            return None
         try:
-            self._pool = (node, ray.get_actor(names[0], namespace=self.namespace))
+            handle = ray.get_actor(name, namespace=self.namespace)
         except ValueError:  # died since the coordinator last heard of it
-            raise ServiceError(
-                f"pool {names[0]!r} is gone; the coordinator starts a fresh one within a few "
-                "seconds (its blocks are misses), retry then"
-            ) from None
-        return self._pool[1]
+            self._report_dead(name)
+            return None
+        self._pool, self._pool_name = (node, name, handle), (node, model, name)
+        return handle
+
+    def _pool_wait(self, node: str, model: str, deadline: float) -> None:
+        """No pool of ``node`` to bind yet: give up with ServiceError past ``deadline``."""
+        if time.monotonic() <= deadline:
+            return
+        last, self._pool_name = self._pool_name, None  # the next call takes any pool there
+        raise ServiceError(
+            f"no pool of model {model!r} answered on node {node[:12]} within {self.retry_s:.0f}s"
+            + (f" ({last[2]} is being placed again)" if last and last[:2] == (node, model) else "")
+            + "; a client only uses its own node's pool: check the node's free resources "
+            "(raykv status), or retry later"
+        )
+
+    def _report_dead(self, name: str) -> None:
+        """Tell the coordinator (without waiting) that pool ``name`` is dead, so it stops
+        naming it and places a fresh one now."""
+        with contextlib.suppress(Exception):
+            self._coordinator().member_failed.remote(name)
 
     def _pool_gone(self, error: Exception) -> ServiceError:
+        if self._pool is not None:
+            self._report_dead(self._pool[1])
         self._pool = None
         return ServiceError(
-            f"the pool of this node is gone ({type(error).__name__}); the coordinator starts a "
-            "fresh one within a few seconds (its blocks are misses), retry then"
+            f"the pool of this node is gone ({type(error).__name__}) and with it this call's "
+            "request state; the coordinator starts a fresh one on this node within a few "
+            "seconds (its blocks are misses), and the next calls wait for it (admit again)"
         )
 
     # Each op is (target, method, args, post): "coord" calls retry, "pool" calls do not.
@@ -220,10 +253,17 @@ class Client(_Base):
 
     def _pool_handle(self):
         node = self._node_id()
-        if self._pool is None or self._pool[0] != node:
-            model, _ = self._model()
-            return self._bind_pool(node, model.name, self._coord_call("pools", model.name, node))
-        return self._pool[1]
+        if self._pool is not None and self._pool[0] == node:
+            return self._pool[2]
+        model, _ = self._model()
+        deadline, delay = time.monotonic() + self.retry_s, 0.1
+        while True:
+            pool = self._bind_pool(node, model.name, self._coord_call("pools", model.name, node))
+            if pool is not None:
+                return pool
+            self._pool_wait(node, model.name, deadline)
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     def _pool_call(self, method: str, *args: Any, post: Callable = _ident) -> Any:
         try:
@@ -338,13 +378,25 @@ class AsyncClient(_Base):
             self.model_name = self._info[0].name
         return self._info
 
-    async def _pool_call(self, method: str, *args: Any) -> Any:
+    async def _pool_handle(self):
         node = self._node_id()
-        if self._pool is None or self._pool[0] != node:
-            model, _ = await self._model()
-            self._bind_pool(node, model.name, await self._coord_call("pools", model.name, node))
+        if self._pool is not None and self._pool[0] == node:
+            return self._pool[2]
+        model, _ = await self._model()
+        deadline, delay = time.monotonic() + self.retry_s, 0.1
+        while True:
+            names = await self._coord_call("pools", model.name, node)
+            pool = self._bind_pool(node, model.name, names)
+            if pool is not None:
+                return pool
+            self._pool_wait(node, model.name, deadline)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def _pool_call(self, method: str, *args: Any) -> Any:
+        pool = await self._pool_handle()
         try:
-            return await getattr(self._pool[1], method).remote(*args)
+            return await getattr(pool, method).remote(*args)
         except ray.exceptions.RayTaskError as e:
             raise _unwrap(e) from None
         except ray.exceptions.RayActorError as e:

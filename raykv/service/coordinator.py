@@ -8,6 +8,9 @@ every live member (found by name) for a snapshot, so the index comes back whole;
 that talks to it first just re-registers (its heartbeat or event sequence says "unknown").
 A member that dies on a live node (or a TP group that lost a rank: its leader leaves) is
 dropped from the index at once and started afresh under its name: its blocks are misses.
+The coordinator keeps one long call open on every member (``Member.watch``), so a death is
+seen when Ray reports it, not only when heartbeats stop; the fresh member is placed on the
+next health tick (a second), on the same node (and so the same GPU slot).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from raykv.service.spec import (
 )
 
 HEARTBEAT_S = 1.0
+WATCH_S = 30.0  # how long one watch call stays open before the next replaces it
 DEAD_AFTER_S = 6.0  # missed heartbeats before a member's blocks stop being hits
 CALL_TIMEOUT_S = 10.0
 PLACE_TIMEOUT_S = 60.0
@@ -68,6 +72,7 @@ class Member:
     seq: int = 0  # last KV-event batch applied; a gap means "send a snapshot"
     last_seen: float = field(default_factory=time.monotonic)
     stats: dict[str, Any] = field(default_factory=dict)
+    actor_id: str | None = None  # the incarnation that registered (a name outlives actors)
 
 
 def engine_groups(nodes: list[dict], models: dict[str, ServedModel]) -> list[dict[str, int]]:
@@ -124,6 +129,7 @@ class Coordinator:
         self._placing: asyncio.Task | None = None
         self._place_lock = asyncio.Lock()  # one _place at a time (TP placement groups by name)
         self._managers: dict[str, Any] = {}  # model -> its group managers (hit rules)
+        self._watches: dict[str, tuple[str, asyncio.Task]] = {}  # name -> (actor id, watch)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -182,6 +188,38 @@ class Coordinator:
     def _forget(self, name: str) -> None:
         self.members.pop(name, None)
         self.index.drop_member(name)
+
+    def _watch(self, name: str, actor_id: str | None) -> None:
+        """Watch the member ``name`` registered as (one task per name and incarnation)."""
+        if actor_id is None:
+            return  # nothing to tell incarnations apart by: heartbeats decide
+        watched, task = self._watches.get(name, (None, None))
+        if watched == actor_id and task is not None and not task.done():
+            return
+        task = asyncio.get_running_loop().create_task(self._watch_loop(name, actor_id))
+        self._watches[name] = (actor_id, task)
+
+    async def _watch_loop(self, name: str, actor_id: str) -> None:
+        """Keep a ``watch`` call open on the member; when Ray says it died, forget it at once
+        (its blocks become misses; the health loop places a fresh one). A member that
+        registered again under a new incarnation is left alone."""
+
+        def current() -> bool:
+            m = self.members.get(name)
+            return m is not None and m.actor_id == actor_id
+
+        while current():
+            try:
+                actor = ray.get_actor(name, namespace=NAMESPACE)
+                seen = await actor.watch.remote(WATCH_S)
+            except (ray.exceptions.RayActorError, ValueError):  # dead, or its name is free
+                if current():
+                    self._forget(name)
+                return
+            except Exception:  # e.g. an older member without ``watch``: heartbeats decide
+                return
+            if seen != actor_id:  # the name belongs to a newer incarnation: its own watch
+                return
 
     async def ping(self) -> dict:
         await self._up()
@@ -262,7 +300,7 @@ class Coordinator:
             tier = (
                 ray.remote(CpuTierActor)
                 .options(name=tier_name(nid), scheduling_strategy=pin, **_DETACHED)
-                .remote(nid)
+                .remote(nid, dict(self.plans))
             )
             self._expected[tier_name(nid)] = nid
             starting.append(self._started(tier, tier_name(nid), nid))
@@ -370,12 +408,33 @@ class Coordinator:
         return self.model(name)
 
     async def pools(self, model: str, node_id: str | None = None) -> list[str]:
-        """Pool names of ``model``, those on ``node_id`` first."""
+        """Names of ``model``'s live pools on node ``node_id`` (every node's with None),
+        sorted. A client only ever uses its own node's pool (its GPU, its block ids): an
+        empty list means that node's pool is being placed (again); a node that runs no pool
+        of ``model`` (not alive, or a CPU-only node of a GPU cluster) raises ServiceError."""
         await self._up()
         self.model(model)
-        names = [m for m in self.members.values() if m.kind == "pool" and m.model == model]
-        names.sort(key=lambda m: (m.node_id != node_id, m.name))
-        return [m.name for m in names]
+        pools = [m for m in self.members.values() if m.kind == "pool" and m.model == model]
+        if node_id is None:
+            return sorted(m.name for m in pools)
+        names = sorted(m.name for m in pools if m.node_id == node_id)
+        if names:
+            return names
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        groups = dict(
+            zip((n["NodeID"] for n in nodes), engine_groups(nodes, self.models), strict=True)
+        )
+        if node_id not in groups:
+            raise ServiceError(
+                f"node {node_id[:12]} is not an alive node of this Ray cluster; a client uses "
+                "the pool of the node it runs on (or the node passed to Client.on)"
+            )
+        if not groups[node_id].get(model):
+            raise ServiceError(
+                f"node {node_id[:12]} runs no pool of model {model!r} (on a GPU cluster only "
+                "GPU nodes do); run the engine on a GPU node, or pick one with Client.on"
+            )
+        return []  # being placed (again): the caller waits for it
 
     # --- membership and events ----------------------------------------------------------
 
@@ -393,7 +452,9 @@ class Coordinator:
             snap.get("model"),
             snap["seq"],
             stats=snap.get("stats", {}),
+            actor_id=snap.get("actor_id"),
         )
+        self._watch(name, snap.get("actor_id"))
         for model, blocks in snap["blocks"].items():
             for h, b in blocks:
                 self.index.add(model, Location(name, snap["node_id"], tier, b), h)

@@ -73,9 +73,11 @@ class _ModelTier:
 class CpuTierActor(Member):
     kind = "tier"
 
-    def __init__(self, node_id: str) -> None:
+    def __init__(self, node_id: str, plans: dict[str, Any] | None = None) -> None:
         super().__init__(tier_name(node_id), node_id)
-        self.tiers: dict[str, _ModelTier] = {}
+        # the served models' arenas from the start: a tier placed again after it died must
+        # take its node's offloads before it registers (its pools added them to the old one)
+        self.tiers: dict[str, _ModelTier] = {m: _ModelTier(p) for m, p in (plans or {}).items()}
         self.metrics = ServiceMetrics("tier")
 
     async def add_model(self, model: str, plan: Any) -> int:

@@ -53,6 +53,7 @@ class Member:
             "kind": self.kind,
             "node_id": self.node_id,
             "seq": self.seq,
+            "actor_id": ray.get_runtime_context().get_actor_id(),
             "blocks": self.blocks(),
             "stats": self.stats(),
             **self.extra_snapshot(),
@@ -79,6 +80,12 @@ class Member:
             await self._call("register", self.snapshot())
             self._beat = asyncio.get_running_loop().create_task(self._heartbeats())
         return self.name
+
+    async def watch(self, seconds: float) -> str | None:
+        """Answer after ``seconds`` with this actor's id: the coordinator keeps one such call
+        open, so it learns of this member's death as soon as Ray reports it."""
+        await asyncio.sleep(seconds)
+        return ray.get_runtime_context().get_actor_id()
 
     async def _heartbeats(self) -> None:
         while True:
