@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -97,21 +98,29 @@ class _Base:
         model: str | None = None,
         retry_s: float = RETRY_S,
         node_id: str | None = None,
+        client_id: str | None = None,
     ) -> None:
         self.namespace, self.model_name, self.retry_s = namespace, model, retry_s
         self.node_id = node_id  # None: the node this handle is used on
+        # who admitted a request: the pools serve its blocks to this id only; it travels
+        # with the handle (pickled, ``on``, ``aio``), so an engine's workers share it
+        self.client_id = client_id or uuid.uuid4().hex
         self._coord = None
         self._info: tuple[ServedModel, Any] | None = None
         self._pool: tuple[str, str, Any] | None = None  # (node id, pool name, handle)
         # (node id, model, pool name) bound last: a name outlives its actor's deaths
         self._pool_name: tuple[str, str, str] | None = None
 
+    def _settings(self, node_id: str | None) -> tuple:
+        return (self.namespace, self.model_name, self.retry_s, node_id, self.client_id)
+
     def __reduce__(self):
-        return (type(self), (self.namespace, self.model_name, self.retry_s, self.node_id))
+        return (type(self), self._settings(self.node_id))
 
     def on(self, node_id: str | None) -> Any:
-        """A handle of the same kind bound to the pool of ``node_id`` (None: the caller's)."""
-        return type(self)(self.namespace, self.model_name, self.retry_s, node_id)
+        """A handle of the same kind and client bound to the pool of ``node_id`` (None: the
+        caller's)."""
+        return type(self)(*self._settings(node_id))
 
     def _coordinator(self):
         if self._coord is None:
@@ -231,7 +240,7 @@ class Client(_Base):
 
     @property
     def aio(self) -> AsyncClient:
-        return AsyncClient(self.namespace, self.model_name, self.retry_s, self.node_id)
+        return AsyncClient(*self._settings(self.node_id))
 
     def _coord_call(self, method: str, *args: Any) -> Any:
         deadline, delay = time.monotonic() + self.retry_s, 0.2
@@ -267,7 +276,8 @@ class Client(_Base):
 
     def _pool_call(self, method: str, *args: Any, post: Callable = _ident) -> Any:
         try:
-            return post(ray.get(getattr(self._pool_handle(), method).remote(*args)))
+            pool = self._pool_handle()
+            return post(ray.get(getattr(pool, method).remote(self.client_id, *args)))
         except ray.exceptions.RayTaskError as e:
             raise _unwrap(e) from None
         except ray.exceptions.RayActorError as e:
@@ -396,7 +406,7 @@ class AsyncClient(_Base):
     async def _pool_call(self, method: str, *args: Any) -> Any:
         pool = await self._pool_handle()
         try:
-            return await getattr(pool, method).remote(*args)
+            return await getattr(pool, method).remote(self.client_id, *args)
         except ray.exceptions.RayTaskError as e:
             raise _unwrap(e) from None
         except ray.exceptions.RayActorError as e:

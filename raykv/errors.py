@@ -45,6 +45,11 @@ class InvalidInput(RaykvError, ValueError):
     """Bad input from a caller (wrong dtype, shape, token count...); nothing was changed."""
 
 
+class AccessDenied(RaykvError, PermissionError):
+    """A call on something that belongs to another client (a request it admitted), or an
+    admin call without the admin path."""
+
+
 class TierError(RaykvError):
     """A data-plane failure: a store or load that could not complete."""
 

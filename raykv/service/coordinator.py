@@ -611,10 +611,15 @@ class Coordinator:
             "restarted": self.restarts,
         }
 
-    async def shutdown_service(self) -> int:
+    async def shutdown_service(self, admin: str | None = None) -> int:
         """Kill every pool, TP rank and tier and remove the TP placement groups (``raykv
-        down``); the caller then kills this actor. Returns the actors killed."""
+        down``, with the admin key: ``raykv.service.admin``); the caller then kills this
+        actor. Returns the actors killed."""
         from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+        from raykv.service.admin import admin_key, check_admin
+
+        check_admin(admin, admin_key(), "shutdown_service")
 
         if self._placing is not None:  # a re-placement must not start members after this
             self._placing.cancel()

@@ -30,7 +30,7 @@ import numpy as np
 import ray
 import torch
 
-from raykv.errors import InvalidInput, ServiceError
+from raykv.errors import AccessDenied, InvalidInput, ServiceError
 from raykv.service.groups import (
     Chunk,
     as_tables,
@@ -101,6 +101,10 @@ class GpuPool(Member):
         # admission number of each live request: a call that awaited checks it is still the
         # same request (a free and a re-admit under the same id hand its blocks to others)
         self._gen: dict[Hashable, int] = {}
+        # The client that admitted each live request: only it may step, write, load, read or
+        # free it. (Ray's token keeps strangers out of the cluster; this keeps the engines
+        # in it from touching each other's requests, e.g. through a reused request id.)
+        self.owner: dict[Hashable, str] = {}
         self._admitted = 0
         self._hashes: dict[Hashable, list[bytes]] = {}
         self.valid: dict[bytes, int] = {}  # group key -> block holding its bytes
@@ -202,6 +206,18 @@ class GpuPool(Member):
             )
         return ids
 
+    def _mine(self, client: str, rid: Hashable) -> Hashable:
+        """``rid``, checked, if no other client admitted it (else AccessDenied)."""
+        rid = check_request_id(rid)
+        owner = self.owner.get(rid)
+        if owner is not None and owner != client:
+            raise AccessDenied(
+                f"request {rid!r} on pool {self.name!r} was admitted by another client; a "
+                "request belongs to the handle that admitted it (and the handles it is pickled "
+                "to): use that handle, or a request id of your own"
+            )
+        return rid
+
     def _live(self, rid: Hashable, gen: int | None) -> bool:
         return gen is not None and self._gen.get(rid) == gen
 
@@ -278,25 +294,34 @@ class GpuPool(Member):
 
     # --- engine-facing ------------------------------------------------------------------
 
-    async def admit(self, rid: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None):
-        rid, num_tokens = check_request_id(rid), check_count(num_tokens, "num_tokens")
+    async def admit(
+        self, client: str, rid: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None
+    ) -> bool:
+        rid, num_tokens = self._mine(client, rid), check_count(num_tokens, "num_tokens")
         ids = self._ids(token_ids, rid)
         ok = self.bm.admit(rid, num_tokens, ids)
         if ok:
             self._admitted += 1
             self._gen[rid] = self._admitted
+            self.owner[rid] = client
             if ids is not None:
                 self.tokens[rid] = ids
         return ok
 
-    async def blocks_needed(self, rid: Hashable, num_new_tokens: int, token_ids=None) -> int:
-        rid, n = check_request_id(rid), check_count(num_new_tokens, "num_new_tokens")
+    async def blocks_needed(
+        self, client: str, rid: Hashable, num_new_tokens: int, token_ids=None
+    ) -> int:
+        rid, n = self._mine(client, rid), check_count(num_new_tokens, "num_new_tokens")
         return self.bm.blocks_needed(rid, n, self._ids(token_ids, rid))
 
     async def allocate(
-        self, rid: Hashable, num_new_tokens: int, token_ids: Sequence[int] | None = None
+        self,
+        client: str,
+        rid: Hashable,
+        num_new_tokens: int,
+        token_ids: Sequence[int] | None = None,
     ) -> list[list[int]] | None:
-        rid, num_new_tokens = check_request_id(rid), check_count(num_new_tokens, "num_new_tokens")
+        rid, num_new_tokens = self._mine(client, rid), check_count(num_new_tokens, "num_new_tokens")
         ids = self._ids(token_ids, rid)
         new = self.bm.allocate(rid, num_new_tokens, ids)
         if new is None:
@@ -361,7 +386,7 @@ class GpuPool(Member):
         return n
 
     async def store(
-        self, rid: Hashable, block_ids: Sequence, rows: Any, offload: bool = False
+        self, client: str, rid: Hashable, block_ids: Sequence, rows: Any, offload: bool = False
     ) -> StoreResult:
         """Write the KV bytes of ``block_ids`` (this request's blocks, per group; null ids
         skipped) on every rank; full blocks become hits for everyone. Blocks holding
@@ -371,7 +396,7 @@ class GpuPool(Member):
         in ``skipped``. ``offload`` also copies the request's complete chunks to the node's
         CPU tier now. Returns a ``StoreResult``: the blocks newly published (its int value),
         the blocks written and the ones skipped."""
-        rid = check_request_id(rid)
+        rid = self._mine(client, rid)
         tables = as_tables(self.plan, block_ids)
         self._own_blocks(rid, tables)
         data: RankRows = as_rank_rows(self.plan, rows, tables, self.widths)
@@ -403,8 +428,9 @@ class GpuPool(Member):
             await self._offload(complete_chunks(self.plan, self.bm.block_table(rid), keys))
         return StoreResult(len(stored), num_written, skipped)
 
-    async def read(self, block_ids: Sequence, rank: int = 0) -> list[np.ndarray]:
-        """Rows of ``block_ids`` (per group) on ``rank``: uint8 [n, row_bytes] per group."""
+    async def read(self, client: str, block_ids: Sequence, rank: int = 0) -> list[np.ndarray]:
+        """Rows of ``block_ids`` (per group) on ``rank``: uint8 [n, row_bytes] per group; only
+        blocks of the caller's own live requests (AccessDenied for any other)."""
         tables = as_tables(self.plan, block_ids)
         rank = check_int(rank, "rank", f"pass a TP rank in 0..{self.plan.tp_size - 1}")
         if not 0 <= rank < self.plan.tp_size:
@@ -413,6 +439,17 @@ class GpuPool(Member):
         if bad:
             raise InvalidInput(
                 f"block ids {bad[:8]} out of range 1..{self.plan.num_gpu_blocks - 1}"
+            )
+        mine = [set() for _ in tables]
+        for rid in (r for r, c in self.owner.items() if c == client):
+            for gi, table in enumerate(self.bm.block_table(rid)[: len(tables)]):
+                mine[gi].update(table)
+        foreign = [b for gi, t in enumerate(tables) for b in t if b not in mine[gi]]
+        if foreign:
+            raise AccessDenied(
+                f"blocks {foreign[:8]} are in none of this client's live requests on pool "
+                f"{self.name!r}; read the blocks of requests you admitted (load a prefix into "
+                "your own blocks to read what others published)"
             )
         return [(await self._gather(gi, t, [rank]))[0].numpy() for gi, t in enumerate(tables)]
 
@@ -440,13 +477,15 @@ class GpuPool(Member):
         self.metrics.moved(model, GPU, rows.nbytes)
         return len(blocks), rows
 
-    async def load(self, rid: Hashable, token_ids: Sequence[int], into: Sequence) -> dict:
+    async def load(
+        self, client: str, rid: Hashable, token_ids: Sequence[int], into: Sequence
+    ) -> dict:
         """Fill ``into`` (blocks of this request's tables, per group) with the KV of their
         positions from the best copies in the cluster; copies that vanished, and slots
         nobody holds (e.g. out of a sliding window), are misses. Returns the request's
         leading tokens now backed by written KV in every group."""
         t0 = time.perf_counter()
-        rid = check_request_id(rid)
+        rid = self._mine(client, rid)
         ids = self._ids(token_ids, rid)
         into_tables = as_tables(self.plan, into)
         self._own_blocks(rid, into_tables)
@@ -543,12 +582,13 @@ class GpuPool(Member):
             i += n
         return moved
 
-    async def block_table(self, rid: Hashable) -> list[list[int]]:
+    async def block_table(self, client: str, rid: Hashable) -> list[list[int]]:
         """The request's logical block ids per group now (null slots are 0)."""
-        return self.bm.block_table(check_request_id(rid))
+        return self.bm.block_table(self._mine(client, rid))
 
-    async def free(self, rid: Hashable) -> None:
-        self.bm.free(check_request_id(rid))
+    async def free(self, client: str, rid: Hashable) -> None:
+        self.bm.free(self._mine(client, rid))
+        self.owner.pop(rid, None)
         self.tokens.pop(rid, None)
         self._hashes.pop(rid, None)
         self._gen.pop(rid, None)

@@ -21,6 +21,7 @@ from typing import Any
 
 from raykv.client import connect
 from raykv.errors import RaykvError, ServiceError
+from raykv.service.admin import admin_key
 from raykv.service.ray_join import ensure_token, join, local_address, read_state, state_file
 
 STOP_TIMEOUT_S = 60.0
@@ -166,7 +167,7 @@ def down(address: str | None) -> dict[str, Any]:
     killed = 0
     try:
         coord = ray.get_actor(COORDINATOR, namespace=NAMESPACE)
-        killed = ray.get(coord.shutdown_service.remote(), timeout=30)
+        killed = ray.get(coord.shutdown_service.remote(admin_key()), timeout=30)
         ray.kill(coord, no_restart=True)
         killed += 1
     except ValueError:

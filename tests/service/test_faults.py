@@ -23,7 +23,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raykv.client import Client
-from raykv.errors import ServiceError
+from raykv.errors import AccessDenied, ServiceError
 from raykv.layout import FullAttention
 from raykv.service.spec import COORDINATOR, NAMESPACE, pool_name, tier_name
 
@@ -104,7 +104,11 @@ def holders(rid: str) -> list[str]:
             continue
         try:
             pool = ray.get_actor(a["name"], namespace=NAMESPACE)
-            ray.get(pool.block_table.remote(rid), timeout=10)
+            try:  # as a stranger: refused (AccessDenied) where another client admitted it
+                ray.get(pool.block_table.remote("stranger", rid), timeout=10)
+            except ray.exceptions.RayTaskError as e:
+                if not isinstance(e.cause, AccessDenied):
+                    raise
             out.append(ray.get(pool.rank_info.remote(), timeout=10)[0]["node_id"])
         except (ray.exceptions.RayError, ValueError):  # not there, or dead
             continue

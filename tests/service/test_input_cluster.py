@@ -111,7 +111,7 @@ def call(svc, via: str, monkeypatch, method: str, *args):
         monkeypatch.setattr(svc.a, "_pool_call", no_pool_call)
         return getattr(svc.a, method)(*args)
     try:
-        return ray.get(getattr(svc.pool, method).remote(*args))
+        return ray.get(getattr(svc.pool, method).remote(svc.a.client_id, *args))
     except ray.exceptions.RayTaskError as e:
         raise e.cause from None
 
