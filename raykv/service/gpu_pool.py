@@ -430,7 +430,7 @@ class GpuPool(Member):
 
     async def read(self, client: str, block_ids: Sequence, rank: int = 0) -> list[np.ndarray]:
         """Rows of ``block_ids`` (per group) on ``rank``: uint8 [n, row_bytes] per group; only
-        blocks of the caller's own live requests (AccessDenied for any other)."""
+        published blocks and blocks of the caller's own live requests (else AccessDenied)."""
         tables = as_tables(self.plan, block_ids)
         rank = check_int(rank, "rank", f"pass a TP rank in 0..{self.plan.tp_size - 1}")
         if not 0 <= rank < self.plan.tp_size:
@@ -444,12 +444,14 @@ class GpuPool(Member):
         for rid in (r for r, c in self.owner.items() if c == client):
             for gi, table in enumerate(self.bm.block_table(rid)[: len(tables)]):
                 mine[gi].update(table)
-        foreign = [b for gi, t in enumerate(tables) for b in t if b not in mine[gi]]
+        # published blocks are anyone's to load, so anyone's to read; the rest is private
+        private = [b for gi, t in enumerate(tables) for b in t if b not in mine[gi]]
+        foreign = [b for b in private if b not in self.key_of]
         if foreign:
             raise AccessDenied(
-                f"blocks {foreign[:8]} are in none of this client's live requests on pool "
-                f"{self.name!r}; read the blocks of requests you admitted (load a prefix into "
-                "your own blocks to read what others published)"
+                f"blocks {foreign[:8]} are neither published nor in this client's live requests "
+                f"on pool {self.name!r}; read your own requests' blocks (load a published prefix "
+                "into them to read what others computed)"
             )
         return [(await self._gather(gi, t, [rank]))[0].numpy() for gi, t in enumerate(tables)]
 

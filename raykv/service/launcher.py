@@ -22,7 +22,14 @@ from typing import Any
 from raykv.client import connect
 from raykv.errors import RaykvError, ServiceError
 from raykv.service.admin import admin_key
-from raykv.service.ray_join import ensure_token, join, local_address, read_state, state_file
+from raykv.service.ray_join import (
+    ensure_token,
+    join,
+    listening,
+    local_address,
+    read_state,
+    state_file,
+)
 
 STOP_TIMEOUT_S = 60.0
 
@@ -71,16 +78,29 @@ def start_head(num_cpus: int | None = None, timeout_s: float = 60.0) -> dict[str
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
+    # recorded at once: if this command is killed now, the next `up` or `down` finds the head
+    state = {"address": f"127.0.0.1:{port}", "pid": proc.pid, "log": str(log), "token": str(token)}
+    path.write_text(json.dumps(state))
     deadline = time.monotonic() + timeout_s
     while not _port_open(port):
         if proc.poll() is not None or time.monotonic() > deadline:
+            stop_head(proc.pid, state["address"])
+            path.unlink(missing_ok=True)
             raise ServiceError(
-                f"could not start a Ray head on 127.0.0.1:{port} (exit {proc.poll()}); see {log}"
+                f"could not start a Ray head on 127.0.0.1:{port} within {timeout_s:.0f}s "
+                f"(exit {proc.poll()}); see {log}"
             )
         time.sleep(0.5)
-    state = {"address": f"127.0.0.1:{port}", "pid": proc.pid, "log": str(log), "token": str(token)}
-    path.write_text(json.dumps(state))
     return state
+
+
+def _stop_stale_head() -> None:
+    """A head recorded by an `up` that was killed before it answered (or that died since):
+    end what is left of its session, so a new head does not run beside it unrecorded."""
+    state = read_state()
+    if state.get("pid") and not listening(state.get("address", "")):
+        stop_head(state["pid"], state.get("address", ""))
+        state_file().unlink(missing_ok=True)
 
 
 def up(
@@ -101,6 +121,7 @@ def up(
     started = None
     address = address or local_address()
     if address is None:
+        _stop_stale_head()
         started = start_head(num_cpus)
         address = started["address"]
     try:
@@ -176,7 +197,7 @@ def down(address: str | None) -> dict[str, Any]:
     state = read_state()
     stopped_head = False
     if state.get("address") == addr and state.get("pid"):
-        stopped_head = stop_head(state["pid"])
+        stopped_head = stop_head(state["pid"], addr)
         state_file().unlink(missing_ok=True)
     return {"address": addr, "actors_stopped": killed, "stopped_head": stopped_head}
 
@@ -193,12 +214,26 @@ def _session_pids(sid: int) -> list[int]:
     return pids
 
 
-def stop_head(sid: int, grace_s: float = 3.0, timeout_s: float = STOP_TIMEOUT_S) -> bool:
+def _is_head(sid: int, address: str) -> bool:
+    """Whether process ``sid`` is the ``ray start --head`` that ``up`` started for ``address``
+    (a recorded pid may since belong to anything else: never signal that)."""
+    try:
+        with open(f"/proc/{sid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    port = address.rpartition(":")[2]
+    return "start" in argv and "--head" in argv and f"--port={port}" in argv
+
+
+def stop_head(
+    sid: int, address: str, grace_s: float = 3.0, timeout_s: float = STOP_TIMEOUT_S
+) -> bool:
     """Stop every process of the head's session and wait until they are gone (or zombies
     waiting to be reaped): SIGTERM, SIGKILL after ``grace_s``, give up at ``timeout_s``.
     The whole cluster goes, so nothing needs Ray's slower one-by-one shutdown (~30 s).
-    False if nothing of it was running."""
-    if not _session_pids(sid):
+    False if it was not running (or ``sid`` is not that head)."""
+    if not _is_head(sid, address):
         return False
     deadline = time.monotonic() + timeout_s
     for sig, until in ((signal.SIGTERM, time.monotonic() + grace_s), (signal.SIGKILL, deadline)):

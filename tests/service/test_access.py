@@ -16,7 +16,7 @@ from raykv.service.spec import COORDINATOR, NAMESPACE
 
 pytestmark = pytest.mark.ray
 RAY_WORKERS = 1
-PROMPT = list(range(1, 81))  # 5 full blocks of 16
+PROMPT = list(range(1, 89))  # 5 full blocks of 16 (published once stored) + 8 private tokens
 
 
 @pytest.fixture(scope="module")
@@ -32,35 +32,36 @@ def test_a_request_belongs_to_the_client_that_admitted_it(owner, ray_cluster) ->
     assert owner.admit("mine", len(PROMPT), PROMPT)
     table = owner.allocate("mine", len(PROMPT), PROMPT)[0]
     rows = torch.randint(0, 256, (5, owner.plan.gpu_bytes_per_block), dtype=torch.uint8)
-    assert owner.store("mine", table, rows) == 5
+    assert owner.store("mine", table[:5], rows) == 5  # the partial sixth block stays private
     before = owner.block_table("mine")
 
     refused = {
         "admit": lambda: stranger.admit("mine", len(PROMPT), PROMPT),
         "allocate": lambda: stranger.allocate("mine", 1, [*PROMPT, 7]),
         "blocks_needed": lambda: stranger.blocks_needed("mine", 1, [*PROMPT, 7]),
-        "store": lambda: stranger.store("mine", table, torch.zeros_like(rows)),
+        "store": lambda: stranger.store("mine", table[:5], torch.zeros_like(rows)),
         "load": lambda: stranger.load("mine", PROMPT, into=table),
         "block_table": lambda: stranger.block_table("mine"),
-        "read": lambda: stranger.read(table),
+        "read": lambda: stranger.read(table),  # its sixth block is private
         "free": lambda: stranger.free("mine"),
     }
     for name, call in refused.items():
-        with pytest.raises(AccessDenied, match=r"another client|none of this client's"):
+        with pytest.raises(AccessDenied, match=r"another client|neither published nor"):
             call()
         assert owner.block_table("mine") == before, name
-    assert torch.equal(owner.read(table), rows)  # bytes unchanged, owner still served
+    assert torch.equal(owner.read(table)[:5], rows)  # bytes unchanged, owner still served
+    assert torch.equal(stranger.read(table[:5]), rows)  # published: anyone's to load
 
     # the owner's handle pickled to a worker (and its async form) is the same client
     twin = pickle.loads(pickle.dumps(owner))
     assert twin.client_id == owner.client_id and twin.block_table("mine") == before
-    assert torch.equal(twin.read(table[:2]), rows[:2])
+    assert torch.equal(twin.read(table[:2]), rows[:2]) and len(twin.read(table)) == 6
 
     # the stranger reaches the published prefix the supported way: into its own blocks
     assert stranger.admit("theirs", len(PROMPT), PROMPT)
     theirs = stranger.allocate("theirs", len(PROMPT), PROMPT)[0]
-    got = stranger.load("theirs", PROMPT, into=theirs)
-    assert got.num_tokens == len(PROMPT)
+    got = stranger.load("theirs", PROMPT, into=theirs[:5])
+    assert got.num_tokens == 80
     assert torch.equal(stranger.read(theirs[:5]), rows)
     stranger.free("theirs")
     owner.free("mine")

@@ -203,3 +203,30 @@ def test_bench_service_quick(home) -> None:
     assert r["lookup"]["hit"]["hit_tokens"] == 32768 and r["lookup"]["miss"]["hit_tokens"] == 0
     assert r["lookup"]["hit"]["p99_ms"] >= r["lookup"]["hit"]["p50_ms"] > 0
     assert r["object_store"]["gb_per_s"] > 0
+
+
+def test_a_killed_up_leaves_nothing_unrecorded(host, home) -> None:
+    """`raykv up` killed while its head starts: the next `up` takes over (joins that head or
+    replaces it) and `down` ends every process either one started."""
+    env = plain_env(home)
+    state_path = home / ".cache" / "raykv" / "up.json"
+    first = subprocess.Popen(
+        [*host, "env", "-i", *(f"{k}={v}" for k, v in env.items()), RAYKV, "up", *SMALL],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while not state_path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert state_path.exists(), "up did not record its head"
+    first.kill()
+    first.wait()
+    heads = {json.loads(state_path.read_text())["pid"]}
+    try:
+        again = run(host, RAYKV, "up", *SMALL, env=env)
+        assert again.returncode == 0, again.stdout + again.stderr
+        heads.add(json.loads(state_path.read_text())["pid"])
+    finally:
+        down = run(host, RAYKV, "down", env=env)
+    assert down.returncode == 0, down.stderr
+    assert all(session_alive(pid) == [] for pid in heads), heads

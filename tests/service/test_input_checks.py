@@ -27,6 +27,7 @@ from raykv.service.spec import (
 )
 
 BS, ROW = 16, 2 * 16 * 1 * 16 * 4  # one layer: K,V x 16 tokens x 1 head x 16 x 4 bytes
+ENGINE = "engine"  # the client id every call of these in-process pools comes from
 LAYERS = {"l0": FullAttention(dtype="float32", num_kv_heads=1, head_dim=16)}
 
 
@@ -227,9 +228,9 @@ def test_published_bytes_never_change(monkeypatch, ops) -> None:
         for op, r, x, n in ops:
             before = published()
             if op == "step" and r not in prompt:  # an engine's first step: admit, allocate
-                if await pool.admit(r, len(PROMPTS[x]), PROMPTS[x]):
+                if await pool.admit(ENGINE, r, len(PROMPTS[x]), PROMPTS[x]):
                     prompt[r] = PROMPTS[x]
-                    new = await pool.allocate(r, len(prompt[r]), prompt[r])
+                    new = await pool.allocate(ENGINE, r, len(prompt[r]), prompt[r])
                     if new is not None:
                         tables[r] = new[0]
                 op = "store"  # and store what it computed
@@ -237,14 +238,14 @@ def test_published_bytes_never_change(monkeypatch, ops) -> None:
                 ids = tables[r][:n]
                 immutable = [b for b in ids if b in pool.key_of]
                 data = _rows(len(ids), x)
-                res = await pool.store(r, ids, data)
+                res = await pool.store(ENGINE, r, ids, data)
                 skips.append(res.num_skipped)
                 assert res.skipped == [immutable] and res.written == len(ids) - len(immutable)
                 for j, b in enumerate(ids):
                     if b not in immutable:
                         assert torch.equal(pool.local.gather(0, [b])[0], data[j])
             elif op == "free" and r in prompt:
-                await pool.free(r)
+                await pool.free(ENGINE, r)
                 del prompt[r]
                 tables.pop(r, None)
             after = published()
@@ -267,19 +268,19 @@ def test_a_second_request_sharing_a_prefix_cannot_overwrite_it(monkeypatch) -> N
     x, y = _rows(5, 1), _rows(5, 200)
 
     async def run() -> None:
-        assert await pool.admit("a1", 80, p)
-        t1 = (await pool.allocate("a1", 80, p))[0]
-        first = await pool.store("a1", t1[:5], x)
+        assert await pool.admit(ENGINE, "a1", 80, p)
+        t1 = (await pool.allocate(ENGINE, "a1", 80, p))[0]
+        first = await pool.store(ENGINE, "a1", t1[:5], x)
         assert (first, first.written, first.skipped) == (5, 5, [[]])
-        assert await pool.admit("a2", 80, p)
-        t2 = (await pool.allocate("a2", 80, p))[0]
+        assert await pool.admit(ENGINE, "a2", 80, p)
+        t2 = (await pool.allocate(ENGINE, "a2", 80, p))[0]
         assert t2[:4] == t1[:4] and t2[4] != t1[4]
-        res = await pool.store("a2", t2[:5], y)
+        res = await pool.store(ENGINE, "a2", t2[:5], y)
         assert (res, res.written, res.skipped) == (0, 1, [t1[:4]])
         assert torch.equal(pool.local.gather(0, t1[:5]), x)
         assert torch.equal(pool.local.gather(0, [t2[4]]), y[4:])  # private, unpublished
         assert t2[4] not in pool.key_of
-        again = await pool.store("a1", t1[:5], y)  # the owner cannot rewrite them either
+        again = await pool.store(ENGINE, "a1", t1[:5], y)  # the owner cannot rewrite them either
         assert (again, again.written, again.skipped) == (0, 0, [t1[:5]])
         assert torch.equal(pool.local.gather(0, t1[:5]), x)
 

@@ -15,6 +15,7 @@ from raykv.service.index import GPU, Location
 from raykv.service.spec import ServedModel
 
 BS, ROW = 16, 2 * 16 * 1 * 16 * 4  # one layer: K,V x 16 tokens x 1 head x 16 x 4 bytes
+ENGINE = "engine"  # the client id every call of these in-process pools comes from
 LAYERS = {"l0": FullAttention(dtype="float32", num_kv_heads=1, head_dim=16)}
 
 
@@ -71,16 +72,16 @@ def test_a_load_whose_request_is_freed_and_readmitted_writes_and_publishes_nothi
     class RacingMover:
         async def fetch(self, source, model, keys, ids):
             # while the rows travel, the engine aborts "r" and reuses its id for a new prompt
-            await pool.free("r")
-            assert await pool.admit("r", len(second), second)
-            table = (await pool.allocate("r", len(second), second))[0]
+            await pool.free(ENGINE, "r")
+            assert await pool.admit(ENGINE, "r", len(second), second)
+            table = (await pool.allocate(ENGINE, "r", len(second), second))[0]
             race.append(table)
             return len(keys), fetched
 
     async def run():
-        assert await pool.admit("r", len(first), first)
-        table = (await pool.allocate("r", len(first), first))[0]
-        res = await pool.load("r", first, into=table[:4])
+        assert await pool.admit(ENGINE, "r", len(first), first)
+        table = (await pool.allocate(ENGINE, "r", len(first), first))[0]
+        res = await pool.load(ENGINE, "r", first, into=table[:4])
         return table, res
 
     race: list = []
@@ -97,16 +98,18 @@ def test_token_ids_that_disagree_with_the_requests_are_refused(pool) -> None:
     ids = tokens(3 * BS, 3)
 
     async def run():
-        assert await pool.admit("t", len(ids), ids)
-        table = (await pool.allocate("t", 2 * BS, ids[: 2 * BS]))[0]
+        assert await pool.admit(ENGINE, "t", len(ids), ids)
+        table = (await pool.allocate(ENGINE, "t", 2 * BS, ids[: 2 * BS]))[0]
         other = list(ids)
         other[5] += 1
         with pytest.raises(InvalidInput, match="differ at position 5"):
-            await pool.allocate("t", BS, other)
+            await pool.allocate(ENGINE, "t", BS, other)
         with pytest.raises(InvalidInput, match="differ at position 5"):
-            await pool.load("t", other, into=table[:1])
-        assert await pool.block_table("t") == [table]
-        assert (await pool.allocate("t", BS, ids)) is not None  # the same tokens, grown: fine
+            await pool.load(ENGINE, "t", other, into=table[:1])
+        assert await pool.block_table(ENGINE, "t") == [table]
+        assert (
+            await pool.allocate(ENGINE, "t", BS, ids)
+        ) is not None  # the same tokens, grown: fine
 
     asyncio.run(run())
 
@@ -116,13 +119,13 @@ def test_a_store_into_a_reused_block_publishes_the_old_key_as_removed(pool) -> N
     a, b = tokens(5 * BS, 4), tokens(5 * BS, 5)
 
     async def run():
-        assert await pool.admit("a", len(a), a)
-        ta = (await pool.allocate("a", len(a), a))[0]
-        assert await pool.store("a", ta, torch.ones((5, ROW), dtype=torch.uint8)) == 5
+        assert await pool.admit(ENGINE, "a", len(a), a)
+        ta = (await pool.allocate(ENGINE, "a", len(a), a))[0]
+        assert await pool.store(ENGINE, "a", ta, torch.ones((5, ROW), dtype=torch.uint8)) == 5
         keys = [k for k, _ in pool.coord.stored]
-        await pool.free("a")
-        assert await pool.admit("b", len(b), b)
-        await pool.allocate("b", len(b), b)  # takes every block: a's are evicted
+        await pool.free(ENGINE, "a")
+        assert await pool.admit(ENGINE, "b", len(b), b)
+        await pool.allocate(ENGINE, "b", len(b), b)  # takes every block: a's are evicted
         return keys
 
     keys = asyncio.run(run())
