@@ -112,7 +112,8 @@ def test_image_installs_the_wheel_built_from_this_checkout(dockerfile):
 def test_every_file_the_image_copies_is_in_the_build_context(dockerfile):
     ignore = REPO / ".dockerignore"
     patterns = [
-        p.strip() for p in (ignore.read_text().splitlines() if ignore.exists() else [])
+        p.strip()
+        for p in (ignore.read_text().splitlines() if ignore.exists() else [])
         if p.strip() and not p.startswith("#")
     ]
     for stage in dockerfile:
@@ -214,4 +215,3 @@ def test_values_schema_accepts_the_defaults_and_checks_pip_install():
     for bad in ("raykv", [3], [""]):
         wrong = {**values, "image": {**values["image"], "pipInstall": bad}}
         assert list(validator.iter_errors(wrong)), bad
-

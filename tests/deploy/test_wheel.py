@@ -37,9 +37,21 @@ def wheel(tmp_path_factory) -> Path:
         shutil.copytree(REPO / name, src / name, ignore=junk)
     out = tmp_path_factory.mktemp("dist")
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
-         "--no-index", "-w", str(out)],
-        capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(src),
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     (built,) = out.glob("raykv-*.whl")
@@ -82,9 +94,20 @@ print(json.dumps({"package": raykv.__file__, "sources": seen.get("sources", []),
 def test_installed_wheel_builds_the_kernel_from_its_own_sources(wheel, tmp_path):
     target = tmp_path / "site"
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target",
-         str(target), str(wheel)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     # The installed copy first on the path (ahead of this checkout's editable install); run from
