@@ -94,11 +94,12 @@ class BlockManager:
     def _admission_need(
         self, req: RequestBlocks, num_tokens: int, token_ids: Sequence[int] | None
     ) -> int:
-        """The gate's count (invariant 1): the plan's admission blocks per group, less the
-        blocks of the group's first-step prefix hits that are in use (held by running
-        requests or pinned), since the request shares them and takes nothing for them.
-        The hits are the ones the first step over ``token_ids`` reuses (``first_step_hits``),
-        looked up on the hashes memoized here, so the prompt is hashed once."""
+        """The gate's count (invariant 1): per group, the plan's admission blocks less the
+        slots the first step's prefix hit covers (those take nothing new: a null slot or a
+        block in use), plus the free cached hit blocks the step revives. Prefix hits that
+        running requests hold are thus credited, never counted. The hits are the ones the
+        first step over ``token_ids`` reuses (``first_step_hits``), looked up on hashes
+        memoized here, so the prompt is hashed once."""
         per_group = self.plan.admission_blocks(num_tokens)
         hasher = self.hasher
         if hasher is None or token_ids is None or num_tokens < 2 or not self.pool.cached:
@@ -112,10 +113,10 @@ class BlockManager:
             return sum(per_group)
         rc = self.pool.ref_counts
         need = 0
-        for n, (_, hits) in zip(
+        for n, (nulls, hits) in zip(
             per_group, first_step_hits(self.managers, lookups, hit), strict=True
         ):
-            need += max(0, n - sum(1 for b in hits if rc[b]))
+            need += max(0, n - nulls - len(hits)) + sum(1 for b in hits if not rc[b])
         return need
 
     def admit(

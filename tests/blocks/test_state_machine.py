@@ -84,15 +84,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         full = sum(self.plan.admission_blocks(prompt_len))
         free = self.mgr.num_free_blocks
         prompt = tokens[:prompt_len] if give_tokens else None
-        credit = self.held_hits(prompt_len, prompt)
+        need = self.gate_need(prompt_len, prompt)
         try:
             ok = self.mgr.admit(rid, prompt_len, prompt)
         except RequestTooLarge:
             assert full > self.plan.usable_gpu_blocks
             return
         assert full <= self.plan.usable_gpu_blocks
-        # the gate credits the hits that others hold: never refuses what really fits
-        assert ok == (full - credit <= free)
+        # the gate credits the prefix hit: it never refuses what really fits
+        assert ok == (need <= free)
         assert self.mgr.num_free_blocks == free
         if ok:
             self.tokens[rid] = tokens
@@ -100,20 +100,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.computed[rid] = 0
             self.known[rid] = 0
 
-    def held_hits(self, prompt_len: int, prompt: list[int] | None) -> int:
-        """Blocks of the first step's prefix hits that are in use, per group at most its
-        admission count: what the request shares instead of taking (read from the public
-        step plan of a throwaway zero-token request)."""
-        if prompt is None or prompt_len < 2:
-            return 0
+    def gate_need(self, prompt_len: int, prompt: list[int] | None) -> int:
+        """What the gate may ask for: per group the admission blocks, less the slots the
+        first step's prefix hit covers, plus the free hit blocks it revives (read from the
+        public step plan of a throwaway request)."""
+        full = self.plan.admission_blocks(prompt_len)
+        if prompt is None or prompt_len < 2 or not self.mgr.enable_prefix_caching:
+            return sum(full)
         mgr = self.mgr
         g = len(mgr.managers)
         probe = RequestBlocks("probe", [[] for _ in range(g)], [0] * g, [0] * g)
         plan = mgr._step_plan(probe, prompt_len, prompt)
+        if not plan.num_hit_tokens:
+            return sum(full)
         rc = mgr.pool.ref_counts
         return sum(
-            min(n, sum(1 for b in s.hits if rc[b])) if s is not None else 0
-            for n, s in zip(self.plan.admission_blocks(prompt_len), plan.groups, strict=True)
+            max(0, n - s.new_nulls - len(s.hits)) + sum(1 for b in s.hits if not rc[b])
+            for n, s in zip(full, plan.groups, strict=True)
         )
 
     @precondition(lambda self: self.tokens)
