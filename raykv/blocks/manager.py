@@ -252,7 +252,7 @@ class BlockManager:
         req = self._request(request_id)
         del self._requests[request_id]
         for table in req.tables:
-            self.pool.free(reversed(table))
+            self.pool.release(reversed(table))
 
     # --- reading state ------------------------------------------------------------------
 

@@ -209,6 +209,21 @@ class BlockPool:
                 else:
                     self._free_uncached.append(b)
 
+    def release(self, block_ids: Iterable[int]) -> None:
+        """``free`` without the argument check, for the block manager's own tables, whose
+        ids hold one reference per slot by construction (invariant 3: null slots skipped)."""
+        rc = self.ref_counts
+        keys = self.block_keys
+        for b in block_ids:
+            if b:
+                n = rc[b] - 1
+                rc[b] = n
+                if not n:
+                    if keys[b] is not None:
+                        self._free_cached[b] = None
+                    else:
+                        self._free_uncached.append(b)
+
     def drain_events(self) -> list[KVEvent]:
         out, self._events = self._events, []
         return out

@@ -185,7 +185,7 @@ def release_skipped(req: RequestBlocks, plan: StepPlan, pool: BlockPool) -> None
             for j in range(req.num_skipped[i], min(s.skip_to, len(table))):
                 table[j] = NULL_BLOCK
             req.num_skipped[i] = max(req.num_skipped[i], min(s.skip_to, len(table)))
-            pool.free(reversed(s.release))
+            pool.release(reversed(s.release))
 
 
 def apply_step(
