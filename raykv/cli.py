@@ -284,10 +284,35 @@ def bench_copy(
 @click.option("--steps", "num_steps", default=256, show_default=True, help="decode steps")
 @click.option("--prompt-len", default=1024, show_default=True, help="half is a shared prefix")
 @click.option("--json", "as_json", is_flag=True, help="print the rows as JSON")
-def bench_blocks(num_requests: int, num_steps: int, prompt_len: int, as_json: bool) -> None:
+@click.option(
+    "--vs-vllm",
+    is_flag=True,
+    help="time raykv and vLLM's KVCacheManager per op class on the same traces "
+    "(needs the optional extra 'vllm')",
+)
+@click.option("--traces", "num_traces", default=60, show_default=True, help="with --vs-vllm")
+def bench_blocks(
+    num_requests: int, num_steps: int, prompt_len: int, as_json: bool, vs_vllm: bool,
+    num_traces: int,
+) -> None:  # fmt: skip
     """Block manager: scheduler steps/s and us per request-step (prefix caching on)."""
     import json
 
+    if vs_vllm:
+        try:
+            import vllm.v1.core.kv_cache_manager  # noqa: F401
+        except ImportError as e:
+            raise click.ClickException(
+                f"--vs-vllm needs vLLM ({e}); install the extra: pip install 'raykv[vllm]' "
+                "torch==2.13.0"
+            ) from None
+        from raykv.bench.blocks import format_vs_vllm, run_vs_vllm
+
+        vrows = run_vs_vllm(num_traces=num_traces)
+        click.echo(
+            json.dumps([r.as_dict() for r in vrows], indent=2) if as_json else format_vs_vllm(vrows)
+        )
+        return
     from raykv.bench.blocks import format_table, run
 
     rows = run(num_requests=num_requests, num_steps=num_steps, prompt_len=prompt_len)

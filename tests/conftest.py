@@ -23,3 +23,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Hypothesis: CI keeps each property test's own small settings; the nightly-sized run
+# (`pytest tests/blocks --hypothesis-profile=long`) takes the sizes tests/blocks/helpers.py
+# `examples()` gives for "long" (>= 10^5 state-machine steps).
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "long",
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)

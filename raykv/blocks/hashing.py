@@ -57,6 +57,10 @@ class BlockHasher:
         # Every block has exactly hash_block_size tokens: one precompiled layout.
         self._tokens = struct.Struct(f"<{hash_block_size}q")
 
+    def __reduce__(self):
+        # the precompiled struct layout does not pickle; a copy rebuilds it from the args
+        return (BlockHasher, (self.hash_block_size, self.seed))
+
     def hash_blocks(
         self,
         token_ids: Sequence[int],

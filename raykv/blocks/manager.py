@@ -22,7 +22,15 @@ from raykv.blocks.events import KVEvent
 from raykv.blocks.hashing import DEFAULT_HASH_SEED, BlockHash, BlockHasher
 from raykv.blocks.managers import GroupManager, manager_for
 from raykv.blocks.pool import BlockPool
-from raykv.blocks.step import RequestBlocks, StepPlan, apply_step, common_hit, plan_step
+from raykv.blocks.step import (
+    RequestBlocks,
+    StepPlan,
+    apply_step,
+    common_hit,
+    first_step_hits,
+    plan_step,
+    release_skipped,
+)
 from raykv.errors import BlockSizeError, InvalidInput, RequestTooLarge, UnknownRequest
 from raykv.layout import KernelBlockIds, Plan, kernel_block_ids, require_logical
 from raykv.layout.sizing import max_len_that_fits
@@ -79,8 +87,37 @@ class BlockManager:
     # --- admission gate -----------------------------------------------------------------
 
     def admission_blocks(self, num_tokens: int) -> int:
-        """Blocks the gate reserves for a request of ``num_tokens`` (the plan's formula)."""
+        """Blocks the gate reserves for a request of ``num_tokens`` on an empty pool (the
+        plan's formula, invariant 2)."""
         return sum(self.plan.admission_blocks(num_tokens))
+
+    def _admission_need(
+        self, req: RequestBlocks, num_tokens: int, token_ids: Sequence[int] | None
+    ) -> int:
+        """The gate's count (invariant 1): per group, the plan's admission blocks less the
+        slots the first step's prefix hit covers (those take nothing new: a null slot or a
+        block in use), plus the free cached hit blocks the step revives. Prefix hits that
+        running requests hold are thus credited, never counted. The hits are the ones the
+        first step over ``token_ids`` reuses (``first_step_hits``), looked up on hashes
+        memoized here, so the prompt is hashed once."""
+        per_group = self.plan.admission_blocks(num_tokens)
+        hasher = self.hasher
+        if hasher is None or token_ids is None or num_tokens < 2 or not self.pool.cached:
+            return sum(per_group)
+        req.ensure_hashes(hasher, token_ids, num_tokens)
+        limit = min(num_tokens, len(token_ids)) - 1
+        hit, lookups = common_hit(
+            self.managers, self.pool, req.hashes, hasher.hash_block_size, limit
+        )
+        if not hit:
+            return sum(per_group)
+        rc = self.pool.ref_counts
+        need = 0
+        for n, (nulls, hits) in zip(
+            per_group, first_step_hits(self.managers, lookups, hit), strict=True
+        ):
+            need += max(0, n - nulls - len(hits)) + sum(1 for b in hits if not rc[b])
+        return need
 
     def admit(
         self,
@@ -91,11 +128,14 @@ class BlockManager:
         lora_id: int | None = None,
         cache_salt: str | bytes | None = None,
     ) -> bool:
-        """Register a request of ``num_tokens`` tokens if its admission blocks are free now.
+        """Register a request of ``num_tokens`` tokens if the blocks it needs are free now.
 
         Raises InvalidInput past ``max_model_len`` and RequestTooLarge when even an empty
         pool could never hold it (invariant 2). Returns False, registering nothing, when it
-        only does not fit yet. ``token_ids`` (optional) are hashed ahead of the first step.
+        only does not fit yet. The gate gives credit for prefix hits that running requests
+        hold (``_admission_need``): it never refuses a request whose real need fits.
+        ``token_ids`` (optional, the prompt) are hashed here, once, for the gate and the
+        first step.
         """
         if request_id in self._requests:
             raise InvalidInput(f"request {request_id!r} is already admitted; free it first")
@@ -105,11 +145,9 @@ class BlockManager:
                 f"request {request_id!r} has {num_tokens} tokens; it must have between 0 and "
                 f"max_model_len={plan.max_model_len}"
             )
-        need = self.admission_blocks(num_tokens)
-        if need > self.pool.num_usable_blocks:
-            raise RequestTooLarge(self._too_large_message(request_id, num_tokens, need))
-        if need > self.pool.num_free_blocks:
-            return False
+        full = self.admission_blocks(num_tokens)
+        if full > self.pool.num_usable_blocks:
+            raise RequestTooLarge(self._too_large_message(request_id, num_tokens, full))
         req = RequestBlocks(
             request_id,
             tables=[[] for _ in self.managers],
@@ -117,7 +155,11 @@ class BlockManager:
             num_hashed=[0] * len(self.managers),
             lora_id=lora_id,
             cache_salt=cache_salt,
+            num_prompt_tokens=num_tokens,
         )
+        free = self.pool.num_free_blocks
+        if full > free and self._admission_need(req, num_tokens, token_ids) > free:
+            return False
         if self.hasher is not None and token_ids is not None:
             req.ensure_hashes(self.hasher, token_ids, num_tokens)
         self._requests[request_id] = req
@@ -129,7 +171,9 @@ class BlockManager:
             f"group {g.group_id} ({g.spec.kind}, block size {g.block_size}): {n}"
             for g, n in zip(self.plan.groups, self.plan.admission_blocks(num_tokens), strict=True)
         )
-        lo = max_len_that_fits(self.plan.groups, usable, num_tokens)
+        lo = max_len_that_fits(
+            self.plan.groups, usable, num_tokens, self.plan.max_num_batched_tokens
+        )
         return (
             f"request {request_id!r} of {num_tokens} tokens needs {need} blocks ({per_group}) "
             f"but the pool has only {usable} usable blocks ({self.plan.num_gpu_blocks} minus "
@@ -191,12 +235,14 @@ class BlockManager:
 
         ``token_ids`` are the request's tokens so far: on the first step they find prefix
         hits, and every block whose tokens are all known is hashed into the prefix cache.
-        Returns the slots appended per group (null, hit, then fresh ids), or None with
-        nothing changed when the step does not fit.
+        Returns the slots appended per group (null, hit, then fresh ids), or None when the
+        step does not fit: then only the blocks that left the window are released, as an
+        empty step would (invariant 8), and nothing else changes.
         """
         req = self._request(request_id)
         plan = self._step_plan(req, num_new_tokens, token_ids)
         if not plan.fits(self.pool.num_free_blocks):
+            release_skipped(req, plan, self.pool)
             return None
         return apply_step(req, plan, token_ids, self.managers, self.pool, self.hasher)
 
@@ -206,7 +252,7 @@ class BlockManager:
         req = self._request(request_id)
         del self._requests[request_id]
         for table in req.tables:
-            self.pool.free(reversed(table))
+            self.pool.release(reversed(table))
 
     # --- reading state ------------------------------------------------------------------
 
@@ -261,6 +307,16 @@ class BlockManager:
             token_ids, end_block=limit // hbs, lora_id=lora_id, cache_salt=cache_salt
         )
         return common_hit(self.managers, self.pool, hashes, hbs, limit)[0]
+
+    def prefix_hit(self, request_id: RequestId) -> int:
+        """Tokens the request's first step would take from the prefix cache now: common to
+        every group, at most its admitted length - 1, on the hashes ``admit`` memoized (no
+        hashing here). A scheduler sizes the first chunk as this plus its token budget."""
+        req = self._request(request_id)
+        if self.hasher is None or req.num_tokens or req.num_prompt_tokens < 2:
+            return 0
+        hbs = self.hasher.hash_block_size
+        return common_hit(self.managers, self.pool, req.hashes, hbs, req.num_prompt_tokens - 1)[0]
 
     def hold_blocks(self, block_ids: Sequence[int]) -> None:
         """Add a reference so the blocks are not reused while, e.g., a store to the CPU

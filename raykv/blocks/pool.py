@@ -5,6 +5,11 @@
 - A block is *used* (ref count > 0) or *free*. Free blocks wait in one of two queues:
   uncached ones are handed out first; cached ones keep their prefix until they are
   evicted, least recently freed first. Evicting a block emits ``BlockRemoved``.
+- Every full block with known tokens is findable while it is used or cached, duplicates
+  included (invariant 8): ``cached`` maps a prefix to the block that serves it, and the
+  other blocks holding the same prefix wait in ``_copies``; when the serving block is
+  evicted a copy takes its place. ``lookup`` prefers a copy that is in use, so a hit never
+  revives a free block while an identical one is held.
 - A prefix hit on a free cached block (``touch``) takes it out of the free queue.
 - Anything that must keep a block from being reused (a store in flight, invariant 9) holds
   a reference with ``touch`` and drops it with ``free``: the free count stays exact.
@@ -32,7 +37,10 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
         self.block_keys: list[CacheKey | None] = [None] * num_blocks
-        self.cached: dict[CacheKey, int] = {}  # the prefix-hash map
+        self.cached: dict[CacheKey, int] = {}  # the prefix-hash map: the serving block
+        # prefixes held by more than one block: key -> (parent hash, the other blocks)
+        self._copies: dict[CacheKey, tuple[BlockHash | None, list[int]]] = {}
+        self._block_sizes: dict[int, int] = {}  # group id -> block size, for copies' events
         self._free_uncached: deque[int] = deque(range(1, num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
         self._events: list[KVEvent] = []
@@ -53,6 +61,11 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_usable_blocks - self.num_free_blocks
 
+    @property
+    def has_copies(self) -> bool:
+        """True while some prefix is held by more than one block."""
+        return bool(self._copies)
+
     def is_free(self, block_id: int) -> bool:
         return block_id != NULL_BLOCK and self.ref_counts[block_id] == 0
 
@@ -62,7 +75,16 @@ class BlockPool:
     # --- prefix-hash map --------------------------------------------------------------
 
     def lookup(self, key: CacheKey) -> int | None:
-        return self.cached.get(key)
+        """A block holding prefix ``key``: one in use if any copy is, else the serving one."""
+        b = self.cached.get(key)
+        if b is not None and self._copies and not self.ref_counts[b]:
+            entry = self._copies.get(key)
+            if entry is not None:
+                rc = self.ref_counts
+                for c in entry[1]:
+                    if rc[c]:
+                        return c
+        return b
 
     def cache(
         self,
@@ -72,20 +94,33 @@ class BlockPool:
         parent: BlockHash | None,
         block_size: int,
     ) -> None:
-        """Enter full, used blocks into the map and emit one ``BlockStored``. A prefix
-        already mapped (another request computed it too) keeps its first block; the
-        duplicate stays uncached and is simply freed later."""
+        """Enter full, used blocks into the map and emit one ``BlockStored`` for the
+        prefixes that were not mapped yet. A prefix already mapped (another request
+        computed it too) keeps its serving block and the new block becomes a findable
+        copy (invariant 8)."""
         if not self.enable_caching:
             return
         hashes, ids = [], []
+        cached, keys = self.cached, self.block_keys
+        prev = parent
         for h, b in zip(block_hashes, block_ids, strict=True):
             key = (group_id, h)
-            if b == NULL_BLOCK or key in self.cached or self.block_keys[b] is not None:
+            if b == NULL_BLOCK or keys[b] is not None:
+                prev = h
                 continue
-            self.cached[key] = b
-            self.block_keys[b] = key
-            hashes.append(h)
-            ids.append(b)
+            keys[b] = key
+            if key in cached:
+                self._block_sizes[group_id] = block_size
+                entry = self._copies.get(key)
+                if entry is None:
+                    self._copies[key] = (prev, [b])
+                else:
+                    entry[1].append(b)
+            else:
+                cached[key] = b
+                hashes.append(h)
+                ids.append(b)
+            prev = h
         if ids:
             self._events.append(
                 BlockStored(group_id, tuple(hashes), tuple(ids), parent, block_size)
@@ -106,10 +141,7 @@ class BlockPool:
             removed: dict[int, list[BlockHash]] = {}
             for _ in range(n - take):
                 b, _ = self._free_cached.popitem(last=False)
-                key = self.block_keys[b]
-                del self.cached[key]
-                self.block_keys[b] = None
-                removed.setdefault(key[0], []).append(key[1])
+                self._evict(b, removed)
                 out.append(b)
             self.num_evicted += n - take
             for gid, hashes in removed.items():
@@ -119,6 +151,28 @@ class BlockPool:
             rc[b] = 1
         self.num_taken += n
         return out
+
+    def _evict(self, b: int, removed: dict[int, list[BlockHash]]) -> None:
+        """Drop free block ``b`` from the map. A prefix with other copies stays findable:
+        one of them serves it from now on (announced with a ``BlockStored``)."""
+        key = self.block_keys[b]
+        self.block_keys[b] = None
+        entry = self._copies.get(key) if self._copies else None
+        if entry is None:
+            if self.cached.get(key) == b:
+                del self.cached[key]
+                removed.setdefault(key[0], []).append(key[1])
+            return
+        parent, others = entry
+        if self.cached.get(key) == b:
+            self.cached[key] = nb = others.pop(0)
+            self._events.append(
+                BlockStored(key[0], (key[1],), (nb,), parent, self._block_sizes[key[0]])
+            )
+        else:
+            others.remove(b)
+        if not others:
+            del self._copies[key]
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block; a free (cached) block leaves the free queue."""
@@ -154,6 +208,21 @@ class BlockPool:
                     self._free_cached[b] = None
                 else:
                     self._free_uncached.append(b)
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """``free`` without the argument check, for the block manager's own tables, whose
+        ids hold one reference per slot by construction (invariant 3: null slots skipped)."""
+        rc = self.ref_counts
+        keys = self.block_keys
+        for b in block_ids:
+            if b:
+                n = rc[b] - 1
+                rc[b] = n
+                if not n:
+                    if keys[b] is not None:
+                        self._free_cached[b] = None
+                    else:
+                        self._free_uncached.append(b)
 
     def drain_events(self) -> list[KVEvent]:
         out, self._events = self._events, []

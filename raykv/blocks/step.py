@@ -31,6 +31,7 @@ class RequestBlocks:
     num_cached_tokens: int = 0  # prefix-hit tokens of the first step
     hashes: list[BlockHash] = field(default_factory=list)  # chained, per full hash block
     hash_due: int = 0  # known tokens at which the next block of some group fills
+    num_prompt_tokens: int = 0  # tokens the request was admitted with
 
     def ensure_hashes(self, hasher: BlockHasher, token_ids: Sequence[int], upto: int) -> None:
         """Memoize the chained hashes of the hash blocks that end at or before ``upto``."""
@@ -81,6 +82,8 @@ def common_hit(
     shrinks, so repeating until no group lowers it ends at a length all groups accept.
     """
 
+    find = pool.lookup if pool.has_copies else pool.cached.get
+
     def lookup_for(m: GroupManager) -> Lookup:
         k = m.block_size // hash_block_size
         gid = m.group_id
@@ -88,7 +91,7 @@ def common_hit(
 
         def lookup(j: int) -> int | None:
             if j not in memo:
-                memo[j] = pool.cached.get((gid, hashes[(j + 1) * k - 1]))
+                memo[j] = find((gid, hashes[(j + 1) * k - 1]))
             return memo[j]
 
         return lookup
@@ -101,6 +104,19 @@ def common_hit(
             length = m.longest_hit(lookup, length)
         if length == before or length == 0:
             return length, lookups
+
+
+def first_step_hits(
+    managers: Sequence[GroupManager], lookups: Sequence[Lookup], hit: int
+) -> list[tuple[int, tuple[int, ...]]]:
+    """Per group, what a first step with a ``hit``-token prefix hit appends before its
+    fresh blocks: (null slots, cached blocks). The step and the admission gate both read
+    it, so the gate credits exactly the hits the step reuses (invariant 1)."""
+    out = []
+    for m, lookup in zip(managers, lookups, strict=True):
+        start = m.num_skipped(hit)
+        out.append((start, tuple(lookup(j) for j in range(start, hit // m.block_size))))
+    return out
 
 
 def plan_step(
@@ -128,6 +144,7 @@ def plan_step(
             limit = min(num_new_tokens, len(token_ids) - 1)
             hit, lookups = common_hit(managers, pool, req.hashes, hasher.hash_block_size, limit)
     computed = hit if first else req.num_tokens
+    hit_slots = first_step_hits(managers, lookups, hit) if hit else None
     rc = pool.ref_counts
     steps: list[GroupStep | None] = []
     taken = returned = 0
@@ -146,14 +163,29 @@ def plan_step(
         returned += sum(1 for b in release if rc[b] == 1)
         new_nulls = max(0, skip_to - have)
         hits: tuple[int, ...] = ()
-        if hit:
-            lookup = lookups[i]
-            hits = tuple(lookup(j) for j in range(new_nulls, hit // m.block_size))
+        if hit_slots is not None:
+            new_nulls, hits = hit_slots[i]  # the first step: new_nulls == num_skipped(hit)
             taken += sum(1 for b in hits if rc[b] == 0)
         fresh = target - have - new_nulls - len(hits)
         taken += fresh
         steps.append(GroupStep(release, skip_to, new_nulls, hits, fresh))
     return StepPlan(tuple(steps), total, hit, taken, returned)
+
+
+def release_skipped(req: RequestBlocks, plan: StepPlan, pool: BlockPool) -> None:
+    """Return the blocks that left the request's reach: their slots become null.
+
+    Keeps invariant 8's release rules: this runs whether or not the step fits, so a step
+    that does not fit still frees the blocks no future token reads, and changes nothing
+    else; and blocks go back tail-first, so of the blocks leaving together the prefix's
+    head is evicted last (as ``BlockManager.free`` does)."""
+    for i, s in enumerate(plan.groups):
+        if s is not None and s.release:
+            table = req.tables[i]
+            for j in range(req.num_skipped[i], min(s.skip_to, len(table))):
+                table[j] = NULL_BLOCK
+            req.num_skipped[i] = max(req.num_skipped[i], min(s.skip_to, len(table)))
+            pool.release(reversed(s.release))
 
 
 def apply_step(
@@ -166,14 +198,7 @@ def apply_step(
 ) -> list[list[int]]:
     """Apply ``plan`` exactly; the caller has checked ``plan.fits``. Returns the slots
     appended per group (nulls, hits, then fresh blocks)."""
-    # Out-of-reach blocks go back first: their slots become null; oldest freed first, so
-    # they are also evicted first.
-    for i, s in enumerate(plan.groups):
-        if s is not None and s.release:
-            table = req.tables[i]
-            for j in range(req.num_skipped[i], min(s.skip_to, len(table))):
-                table[j] = NULL_BLOCK
-            pool.free(s.release)
+    release_skipped(req, plan, pool)
     # Invariant 8: every group's hits are referenced before any block is allocated, so
     # no allocation can evict a block this step reuses.
     for s in plan.groups:

@@ -45,9 +45,9 @@ class KVGroup:
     def kernel_blocks_per_block(self) -> int:
         return self.block_size // self.kernel_block_size
 
-    def max_blocks(self, num_tokens: int) -> int:
+    def max_blocks(self, num_tokens: int, max_num_batched_tokens: int) -> int:
         """Admission formula for this group (invariant 2); see ``KVSpec.max_blocks``."""
-        return self.spec.max_blocks(num_tokens, self.block_size)
+        return self.spec.max_blocks(num_tokens, self.block_size, max_num_batched_tokens)
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,10 @@ class Plan:
         return blocks // self._token_groups * self.block_size
 
     def admission_blocks(self, num_tokens: int) -> tuple[int, ...]:
-        """Blocks per group a request of ``num_tokens`` needs at the admission gate."""
-        return tuple(g.max_blocks(num_tokens) for g in self.groups)
+        """Blocks per group a request of ``num_tokens`` needs at the admission gate, with
+        chunks of up to ``max_num_batched_tokens`` in flight (invariant 2)."""
+        m = self.max_num_batched_tokens
+        return tuple(g.max_blocks(num_tokens, m) for g in self.groups)
 
     def max_concurrent_requests(self, num_tokens: int | None = None) -> int:
         """Requests of ``num_tokens`` (default max_model_len) that fit the empty pool at once."""

@@ -60,13 +60,15 @@ def _raise_align(
     return math.lcm(hash_bs, min(common)) if common else hash_bs
 
 
-def max_len_that_fits(groups: Sequence[KVGroup], usable: int, upper: int) -> int:
+def max_len_that_fits(
+    groups: Sequence[KVGroup], usable: int, upper: int, max_num_batched_tokens: int
+) -> int:
     """Longest request (<= upper) whose admission blocks fit ``usable`` blocks; 0 if none.
     Admission blocks grow with the length, so a binary search finds it."""
     lo, hi = 0, upper
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if sum(g.max_blocks(mid) for g in groups) <= usable:
+        if sum(g.max_blocks(mid, max_num_batched_tokens) for g in groups) <= usable:
             lo = mid
         else:
             hi = mid - 1
@@ -179,10 +181,12 @@ def plan(
     else:
         available = num_gpu_blocks * gpu_bytes_per_block
     usable = max(num_gpu_blocks - 1, 0)
-    need = sum(g.max_blocks(max_model_len) for g in groups)
-    if need > usable:  # invariant 2: the admission gate's formula, over one shared pool
+    # Invariant 2: the admission gate's formula (in-flight chunk included), over one shared
+    # pool: an accepted plan runs any admitted request alone to its end.
+    need = sum(g.max_blocks(max_model_len, max_num_batched_tokens) for g in groups)
+    if need > usable:
         need_bytes = (need + 1) * gpu_bytes_per_block
-        fits = max_len_that_fits(groups, usable, max_model_len)
+        fits = max_len_that_fits(groups, usable, max_model_len, max_num_batched_tokens)
         shorter = f"lower max_model_len to {fits} or less, " if fits else ""
         raise InsufficientMemoryError(
             f"one request of max_model_len={max_model_len} tokens needs {need} blocks "

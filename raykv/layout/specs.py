@@ -71,11 +71,13 @@ class KVSpec:
         """Different copies of one page across the TP group (invariant 5)."""
         return tp_size
 
-    def max_blocks(self, num_tokens: int, block_size: int) -> int:
-        """Blocks one request of ``num_tokens`` tokens holds at the admission gate.
+    def max_blocks(self, num_tokens: int, block_size: int, max_num_batched_tokens: int) -> int:
+        """The most blocks one request of ``num_tokens`` tokens ever holds, when each step
+        adds at most ``max_num_batched_tokens`` tokens (the in-flight chunk).
 
-        This is the one admission formula (invariant 2): the planner sizes with it and the
-        block manager's admission gate checks with it. It is never applied per step.
+        This is the one admission formula (invariant 2): the planner sizes with it, the
+        block manager's admission gate checks with it, and every step of an admitted
+        request, alone on an empty pool, fits in it. It is never applied per step.
         """
         return cdiv(num_tokens, block_size)
 
@@ -128,12 +130,15 @@ class SlidingWindow(FullAttention):
         if self.window < 1:
             raise ConfigError(f"sliding window must be >= 1 token, got {self.window}")
 
-    def max_blocks(self, num_tokens: int, block_size: int) -> int:
-        # Admission cap, applied only at the gate: a query reads itself and the window - 1
-        # tokens before it, and those window tokens straddle a block edge unless aligned, so
-        # one window can span cdiv(window - 1, block_size) + 1 blocks. A cap of
-        # cdiv(window, block_size) admits requests that can then never decode (invariant 2).
-        return min(cdiv(num_tokens, block_size), cdiv(self.window - 1, block_size) + 1)
+    def max_blocks(self, num_tokens: int, block_size: int, max_num_batched_tokens: int) -> int:
+        # Admission cap, applied only at the gate. A step of n new tokens after c computed
+        # ones holds the window - 1 tokens before position c plus the n new ones, and the
+        # first of them sits anywhere in its block (up to block_size - 1 tokens in): at
+        # most cdiv(window - 1 + n + block_size - 1, block_size) blocks, n up to
+        # max_num_batched_tokens. Leaving out the in-flight chunk (or the block edge)
+        # admits requests that can then never run, even alone on an empty pool (inv. 2).
+        span = self.window - 1 + max_num_batched_tokens + block_size - 1
+        return min(cdiv(num_tokens, block_size), cdiv(span, block_size))
 
     def type_key(self) -> tuple:
         return (self.kind, self.window)
@@ -150,9 +155,13 @@ class ChunkedLocal(FullAttention):
         if self.chunk < 1:
             raise ConfigError(f"attention chunk must be >= 1 token, got {self.chunk}")
 
-    def max_blocks(self, num_tokens: int, block_size: int) -> int:
-        # A chunk boundary need not fall on a block boundary: one extra block at most.
-        return min(cdiv(num_tokens, block_size), cdiv(self.chunk, block_size) + 1)
+    def max_blocks(self, num_tokens: int, block_size: int, max_num_batched_tokens: int) -> int:
+        # The current attention chunk so far (at most chunk - 1 tokens) plus the in-flight
+        # step. Attention chunks start at multiples of ``chunk``, so the first of those
+        # tokens sits at most block_size - gcd(chunk, block_size) tokens into its block.
+        lead = block_size - math.gcd(self.chunk, block_size)
+        span = self.chunk - 1 + max_num_batched_tokens + lead
+        return min(cdiv(num_tokens, block_size), cdiv(span, block_size))
 
     def type_key(self) -> tuple:
         return (self.kind, self.chunk)
@@ -167,7 +176,7 @@ class CrossAttention(FullAttention):
     kind = "cross"
     cacheable = False
 
-    def max_blocks(self, num_tokens: int, block_size: int) -> int:
+    def max_blocks(self, num_tokens: int, block_size: int, max_num_batched_tokens: int) -> int:
         return cdiv(self.max_encoder_len, block_size)
 
     def type_key(self) -> tuple:
@@ -241,7 +250,7 @@ class Mamba(KVSpec):
             self.dtype
         )
 
-    def max_blocks(self, num_tokens: int, block_size: int) -> int:
+    def max_blocks(self, num_tokens: int, block_size: int, max_num_batched_tokens: int) -> int:
         return 1
 
 

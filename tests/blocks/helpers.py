@@ -77,3 +77,11 @@ def check_pool(mgr: BlockManager) -> None:
             assert pool.is_cached(b), f"block {b} shared but not a cached prefix block"
     for key, b in pool.cached.items():
         assert pool.block_keys[b] == key
+
+
+def examples(ci: int, long: int) -> int:
+    """Hypothesis examples for one property: ``ci`` in CI, ``long`` under
+    ``--hypothesis-profile=long`` (tests/conftest.py)."""
+    from hypothesis import settings
+
+    return long if settings.get_current_profile_name() == "long" else ci

@@ -95,7 +95,7 @@ def test_hybrid_hit_is_common_to_all_groups():
 
 
 def test_sliding_window_hit_needs_only_the_window():
-    mgr = _mgr([SlidingWindow(window=4)], blocks=12, bs=2)
+    mgr = _mgr([SlidingWindow(window=4)], blocks=12, bs=2, max_num_batched_tokens=4)
     a = list(range(40))
     mgr.admit("a", 40)
     for i in range(0, 40, 4):
@@ -124,10 +124,12 @@ def test_allocate_none_changes_nothing():
 
 
 def test_admission_gate():
-    mgr = _mgr([SlidingWindow(window=8)], blocks=10, bs=2, max_model_len=100)
+    mgr = _mgr(
+        [SlidingWindow(window=8)], blocks=10, bs=2, max_model_len=100, max_num_batched_tokens=8
+    )
     with pytest.raises(InvalidInput):
         mgr.admit("r", 101)
-    assert mgr.admit("r", 100)  # needs only its window: 4 blocks
+    assert mgr.admit("r", 100)  # needs only its window and one 8-token chunk: 8 blocks
     with pytest.raises(InvalidInput):
         mgr.admit("r", 10)  # already admitted
     mgr.allocate("r", 8)

@@ -45,14 +45,28 @@ def test_touch_revives_a_free_cached_block():
     assert pool.allocate(1) == [b]  # the revived block cannot be evicted
 
 
-def test_duplicate_prefix_keeps_the_first_block():
-    pool = BlockPool(4)
-    a, b = pool.allocate(2)
+def test_duplicate_prefix_is_a_findable_copy():
+    """Invariant 8: every full block with known tokens is findable while it exists. A
+    second block with an already mapped prefix becomes a copy; when the serving block is
+    evicted the copy serves the prefix (one BlockStored, no BlockRemoved)."""
+    pool = BlockPool(5)
+    a, b, c = pool.allocate(3)
     pool.cache(0, [b"h"], [a], None, 4)
     pool.cache(0, [b"h"], [b], None, 4)
-    pool.cache(1, [b"h"], [b], None, 4)  # same hash in another group is another prefix
-    assert pool.cached == {(0, b"h"): a, (1, b"h"): b}
-    assert PrefixIndex().replay(pool.drain_events()).locations == pool.cached
+    pool.cache(1, [b"h"], [c], None, 4)  # same hash in another group is another prefix
+    assert pool.cached == {(0, b"h"): a, (1, b"h"): c}
+    index = PrefixIndex().replay(pool.drain_events())
+    pool.free([a])
+    assert pool.lookup((0, b"h")) == b  # a held copy beats a free one
+    pool.free([b])
+    assert pool.lookup((0, b"h")) == a
+    assert pool.allocate(1) == [4]  # the uncached block goes first
+    assert pool.allocate(1) == [a]  # then LRU: a, the serving block, is evicted ...
+    assert pool.cached == {(0, b"h"): b, (1, b"h"): c}  # ... and its copy takes over
+    assert index.replay(pool.drain_events()).locations == pool.cached
+    assert pool.allocate(1) == [b]
+    assert pool.cached == {(1, b"h"): c}
+    assert pool.drain_events() == [BlockRemoved(0, (b"h",))]
 
 
 def test_double_free_is_an_error():

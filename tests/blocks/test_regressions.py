@@ -13,11 +13,13 @@ from .helpers import check_pool, make_plan
 
 
 def _sliding_window_manager() -> BlockManager:
-    p = make_plan([SlidingWindow(window=8)], num_gpu_blocks=100, block_size=2)
-    # The scenario names an admission cap of 4 (= window / block size). A window of 8 that
-    # does not start on a block edge spans 5 blocks of 2, so the cap that keeps invariant 2
-    # (admitted => can always make progress) is 5; see the decode test below.
-    assert p.admission_blocks(10_000) == (5,)
+    p = make_plan(
+        [SlidingWindow(window=8)], num_gpu_blocks=100, block_size=2, max_num_batched_tokens=16
+    )
+    # The scenario names an admission cap of 4 (= window / block size). A step holds the
+    # 7 tokens before it and its chunk (up to 16), from anywhere in a block of 2, so the cap
+    # that keeps invariant 2 (admitted => can always make progress) is cdiv(7 + 16 + 1, 2).
+    assert p.admission_blocks(10_000) == (12,)
     return BlockManager(p)
 
 
@@ -180,14 +182,18 @@ def test_sliding_window_admitted_request_always_decodes_in_the_smallest_pool(win
     """The admission cap is the most blocks any decode step holds: a pool of exactly
     cap + 1 (null) blocks admits the request and never refuses one of its decode steps."""
     spec = SlidingWindow(window=window)
-    cap = spec.max_blocks(10_000, block_size)
-    mgr = BlockManager(make_plan([spec], num_gpu_blocks=cap + 1, block_size=block_size))
+    cap = spec.max_blocks(10_000, block_size, 1)
+
+    def pool(n: int):
+        return make_plan([spec], num_gpu_blocks=n, block_size=block_size, max_num_batched_tokens=1)
+
+    mgr = BlockManager(pool(cap + 1))
     assert mgr.admit("r", 60)
     tokens = list(range(60))
     for done in range(1, 61):
         assert _step(mgr, "r", 1, tokens[:done]) <= 1, f"decode step {done} did not fit"
     # one block fewer and the same request is refused up front, never queued forever
-    small = BlockManager(make_plan([spec], num_gpu_blocks=cap, block_size=block_size))
+    small = BlockManager(pool(cap))
     with pytest.raises(RequestTooLarge):
         small.admit("r", 60)
 

@@ -2,20 +2,26 @@
 
 After every rule: predicted == taken, no block held twice unless it is a shared cached
 prefix block, the null block never free / cached / counted, free + used == total, tables
-shaped as their manager says, and the KV events replay to the pool's prefix map.
+shaped as their manager says, every full block with known tokens findable (duplicates
+included), and the KV events replay to the pool's prefix map. The gate admits exactly when
+its count, less the first step's hits held by others, fits; a step that does not fit
+changes the pool exactly as an empty step would.
 """
 
 from __future__ import annotations
+
+import copy
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from raykv.blocks import BlockManager, PrefixIndex
+from raykv.blocks.step import RequestBlocks
 from raykv.errors import RequestTooLarge
 from raykv.layout import MLA, ChunkedLocal, CrossAttention, FullAttention, Mamba, SlidingWindow
 
-from .helpers import check_pool, make_plan
+from .helpers import check_pool, examples, make_plan
 
 MAX_LEN = 48
 BASES = [[1000 * (b + 1) + i for i in range(MAX_LEN)] for b in range(3)]  # shared prompts
@@ -49,6 +55,7 @@ def plans(draw):
         kernel_block_sizes=kernels,
         hash_block_size=hbs,
         max_model_len=MAX_LEN,
+        max_num_batched_tokens=draw(st.integers(1, MAX_LEN)),
     )
 
 
@@ -60,6 +67,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.tokens: dict[int, list[int]] = {}  # request id -> all its future tokens
         self.prompt_len: dict[int, int] = {}
         self.computed: dict[int, int] = {}  # tokens computed when the last step was planned
+        self.known: dict[int, int] = {}  # tokens a successful step was given
         self.next_id = 0
         self.index = PrefixIndex()
 
@@ -73,20 +81,43 @@ class BlockManagerMachine(RuleBasedStateMachine):
         rid = self.next_id
         self.next_id += 1
         tokens = BASES[base][:shared] + [10**6 + rid * 100 + i for i in range(MAX_LEN - shared)]
-        need = sum(self.plan.admission_blocks(prompt_len))
+        full = sum(self.plan.admission_blocks(prompt_len))
         free = self.mgr.num_free_blocks
+        prompt = tokens[:prompt_len] if give_tokens else None
+        need = self.gate_need(prompt_len, prompt)
         try:
-            ok = self.mgr.admit(rid, prompt_len, tokens[:prompt_len] if give_tokens else None)
+            ok = self.mgr.admit(rid, prompt_len, prompt)
         except RequestTooLarge:
-            assert need > self.plan.usable_gpu_blocks
+            assert full > self.plan.usable_gpu_blocks
             return
-        assert need <= self.plan.usable_gpu_blocks
+        assert full <= self.plan.usable_gpu_blocks
+        # the gate credits the prefix hit: it never refuses what really fits
         assert ok == (need <= free)
         assert self.mgr.num_free_blocks == free
         if ok:
             self.tokens[rid] = tokens
             self.prompt_len[rid] = prompt_len
             self.computed[rid] = 0
+            self.known[rid] = 0
+
+    def gate_need(self, prompt_len: int, prompt: list[int] | None) -> int:
+        """What the gate may ask for: per group the admission blocks, less the slots the
+        first step's prefix hit covers, plus the free hit blocks it revives (read from the
+        public step plan of a throwaway request)."""
+        full = self.plan.admission_blocks(prompt_len)
+        if prompt is None or prompt_len < 2 or not self.mgr.enable_prefix_caching:
+            return sum(full)
+        mgr = self.mgr
+        g = len(mgr.managers)
+        probe = RequestBlocks("probe", [[] for _ in range(g)], [0] * g, [0] * g)
+        plan = mgr._step_plan(probe, prompt_len, prompt)
+        if not plan.num_hit_tokens:
+            return sum(full)
+        rc = mgr.pool.ref_counts
+        return sum(
+            max(0, n - s.new_nulls - len(s.hits)) + sum(1 for b in s.hits if not rc[b])
+            for n, s in zip(full, plan.groups, strict=True)
+        )
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), give_tokens=st.sampled_from([True, True, False]))
@@ -113,11 +144,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
         plan = mgr.step_plan(rid, n, token_ids)
         predicted = mgr.blocks_needed(rid, n, token_ids)
         assert predicted == plan.num_taken
+        empty = copy.deepcopy(mgr)  # the same request, stepped by zero tokens
+        assert empty.allocate(rid, 0) is not None
         new = mgr.allocate(rid, n, token_ids)
         if new is None:
+            # invariant 8: out-of-window blocks go back, nothing else changes
             assert not plan.fits(before[1])
-            assert (mgr.block_table(rid), mgr.num_free_blocks, mgr.pool.num_taken) == before
+            assert mgr.block_table(rid) == empty.block_table(rid)
+            assert mgr.pool.free_block_ids() == empty.pool.free_block_ids()
+            assert mgr.pool.ref_counts == empty.pool.ref_counts
+            assert mgr.pool.num_taken == before[2]
             assert mgr.pool.cached == cached_before
+            if done:
+                self.computed[rid] = done
             return
         assert plan.fits(before[1])
         assert mgr.pool.num_taken - before[2] == predicted, "predicted != taken"
@@ -126,6 +165,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for old, appended, table in zip(before[0], new, tables, strict=True):
             assert table[len(old) :] == appended
         self.computed[rid] = mgr.num_cached_tokens(rid) if done == 0 else done
+        if token_ids is not None:
+            self.known[rid] = done + n
         if done == 0:
             assert mgr.num_cached_tokens(rid) == expect_hit
             if expect_hit:
@@ -136,7 +177,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def free(self, data):
         rid = data.draw(st.sampled_from(sorted(self.tokens)))
         self.mgr.free(rid)
-        del self.tokens[rid], self.prompt_len[rid], self.computed[rid]
+        del self.tokens[rid], self.prompt_len[rid], self.computed[rid], self.known[rid]
 
     @invariant()
     def pool_is_consistent(self):
@@ -162,6 +203,28 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert kernel_table == [b * f + k for b in table for k in range(f)]
 
     @invariant()
+    def every_full_block_is_findable(self):
+        """Invariant 8: a block whose tokens are all known is in the map (as the serving
+        block or a copy) while it is used or cached, and its prefix is found."""
+        mgr = self.mgr
+        if mgr.hasher is None:
+            return
+        hbs = mgr.hasher.hash_block_size
+        for rid in self.tokens:
+            req = mgr._requests[rid]
+            known = min(self.known[rid], len(req.hashes) * hbs)
+            for m, table in zip(mgr.managers, req.tables, strict=True):
+                k = m.block_size // hbs
+                for j in range(min(known // m.block_size, len(table))):
+                    if table[j]:
+                        key = (m.group_id, req.hashes[(j + 1) * k - 1])
+                        assert mgr.pool.block_keys[table[j]] == key, "full block not cached"
+        for key in mgr.pool.block_keys:
+            if key is not None:
+                found = mgr.pool.lookup(key)
+                assert found is not None and mgr.pool.block_keys[found] == key
+
+    @invariant()
     def events_replay_to_the_prefix_map(self):
         self.index.replay(self.mgr.drain_events())
         assert self.index.locations == self.mgr.pool.cached
@@ -178,8 +241,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=200,
-    stateful_step_count=40,
+    max_examples=examples(200, 2500),
+    stateful_step_count=examples(40, 50),  # long: 2500 x 50 >= 10^5 steps
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )

@@ -57,7 +57,9 @@ def test_plan_json_tp4_with_cpu_tier():
     assert d["cpu_bytes_per_block"] == d["gpu_bytes_per_block"] * 4 * 2
     assert d["cpu_num_blocks"] == 256 * (1 << 30) // d["cpu_bytes_per_block"]
     caps = {g["kind"]: g["admission_blocks"] for g in d["groups"]}
-    assert caps == {"sliding_window": -(-1023 // 16) + 1, "full": 32768 // 16}
+    # the window (1024) plus one in-flight chunk of max_num_batched_tokens (8192), from
+    # anywhere in a block of 16 (invariant 2)
+    assert caps == {"sliding_window": -(-(1023 + 8192 + 15) // 16), "full": 32768 // 16}
 
 
 def test_plan_hf_config(tmp_path):

@@ -73,7 +73,8 @@ def test_plan_sizes_from_real_bytes(layers, args):
 
     # Invariant 2: one max_model_len request fits, by the admission gate's own formula.
     need = p.admission_blocks(a["max_model_len"])
-    assert need == tuple(g.spec.max_blocks(a["max_model_len"], g.block_size) for g in p.groups)
+    m = a["max_num_batched_tokens"]
+    assert need == tuple(g.spec.max_blocks(a["max_model_len"], g.block_size, m) for g in p.groups)
     assert sum(need) <= p.usable_gpu_blocks
 
     # Invariant 11: every group block size is a multiple of the hash block size; kernel
@@ -153,7 +154,9 @@ def test_integer_ratio_raises_the_smaller_page():
     assert (full.block_size, sw.block_size) == (16, 64)  # 4x fewer heads -> 4x the tokens
     assert full.layer_page_bytes == sw.layer_page_bytes == (65536, 65536)
     assert p.padding_waste == 0
-    assert sw.max_blocks(4096) == 9  # cdiv(512 - 1, 64) + 1: the window cap at the raised size
+    # the window cap at the raised size: window - 1 + one 512-token chunk, from anywhere in
+    # a block of 64 (invariant 2)
+    assert sw.max_blocks(4096, 512) == -(-(511 + 512 + 63) // 64) == 17
 
 
 def test_padding_is_reported_and_bounded():
