@@ -266,6 +266,12 @@ class GpuPool(Member):
                 if j >= len(keys[gi]):
                     continue
                 key = keys[gi][j]
+                # one published block per key: a duplicate (the block pool keeps those
+                # findable, its bytes may be a different computation of the same tokens)
+                # stays private while another block serves the key
+                held = self.valid.get(key)
+                if held is not None and held != b:
+                    continue
                 if self._cached_as(b, key) and self.key_of.get(b) != key:
                     old.append(self._invalidate(b))
                     self.valid[key], self.key_of[b] = b, key
