@@ -4,6 +4,7 @@ the bytes the torch reference gives, and neither direction waits for the other."
 from __future__ import annotations
 
 import zlib
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -97,14 +98,18 @@ def test_concurrent_stores_and_loads_match_the_reference(
         assert oracle_rows(entries, untouched[:80]) == before_untouched
 
 
+@pytest.mark.parametrize("first_use", [True, False])
 @pytest.mark.parametrize("ids_memory", ["pageable", "pinned"])
 @pytest.mark.parametrize("held", ["load", "store"])
-def test_one_direction_does_not_wait_for_the_other(kernel, monkeypatch, held, ids_memory):
+def test_one_direction_does_not_wait_for_the_other(
+    kernel, monkeypatch, held, ids_memory, first_use
+):
     """A store and a load on two streams: with the `held` one's stream blocked by a long sleep
     kernel, the other finishes (right bytes) while the held one is still queued; then the held
     one lands exactly too. One side stream for both directions would queue the free copy's
-    chunks behind the held copy's wait; host ids (pageable or pinned) must not make the host
-    wait for the held stream either."""
+    chunks behind the held copy's wait; nor may the host wait for the held stream: not for host
+    ids (pageable or pinned), nor on the first copy of a set of entries (its segment table is
+    uploaded then; first_use=False copies both ways once first, on the same streams)."""
     monkeypatch.setattr(ops, "_STAGING_BYTES", 1 << 20)  # several chunks each way
     gen = torch.Generator().manual_seed(17)
     entries, _ = kv_entries("kv", 400, 16, torch.bfloat16, 4, gen, "cuda:0")
@@ -117,11 +122,20 @@ def test_one_direction_does_not_wait_for_the_other(kernel, monkeypatch, held, id
     out = pinned(150, width)
     src = torch.randint(0, 256, (150, width), dtype=torch.uint8, generator=gen).pin_memory()
     store_stream, load_stream = torch.cuda.Stream(), torch.cuda.Stream()
-    torch.cuda.synchronize()
     jobs = {
         "store": (store_stream, lambda: gather_blocks(entries, store_ids, out)),
         "load": (load_stream, lambda: scatter_blocks(src, entries, load_ids)),
     }
+    if first_use:  # no segment table cached for these entries (nor for a same-address reuse)
+        monkeypatch.setattr(ops, "_tables", OrderedDict())
+        monkeypatch.setattr(ops, "_shapes", OrderedDict())
+    else:
+        for stream, job in jobs.values():
+            with torch.cuda.stream(stream):
+                job()
+        torch.cuda.synchronize()
+        out.fill_(POISON)
+    torch.cuda.synchronize()
     order = [held, "store" if held == "load" else "load"]  # the held copy is queued first
     done = {}
     for name in order:
@@ -134,7 +148,7 @@ def test_one_direction_does_not_wait_for_the_other(kernel, monkeypatch, held, id
             done[name].record()
     free = order[1]
     done[free].synchronize()
-    assert not done[held].query(), "the held copy finished first: the sleep was too short"
+    assert not done[held].query(), "the free copy waited for the held one (or a short sleep)"
     if free == "store":
         assert torch.equal(out, expected)
     else:
