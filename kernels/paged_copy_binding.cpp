@@ -91,22 +91,36 @@ void memcpy_loop(const torch::Tensor& dst_ptrs, const torch::Tensor& src_ptrs,
 
 // --- staged mode: host rows through two device chunks, the whole pipeline from one call -------
 //
-// The caller's ("compute") stream runs the kernels, a per-device side stream the copy engine's
-// chunk copies; events hand each chunk across and each buffer back. The side stream first waits
-// for the compute stream, and the compute stream finally waits for the side stream, so the call
-// is ordered like one op on the compute stream, and the buffers (allocated on it) may go back
-// to torch's caching allocator as soon as the pipeline is enqueued.
+// The caller's ("compute") stream runs the kernels, a side stream per device and direction the
+// copy engine's chunk copies; events hand each chunk across and each buffer back. The side
+// stream first waits for the compute stream, and the compute stream finally waits for the side
+// stream, so the call is ordered like one op on the compute stream, and the buffers (allocated
+// on it) may go back to torch's caching allocator as soon as the pipeline is enqueued.
 
-// torch.cuda.Stream(device) equivalent, one per device for the process.
-c10::cuda::CUDAStream side_stream(c10::DeviceIndex device) {
+// The side streams: two per device for the process, one per direction, so that a store
+// (gather: device -> host) and a load (scatter: host -> device) issued on two caller streams
+// overlap on the link's two directions. With one side stream per device the load's chunk copies
+// queued behind the store's, and behind whatever the store's caller stream waited for. Two copies
+// of one direction still share a side stream (they share that direction of the link anyway).
+// Created here rather than taken from torch's stream pool, which hands its 32 streams out
+// round-robin and so would sooner or later give a caller's torch.cuda.Stream() the same stream.
+// Never destroyed (they outlive interpreter exit, like the events).
+c10::cuda::CUDAStream side_stream(c10::DeviceIndex device, bool gather) {
   static std::mutex mu;
-  static std::unordered_map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+  static std::unordered_map<c10::DeviceIndex, std::vector<c10::cuda::CUDAStream>> streams;
   const std::lock_guard<std::mutex> lock(mu);
   auto it = streams.find(device);
   if (it == streams.end()) {
-    it = streams.emplace(device, c10::cuda::getStreamFromPool(false, device)).first;
+    const c10::cuda::CUDAGuard guard(device);
+    std::vector<c10::cuda::CUDAStream> both;
+    for (int i = 0; i < 2; ++i) {
+      cudaStream_t raw = nullptr;
+      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));
+      both.push_back(c10::cuda::getStreamFromExternal(raw, device));
+    }
+    it = streams.emplace(device, std::move(both)).first;
   }
-  return it->second;
+  return it->second[gather ? 0 : 1];
 }
 
 // Timing-free events, reused across calls (an event may be recorded again once every wait on
@@ -163,7 +177,7 @@ class StagedCopy {
         device_(static_cast<c10::DeviceIndex>(device)),
         gather_(gather),
         compute_(c10::cuda::getCurrentCUDAStream(device_)),
-        side_(side_stream(device_)) {
+        side_(side_stream(device_, gather)) {
     TORCH_CHECK(rows_.device().is_cpu() && rows_.scalar_type() == torch::kUInt8 &&
                     rows_.dim() == 2 && rows_.is_contiguous(),
                 "raykv StagedCopy: rows must be a contiguous uint8 [N, W] host tensor");

@@ -269,14 +269,22 @@ def bench() -> None:
 @click.option("--counts", default="", help="Comma-separated block counts (default 64,256,1024).")
 @click.option("--reps", type=int, default=0, help="Timed repetitions per point (median).")
 @click.option("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present).")
+@click.option(
+    "--duplex",
+    is_flag=True,
+    help="Both directions at once: a store and a load on two streams, alone and together, "
+    "against two concurrent contiguous pinned copies of the same bytes.",
+)
 def bench_copy(
-    quick: bool, json_path: str | None, counts: str, reps: int, device: str | None
+    quick: bool, json_path: str | None, counts: str, reps: int, device: str | None, duplex: bool
 ) -> None:
     """Scattered paged blocks <-> pinned host: raykv's kernel vs contiguous / per-block copies."""
     from raykv.bench.copy import main as run_copy
 
     parsed = tuple(int(c) for c in counts.split(",") if c.strip())
-    run_copy(quick=quick, json_path=json_path, counts=parsed, reps=reps, device=device)
+    run_copy(
+        quick=quick, json_path=json_path, counts=parsed, reps=reps, device=device, duplex=duplex
+    )
 
 
 @bench.command("blocks")
