@@ -72,6 +72,17 @@ sys.argv = ["ray", *sys.argv[1:]]
 main()
 '
 
+# Ray's token auth, decided once for every node: a `ray start --head` turns it on by itself
+# where a token file exists, a joining `ray start` does not, and the two would refuse each
+# other. On unless the caller chose (RAY_AUTH_MODE); the token is created if missing.
+auth_setup() {
+  export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
+  if [ "$RAY_AUTH_MODE" = token ] && [ -z "${RAY_AUTH_TOKEN:-}" ]; then
+    "$(ray_bin)" get-auth-token --generate >/dev/null 2>&1 \
+      || die "could not create Ray's auth token (ray get-auth-token --generate)"
+  fi
+}
+
 gpu_count() {
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
     nvidia-smi -L | grep -c '^GPU '
@@ -114,6 +125,7 @@ start_node() {
 
 cmd_start() {
   ray_bin >/dev/null # fail here, not halfway, when Ray is missing
+  auth_setup
   local gpus; gpus="$(gpu_count)"
   local n="${1:-}"
   if [ -z "$n" ]; then if [ "$gpus" -gt 0 ]; then n="$gpus"; else n=2; fi; fi
@@ -154,6 +166,10 @@ Ray's socket paths under $ray_tmp would pass the 107-byte unix limit; use a shor
   done
   echo "ray cluster up: head + $n workers at $addr (GPUs per worker: $per)"
   echo "  export RAY_ADDRESS=$addr   # then: raykv status --address $addr"
+  if [ "$RAY_AUTH_MODE" = token ]; then
+    echo "  token auth is on: raykv presents ~/.ray/auth_token itself; other Ray drivers need"
+    echo "  export RAY_AUTH_MODE=token"
+  fi
   if [ "${RAYKV_UP:-0}" = 1 ]; then
     command -v raykv >/dev/null || die "RAYKV_UP=1 but no 'raykv' on PATH"
     raykv up --address "$addr"

@@ -63,6 +63,8 @@ from raykv.service.spec import (
 )
 from raykv.tiers.jobs import NULL_BLOCK, StoreJob
 
+WRITE_WAIT_S = 60.0  # a store waits this long at most for another call writing its blocks
+
 
 class GpuPool(Member):
     kind = "pool"
@@ -237,6 +239,20 @@ class GpuPool(Member):
         is writing it."""
         return block in self.key_of or block in self._writing
 
+    async def _wait_unwritten(self, blocks: list[int]) -> None:
+        """Until no other call of this pool is writing any of ``blocks``: a skipped block
+        must hold its bytes when the caller reads or computes on it (a load that missed
+        leaves its blocks unwritten, and then this call writes them)."""
+        deadline = time.monotonic() + WRITE_WAIT_S
+        while not self._writing.isdisjoint(blocks):
+            if time.monotonic() > deadline:
+                busy = sorted(self._writing.intersection(blocks))
+                raise ServiceError(
+                    f"blocks {busy[:8]} of pool {self.name!r} stayed busy with another "
+                    f"call's write for {WRITE_WAIT_S:.0f}s; retry the store"
+                )
+            await asyncio.sleep(0.001)
+
     def _cached_as(self, block: int, key: bytes) -> bool:
         return self.bm.pool.block_keys[block] == (key_group(key), key[4:])
 
@@ -397,16 +413,19 @@ class GpuPool(Member):
         """Write the KV bytes of ``block_ids`` (this request's blocks, per group; null ids
         skipped) on every rank; full blocks become hits for everyone. Blocks holding
         published bytes (valid here: written before and cached under their prefix key, by
-        this request or one sharing the block through a prefix hit) and blocks another call
-        is writing now are immutable: they are skipped, their bytes unchanged, and reported
-        in ``skipped``. ``offload`` also copies the request's complete chunks to the node's
-        CPU tier now. Returns a ``StoreResult``: the blocks newly published (its int value),
-        the blocks written and the ones skipped."""
+        this request or one sharing the block through a prefix hit) are immutable: they
+        are skipped, their bytes unchanged, and reported in ``skipped``. A block another
+        call is writing now (a load or store of a request sharing it) is waited for first:
+        when this call returns, every block it names holds its bytes. ``offload`` also
+        copies the request's complete chunks to the node's CPU tier now. Returns a
+        ``StoreResult``: the blocks newly published (its int value), the blocks written and
+        the ones skipped."""
         rid = self._mine(client, rid)
         tables = as_tables(self.plan, block_ids)
         self._own_blocks(rid, tables)
         data: RankRows = as_rank_rows(self.plan, rows, tables, self.widths)
         real = [[b for b in t if b != NULL_BLOCK] for t in tables]
+        await self._wait_unwritten([b for ids in real for b in ids])
         keep = [[i for i, b in enumerate(ids) if not self._immutable(b)] for ids in real]
         written = [[ids[i] for i in k] for ids, k in zip(real, keep, strict=True)]
         skipped = [[b for b in ids if self._immutable(b)] for ids in real]

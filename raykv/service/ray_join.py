@@ -16,11 +16,13 @@ Every wait here is bounded and ends in a ``ServiceError`` that says what to do.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import secrets
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,20 +64,32 @@ def ensure_token(path: Path | None = None) -> Path:
     return path
 
 
-def present_token(path: Path | None = None) -> None:
-    """Make this process (and the Ray processes it starts) use token auth with ``path``.
-
-    An explicit ``RAY_AUTH_MODE`` or ``RAY_AUTH_TOKEN`` from the caller wins. A token sent to
-    a cluster without auth is ignored there, so presenting one is always safe."""
-    if os.environ.get("RAY_AUTH_MODE") or os.environ.get("RAY_AUTH_TOKEN"):
-        return
+@contextlib.contextmanager
+def token_presented(path: Path | None = None) -> Iterator[None]:
+    """Within the block, this process presents the token in ``path`` (default
+    ``token_path()``) when it joins a cluster: a token sent to a cluster without auth is
+    ignored there, so presenting one is always safe. An explicit ``RAY_AUTH_MODE`` or
+    ``RAY_AUTH_TOKEN`` from the caller wins. The environment is restored afterwards, so the
+    Ray processes this process starts later (a local test cluster's nodes) keep the mode
+    their cluster started with."""
     path = path or token_path()
-    if path.exists():
-        os.environ["RAY_AUTH_MODE"] = "token"
-        os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
-        from ray._raylet import Config
+    if os.environ.get("RAY_AUTH_MODE") or os.environ.get("RAY_AUTH_TOKEN") or not path.exists():
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
+    from ray._raylet import Config
 
-        Config.initialize("")  # Ray read the mode when it was imported: read it again
+    Config.initialize("")  # Ray read the mode when it was imported: read it again
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def is_loopback(address: str) -> bool:
@@ -153,19 +167,20 @@ def join(address: str | None, namespace: str, *, start_local: bool) -> str:
             f"no Ray cluster answers at {address}; check the address (raykv status prints it) "
             "or start the service with `raykv up`"
         )
-    present_token(Path(read_state()["token"]) if read_state().get("token") else None)
+    token = read_state().get("token") if read_state().get("address") == address else None
     node_ip = {}
     if is_loopback(address):
         stay_on_loopback()
         node_ip = {"_node_ip_address": LOOPBACK}
     try:
-        ray.init(
-            address=address,
-            namespace=namespace,
-            log_to_driver=False,
-            logging_level=logging.WARNING,
-            **node_ip,
-        )
+        with token_presented(Path(token) if token else None):
+            ray.init(
+                address=address,
+                namespace=namespace,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+                **node_ip,
+            )
     except ConnectionError as e:
         raise ServiceError(f"could not join the Ray cluster at {address}: {_reason(e)}") from e
     return address

@@ -83,9 +83,9 @@ def test_local_cluster_start_status_stop():
         address = _run("address", env=env).stdout.strip()
         assert address.startswith("127.0.0.1:")
 
-        probe = subprocess.run(
+        probe = subprocess.run(  # a plain Ray driver: token auth is on (local.sh's default)
             [sys.executable, "-c", PROBE, address],
-            env=env,
+            env=env | {"RAY_AUTH_MODE": "token"},
             capture_output=True,
             text=True,
             timeout=60,
