@@ -36,6 +36,7 @@ from typing import Any
 import ray
 
 from raykv.errors import RaykvError, ServiceError
+from raykv.service.control import ensure_service
 from raykv.service.ray_join import join
 from raykv.service.spec import (
     COORDINATOR,
@@ -50,7 +51,6 @@ from raykv.service.spec import (
 )
 
 RETRY_S = 60.0
-START_TIMEOUT_S = 60.0
 # the coordinator restarting (actor errors, timeouts) or not yet named again (ValueError)
 _RETRY = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError)
 
@@ -505,23 +505,6 @@ class AsyncClient(_Base):
             raise _unwrap(e) from None
         except ray.exceptions.RayActorError as e:
             raise self._pool_gone(e) from e
-
-
-def ensure_service(namespace: str = NAMESPACE) -> Any:
-    """The coordinator actor, created (named, detached) if it does not exist yet."""
-    from raykv.service.coordinator import coordinator_actor
-
-    coord = coordinator_actor().remote() if namespace == NAMESPACE else None
-    if coord is None:
-        raise ServiceError(f"the service runs in namespace {NAMESPACE!r}, not {namespace!r}")
-    try:
-        ray.get(coord.ping.remote(), timeout=START_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError:
-        raise ServiceError(
-            f"the raykv coordinator did not start within {START_TIMEOUT_S:.0f}s; does the "
-            "cluster have a free CPU (raykv status, ray status)?"
-        ) from None
-    return coord
 
 
 def connect(

@@ -647,7 +647,7 @@ class Coordinator:
 
 
 def coordinator_actor(max_restarts: int = -1):
-    """The ``ray.remote`` form, created by ``raykv.client.ensure_service``."""
+    """The ``ray.remote`` form, created by ``raykv.service.control.ensure_service``."""
     return ray.remote(Coordinator).options(
         name=COORDINATOR,
         namespace=NAMESPACE,
