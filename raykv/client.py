@@ -25,8 +25,8 @@ local pool. ``client.aio`` has the same methods as coroutines.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
+import logging
 import time
 import uuid
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -51,6 +51,7 @@ from raykv.service.spec import (
 )
 
 RETRY_S = 60.0
+log = logging.getLogger(__name__)
 # the coordinator restarting (actor errors, timeouts) or not yet named again (ValueError)
 _RETRY = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError)
 
@@ -176,8 +177,10 @@ class _Base:
     def _report_dead(self, name: str) -> None:
         """Tell the coordinator (without waiting) that pool ``name`` is dead, so it stops
         naming it and places a fresh one now."""
-        with contextlib.suppress(Exception):
+        try:
             self._coordinator().member_failed.remote(name)
+        except (ValueError, ray.exceptions.RayError) as e:  # the coordinator is restarting
+            log.warning("could not report dead pool %s to the coordinator: %r", name, e)
 
     def _pool_gone(self, error: Exception) -> ServiceError:
         if self._pool is not None:

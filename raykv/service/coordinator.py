@@ -17,7 +17,7 @@ next health tick (a second), on the same node (and so the same GPU slot).
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -44,6 +44,7 @@ WATCH_S = 30.0  # how long one watch call stays open before the next replaces it
 DEAD_AFTER_S = 6.0  # missed heartbeats before a member's blocks stop being hits
 CALL_TIMEOUT_S = 10.0
 _MEMBER_PREFIXES = ("raykv-pool-", "raykv-tier-")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -120,25 +121,32 @@ class Coordinator:
             try:
                 actor = ray.get_actor(name, namespace=NAMESPACE)
                 self._register(await asyncio.wait_for(actor.snapshot.remote(), CALL_TIMEOUT_S))
-            except Exception:  # dead or dying: it holds nothing we can serve
-                pass
+            except Exception as e:  # dead or dying: it holds nothing we can serve
+                log.warning("coordinator rebuild: no snapshot from %s (%r)", name, e)
+                self.metrics.failed("rebuild_snapshot")
 
         await asyncio.gather(*(snap(n) for n in names))
 
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
-            with contextlib.suppress(Exception):  # the loop must outlive a bad tick
+            try:
                 alive = self._drop_dead()
                 idle = self._placing is None or self._placing.done()
                 if self.models and idle and self.placer.missing(alive, self.members):
                     # a node joined (give it a tier and pools), or a member on a live node
                     # died (start a fresh one: its blocks are misses, its name serves again)
                     self._placing = asyncio.get_running_loop().create_task(self._replace())
+            except Exception:  # the loop must outlive a bad tick
+                log.exception("coordinator health tick failed; the next tick retries")
+                self.metrics.failed("health_tick")
 
     async def _replace(self) -> None:
-        with contextlib.suppress(Exception):  # e.g. no free GPU yet: the next tick retries
+        try:
             await self._place()
+        except Exception as e:  # e.g. no free GPU yet: the next tick retries
+            log.warning("coordinator: placing again failed, the next tick retries: %s", e)
+            self.metrics.failed("replace")
 
     def _drop_dead(self) -> set[str]:
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
@@ -179,7 +187,9 @@ class Coordinator:
                 if current():
                     self._forget(name)
                 return
-            except Exception:  # e.g. an older member without ``watch``: heartbeats decide
+            except Exception as e:  # e.g. an older member without ``watch``: heartbeats decide
+                log.warning("coordinator: cannot watch %s (%r); heartbeats decide", name, e)
+                self.metrics.failed("watch")
                 return
             if seen != actor_id:  # the name belongs to a newer incarnation: its own watch
                 return
@@ -417,12 +427,20 @@ class Coordinator:
             and a["name"].startswith((*_MEMBER_PREFIXES, "raykv-rank-"))
         ]
         for name in names:
-            with contextlib.suppress(Exception):  # gone already
+            try:
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            except ValueError:  # gone already
+                pass
+            except Exception as e:
+                log.warning("shutdown: could not kill %s: %r", name, e)
+                self.metrics.failed("shutdown_kill")
         for pg_id, pg in ray.util.placement_group_table().items():
             if pg.get("name", "").startswith("raykv-tp-") and pg.get("state") != "REMOVED":
-                with contextlib.suppress(Exception):  # removed meanwhile
+                try:
                     remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+                except Exception as e:  # removed meanwhile
+                    log.warning("shutdown: could not remove placement group %s: %r", pg_id, e)
+                    self.metrics.failed("shutdown_remove_group")
         self.members.clear()
         self.placer.clear()
         self.index = PrefixIndex()

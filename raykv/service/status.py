@@ -93,6 +93,9 @@ def cluster(
         "hit_rate": look["hit_rate"],
         "hits": look["hits"],
         "misses": look["misses"],
+        "failures": {
+            k.removeprefix("failures_"): v for k, v in tally.items() if k.startswith("failures_")
+        },
         "uptime_s": round(time.time() - started, 1),
         "restarted": restarted,
     }

@@ -56,4 +56,4 @@ def test_the_status_counts_nodes_members_models_and_lookups() -> None:
     assert s["models"]["m"]["groups"] == [["full", 16, 1]]
     assert s["indexed_blocks"] == 2 and s["lookups"] == 3
     assert s["hit_rate"] == 6 / 8 and s["hits"] == {"local_gpu": 6} and s["misses"] == 2
-    assert 4 < s["uptime_s"] < 60
+    assert s["failures"] == {"watch": 1} and 4 < s["uptime_s"] < 60
