@@ -35,7 +35,7 @@ def models(draw) -> tuple[dict, int]:
         "full": FullAttention("float32", heads, 8),
         "sliding": SlidingWindow("float32", heads, 8, window=32),
         "chunked": ChunkedLocal("float32", heads, 8, chunk=32),
-        "cross": CrossAttention("float32", heads, 8),
+        "cross": CrossAttention("float32", heads, 8, max_encoder_len=32),
         "mla": MLA("float32", 16, 8),
         "mamba": Mamba("float32", ((8 * tp_size, 3),)),
     }
