@@ -244,7 +244,7 @@ def down(address, timeout_s) -> None:
 @click.option("--seed", default=0, show_default=True)
 def demo(prompt_tokens, seed) -> None:
     """Two engines on two local Ray nodes share a prompt's KV; checks the logits."""
-    from raykv.service.demo import run_demo
+    from raykv.demo import run_demo
 
     if not run_demo(click.echo, prompt_tokens=prompt_tokens, seed=seed):
         raise click.ClickException("engine B's logits do not match a full recompute")

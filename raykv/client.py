@@ -25,7 +25,8 @@ local pool. ``client.aio`` has the same methods as coroutines.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import inspect
+import logging
 import time
 import uuid
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -35,12 +36,13 @@ from typing import Any
 import ray
 
 from raykv.errors import RaykvError, ServiceError
+from raykv.service.control import ensure_service
 from raykv.service.ray_join import join
 from raykv.service.spec import (
     COORDINATOR,
     NAMESPACE,
     ServedModel,
-    StoreResult,
+    StoreResult,  # noqa: F401  (raykv.StoreResult, and the store op's result)
     check_block_ids,
     check_count,
     check_int,
@@ -49,7 +51,7 @@ from raykv.service.spec import (
 )
 
 RETRY_S = 60.0
-START_TIMEOUT_S = 60.0
+log = logging.getLogger(__name__)
 # the coordinator restarting (actor errors, timeouts) or not yet named again (ValueError)
 _RETRY = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError)
 
@@ -175,8 +177,10 @@ class _Base:
     def _report_dead(self, name: str) -> None:
         """Tell the coordinator (without waiting) that pool ``name`` is dead, so it stops
         naming it and places a fresh one now."""
-        with contextlib.suppress(Exception):
+        try:
             self._coordinator().member_failed.remote(name)
+        except (ValueError, ray.exceptions.RayError) as e:  # the coordinator is restarting
+            log.warning("could not report dead pool %s to the coordinator: %r", name, e)
 
     def _pool_gone(self, error: Exception) -> ServiceError:
         if self._pool is not None:
@@ -235,12 +239,180 @@ def _rank(rank: Any) -> int:
     return check_int(rank, "rank", "pass a TP rank (an int in 0..tp_size-1)")
 
 
+# --- the operations, each defined once ------------------------------------------------------
+# An op checks its arguments here (bad input raises raykv.errors before any actor call) and
+# returns what performs it, (target, method, args, post): "coord" calls go to the coordinator
+# and retry through its restarts, "pool" calls go to the caller's node's pool with the client
+# id first; ``post`` turns the answer into the result. ``Client`` runs an op with ray.get,
+# ``AsyncClient`` with await: both get their methods from this one table (``_with_ops``).
+
+_Op = tuple[str, str, tuple, Callable[[Any], Any]]
+
+
+@dataclass(frozen=True)
+class _OpSpec:
+    build: Callable[..., _Op]
+    returns: str  # the public method's return annotation
+    needs_model: bool  # the served model and plan are resolved (cached) before ``build``
+
+
+_OPS: list[_OpSpec] = []
+
+
+def _op(returns: str, *, needs_model: bool = False) -> Callable:
+    def register(build: Callable[..., _Op]) -> Callable[..., _Op]:
+        _OPS.append(_OpSpec(build, returns, needs_model))
+        return build
+
+    return register
+
+
+class _Ops:
+    """The op table's entries (a namespace: ``_OPS`` holds them in order)."""
+
+    @_op("Any")
+    def add_model(
+        self, name: str, layers: Mapping[str, Any], *, max_model_len: int, **settings: Any
+    ) -> _Op:
+        """Serve ``name`` (see ``ServedModel`` for settings); returns its ``Plan``."""
+        model = ServedModel(name, dict(layers), max_model_len, **settings)
+
+        def post(plan: Any) -> Any:
+            self.model_name, self._info, self._pool = name, (model, plan), None
+            return plan
+
+        return "coord", "add_model", (model,), post
+
+    @_op("dict")
+    def stats(self) -> _Op:
+        """The coordinator's view of the service (what ``raykv status`` prints)."""
+        return "coord", "stats", (), _ident
+
+    @_op("LookupResult", needs_model=True)
+    def lookup(self, token_ids: Sequence[int]) -> _Op:
+        """The leading tokens of ``token_ids`` whose KV some pool or CPU tier holds, and where."""
+        return self._lookup_op(token_ids, *self._info)
+
+    @_op("bool")
+    def admit(self, request_id: Hashable, num_tokens: int, token_ids=None) -> _Op:
+        """Register the request if the blocks its ``num_tokens`` need are free now (False: not
+        yet; nothing registered)."""
+        return "pool", "admit", _step_args(request_id, num_tokens, token_ids, "num_tokens"), _ident
+
+    @_op("int")
+    def blocks_needed(self, request_id: Hashable, num_new_tokens: int, token_ids=None) -> _Op:
+        """Free blocks the request's next step of ``num_new_tokens`` takes."""
+        args = _step_args(request_id, num_new_tokens, token_ids, "num_new_tokens")
+        return "pool", "blocks_needed", args, _ident
+
+    @_op("list[list[int]] | None")
+    def allocate(self, request_id: Hashable, num_new_tokens: int, token_ids=None) -> _Op:
+        """The block ids, per group, the request's next step appends (None: it does not fit)."""
+        args = _step_args(request_id, num_new_tokens, token_ids, "num_new_tokens")
+        return "pool", "allocate", args, _ident
+
+    @_op("StoreResult")
+    def store(
+        self, request_id: Hashable, block_ids: Sequence, rows: Any, *, offload: bool = False
+    ) -> _Op:
+        """Write uint8 rows [n, row_bytes] into the request's blocks (per group, per rank;
+        see the module docstring; null ids are skipped). Full blocks become hits for every
+        node. ``offload`` also copies the request's complete CPU-tier entries to the node's
+        CPU tier now (else that happens when the GPU blocks are evicted).
+
+        Published bytes are immutable: a block that already holds published KV (written
+        before and cached under its prefix key, by this request or by one sharing the block
+        through a prefix hit), or that another store / load is writing at that moment, is
+        skipped: its row is ignored and its bytes never change (the first write of a shared
+        prefix block wins; the same prefix recomputed by another request is not written
+        again). Blocks private to the request (not published: e.g. a partial last block, or
+        a duplicate of a prefix another block already publishes) are written, again and
+        again if need be. Returns a ``StoreResult``: an int, the blocks newly published,
+        with ``written`` (blocks written) and ``skipped`` (per group, the ids left as they
+        were). Bad input raises InvalidInput before anything is written."""
+        from raykv.service.rows import to_wire
+
+        request_id, ids = check_request_id(request_id), check_block_ids(block_ids)
+        return "pool", "store", (request_id, ids, to_wire(rows), offload), _ident
+
+    @_op("LoadResult")
+    def load(self, request_id: Hashable, token_ids: Sequence[int], into: Sequence) -> _Op:
+        """Fill ``into`` (the request's blocks, per group) with their positions' KV from the
+        best copies in the cluster; ``num_tokens`` is the prefix now backed in every group."""
+        request_id, _, ids = _step_args(request_id, 0, token_ids, "num_tokens")
+        return "pool", "load", (request_id, ids, check_block_ids(into)), lambda d: LoadResult(**d)
+
+    @_op("Any")
+    def read(self, block_ids: Sequence, rank: int = 0) -> _Op:
+        """Bytes of the pool's blocks on ``rank``: a uint8 tensor [n, row_bytes] for a flat
+        list of ids, else a list of them, one per group."""
+        ids = check_block_ids(block_ids)
+        return "pool", "read", (ids, _rank(rank)), _read_post(_flat(ids))
+
+    @_op("list[list[int]]")
+    def block_table(self, request_id: Hashable) -> _Op:
+        """The request's block ids per group now; slots a sliding window or chunk dropped
+        hold the null block 0 (``allocate`` returns only what a step appends)."""
+        return "pool", "block_table", (check_request_id(request_id),), _ident
+
+    @_op("None")
+    def free(self, request_id: Hashable) -> _Op:
+        """Release the request's blocks (full ones stay cached as prefix hits)."""
+        return "pool", "free", (check_request_id(request_id),), _ident
+
+
+def _with_ops(make: Callable[[_OpSpec], Callable]) -> Callable[[type], type]:
+    """A class decorator: one method per op of ``_OPS``, made by ``make`` (sync or async),
+    with the op's name, signature (its declared return type) and docstring."""
+
+    def install(cls: type) -> type:
+        for spec in _OPS:
+            method, name = make(spec), spec.build.__name__
+            method.__name__, method.__qualname__ = name, f"{cls.__name__}.{name}"
+            method.__doc__, method.__module__ = spec.build.__doc__, __name__
+            method.__annotations__ = {**spec.build.__annotations__, "return": spec.returns}
+            sig = inspect.signature(spec.build)
+            method.__signature__ = sig.replace(return_annotation=spec.returns)
+            setattr(cls, name, method)
+        return cls
+
+    return install
+
+
+def _sync_method(spec: _OpSpec) -> Callable:
+    def method(self: Client, *args: Any, **kwargs: Any) -> Any:
+        return self._run(spec, args, kwargs)
+
+    return method
+
+
+def _async_method(spec: _OpSpec) -> Callable:
+    async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
+        return await self._run(spec, args, kwargs)
+
+    return method
+
+
+@_with_ops(_sync_method)
 class Client(_Base):
-    """Synchronous handle. ``aio`` gives the asyncio form (``AsyncClient``)."""
+    """Synchronous handle. ``aio`` gives the asyncio form (``AsyncClient``). Its operations
+    (add_model, stats, lookup, admit, blocks_needed, allocate, store, load, read,
+    block_table, free) come from the op table above."""
 
     @property
     def aio(self) -> AsyncClient:
         return AsyncClient(*self._settings(self.node_id))
+
+    @property
+    def plan(self) -> Any:
+        return self._model()[1]
+
+    def _run(self, spec: _OpSpec, args: tuple, kwargs: dict) -> Any:
+        if spec.needs_model:
+            self._model()
+        target, method, call_args, post = spec.build(self, *args, **kwargs)
+        call = self._coord_call if target == "coord" else self._pool_call
+        return post(call(method, *call_args))
 
     def _coord_call(self, method: str, *args: Any) -> Any:
         deadline, delay = time.monotonic() + self.retry_s, 0.2
@@ -274,101 +446,26 @@ class Client(_Base):
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    def _pool_call(self, method: str, *args: Any, post: Callable = _ident) -> Any:
+    def _pool_call(self, method: str, *args: Any) -> Any:
         try:
             pool = self._pool_handle()
-            return post(ray.get(getattr(pool, method).remote(self.client_id, *args)))
+            return ray.get(getattr(pool, method).remote(self.client_id, *args))
         except ray.exceptions.RayTaskError as e:
             raise _unwrap(e) from None
         except ray.exceptions.RayActorError as e:
             raise self._pool_gone(e) from e
 
-    # --- service ------------------------------------------------------------------------
 
-    def add_model(
-        self, name: str, layers: Mapping[str, Any], *, max_model_len: int, **settings: Any
-    ) -> Any:
-        """Serve ``name`` (see ``ServedModel`` for settings); returns its ``Plan``."""
-        model = ServedModel(name, dict(layers), max_model_len, **settings)
-        plan = self._coord_call("add_model", model)
-        self.model_name, self._info, self._pool = name, (model, plan), None
-        return plan
-
-    @property
-    def plan(self) -> Any:
-        return self._model()[1]
-
-    def stats(self) -> dict:
-        return self._coord_call("stats")
-
-    # --- engine ops ---------------------------------------------------------------------
-
-    def lookup(self, token_ids: Sequence[int]) -> LookupResult:
-        _, method, args, post = self._lookup_op(token_ids, *self._model())
-        return post(self._coord_call(method, *args))
-
-    def admit(self, request_id: Hashable, num_tokens: int, token_ids=None) -> bool:
-        args = _step_args(request_id, num_tokens, token_ids, "num_tokens")
-        return self._pool_call("admit", *args)
-
-    def blocks_needed(self, request_id: Hashable, num_new_tokens: int, token_ids=None) -> int:
-        args = _step_args(request_id, num_new_tokens, token_ids, "num_new_tokens")
-        return self._pool_call("blocks_needed", *args)
-
-    def allocate(
-        self, request_id: Hashable, num_new_tokens: int, token_ids=None
-    ) -> list[list[int]] | None:
-        args = _step_args(request_id, num_new_tokens, token_ids, "num_new_tokens")
-        return self._pool_call("allocate", *args)
-
-    def store(
-        self, request_id: Hashable, block_ids: Sequence, rows: Any, *, offload: bool = False
-    ) -> StoreResult:
-        """Write uint8 rows [n, row_bytes] into the request's blocks (per group, per rank;
-        see the module docstring; null ids are skipped). Full blocks become hits for every
-        node. ``offload`` also copies the request's complete CPU-tier entries to the node's
-        CPU tier now (else that happens when the GPU blocks are evicted).
-
-        Published bytes are immutable: a block that already holds published KV (written
-        before and cached under its prefix key, by this request or by one sharing the block
-        through a prefix hit), or that another store / load is writing at that moment, is
-        skipped: its row is ignored and its bytes never change (the first write of a shared
-        prefix block wins; the same prefix recomputed by another request is not written
-        again). Blocks private to the request (not published: e.g. a partial last block, or
-        a duplicate of a prefix another block already publishes) are written, again and
-        again if need be. Returns a ``StoreResult``: an int, the blocks newly published,
-        with ``written`` (blocks written) and ``skipped`` (per group, the ids left as they
-        were). Bad input raises InvalidInput before anything is written."""
-        from raykv.service.rows import to_wire
-
-        request_id, ids = check_request_id(request_id), check_block_ids(block_ids)
-        return self._pool_call("store", request_id, ids, to_wire(rows), offload)
-
-    def load(self, request_id: Hashable, token_ids: Sequence[int], into: Sequence) -> LoadResult:
-        """Fill ``into`` (the request's blocks, per group) with their positions' KV from the
-        best copies in the cluster; ``num_tokens`` is the prefix now backed in every group."""
-        request_id, _, ids = _step_args(request_id, 0, token_ids, "num_tokens")
-        return self._pool_call(
-            "load", request_id, ids, check_block_ids(into), post=lambda d: LoadResult(**d)
-        )
-
-    def read(self, block_ids: Sequence, rank: int = 0):
-        """Bytes of the pool's blocks on ``rank``: a uint8 tensor [n, row_bytes] for a flat
-        list of ids, else a list of them, one per group."""
-        ids = check_block_ids(block_ids)
-        return self._pool_call("read", ids, _rank(rank), post=_read_post(_flat(ids)))
-
-    def block_table(self, request_id: Hashable) -> list[list[int]]:
-        """The request's block ids per group now; slots a sliding window or chunk dropped
-        hold the null block 0 (``allocate`` returns only what a step appends)."""
-        return self._pool_call("block_table", check_request_id(request_id))
-
-    def free(self, request_id: Hashable) -> None:
-        self._pool_call("free", check_request_id(request_id))
-
-
+@_with_ops(_async_method)
 class AsyncClient(_Base):
     """The same operations as coroutines, for asyncio engines and async actors."""
+
+    async def _run(self, spec: _OpSpec, args: tuple, kwargs: dict) -> Any:
+        if spec.needs_model:
+            await self._model()
+        target, method, call_args, post = spec.build(self, *args, **kwargs)
+        call = self._coord_call if target == "coord" else self._pool_call
+        return post(await call(method, *call_args))
 
     async def _coord_call(self, method: str, *args: Any) -> Any:
         deadline, delay = time.monotonic() + self.retry_s, 0.2
@@ -404,80 +501,13 @@ class AsyncClient(_Base):
             delay = min(delay * 2, 1.0)
 
     async def _pool_call(self, method: str, *args: Any) -> Any:
-        pool = await self._pool_handle()
         try:
+            pool = await self._pool_handle()
             return await getattr(pool, method).remote(self.client_id, *args)
         except ray.exceptions.RayTaskError as e:
             raise _unwrap(e) from None
         except ray.exceptions.RayActorError as e:
             raise self._pool_gone(e) from e
-
-    async def add_model(
-        self, name: str, layers: Mapping[str, Any], *, max_model_len: int, **settings: Any
-    ) -> Any:
-        """Serve ``name`` (see ``ServedModel`` for settings); returns its ``Plan``."""
-        model = ServedModel(name, dict(layers), max_model_len, **settings)
-        plan = await self._coord_call("add_model", model)
-        self.model_name, self._info, self._pool = name, (model, plan), None
-        return plan
-
-    async def stats(self) -> dict:
-        return await self._coord_call("stats")
-
-    async def lookup(self, token_ids: Sequence[int]) -> LookupResult:
-        _, method, args, post = self._lookup_op(token_ids, *await self._model())
-        return post(await self._coord_call(method, *args))
-
-    async def admit(self, request_id: Hashable, num_tokens: int, token_ids=None) -> bool:
-        args = _step_args(request_id, num_tokens, token_ids, "num_tokens")
-        return await self._pool_call("admit", *args)
-
-    async def allocate(self, request_id: Hashable, num_new_tokens: int, token_ids=None):
-        args = _step_args(request_id, num_new_tokens, token_ids, "num_new_tokens")
-        return await self._pool_call("allocate", *args)
-
-    async def store(
-        self, request_id: Hashable, block_ids: Sequence, rows: Any, *, offload: bool = False
-    ) -> StoreResult:
-        from raykv.service.rows import to_wire
-
-        request_id, ids = check_request_id(request_id), check_block_ids(block_ids)
-        return await self._pool_call("store", request_id, ids, to_wire(rows), offload)
-
-    async def load(self, request_id: Hashable, token_ids: Sequence[int], into: Sequence):
-        request_id, _, ids = _step_args(request_id, 0, token_ids, "num_tokens")
-        return LoadResult(**await self._pool_call("load", request_id, ids, check_block_ids(into)))
-
-    async def blocks_needed(self, request_id: Hashable, num_new_tokens: int, token_ids=None):
-        args = _step_args(request_id, num_new_tokens, token_ids, "num_new_tokens")
-        return await self._pool_call("blocks_needed", *args)
-
-    async def read(self, block_ids: Sequence, rank: int = 0):
-        ids = check_block_ids(block_ids)
-        return _read_post(_flat(ids))(await self._pool_call("read", ids, _rank(rank)))
-
-    async def block_table(self, request_id: Hashable) -> list[list[int]]:
-        return await self._pool_call("block_table", check_request_id(request_id))
-
-    async def free(self, request_id: Hashable) -> None:
-        await self._pool_call("free", check_request_id(request_id))
-
-
-def ensure_service(namespace: str = NAMESPACE) -> Any:
-    """The coordinator actor, created (named, detached) if it does not exist yet."""
-    from raykv.service.coordinator import coordinator_actor
-
-    coord = coordinator_actor().remote() if namespace == NAMESPACE else None
-    if coord is None:
-        raise ServiceError(f"the service runs in namespace {NAMESPACE!r}, not {namespace!r}")
-    try:
-        ray.get(coord.ping.remote(), timeout=START_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError:
-        raise ServiceError(
-            f"the raykv coordinator did not start within {START_TIMEOUT_S:.0f}s; does the "
-            "cluster have a free CPU (raykv status, ray status)?"
-        ) from None
-    return coord
 
 
 def connect(

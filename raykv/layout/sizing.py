@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from raykv.errors import BlockSizeError, ConfigError, InsufficientMemoryError, PageSizeError
+from raykv.layout import tp
 from raykv.layout.grouping import split_groups
 from raykv.layout.kernel_blocks import (
     KernelBlockSizes,
@@ -32,10 +33,10 @@ def cpu_tier_size(
     worth the REAL allocated bytes per GPU block (tensor bytes / num_gpu_blocks). No GPU
     blocks: nothing to offload, zero CPU blocks.
     """
-    if num_gpu_blocks <= 0 or gpu_tensor_bytes <= 0:
-        return 0, 0
-    per_block = gpu_tensor_bytes // num_gpu_blocks * distinct_copies * block_size_factor
-    return cpu_bytes // per_block, per_block
+    per_block = tp.cpu_bytes_per_block(
+        gpu_tensor_bytes, num_gpu_blocks, distinct_copies, block_size_factor
+    )
+    return (cpu_bytes // per_block, per_block) if per_block else (0, 0)
 
 
 def _positive(**values: int) -> None:
@@ -208,7 +209,7 @@ def plan(
             f"use a multiple of {base} (e.g. {base * max(offload // base, 1)})"
         )
     factor = offload // base
-    copies = max(s.distinct_copies(tp_size) for s in layers.values())
+    copies = tp.model_copies(layers.values(), tp_size)
     cpu_num_blocks, cpu_bytes_per_block = cpu_tier_size(
         num_gpu_blocks * gpu_bytes_per_block, num_gpu_blocks, copies, factor, cpu_bytes
     )

@@ -4,6 +4,8 @@ Every spec is a frozen dataclass. ``page_bytes(block_size, tp_size)`` is the byt
 block of one layer takes on ONE tensor-parallel rank. ``distinct_copies(tp_size)`` is how
 many different copies of that page exist across the TP group: ``tp_size`` when heads are
 split across ranks, 1 when every rank holds the same bytes (MLA's latent; invariant 5).
+The TP arithmetic itself (heads per rank, copies, writers, CPU-tier bytes) is in
+``raykv.layout.tp``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from raykv.errors import ConfigError
+from raykv.layout.tp import head_copies, split_heads
 
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
@@ -33,25 +36,6 @@ def dtype_bytes(dtype: str) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _split_heads(num_kv_heads: int, tp_size: int) -> int:
-    """KV heads held by one rank. Fewer heads than ranks: each rank keeps one replica."""
-    if tp_size < 1:
-        raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
-    if num_kv_heads >= tp_size:
-        if num_kv_heads % tp_size:
-            raise ConfigError(
-                f"{num_kv_heads} KV heads do not split evenly across tp_size={tp_size}; "
-                f"use a tp_size that divides {num_kv_heads}"
-            )
-        return num_kv_heads // tp_size
-    if tp_size % num_kv_heads:
-        raise ConfigError(
-            f"tp_size={tp_size} is not a multiple of {num_kv_heads} KV heads; "
-            "use a tp_size that is a multiple or a divisor of the KV head count"
-        )
-    return 1
 
 
 @dataclass(frozen=True)
@@ -102,7 +86,7 @@ class FullAttention(KVSpec):
             )
 
     def kv_heads_per_rank(self, tp_size: int) -> int:
-        return _split_heads(self.num_kv_heads, tp_size)
+        return split_heads(self.num_kv_heads, tp_size)
 
     def page_bytes(self, block_size: int, tp_size: int = 1) -> int:
         # K and V: 2 x block_size x heads x head_dim
@@ -115,8 +99,7 @@ class FullAttention(KVSpec):
         )
 
     def distinct_copies(self, tp_size: int) -> int:
-        # Fewer heads than ranks: ranks hold replicas, only num_kv_heads distinct copies.
-        return min(tp_size, self.num_kv_heads)
+        return head_copies(self.num_kv_heads, tp_size)
 
 
 @dataclass(frozen=True)

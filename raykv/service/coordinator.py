@@ -1,8 +1,9 @@
 """The coordinator: one named, detached actor that knows who holds which block.
 
 It keeps membership (pools and tiers register, then heartbeat), one ``Plan`` per served
-model, the cluster-wide prefix index fed by the members' KV events, placement of pools and
-tiers on nodes, and cluster stats. It holds NO block data: every byte lives in the pools and
+model and the cluster-wide prefix index fed by the members' KV events; it places pools and
+tiers on nodes through ``raykv.service.placement`` and reports through
+``raykv.service.status``. It holds NO block data: every byte lives in the pools and
 tiers, which are detached actors of their own. When Ray restarts the coordinator it asks
 every live member (found by name) for a snapshot, so the index comes back whole; a member
 that talks to it first just re-registers (its heartbeat or event sequence says "unknown").
@@ -16,19 +17,16 @@ next health tick (a second), on the same node (and so the same GPU slot).
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import (
-    NodeAffinitySchedulingStrategy,
-    PlacementGroupSchedulingStrategy,
-)
 
 from raykv.errors import ConfigError, InsufficientMemoryError, InvalidInput, ServiceError
+from raykv.service import placement, status
 from raykv.service.groups import (
     check_servable,
     common_hit,
@@ -39,28 +37,14 @@ from raykv.service.groups import (
 )
 from raykv.service.index import CPU, GPU, Location, PrefixIndex
 from raykv.service.metrics import ServiceMetrics
-from raykv.service.spec import (
-    COORDINATOR,
-    DEFAULT_POOL_BYTES,
-    NAMESPACE,
-    ServedModel,
-    group_name,
-    pool_name,
-    rank_name,
-    tier_name,
-)
+from raykv.service.spec import COORDINATOR, NAMESPACE, ServedModel
 
 HEARTBEAT_S = 1.0
 WATCH_S = 30.0  # how long one watch call stays open before the next replaces it
 DEAD_AFTER_S = 6.0  # missed heartbeats before a member's blocks stop being hits
 CALL_TIMEOUT_S = 10.0
-PLACE_TIMEOUT_S = 60.0
-CPU_POOL_SLIVER = 0.01  # CPU share a CPU-device pool's bundle reserves (bundles can't be empty)
-NODE_LABEL = "ray.io/node-id"  # Ray's built-in node label: pins a TP group's bundles
-_DETACHED = dict(
-    namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=0, num_cpus=0
-)
 _MEMBER_PREFIXES = ("raykv-pool-", "raykv-tier-")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,15 +57,6 @@ class Member:
     last_seen: float = field(default_factory=time.monotonic)
     stats: dict[str, Any] = field(default_factory=dict)
     actor_id: str | None = None  # the incarnation that registered (a name outlives actors)
-
-
-def engine_groups(nodes: list[dict], models: dict[str, ServedModel]) -> list[dict[str, int]]:
-    """Per node (``ray.nodes()`` entries): how many TP groups of each model it hosts. With
-    GPUs in the cluster, ``num_gpus // tp_size`` on each node (none on CPU-only nodes: a
-    CPU-device pool there would take the GPU plan's bytes of host memory); without, one
-    group of CPU-device pools per node (development and CI)."""
-    gpus = [int(n["Resources"].get("GPU", 0)) for n in nodes]
-    return [{name: g // m.tp_size if any(gpus) else 1 for name, m in models.items()} for g in gpus]
 
 
 def _plan_or_explain(model: ServedModel, pool_bytes: int, *, on_gpus: bool) -> Any:
@@ -106,13 +81,6 @@ def _plan_or_explain(model: ServedModel, pool_bytes: int, *, on_gpus: bool) -> A
         ) from None
 
 
-def _gpu_bytes_probe(fraction: float) -> int:
-    import torch
-
-    free, total = torch.cuda.mem_get_info()
-    return int(min(free, total * fraction))
-
-
 class Coordinator:
     def __init__(self) -> None:
         self.models: dict[str, ServedModel] = {}
@@ -124,10 +92,8 @@ class Coordinator:
         self.restarts = ray.get_runtime_context().was_current_actor_reconstructed
         self._ready: asyncio.Event | None = None
         self._health: asyncio.Task | None = None
-        self._placed_on: set[str] = set()  # nodes _place has seen (new ones get placed)
-        self._expected: dict[str, str] = {}  # member name -> node: what _place started
+        self.placer = placement.Placer()
         self._placing: asyncio.Task | None = None
-        self._place_lock = asyncio.Lock()  # one _place at a time (TP placement groups by name)
         self._managers: dict[str, Any] = {}  # model -> its group managers (hit rules)
         self._watches: dict[str, tuple[str, asyncio.Task]] = {}  # name -> (actor id, watch)
 
@@ -155,27 +121,32 @@ class Coordinator:
             try:
                 actor = ray.get_actor(name, namespace=NAMESPACE)
                 self._register(await asyncio.wait_for(actor.snapshot.remote(), CALL_TIMEOUT_S))
-            except Exception:  # dead or dying: it holds nothing we can serve
-                pass
+            except Exception as e:  # dead or dying: it holds nothing we can serve
+                log.warning("coordinator rebuild: no snapshot from %s (%r)", name, e)
+                self.metrics.failed("rebuild_snapshot")
 
         await asyncio.gather(*(snap(n) for n in names))
 
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
-            with contextlib.suppress(Exception):  # the loop must outlive a bad tick
+            try:
                 alive = self._drop_dead()
-                gone = [n for n, nid in self._expected.items() if nid in alive]
-                gone = [n for n in gone if n not in self.members]
                 idle = self._placing is None or self._placing.done()
-                if self.models and idle and (alive - self._placed_on or gone):
+                if self.models and idle and self.placer.missing(alive, self.members):
                     # a node joined (give it a tier and pools), or a member on a live node
                     # died (start a fresh one: its blocks are misses, its name serves again)
                     self._placing = asyncio.get_running_loop().create_task(self._replace())
+            except Exception:  # the loop must outlive a bad tick
+                log.exception("coordinator health tick failed; the next tick retries")
+                self.metrics.failed("health_tick")
 
     async def _replace(self) -> None:
-        with contextlib.suppress(Exception):  # e.g. no free GPU yet: the next tick retries
+        try:
             await self._place()
+        except Exception as e:  # e.g. no free GPU yet: the next tick retries
+            log.warning("coordinator: placing again failed, the next tick retries: %s", e)
+            self.metrics.failed("replace")
 
     def _drop_dead(self) -> set[str]:
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
@@ -216,7 +187,9 @@ class Coordinator:
                 if current():
                     self._forget(name)
                 return
-            except Exception:  # e.g. an older member without ``watch``: heartbeats decide
+            except Exception as e:  # e.g. an older member without ``watch``: heartbeats decide
+                log.warning("coordinator: cannot watch %s (%r); heartbeats decide", name, e)
+                self.metrics.failed("watch")
                 return
             if seen != actor_id:  # the name belongs to a newer incarnation: its own watch
                 return
@@ -241,152 +214,19 @@ class Coordinator:
                     "remove it first (raykv down) or serve the new one under another name"
                 )
         else:
-            gpus = [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"]]
-            if any(gpus) and self.models:
-                raise ConfigError(
-                    f"cannot serve model {model.name!r} next to {sorted(self.models)} on GPUs: "
-                    "a GPU pool takes a whole GPU (num_gpus=1) and the served model's pools "
-                    "hold every GPU of the cluster; serve one model per raykv service on GPUs "
-                    "(raykv down first, or run another Ray cluster)"
-                )
-            if any(gpus) and max(gpus) < model.tp_size:
-                raise ConfigError(
-                    f"model {model.name!r} has tp_size={model.tp_size}, but the largest node "
-                    f"has {max(gpus)} GPU(s) and a TP group lives on one node; lower tp_size "
-                    f"to at most {max(gpus)} or add a node with {model.tp_size} GPUs"
-                )
-            gpu_bytes = model.pool_bytes or await self._probe_gpu_bytes(model)
-            plan = _plan_or_explain(model, gpu_bytes, on_gpus=any(gpus))
+            on_gpus = placement.check_placeable(model, self.models)
+            gpu_bytes = model.pool_bytes or await placement.probe_gpu_bytes(model)
+            plan = _plan_or_explain(model, gpu_bytes, on_gpus=on_gpus)
             check_servable(plan)
             self.plans[model.name] = plan
             self.models[model.name] = model
         await self._place()
         return self.plans[model.name]
 
-    async def _probe_gpu_bytes(self, model: ServedModel) -> int:
-        if not any(n["Alive"] and n["Resources"].get("GPU", 0) for n in ray.nodes()):
-            return DEFAULT_POOL_BYTES
-        ref = ray.remote(num_gpus=1, num_cpus=0)(_gpu_bytes_probe).remote(model.gpu_mem_fraction)
-        try:
-            return await asyncio.wait_for(ref, PLACE_TIMEOUT_S)
-        except TimeoutError:
-            ray.cancel(ref, force=True)
-            raise ServiceError(
-                f"no GPU was free within {PLACE_TIMEOUT_S:.0f}s to size model {model.name!r}'s "
-                "pools (a GPU pool takes a whole GPU); free one, or pass pool_bytes "
-                "(raykv up --pool-mem)"
-            ) from None
-
     async def _place(self) -> None:
-        """Start whatever is missing on every alive node that runs engines: its CPU tier and
-        the TP groups of every model. On a cluster with GPUs only GPU nodes run engines (a
-        CPU-only node, e.g. a KubeRay head, gets nothing: a CPU-device pool there would take
-        the GPU plan's bytes of host memory); without GPUs every node gets CPU-device pools."""
-        async with self._place_lock:
-            await self._place_all()
-
-    async def _place_all(self) -> None:
-        from raykv.service.cpu_tier import CpuTierActor
-
-        nodes = [n for n in ray.nodes() if n["Alive"]]
-        starting = []
-        for node, groups in zip(nodes, engine_groups(nodes, self.models), strict=True):
-            nid = node["NodeID"]
-            self._placed_on.add(nid)
-            num_gpus = int(node["Resources"].get("GPU", 0))
-            if not any(groups.values()):
-                continue
-            pin = NodeAffinitySchedulingStrategy(nid, soft=False)
-            tier = (
-                ray.remote(CpuTierActor)
-                .options(name=tier_name(nid), scheduling_strategy=pin, **_DETACHED)
-                .remote(nid, dict(self.plans))
-            )
-            self._expected[tier_name(nid)] = nid
-            starting.append(self._started(tier, tier_name(nid), nid))
-            for name, n in groups.items():
-                for i in range(n):
-                    self._expected[pool_name(name, nid, i)] = nid
-                    starting.append(self._place_group(name, nid, i, num_gpus > 0))
-        await asyncio.gather(*starting)
-
-    async def _started(self, actor: Any, name: str, nid: str) -> str:
-        """``actor.start()``, or ServiceError (and the actor killed) if Ray cannot run it
-        within PLACE_TIMEOUT_S: a request that can never be scheduled must not hang."""
-        try:
-            return await asyncio.wait_for(actor.start.remote(), PLACE_TIMEOUT_S)
-        except TimeoutError:
-            with contextlib.suppress(Exception):
-                ray.kill(actor, no_restart=True)
-            raise ServiceError(
-                f"{name} did not start on node {nid[:12]} within {PLACE_TIMEOUT_S:.0f}s; "
-                "check that node's free resources (a GPU pool needs a whole free GPU)"
-            ) from None
-
-    async def _place_group(self, model: str, nid: str, index: int, gpu: bool) -> str:
-        """One TP group of ``model`` on node ``nid``: tp_size=1 is one pool pinned to the
-        node; more ranks share a STRICT_PACK placement group on that node (one GPU per
-        bundle, or a sliver of CPU for CPU-device pools: bundles cannot be empty)."""
-        from raykv.service.gpu_pool import GpuPool
-        from raykv.service.rank import RankPool
-
-        m, plan = self.models[model], self.plans[model]
-        pname, device = pool_name(model, nid, index), "cuda" if gpu else "cpu"
-        if m.tp_size == 1:
-            pin = NodeAffinitySchedulingStrategy(nid, soft=False)
-            pool = (
-                ray.remote(GpuPool)
-                .options(name=pname, num_gpus=int(gpu), scheduling_strategy=pin, **_DETACHED)
-                .remote(pname, m, plan, nid, device)
-            )
-            return await self._started(pool, pname, nid)
-        pg = await self._tp_placement(pname, nid, m.tp_size, gpu)
-        ranks = [rank_name(pname, r) for r in range(1, m.tp_size)]
-
-        def in_bundle(r: int) -> dict:
-            return dict(
-                num_gpus=int(gpu),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r),
-                **_DETACHED,
-            )
-
-        for r, rname in enumerate(ranks, start=1):
-            ray.remote(RankPool).options(name=rname, **in_bundle(r)).remote(rname, plan, r, device)
-        pool = (
-            ray.remote(GpuPool)
-            .options(name=pname, **in_bundle(0))
-            .remote(pname, m, plan, nid, device, ranks)
-        )
-        return await self._started(pool, pname, nid)
-
-    async def _tp_placement(self, pool: str, nid: str, tp: int, gpu: bool) -> Any:
-        from ray.util.placement_group import get_placement_group, placement_group
-
-        name = group_name(pool)
-        try:
-            pg = get_placement_group(name)
-            if ray.util.placement_group_table(pg).get("state") == "REMOVED":
-                raise ValueError(name)  # left by an earlier ``raykv down``: make a new one
-        except ValueError:
-            bundle = {"GPU": 1} if gpu else {"CPU": CPU_POOL_SLIVER}
-            pg = placement_group(
-                [dict(bundle) for _ in range(tp)],
-                strategy="STRICT_PACK",
-                name=name,
-                lifetime="detached",
-                bundle_label_selector=[{NODE_LABEL: nid} for _ in range(tp)],
-            )
-        try:
-            await asyncio.wait_for(pg.ready(), PLACE_TIMEOUT_S)
-        except TimeoutError:
-            with contextlib.suppress(Exception):
-                ray.util.remove_placement_group(pg)
-            raise ServiceError(
-                f"could not place a TP group of {tp} ranks on node {nid[:12]} within "
-                f"{PLACE_TIMEOUT_S:.0f}s (placement group {name!r}); check its free "
-                f"{'GPUs' if gpu else 'CPUs'}"
-            ) from None
-        return pg
+        """Start whatever is missing on every alive node that runs engines (its CPU tier
+        and every model's TP groups: ``raykv.service.placement``)."""
+        await self.placer.place(self.models, self.plans)
 
     def model(self, name: str) -> tuple[ServedModel, Any]:
         if name not in self.models:
@@ -420,10 +260,7 @@ class Coordinator:
         names = sorted(m.name for m in pools if m.node_id == node_id)
         if names:
             return names
-        nodes = [n for n in ray.nodes() if n["Alive"]]
-        groups = dict(
-            zip((n["NodeID"] for n in nodes), engine_groups(nodes, self.models), strict=True)
-        )
+        groups = placement.node_groups(self.models)
         if node_id not in groups:
             raise ServiceError(
                 f"node {node_id[:12]} is not an alive node of this Ray cluster; a client uses "
@@ -558,58 +395,18 @@ class Coordinator:
     # --- stats and shutdown -------------------------------------------------------------
 
     async def stats(self) -> dict:
+        """The cluster's status (``raykv.service.status``): what ``raykv status`` prints."""
         await self._up()
-        nodes = {
-            n["NodeID"]: {
-                "node_id": n["NodeID"],
-                "address": n["NodeManagerAddress"],
-                "alive": n["Alive"],
-                "gpus": int(n["Resources"].get("GPU", 0)),
-            }
-            for n in ray.nodes()
-        }
-        members = [
-            {
-                "name": m.name,
-                "kind": m.kind,
-                "node_id": m.node_id,
-                "model": m.model,
-                "indexed_blocks": self.index.blocks_of(m.name),
-                "heartbeat_age_s": round(time.monotonic() - m.last_seen, 2),
-                **m.stats,
-            }
-            for m in sorted(self.members.values(), key=lambda m: (m.node_id, m.kind, m.name))
-        ]
-        tally = self.metrics.tally
-        hits = sum(v for k, v in tally.items() if k.startswith("hits_"))
-        looked = hits + tally["misses_all"]
-        return {
-            "nodes": list(nodes.values()),
-            "models": {
-                name: {
-                    "max_model_len": m.max_model_len,
-                    "block_size": m.block_size,
-                    "tp_size": m.tp_size,
-                    "groups": [
-                        [g.spec.kind, g.block_size, len(g.layer_names)]
-                        for g in self.plans[name].groups
-                    ],
-                    "num_gpu_blocks": self.plans[name].num_gpu_blocks,
-                    "cpu_num_blocks": self.plans[name].cpu_num_blocks,
-                    "cpu_bytes_per_block": self.plans[name].cpu_bytes_per_block,
-                    "block_size_factor": self.plans[name].block_size_factor,
-                }
-                for name, m in self.models.items()
-            },
-            "members": members,
-            "indexed_blocks": len(self.index),
-            "lookups": tally["lookups"],
-            "hit_rate": hits / looked if looked else 0.0,
-            "hits": {k.removeprefix("hits_"): v for k, v in tally.items() if k.startswith("hits_")},
-            "misses": tally["misses_all"],
-            "uptime_s": round(time.time() - self.started, 1),
-            "restarted": self.restarts,
-        }
+        return status.cluster(
+            ray_nodes=ray.nodes(),
+            members_=self.members.values(),
+            index=self.index,
+            served=self.models,
+            plans=self.plans,
+            tally=self.metrics.tally,
+            started=self.started,
+            restarted=self.restarts,
+        )
 
     async def shutdown_service(self, admin: str | None = None) -> int:
         """Kill every pool, TP rank and tier and remove the TP placement groups (``raykv
@@ -630,15 +427,22 @@ class Coordinator:
             and a["name"].startswith((*_MEMBER_PREFIXES, "raykv-rank-"))
         ]
         for name in names:
-            with contextlib.suppress(Exception):  # gone already
+            try:
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            except ValueError:  # gone already
+                pass
+            except Exception as e:
+                log.warning("shutdown: could not kill %s: %r", name, e)
+                self.metrics.failed("shutdown_kill")
         for pg_id, pg in ray.util.placement_group_table().items():
             if pg.get("name", "").startswith("raykv-tp-") and pg.get("state") != "REMOVED":
-                with contextlib.suppress(Exception):  # removed meanwhile
+                try:
                     remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+                except Exception as e:  # removed meanwhile
+                    log.warning("shutdown: could not remove placement group %s: %r", pg_id, e)
+                    self.metrics.failed("shutdown_remove_group")
         self.members.clear()
-        self._expected.clear()
-        self._placed_on.clear()
+        self.placer.clear()
         self.index = PrefixIndex()
         self.models.clear()
         self.plans.clear()
@@ -647,7 +451,7 @@ class Coordinator:
 
 
 def coordinator_actor(max_restarts: int = -1):
-    """The ``ray.remote`` form, created by ``raykv.client.ensure_service``."""
+    """The ``ray.remote`` form, created by ``raykv.service.control.ensure_service``."""
     return ray.remote(Coordinator).options(
         name=COORDINATOR,
         namespace=NAMESPACE,

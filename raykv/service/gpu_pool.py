@@ -31,18 +31,17 @@ import ray
 import torch
 
 from raykv.errors import AccessDenied, InvalidInput, ServiceError
+from raykv.layout import tp
 from raykv.service.groups import (
     Chunk,
     as_tables,
     check_servable,
     common_hit,
     complete_chunks,
-    copy_of_rank,
     group_keys,
     key_group,
     managers,
     row_widths,
-    writer_ranks,
 )
 from raykv.service.index import GPU
 from raykv.service.member import Member
@@ -97,8 +96,8 @@ class GpuPool(Member):
         self.gindex = {gid: i for i, gid in enumerate(self.gids)}
         self.widths = row_widths(plan)
         self.managers = managers(plan)
-        self.copy_of = copy_of_rank(plan)
-        self.writers = writer_ranks(plan)
+        self.copy_of = tp.copy_ranks(plan)
+        self.writers = tp.writer_ranks(plan)
         self.tokens: dict[Hashable, list[int]] = {}
         # admission number of each live request: a call that awaited checks it is still the
         # same request (a free and a re-admit under the same id hand its blocks to others)

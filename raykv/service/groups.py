@@ -10,8 +10,7 @@
 * Hits: a prefix of ``L`` tokens is served when every group holds the slots it needs for
   ``L`` (``GroupManager.longest_hit``: a sliding window needs only its last window), the
   same rule as ``BlockManager.cached_prefix``.
-* TP copies: rank ``r`` holds copy ``r * copies // tp`` (invariant 5); the first rank of a
-  copy writes it to the CPU tier, every rank of it reads it back.
+* TP copies: ``raykv.layout.tp`` (which rank holds and which writes each copy; invariant 5).
 """
 
 from __future__ import annotations
@@ -55,22 +54,6 @@ def factors(plan: Plan) -> tuple[int, ...]:
     from raykv.tiers.jobs import group_factor
 
     return tuple(group_factor(plan, g) for g in plan.groups)
-
-
-def copy_of_rank(plan: Plan) -> tuple[int, ...]:
-    """Per rank: the distinct TP copy it holds (MLA: every rank holds copy 0)."""
-    from raykv.tiers.cpu_tier import tp_copies
-
-    copies = tp_copies(plan)
-    return tuple(r * copies // plan.tp_size for r in range(plan.tp_size))
-
-
-def writer_ranks(plan: Plan) -> tuple[int, ...]:
-    """Per distinct copy: the rank whose rows the CPU tier stores."""
-    first: dict[int, int] = {}
-    for r, c in enumerate(copy_of_rank(plan)):
-        first.setdefault(c, r)
-    return tuple(first[c] for c in sorted(first))
 
 
 def check_servable(plan: Plan) -> None:

@@ -2,7 +2,7 @@
 
 With no address, ``up`` starts a local Ray head on 127.0.0.1 that outlives the command
 (``ray start --head --block`` in its own session; its pid and address go to the state file,
-``raykv.client.state_file()``), so ``status`` and ``down`` from other processes find it.
+``raykv.service.ray_join.state_file()``), so ``status`` and ``down`` from other processes find it.
 ``down`` stops the service's actors and, if ``up`` started the head, that process group.
 """
 
@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from raykv.client import connect
 from raykv.errors import RaykvError, ServiceError
+from raykv.service import control
 from raykv.service.admin import admin_key
 from raykv.service.ray_join import (
     ensure_token,
@@ -125,16 +125,23 @@ def up(
         started = start_head(num_cpus)
         address = started["address"]
     try:
-        client = connect(address)
-        plan = client.add_model(
+        import ray
+
+        from raykv.service.spec import NAMESPACE, ServedModel
+
+        if not ray.is_initialized():
+            join(address, NAMESPACE, start_local=True)
+        coord = control.ensure_service()
+        model = ServedModel(
             preset,
-            p.layers(),
-            max_model_len=max_model_len or p.max_model_len,
+            dict(p.layers()),
+            max_model_len or p.max_model_len,
             block_size=block_size,
             gpu_mem_fraction=gpu_mem_fraction,
             cpu_bytes=cpu_bytes,
             pool_bytes=pool_bytes,
         )
+        plan = control.call(coord, "add_model", model, timeout_s=control.ADD_MODEL_TIMEOUT_S)
     except RaykvError as e:
         if started is None:
             raise
@@ -142,7 +149,7 @@ def up(
             f"{e}\n(the Ray head raykv up started at {address} keeps running: run raykv up "
             "again with other settings, or raykv down)"
         ) from e
-    stats = client.stats()
+    stats = control.call(coord, "stats")
     return {
         "address": address,
         "started_head": started is not None,
@@ -163,19 +170,14 @@ def _join(address: str | None) -> str:
 
 
 def status(address: str | None) -> dict[str, Any]:
-    import ray
-
-    from raykv.client import Client
-    from raykv.service.spec import COORDINATOR, NAMESPACE
-
     addr = _join(address)
     try:
-        ray.get_actor(COORDINATOR, namespace=NAMESPACE)
-    except ValueError:
+        coord = control.coordinator()
+    except ServiceError:
         raise ServiceError(
             f"Ray runs at {addr} but the raykv service does not (raykv up)"
         ) from None
-    return {"address": addr, **Client(retry_s=10).stats()}
+    return {"address": addr, **control.call(coord, "stats")}
 
 
 def down(address: str | None) -> dict[str, Any]:

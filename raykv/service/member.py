@@ -24,12 +24,14 @@ log = logging.getLogger(__name__)
 
 class Member:
     kind = "member"
+    metrics: Any = None  # pools and tiers set their ServiceMetrics
 
     def __init__(self, name: str, node_id: str) -> None:
         self.name = name
         self.node_id = node_id
         self.seq = 0
         self._coordinator = None
+        self._coord_down = False  # the last coordinator call failed
         self._beat: asyncio.Task | None = None
 
     # --- to be provided by pools and tiers ----------------------------------------------
@@ -68,11 +70,18 @@ class Member:
         """One coordinator call; None if it is unreachable (it may be restarting)."""
         try:
             ref = getattr(self._coord(), method).remote(*args)
-            return await asyncio.wait_for(ref, CALL_TIMEOUT_S)
+            out = await asyncio.wait_for(ref, CALL_TIMEOUT_S)
         except Exception as e:  # down, restarting, or gone: heartbeats will catch up
-            log.debug("coordinator %s failed: %s", method, e)
-            self._coordinator = None
+            # a warning once per outage (every heartbeat fails while it restarts)
+            (log.debug if self._coord_down else log.warning)(
+                "%s: coordinator %s failed: %r", self.name, method, e
+            )
+            if self.metrics is not None:
+                self.metrics.failed("coordinator_call")
+            self._coordinator, self._coord_down = None, True
             return None
+        self._coord_down = False
+        return out
 
     async def start(self) -> str:
         """Register and start heartbeats (idempotent). Returns the member's name."""

@@ -21,6 +21,11 @@ class ServiceMetrics:
         self._offloads = metrics.Counter("raykv_offloaded_blocks", "GPU blocks saved to CPU", tags)
         self._moved = metrics.Counter("raykv_bytes_moved", "KV bytes moved between members", tags)
         self._used = metrics.Gauge("raykv_blocks_used", "Blocks holding KV", tags)
+        self._failures = metrics.Counter(
+            "raykv_handled_failures",
+            "Failures a component handled without failing its caller (each one is logged)",
+            ("component", "what"),
+        )
         self._latency = metrics.Histogram(
             "raykv_lookup_latency_ms", "Coordinator lookup latency", _LATENCY_BOUNDS, tags
         )
@@ -55,6 +60,12 @@ class ServiceMetrics:
 
     def used(self, model: str, tier: str, n: int) -> None:
         self._used.set(n, self._tags(model, tier))
+
+    def failed(self, what: str) -> None:
+        """Count a failure that was handled (and logged) instead of raised: ``what`` names
+        the step, e.g. ``coordinator_call`` or ``health_tick``."""
+        self.tally[f"failures_{what}"] += 1
+        self._failures.inc(1, {"component": self.component, "what": what})
 
     def lookup_ms(self, model: str, ms: float) -> None:
         self.tally["lookups"] += 1

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from raykv.errors import ConfigError
+from raykv.layout import tp
 from raykv.layout.plan import Plan
 from raykv.tiers.policies import EvictionPolicy, make_policy
 
@@ -91,20 +91,6 @@ class TierStats:
     checksum_errors: int = 0
 
 
-def tp_copies(plan: Plan) -> int:
-    """Distinct TP copies one CPU block holds, read back from the plan (invariant 5)."""
-    per_copy = plan.gpu_bytes_per_block * plan.block_size_factor
-    if per_copy <= 0:
-        return 1
-    if plan.cpu_bytes_per_block % per_copy:
-        raise ConfigError(
-            f"cpu_bytes_per_block={plan.cpu_bytes_per_block} is not a whole number of "
-            f"copies of gpu_bytes_per_block={plan.gpu_bytes_per_block} x "
-            f"block_size_factor={plan.block_size_factor}; rebuild the plan with plan()"
-        )
-    return max(1, plan.cpu_bytes_per_block // per_copy)
-
-
 class CpuTier:
     def __init__(
         self,
@@ -116,7 +102,7 @@ class CpuTier:
         self.plan = plan
         self.num_blocks = plan.cpu_num_blocks
         self.factor = max(1, plan.block_size_factor)
-        self.copies = tp_copies(plan)
+        self.copies = tp.plan_copies(plan)
         self.slot_bytes = plan.gpu_bytes_per_block
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()

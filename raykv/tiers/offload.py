@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from raykv import ops
+from raykv.layout import tp
 from raykv.tiers.checksum import row_checksums
 from raykv.tiers.cpu_tier import CpuTier, LoadLease, StoreReservation
 from raykv.tiers.fence import StoreFence
@@ -89,8 +90,8 @@ class OffloadEngine:
         self.fence = fence or StoreFence()
         # Ranks holding the same bytes (replicated heads, MLA) share one copy; its first
         # rank writes it, every rank reads it.
-        self.copy = rank * tier.copies // plan.tp_size
-        self.writes = rank % max(1, plan.tp_size // tier.copies) == 0
+        self.copy = tp.copy_of_rank(rank, plan.tp_size, tier.copies)
+        self.writes = tp.writes(rank, plan.tp_size, tier.copies)
         self.stream = torch.cuda.Stream(gpu.device) if gpu.device.type == "cuda" else None
         self.pin = tier.arena.is_pinned()
         self._lock = threading.Lock()

@@ -1,5 +1,6 @@
 """What the service derives from a plan (pure, no Ray): chunks with null slots and partial
-tails, the common hit of a sliding-window + full hybrid, TP copies, caller input forms."""
+tails, the common hit of a sliding-window + full hybrid, caller input forms (TP copies:
+tests/layout/test_tp.py)."""
 
 import pytest
 import torch
@@ -8,17 +9,15 @@ from hypothesis import strategies as st
 
 from raykv.blocks import BlockHasher, BlockManager
 from raykv.errors import ConfigError, InvalidInput
-from raykv.layout import MLA, FullAttention, Mamba, SlidingWindow, plan
+from raykv.layout import FullAttention, Mamba, SlidingWindow, plan
 from raykv.service.groups import (
     as_tables,
     check_servable,
     common_hit,
     complete_chunks,
-    copy_of_rank,
     group_keys,
     managers,
     row_widths,
-    writer_ranks,
 )
 from raykv.service.rows import as_rank_rows
 
@@ -88,23 +87,6 @@ def test_common_hit_matches_the_block_manager(n: int, cut: int, drop_sw: bool) -
             if g == 2 or drop_sw:
                 bm.pool.cached.pop((g, keys[g][j][4:]), None)
     assert common_hit(managers(p), has, n - 1) == bm.cached_prefix(ids)
-
-
-def test_tp_copies_and_their_writers() -> None:
-    split = hybrid_plan(tp=1, layers={"a": FullAttention("float32", 2, 16)})
-    assert copy_of_rank(split) == (0,) and writer_ranks(split) == (0,)
-    two = plan(
-        {"a": FullAttention("float32", 2, 16)},
-        num_gpu_blocks=8, max_model_len=64, max_num_batched_tokens=64, tp_size=2,
-    )  # fmt: skip
-    assert copy_of_rank(two) == (0, 1) and writer_ranks(two) == (0, 1)
-    assert two.cpu_bytes_per_block == 2 * two.gpu_bytes_per_block
-    mla = plan(
-        {"a": MLA("float32", 32, 8)},
-        num_gpu_blocks=8, max_model_len=64, max_num_batched_tokens=64, tp_size=2,
-    )  # fmt: skip
-    assert copy_of_rank(mla) == (0, 0) and writer_ranks(mla) == (0,)  # MLA: stored once
-    assert mla.cpu_bytes_per_block == mla.gpu_bytes_per_block
 
 
 def test_unservable_plans_are_refused() -> None:

@@ -1,7 +1,7 @@
-"""Where the coordinator puts each model's TP groups (pure: from ``ray.nodes()`` entries)."""
+"""Where the service places each model's TP groups (pure: from ``ray.nodes()`` entries)."""
 
 from raykv.layout import FullAttention
-from raykv.service.coordinator import engine_groups
+from raykv.service.placement import engine_groups
 from raykv.service.spec import ServedModel
 
 LAYERS = {"l0": FullAttention(dtype="bfloat16", num_kv_heads=8, head_dim=128)}
@@ -26,3 +26,18 @@ def test_clusters_without_gpus_get_one_cpu_device_group_per_node_and_model() -> 
         "b": ServedModel("b", LAYERS, max_model_len=1024, tp_size=2),
     }
     assert engine_groups([node(0), node(0)], models) == [{"a": 1, "b": 1}] * 2
+
+
+def test_the_placer_places_again_for_a_new_node_or_a_dead_member() -> None:
+    from raykv.service.placement import Placer
+
+    placer = Placer()
+    placer.placed_on.update({"n1", "n2"})
+    placer.expected.update({"pool-a": "n1", "tier-a": "n1", "pool-b": "n2"})
+    members = {"pool-a": 1, "tier-a": 1, "pool-b": 1}
+    assert not placer.missing({"n1", "n2"}, members)
+    assert placer.missing({"n1", "n2", "n3"}, members)  # a node joined
+    assert placer.missing({"n1", "n2"}, {"tier-a": 1, "pool-b": 1})  # pool-a died on a live node
+    assert not placer.missing({"n2"}, {"pool-b": 1})  # n1 left: its members are not replaced
+    placer.clear()
+    assert placer.missing({"n1"}, {}) and not placer.expected

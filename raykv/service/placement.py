@@ -1,0 +1,240 @@
+"""Placement: where the service's members run, and starting the ones that are missing.
+
+On a cluster with GPUs only GPU nodes run engines: each gets ``num_gpus // tp_size`` TP
+groups of a model (a CPU-only node, e.g. a KubeRay head, gets nothing: a CPU-device pool
+there would take the GPU plan's bytes of host memory); without GPUs every node gets one
+group of CPU-device pools (development and CI). Every node that runs engines gets a CPU
+tier. A TP group of ``tp_size`` ranks lives on one node: tp_size=1 is one pool pinned to the
+node; more ranks share a STRICT_PACK placement group there (one GPU per bundle, or a sliver
+of CPU for CPU-device pools: bundles cannot be empty). Members are detached actors named
+after their slot (``raykv.service.spec``), so a fresh one placed after a death serves under
+the same name on the same node (and GPU slot). Every wait is bounded by PLACE_TIMEOUT_S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
+
+from raykv.errors import ConfigError, ServiceError
+from raykv.service.spec import (
+    DEFAULT_POOL_BYTES,
+    NAMESPACE,
+    ServedModel,
+    group_name,
+    pool_name,
+    rank_name,
+    tier_name,
+)
+
+PLACE_TIMEOUT_S = 60.0
+CPU_POOL_SLIVER = 0.01  # CPU share a CPU-device pool's bundle reserves (bundles can't be empty)
+NODE_LABEL = "ray.io/node-id"  # Ray's built-in node label: pins a TP group's bundles
+DETACHED = dict(
+    namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=0, num_cpus=0
+)
+
+
+def alive_nodes() -> list[dict]:
+    return [n for n in ray.nodes() if n["Alive"]]
+
+
+def node_gpus(node: dict) -> int:
+    return int(node["Resources"].get("GPU", 0))
+
+
+def engine_groups(nodes: list[dict], models: dict[str, ServedModel]) -> list[dict[str, int]]:
+    """Per node (``ray.nodes()`` entries): how many TP groups of each model it hosts. With
+    GPUs in the cluster, ``num_gpus // tp_size`` on each node (none on CPU-only nodes: a
+    CPU-device pool there would take the GPU plan's bytes of host memory); without, one
+    group of CPU-device pools per node (development and CI)."""
+    gpus = [node_gpus(n) for n in nodes]
+    return [{name: g // m.tp_size if any(gpus) else 1 for name, m in models.items()} for g in gpus]
+
+
+def node_groups(models: dict[str, ServedModel]) -> dict[str, dict[str, int]]:
+    """``engine_groups`` of the alive nodes, by node id."""
+    nodes = alive_nodes()
+    return dict(zip((n["NodeID"] for n in nodes), engine_groups(nodes, models), strict=True))
+
+
+def check_placeable(model: ServedModel, served: dict[str, ServedModel]) -> bool:
+    """ConfigError if ``model`` cannot be placed beside ``served`` on this cluster; returns
+    whether the cluster has GPUs (its pools then live on GPUs)."""
+    gpus = [node_gpus(n) for n in alive_nodes()]
+    if any(gpus) and served:
+        raise ConfigError(
+            f"cannot serve model {model.name!r} next to {sorted(served)} on GPUs: "
+            "a GPU pool takes a whole GPU (num_gpus=1) and the served model's pools "
+            "hold every GPU of the cluster; serve one model per raykv service on GPUs "
+            "(raykv down first, or run another Ray cluster)"
+        )
+    if any(gpus) and max(gpus) < model.tp_size:
+        raise ConfigError(
+            f"model {model.name!r} has tp_size={model.tp_size}, but the largest node "
+            f"has {max(gpus)} GPU(s) and a TP group lives on one node; lower tp_size "
+            f"to at most {max(gpus)} or add a node with {model.tp_size} GPUs"
+        )
+    return any(gpus)
+
+
+def _gpu_bytes_probe(fraction: float) -> int:
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return int(min(free, total * fraction))
+
+
+async def probe_gpu_bytes(model: ServedModel) -> int:
+    """KV bytes of one GPU pool (``gpu_mem_fraction`` of a free GPU's memory, measured on a
+    GPU), or DEFAULT_POOL_BYTES on a cluster without GPUs."""
+    if not any(node_gpus(n) for n in alive_nodes()):
+        return DEFAULT_POOL_BYTES
+    ref = ray.remote(num_gpus=1, num_cpus=0)(_gpu_bytes_probe).remote(model.gpu_mem_fraction)
+    try:
+        return await asyncio.wait_for(ref, PLACE_TIMEOUT_S)
+    except TimeoutError:
+        ray.cancel(ref, force=True)
+        raise ServiceError(
+            f"no GPU was free within {PLACE_TIMEOUT_S:.0f}s to size model {model.name!r}'s "
+            "pools (a GPU pool takes a whole GPU); free one, or pass pool_bytes "
+            "(raykv up --pool-mem)"
+        ) from None
+
+
+class Placer:
+    """Starts whatever is missing on every alive node that runs engines, one placement at a
+    time, and remembers what it started (``expected``) and which nodes it has seen
+    (``placed_on``), so the coordinator's health loop knows when to place again."""
+
+    def __init__(self) -> None:
+        self.placed_on: set[str] = set()  # nodes place() has seen (new ones get placed)
+        self.expected: dict[str, str] = {}  # member name -> node: what place() started
+        self._lock = asyncio.Lock()  # one place() at a time (TP placement groups by name)
+
+    def missing(self, alive: set[str], members: dict[str, Any]) -> bool:
+        """A node joined (give it a tier and pools), or a member on a live node died
+        (start a fresh one: its blocks are misses, its name serves again)."""
+        gone = [n for n, nid in self.expected.items() if nid in alive and n not in members]
+        return bool(alive - self.placed_on or gone)
+
+    def clear(self) -> None:
+        self.expected.clear()
+        self.placed_on.clear()
+
+    async def place(self, models: dict[str, ServedModel], plans: dict[str, Any]) -> None:
+        async with self._lock:
+            await self._place_all(models, plans)
+
+    async def _place_all(self, models: dict[str, ServedModel], plans: dict[str, Any]) -> None:
+        from raykv.service.cpu_tier import CpuTierActor
+
+        nodes = alive_nodes()
+        starting = []
+        for node, groups in zip(nodes, engine_groups(nodes, models), strict=True):
+            nid = node["NodeID"]
+            self.placed_on.add(nid)
+            if not any(groups.values()):
+                continue
+            pin = NodeAffinitySchedulingStrategy(nid, soft=False)
+            tier = (
+                ray.remote(CpuTierActor)
+                .options(name=tier_name(nid), scheduling_strategy=pin, **DETACHED)
+                .remote(nid, dict(plans))
+            )
+            self.expected[tier_name(nid)] = nid
+            starting.append(self._started(tier, tier_name(nid), nid))
+            for name, n in groups.items():
+                for i in range(n):
+                    self.expected[pool_name(name, nid, i)] = nid
+                    group = self._place_group(models[name], plans[name], nid, i, node_gpus(node))
+                    starting.append(group)
+        await asyncio.gather(*starting)
+
+    async def _started(self, actor: Any, name: str, nid: str) -> str:
+        """``actor.start()``, or ServiceError (and the actor killed) if Ray cannot run it
+        within PLACE_TIMEOUT_S: a request that can never be scheduled must not hang."""
+        try:
+            return await asyncio.wait_for(actor.start.remote(), PLACE_TIMEOUT_S)
+        except TimeoutError:
+            with contextlib.suppress(Exception):  # dead already: nothing left to stop
+                ray.kill(actor, no_restart=True)
+            raise ServiceError(
+                f"{name} did not start on node {nid[:12]} within {PLACE_TIMEOUT_S:.0f}s; "
+                "check that node's free resources (a GPU pool needs a whole free GPU)"
+            ) from None
+
+    async def _place_group(
+        self, m: ServedModel, plan: Any, nid: str, index: int, num_gpus: int
+    ) -> str:
+        """One TP group of ``m`` on node ``nid`` (see the module docstring)."""
+        from raykv.service.gpu_pool import GpuPool
+        from raykv.service.rank import RankPool
+
+        gpu = num_gpus > 0
+        pname, device = pool_name(m.name, nid, index), "cuda" if gpu else "cpu"
+        if m.tp_size == 1:
+            pin = NodeAffinitySchedulingStrategy(nid, soft=False)
+            pool = (
+                ray.remote(GpuPool)
+                .options(name=pname, num_gpus=int(gpu), scheduling_strategy=pin, **DETACHED)
+                .remote(pname, m, plan, nid, device)
+            )
+            return await self._started(pool, pname, nid)
+        pg = await tp_placement(pname, nid, m.tp_size, gpu)
+        ranks = [rank_name(pname, r) for r in range(1, m.tp_size)]
+
+        def in_bundle(r: int) -> dict:
+            return dict(
+                num_gpus=int(gpu),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r),
+                **DETACHED,
+            )
+
+        for r, rname in enumerate(ranks, start=1):
+            ray.remote(RankPool).options(name=rname, **in_bundle(r)).remote(rname, plan, r, device)
+        pool = (
+            ray.remote(GpuPool)
+            .options(name=pname, **in_bundle(0))
+            .remote(pname, m, plan, nid, device, ranks)
+        )
+        return await self._started(pool, pname, nid)
+
+
+async def tp_placement(pool: str, nid: str, tp: int, gpu: bool) -> Any:
+    """The STRICT_PACK placement group of pool ``pool``'s TP group on node ``nid`` (made if
+    missing, or if an earlier ``raykv down`` removed it), ready."""
+    from ray.util.placement_group import get_placement_group, placement_group
+
+    name = group_name(pool)
+    try:
+        pg = get_placement_group(name)
+        if ray.util.placement_group_table(pg).get("state") == "REMOVED":
+            raise ValueError(name)  # left by an earlier ``raykv down``: make a new one
+    except ValueError:
+        bundle = {"GPU": 1} if gpu else {"CPU": CPU_POOL_SLIVER}
+        pg = placement_group(
+            [dict(bundle) for _ in range(tp)],
+            strategy="STRICT_PACK",
+            name=name,
+            lifetime="detached",
+            bundle_label_selector=[{NODE_LABEL: nid} for _ in range(tp)],
+        )
+    try:
+        await asyncio.wait_for(pg.ready(), PLACE_TIMEOUT_S)
+    except TimeoutError:
+        with contextlib.suppress(Exception):  # removed meanwhile: nothing left to remove
+            ray.util.remove_placement_group(pg)
+        raise ServiceError(
+            f"could not place a TP group of {tp} ranks on node {nid[:12]} within "
+            f"{PLACE_TIMEOUT_S:.0f}s (placement group {name!r}); check its free "
+            f"{'GPUs' if gpu else 'CPUs'}"
+        ) from None
+    return pg

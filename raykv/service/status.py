@@ -1,0 +1,101 @@
+"""Status: the cluster as ``Client.stats()`` and ``raykv status`` show it, assembled from
+the coordinator's state (nodes, members, served models and their plans, the prefix index,
+the lookup tallies). Pure: it reads what it is given and changes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+
+def nodes(ray_nodes: Iterable[dict]) -> list[dict]:
+    """One row per Ray node (``ray.nodes()`` entries), alive or not."""
+    rows = {
+        n["NodeID"]: {
+            "node_id": n["NodeID"],
+            "address": n["NodeManagerAddress"],
+            "alive": n["Alive"],
+            "gpus": int(n["Resources"].get("GPU", 0)),
+        }
+        for n in ray_nodes
+    }
+    return list(rows.values())
+
+
+def members(members: Iterable[Any], index: Any) -> list[dict]:
+    """One row per registered member (pool or tier), by node, kind and name: what it last
+    reported with its heartbeat, and how many of its blocks the prefix index holds."""
+    now = time.monotonic()
+    return [
+        {
+            "name": m.name,
+            "kind": m.kind,
+            "node_id": m.node_id,
+            "model": m.model,
+            "indexed_blocks": index.blocks_of(m.name),
+            "heartbeat_age_s": round(now - m.last_seen, 2),
+            **m.stats,
+        }
+        for m in sorted(members, key=lambda m: (m.node_id, m.kind, m.name))
+    ]
+
+
+def models(served: Mapping[str, Any], plans: Mapping[str, Any]) -> dict[str, dict]:
+    """Per served model: its settings and what its plan sized."""
+    return {
+        name: {
+            "max_model_len": m.max_model_len,
+            "block_size": m.block_size,
+            "tp_size": m.tp_size,
+            "groups": [[g.spec.kind, g.block_size, len(g.layer_names)] for g in plans[name].groups],
+            "num_gpu_blocks": plans[name].num_gpu_blocks,
+            "cpu_num_blocks": plans[name].cpu_num_blocks,
+            "cpu_bytes_per_block": plans[name].cpu_bytes_per_block,
+            "block_size_factor": plans[name].block_size_factor,
+        }
+        for name, m in served.items()
+    }
+
+
+def lookups(tally: Mapping[str, int]) -> dict[str, Any]:
+    """Lookup counts and the hit rate (hit blocks / blocks looked up) from the metrics."""
+    hits = {k.removeprefix("hits_"): v for k, v in tally.items() if k.startswith("hits_")}
+    looked = sum(hits.values()) + tally.get("misses_all", 0)
+    return {
+        "lookups": tally.get("lookups", 0),
+        "hit_rate": sum(hits.values()) / looked if looked else 0.0,
+        "hits": hits,
+        "misses": tally.get("misses_all", 0),
+    }
+
+
+def cluster(
+    *,
+    ray_nodes: Iterable[dict],
+    members_: Iterable[Any],
+    index: Any,
+    served: Mapping[str, Any],
+    plans: Mapping[str, Any],
+    tally: Mapping[str, int],
+    started: float,
+    restarted: bool,
+) -> dict[str, Any]:
+    """The whole status, in the shape ``raykv status`` prints (``status_table``)."""
+    look = lookups(tally)
+    return {
+        "nodes": nodes(ray_nodes),
+        "models": models(served, plans),
+        "members": members(members_, index),
+        "indexed_blocks": len(index),
+        "lookups": look["lookups"],
+        "hit_rate": look["hit_rate"],
+        "hits": look["hits"],
+        "misses": look["misses"],
+        "failures": {
+            k.removeprefix("failures_"): v for k, v in tally.items() if k.startswith("failures_")
+        },
+        "uptime_s": round(time.time() - started, 1),
+        "restarted": restarted,
+    }

@@ -1,0 +1,129 @@
+"""Layers import downward only (DESIGN.md, "Packages and folders"): every ``import`` in
+``raykv/`` (module level or inside a function) is read with ``ast`` and checked against the
+layer table below."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import raykv
+
+ROOT = Path(raykv.__file__).parent
+
+# layer -> the raykv layers it may import (itself always). ``errors`` is everyone's base.
+BASE = {"errors"}
+BELOW_SERVICE = {"errors", "layout", "blocks", "ops", "tiers", "transport", "models"}
+MAY_IMPORT: dict[str, set[str]] = {
+    "errors": set(),
+    "layout": BASE,
+    "blocks": BASE | {"layout"},
+    "ops": BASE | {"layout"},
+    "tiers": BASE | {"layout", "blocks", "ops"},
+    "transport": BASE | {"layout", "tiers", "ops"},
+    "models": BASE | {"layout", "ops"},
+    "service": BELOW_SERVICE,
+    "client": BELOW_SERVICE | {"service"},
+    "integrations": BELOW_SERVICE | {"service", "client"},
+    # tools on top: the demo and the benches drive the service through the client
+    "demo": BELOW_SERVICE | {"service", "client"},
+    "bench": BELOW_SERVICE | {"service", "client"},
+    "cli": BELOW_SERVICE | {"service", "client", "demo", "bench"},
+    "__init__": {"client"},  # raykv.connect & co., loaded on first use
+}
+# third-party packages a layer may import (None: any)
+THIRD_PARTY: dict[str, set[str] | None] = {"layout": {"numpy", "torch"}}
+# the top package's attributes (``import raykv`` then ``raykv.connect``) are the client's
+TOP_ATTRS = {"connect", "Client", "AsyncClient", "LookupResult", "LoadResult", "StoreResult"}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _module_of(path: Path, root: Path) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1] if len(parts) > 1 else [*parts[:-1], "__init__"]
+    return ".".join(parts)
+
+
+def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """(line, imported raykv module or third-party top name) of every import in ``path``;
+    ``raykv.<attr>`` uses after a bare ``import raykv`` count as imports of ``<attr>``."""
+    tree = ast.parse(path.read_text())
+    module = _module_of(path, root)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    bare = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                found.append((node.lineno, a.name))
+                bare |= a.name == "raykv" and a.asname is None
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")
+                up = up[: len(up) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            for a in node.names:
+                found.append((node.lineno, f"{base}.{a.name}" if base == "raykv" else base))
+    if bare:
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "raykv"
+            ):
+                attr = "client" if node.attr in TOP_ATTRS else node.attr
+                found.append((node.lineno, f"raykv.{attr}"))
+    return found
+
+
+def violations(root: Path = ROOT) -> list[str]:
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        src = _layer(_module_of(path, root))
+        allowed = MAY_IMPORT.get(src)
+        assert allowed is not None, f"{path} is in no layer of MAY_IMPORT: add it (DESIGN.md)"
+        for line, name in imports(path, root):
+            where = f"{path.relative_to(root.parent)}:{line}"
+            if name == "raykv" or name.startswith("raykv."):
+                if name == "raykv":
+                    continue  # the bare import itself; its attribute uses are checked
+                dst = _layer(name)
+                if dst == "_kernels":
+                    dst = "ops"
+                if dst != src and dst not in allowed:
+                    bad.append(f"{where}: {src} imports {name} (a layer above it)")
+            else:
+                top = name.split(".")[0]
+                ok = THIRD_PARTY.get(src)
+                if ok is not None and top not in sys.stdlib_module_names and top not in ok:
+                    bad.append(f"{where}: {src} imports {top} (only stdlib, {sorted(ok)})")
+    return bad
+
+
+def test_raykv_imports_downward_only() -> None:
+    assert violations() == []
+
+
+def test_the_walk_sees_an_upward_import(tmp_path: Path) -> None:
+    pkg = tmp_path / "raykv"
+    (pkg / "service").mkdir(parents=True)
+    (pkg / "layout").mkdir()
+    (pkg / "service" / "x.py").write_text(
+        "def f():\n    from raykv.client import connect\n    import raykv\n    raykv.connect()\n"
+    )
+    (pkg / "layout" / "y.py").write_text("from ..blocks import pool\nimport ray\n")
+    got = violations(pkg)
+    assert got == [
+        "raykv/layout/y.py:1: layout imports raykv.blocks (a layer above it)",
+        "raykv/layout/y.py:2: layout imports ray (only stdlib, ['numpy', 'torch'])",
+        "raykv/service/x.py:2: service imports raykv.client (a layer above it)",
+        "raykv/service/x.py:4: service imports raykv.client (a layer above it)",
+    ]
