@@ -28,7 +28,66 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+class _Ping:
+    """A bare Ray actor: the floor one actor round trip costs on this machine."""
+
+    def ping(self) -> None:
+        return None
+
+
+def _timed(fn: Callable[[], Any], reps: int) -> list[float]:
+    fn()  # warm
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _ping_bench(reps: int) -> dict[str, float]:
+    """p50/p99 of a bare actor call (no arguments, returns None) from this driver, to an
+    actor created like the coordinator (detached, num_cpus=0, unpinned; killed after)."""
+    import ray
+
+    actor = ray.remote(_Ping).options(num_cpus=0, lifetime="detached").remote()
+    lat = _timed(lambda: ray.get(actor.ping.remote()), reps)
+    ray.kill(actor)
+    return {"p50_ms": _pct(lat, 0.5) * 1e3, "p99_ms": _pct(lat, 0.99) * 1e3}
+
+
+def _reference_hash(tokens: list[int], bs: int) -> list[bytes]:
+    """The issue's reference: a Python loop of chained sha256 over ``bs``-token blocks,
+    packing each block's tokens (the hasher before issue 10)."""
+    import hashlib
+    import struct
+
+    prev, out, pack = hashlib.sha256(b"reference").digest(), [], struct.Struct(f"<{bs}q").pack
+    for i in range(len(tokens) // bs):
+        prev = hashlib.sha256(prev + pack(*tokens[i * bs : (i + 1) * bs]) + b"\x00\x00").digest()
+        out.append(prev)
+    return out
+
+
+def _hashing_bench(tokens: list[int], hash_block_size: int, reps: int) -> dict[str, float]:
+    """Client-side hashing of one prompt (a list of ints, as engines pass them), next to the
+    reference loop, interleaved so both see the same machine load: medians in ms."""
+    from raykv.blocks import BlockHasher
+
+    hasher = BlockHasher(hash_block_size)
+    ours, ref = [], []
+    for _ in range(reps):
+        ours += _timed(lambda: hasher.hash_blocks(tokens), 1)
+        ref += _timed(lambda: _reference_hash(tokens, hash_block_size), 1)
+    return {
+        "hashing_ms": statistics.median(ours) * 1e3,
+        "hashing_reference_ms": statistics.median(ref) * 1e3,
+    }
+
+
 def _lookup_bench(kv: Any, a_node: str, b_node: str, tokens: int, reps: int) -> dict[str, Any]:
+    """Lookups of a prompt one pool holds (hit) and one nobody holds (miss), from the other
+    node's client, beside a bare actor ping and the hashing alone, measured in this run."""
     from raykv.layout import FullAttention
 
     layers = {
@@ -53,13 +112,11 @@ def _lookup_bench(kv: Any, a_node: str, b_node: str, tokens: int, reps: int) -> 
     full = tokens // plan.groups[0].block_size
     a.store("bench", table[:full], torch.zeros((full, plan.gpu_bytes_per_block), dtype=torch.uint8))
     out: dict[str, Any] = {"prompt_tokens": tokens, "blocks": full}
+    out["ping"] = _ping_bench(reps)
     for label, ids in (("hit", prompt), ("miss", miss)):
-        b.lookup(ids)  # warm: resolves the model and the coordinator
-        lat = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            res = b.lookup(ids)
-            lat.append(time.perf_counter() - t0)
+        res = b.lookup(ids)  # warm: resolves the model and the coordinator
+        lat = _timed(lambda ids=ids: b.lookup(ids), reps)
+        res = b.lookup(ids)
         assert (res.hit_tokens > 0) == (label == "hit"), res
         out[label] = {
             "lookups_per_s": len(lat) / sum(lat),
@@ -67,11 +124,14 @@ def _lookup_bench(kv: Any, a_node: str, b_node: str, tokens: int, reps: int) -> 
             "p99_ms": _pct(lat, 0.99) * 1e3,
             "hit_tokens": res.hit_tokens,
         }
-    from raykv.blocks import BlockHasher
-
-    t0 = time.perf_counter()
-    BlockHasher(plan.hash_block_size).hash_blocks(prompt)
-    out["hashing_ms"] = (time.perf_counter() - t0) * 1e3
+    out.update(_hashing_bench(prompt[:tokens], plan.hash_block_size, max(reps // 4, 5)))
+    ping = out["ping"]["p50_ms"]
+    out["ratios"] = {
+        "hit_p50_vs_ping": out["hit"]["p50_ms"] / ping,
+        "hit_p99_vs_ping": out["hit"]["p99_ms"] / ping,
+        "miss_p50_vs_ping": out["miss"]["p50_ms"] / ping,
+        "hashing_vs_reference": out["hashing_ms"] / out["hashing_reference_ms"],
+    }
     a.free("bench")
     return out
 
@@ -169,7 +229,17 @@ def format_report(r: dict[str, Any]) -> str:
             f"{x['lookups_per_s']:>11.1f}"
             f"{x['p50_ms']:>9.2f}{x['p99_ms']:>9.2f}"
         )
-    lines.append(f"  (client-side hashing of {lk['blocks']} blocks: {lk['hashing_ms']:.2f} ms)")
+    ping, rt = lk["ping"], lk["ratios"]
+    lines.append(f"{'  bare actor ping':<30}{'':>11}{ping['p50_ms']:>9.2f}{ping['p99_ms']:>9.2f}")
+    lines.append(
+        f"  hit vs ping: p50 {rt['hit_p50_vs_ping']:.2f}x (target <= 2), "
+        f"p99 {rt['hit_p99_vs_ping']:.2f}x (target <= 4); miss p50 {rt['miss_p50_vs_ping']:.2f}x"
+    )
+    lines.append(
+        f"  client-side hashing of {lk['blocks']} blocks: {lk['hashing_ms']:.2f} ms (target "
+        f"<= 1 ms); the reference loop {lk['hashing_reference_ms']:.2f} ms: "
+        f"{rt['hashing_vs_reference']:.2f}x"
+    )
     lines.append("")
     lines.append(f"{'cross-node load':<30}{'MiB':>11}{'GB/s':>9}{'local GB/s':>12}{'ratio':>8}")
     lines.append(
