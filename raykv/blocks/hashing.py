@@ -40,6 +40,7 @@ BlockHash = bytes
 
 _NARROW, _WIDE = 0x05, 0x06  # row tags: uint32 tokens / int64 tokens
 _U32 = 1 << 32
+_FEW = 8  # up to this many blocks, rows are packed without numpy (cheaper per call)
 
 
 def _encode(value: int | str | bytes | None) -> bytes:
@@ -113,6 +114,30 @@ class BlockHasher:
         self.root: BlockHash = hashlib.sha256(
             HASH_VERSION + _encode(hash_block_size) + _encode(seed)
         ).digest()
+        # a few blocks (a decode step filling one) skip numpy's per-call cost: same rows
+        self._narrow = struct.Struct(f"<B{hash_block_size}I").pack
+        self._wide = struct.Struct(f"<B{hash_block_size}q").pack
+
+    def __reduce__(self):
+        # the precompiled struct layouts do not pickle; a copy rebuilds them from the args
+        return (BlockHasher, (self.hash_block_size, self.seed))
+
+    def _few_rows(self, token_ids: Sequence[int], first: int, last: int, tail: bytes) -> list:
+        """``_rows`` for a few blocks of a sequence, without numpy: a token outside uint32
+        makes the narrow pack fail, and the block goes wide."""
+        bs, out, narrow, wide = self.hash_block_size, [], self._narrow, self._wide
+        for i in range(first, last):
+            block = token_ids[i * bs : (i + 1) * bs]
+            try:
+                out.append(narrow(_NARROW, *block) + tail)
+            except struct.error:
+                try:
+                    out.append(wide(_WIDE, *block) + tail)
+                except struct.error as e:
+                    raise InvalidInput(
+                        f"token ids must be integers in the int64 range ({e}); nothing was hashed"
+                    ) from None
+        return out
 
     def hash_blocks(
         self,
@@ -137,8 +162,12 @@ class BlockHasher:
         last = len(token_ids) // bs if end_block is None else min(end_block, len(token_ids) // bs)
         if last <= first_block:
             return []
-        tokens = token_array(token_ids, first_block * bs, last * bs)
-        rows = _rows(tokens.reshape(last - first_block, bs), _encode(lora_id) + b"\x00")
+        tail = b"\x00\x00" if lora_id is None else _encode(lora_id) + b"\x00"
+        if last - first_block <= _FEW and not isinstance(token_ids, np.ndarray):
+            rows = self._few_rows(token_ids, first_block, last, tail)
+        else:
+            tokens = token_array(token_ids, first_block * bs, last * bs)
+            rows = _rows(tokens.reshape(last - first_block, bs), tail)
         if first_block == 0 and cache_salt is not None:  # the salt enters the first block
             rows[0] = rows[0][:-1] + _encode(cache_salt)
         prev = self.root if first_block == 0 else parent

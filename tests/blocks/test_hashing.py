@@ -161,6 +161,14 @@ def test_lists_tuples_and_arrays_hash_alike(tokens, bs, salt):
     if all(0 <= t < 2**32 for t in tokens):
         assert h.hash_blocks(np.array(tokens, dtype=np.uint32), cache_salt=salt) == want
     assert all(len(x) == DIGEST_BYTES for x in want)
+    # one block at a time (the few-blocks path) chains to the same hashes as all at once
+    one_by_one: list[bytes] = []
+    for i in range(len(want)):
+        parent = one_by_one[-1] if one_by_one else None
+        one_by_one += h.hash_blocks(
+            tokens, first_block=i, end_block=i + 1, parent=parent, cache_salt=salt
+        )
+    assert one_by_one == want
 
 
 def test_wide_and_narrow_tokens_never_hash_alike():
