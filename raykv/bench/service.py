@@ -35,25 +35,22 @@ class _Ping:
         return None
 
 
-def _timed(fn: Callable[[], Any], reps: int) -> list[float]:
-    fn()  # warm
-    out = []
+def _once(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _interleaved(calls: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
+    """Latencies of each call, taking turns every repetition, so a load spike on a shared
+    machine hits them alike and their ratios stay fair."""
+    for fn in calls.values():
+        fn()  # warm: resolves the model, the coordinator, the actor
+    out: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
+        for k, fn in calls.items():
+            out[k].append(_once(fn))
     return out
-
-
-def _ping_bench(reps: int) -> dict[str, float]:
-    """p50/p99 of a bare actor call (no arguments, returns None) from this driver, to an
-    actor created like the coordinator (detached, num_cpus=0, unpinned; killed after)."""
-    import ray
-
-    actor = ray.remote(_Ping).options(num_cpus=0, lifetime="detached").remote()
-    lat = _timed(lambda: ray.get(actor.ping.remote()), reps)
-    ray.kill(actor)
-    return {"p50_ms": _pct(lat, 0.5) * 1e3, "p99_ms": _pct(lat, 0.99) * 1e3}
 
 
 def _reference_hash(tokens: list[int], bs: int) -> list[bytes]:
@@ -75,10 +72,14 @@ def _hashing_bench(tokens: list[int], hash_block_size: int, reps: int) -> dict[s
     from raykv.blocks import BlockHasher
 
     hasher = BlockHasher(hash_block_size)
-    ours, ref = [], []
-    for _ in range(reps):
-        ours += _timed(lambda: hasher.hash_blocks(tokens), 1)
-        ref += _timed(lambda: _reference_hash(tokens, hash_block_size), 1)
+    lat = _interleaved(
+        {
+            "ours": lambda: hasher.hash_blocks(tokens),
+            "ref": lambda: _reference_hash(tokens, hash_block_size),
+        },
+        reps,
+    )
+    ours, ref = lat["ours"], lat["ref"]
     return {
         "hashing_ms": statistics.median(ours) * 1e3,
         "hashing_reference_ms": statistics.median(ref) * 1e3,
@@ -88,6 +89,8 @@ def _hashing_bench(tokens: list[int], hash_block_size: int, reps: int) -> dict[s
 def _lookup_bench(kv: Any, a_node: str, b_node: str, tokens: int, reps: int) -> dict[str, Any]:
     """Lookups of a prompt one pool holds (hit) and one nobody holds (miss), from the other
     node's client, beside a bare actor ping and the hashing alone, measured in this run."""
+    import ray
+
     from raykv.layout import FullAttention
 
     layers = {
@@ -112,16 +115,26 @@ def _lookup_bench(kv: Any, a_node: str, b_node: str, tokens: int, reps: int) -> 
     full = tokens // plan.groups[0].block_size
     a.store("bench", table[:full], torch.zeros((full, plan.gpu_bytes_per_block), dtype=torch.uint8))
     out: dict[str, Any] = {"prompt_tokens": tokens, "blocks": full}
-    out["ping"] = _ping_bench(reps)
+    # a bare actor (no arguments, returns None) created like the coordinator: detached,
+    # num_cpus=0, unpinned; killed after
+    actor = ray.remote(_Ping).options(num_cpus=0, lifetime="detached").remote()
+    lat = _interleaved(
+        {
+            "ping": lambda: ray.get(actor.ping.remote()),
+            "hit": lambda: b.lookup(prompt),
+            "miss": lambda: b.lookup(miss),
+        },
+        reps,
+    )
+    ray.kill(actor)
+    out["ping"] = {"p50_ms": _pct(lat["ping"], 0.5) * 1e3, "p99_ms": _pct(lat["ping"], 0.99) * 1e3}
     for label, ids in (("hit", prompt), ("miss", miss)):
-        res = b.lookup(ids)  # warm: resolves the model and the coordinator
-        lat = _timed(lambda ids=ids: b.lookup(ids), reps)
         res = b.lookup(ids)
         assert (res.hit_tokens > 0) == (label == "hit"), res
         out[label] = {
-            "lookups_per_s": len(lat) / sum(lat),
-            "p50_ms": _pct(lat, 0.5) * 1e3,
-            "p99_ms": _pct(lat, 0.99) * 1e3,
+            "lookups_per_s": len(lat[label]) / sum(lat[label]),
+            "p50_ms": _pct(lat[label], 0.5) * 1e3,
+            "p99_ms": _pct(lat[label], 0.99) * 1e3,
             "hit_tokens": res.hit_tokens,
         }
     out.update(_hashing_bench(prompt[:tokens], plan.hash_block_size, max(reps // 4, 5)))
