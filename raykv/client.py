@@ -194,12 +194,16 @@ class _Base:
 
     # Each op is (target, method, args, post): "coord" calls retry, "pool" calls do not.
     def _lookup_op(self, token_ids: Sequence[int], model: ServedModel, plan: Any):
+        """One coordinator call: the prompt's chained hashes (all but its last token: at
+        least one token is left to compute) joined into one bytes blob; the coordinator
+        cuts each group's keys out of it."""
         from raykv.blocks import BlockHasher
-        from raykv.service.groups import group_keys, primary_group
+        from raykv.service.groups import primary_group
 
         ids = check_token_ids(token_ids, plan.max_model_len, model.name)
-        limit = max(len(ids) - 1, 0)  # at least one token is left to compute
-        keys = group_keys(plan, BlockHasher(plan.hash_block_size).hash_blocks(ids[:limit]))
+        limit = max(len(ids) - 1, 0)
+        hasher = BlockHasher(plan.hash_block_size)
+        chain = b"".join(hasher.hash_blocks(ids, end_block=limit // hasher.hash_block_size))
         bs = plan.groups[primary_group(plan)].block_size
         node = self._node_id()
 
@@ -207,7 +211,7 @@ class _Base:
             where = tuple(Hit(tier, n, n == node, count * bs) for tier, n, count in res["runs"])
             return LookupResult(res["hit_tokens"], where, len(ids))
 
-        return "coord", "lookup", (model.name, keys, node, limit), post
+        return "coord", "lookup", (model.name, chain, node, limit), post
 
 
 def _flat(block_ids: Sequence) -> bool:

@@ -28,7 +28,69 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+class _Ping:
+    """A bare Ray actor: the floor one actor round trip costs on this machine."""
+
+    def ping(self) -> None:
+        return None
+
+
+def _once(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _interleaved(calls: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
+    """Latencies of each call, taking turns every repetition, so a load spike on a shared
+    machine hits them alike and their ratios stay fair."""
+    for fn in calls.values():
+        fn()  # warm: resolves the model, the coordinator, the actor
+    out: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(reps):
+        for k, fn in calls.items():
+            out[k].append(_once(fn))
+    return out
+
+
+def _reference_hash(tokens: list[int], bs: int) -> list[bytes]:
+    """The issue's reference: a Python loop of chained sha256 over ``bs``-token blocks,
+    packing each block's tokens (the hasher before issue 10)."""
+    import hashlib
+    import struct
+
+    prev, out, pack = hashlib.sha256(b"reference").digest(), [], struct.Struct(f"<{bs}q").pack
+    for i in range(len(tokens) // bs):
+        prev = hashlib.sha256(prev + pack(*tokens[i * bs : (i + 1) * bs]) + b"\x00\x00").digest()
+        out.append(prev)
+    return out
+
+
+def _hashing_bench(tokens: list[int], hash_block_size: int, reps: int) -> dict[str, float]:
+    """Client-side hashing of one prompt (a list of ints, as engines pass them), next to the
+    reference loop, interleaved so both see the same machine load: medians in ms."""
+    from raykv.blocks import BlockHasher
+
+    hasher = BlockHasher(hash_block_size)
+    lat = _interleaved(
+        {
+            "ours": lambda: hasher.hash_blocks(tokens),
+            "ref": lambda: _reference_hash(tokens, hash_block_size),
+        },
+        reps,
+    )
+    ours, ref = lat["ours"], lat["ref"]
+    return {
+        "hashing_ms": statistics.median(ours) * 1e3,
+        "hashing_reference_ms": statistics.median(ref) * 1e3,
+    }
+
+
 def _lookup_bench(kv: Any, a_node: str, b_node: str, tokens: int, reps: int) -> dict[str, Any]:
+    """Lookups of a prompt one pool holds (hit) and one nobody holds (miss), from the other
+    node's client, beside a bare actor ping and the hashing alone, measured in this run."""
+    import ray
+
     from raykv.layout import FullAttention
 
     layers = {
@@ -53,25 +115,36 @@ def _lookup_bench(kv: Any, a_node: str, b_node: str, tokens: int, reps: int) -> 
     full = tokens // plan.groups[0].block_size
     a.store("bench", table[:full], torch.zeros((full, plan.gpu_bytes_per_block), dtype=torch.uint8))
     out: dict[str, Any] = {"prompt_tokens": tokens, "blocks": full}
+    # a bare actor (no arguments, returns None) created like the coordinator: detached,
+    # num_cpus=0, unpinned; killed after
+    actor = ray.remote(_Ping).options(num_cpus=0, lifetime="detached").remote()
+    lat = _interleaved(
+        {
+            "ping": lambda: ray.get(actor.ping.remote()),
+            "hit": lambda: b.lookup(prompt),
+            "miss": lambda: b.lookup(miss),
+        },
+        reps,
+    )
+    ray.kill(actor)
+    out["ping"] = {"p50_ms": _pct(lat["ping"], 0.5) * 1e3, "p99_ms": _pct(lat["ping"], 0.99) * 1e3}
     for label, ids in (("hit", prompt), ("miss", miss)):
-        b.lookup(ids)  # warm: resolves the model and the coordinator
-        lat = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            res = b.lookup(ids)
-            lat.append(time.perf_counter() - t0)
+        res = b.lookup(ids)
         assert (res.hit_tokens > 0) == (label == "hit"), res
         out[label] = {
-            "lookups_per_s": len(lat) / sum(lat),
-            "p50_ms": _pct(lat, 0.5) * 1e3,
-            "p99_ms": _pct(lat, 0.99) * 1e3,
+            "lookups_per_s": len(lat[label]) / sum(lat[label]),
+            "p50_ms": _pct(lat[label], 0.5) * 1e3,
+            "p99_ms": _pct(lat[label], 0.99) * 1e3,
             "hit_tokens": res.hit_tokens,
         }
-    from raykv.blocks import BlockHasher
-
-    t0 = time.perf_counter()
-    BlockHasher(plan.hash_block_size).hash_blocks(prompt)
-    out["hashing_ms"] = (time.perf_counter() - t0) * 1e3
+    out.update(_hashing_bench(prompt[:tokens], plan.hash_block_size, max(reps // 4, 5)))
+    ping = out["ping"]["p50_ms"]
+    out["ratios"] = {
+        "hit_p50_vs_ping": out["hit"]["p50_ms"] / ping,
+        "hit_p99_vs_ping": out["hit"]["p99_ms"] / ping,
+        "miss_p50_vs_ping": out["miss"]["p50_ms"] / ping,
+        "hashing_vs_reference": out["hashing_ms"] / out["hashing_reference_ms"],
+    }
     a.free("bench")
     return out
 
@@ -169,7 +242,17 @@ def format_report(r: dict[str, Any]) -> str:
             f"{x['lookups_per_s']:>11.1f}"
             f"{x['p50_ms']:>9.2f}{x['p99_ms']:>9.2f}"
         )
-    lines.append(f"  (client-side hashing of {lk['blocks']} blocks: {lk['hashing_ms']:.2f} ms)")
+    ping, rt = lk["ping"], lk["ratios"]
+    lines.append(f"{'  bare actor ping':<30}{'':>11}{ping['p50_ms']:>9.2f}{ping['p99_ms']:>9.2f}")
+    lines.append(
+        f"  hit vs ping: p50 {rt['hit_p50_vs_ping']:.2f}x (target <= 2), "
+        f"p99 {rt['hit_p99_vs_ping']:.2f}x (target <= 4); miss p50 {rt['miss_p50_vs_ping']:.2f}x"
+    )
+    lines.append(
+        f"  client-side hashing of {lk['blocks']} blocks: {lk['hashing_ms']:.2f} ms (target "
+        f"<= 1 ms); the reference loop {lk['hashing_reference_ms']:.2f} ms: "
+        f"{rt['hashing_vs_reference']:.2f}x"
+    )
     lines.append("")
     lines.append(f"{'cross-node load':<30}{'MiB':>11}{'GB/s':>9}{'local GB/s':>12}{'ratio':>8}")
     lines.append(

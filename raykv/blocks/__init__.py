@@ -1,8 +1,9 @@
 """Blocks: who holds which GPU block. Pure Python (imports only ``raykv.layout``).
 
 ``BlockManager`` is the entry point; ``BlockPool`` the shared pool with its prefix cache;
-``BlockHasher`` the reproducible chained block hashes; ``PrefixIndex`` rebuilds a pool's
-prefix map from its KV events.
+``BlockHasher`` the reproducible chained block hashes; ``PrefixIndex`` the one prefix index,
+fed by KV events: a pool's map in-process, the service's cluster-wide index in the
+coordinator.
 """
 
 from raykv.blocks.events import BlockRemoved, BlockStored, KVEvent, PrefixIndex

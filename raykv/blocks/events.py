@@ -1,15 +1,24 @@
-"""KV events: what a block pool tells the outside world about its prefix cache.
+"""KV events and the one prefix index they feed.
 
 A pool emits ``BlockStored`` when full blocks enter its prefix-hash map and
 ``BlockRemoved`` when eviction takes them out. Replaying the events in order through a
-``PrefixIndex`` rebuilds exactly the pool's map; a cluster-wide index consumes the same
-events, tagged with the pool they came from.
+``PrefixIndex`` rebuilds exactly the pool's map. The same index, with the events tagged by
+who sent them (a *holder*: the service's pools and tiers) and the model they belong to (a
+*scope*), is the service's cluster-wide index: the coordinator feeds it and looks prefixes
+up in it. There is no other prefix index.
+
+A lookup asks, for one group and one request, "is slot ``j`` held?" as
+``GroupManager.longest_hit`` walks the slots. ``GroupProbe`` answers that with one dict probe
+per slot, and runs the forward scan of a manager that keeps every slot (full attention, MLA)
+in C, so a 2048-block prompt costs no per-block Python call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import takewhile
+from typing import Any
 
 from raykv.blocks.hashing import BlockHash
 
@@ -35,34 +44,151 @@ class BlockRemoved:
 
 KVEvent = BlockStored | BlockRemoved
 
+Copies = dict[Hashable, int]  # holder -> its block id of one prefix
+_EMPTY: Mapping[BlockHash, Copies] = {}
+
 
 class PrefixIndex:
-    """(group_id, block hash) -> block id, rebuilt from KV events alone."""
+    """(scope, group id, block hash) -> every holder of a copy, with its block id.
+
+    In-process the scope and the holder are None (one pool: ``locations`` is its map). In
+    the service the scope is the model and the holder the member (pool or tier) that sent
+    the events; ``drop_member`` forgets everything one holder held (it died or left).
+    """
 
     def __init__(self) -> None:
-        self.locations: dict[tuple[int, BlockHash], int] = {}
+        self._tables: dict[tuple[Hashable, int], dict[BlockHash, Copies]] = {}
+        self._held: dict[Hashable, set[tuple[Hashable, int, BlockHash]]] = {}
 
-    def apply(self, event: KVEvent) -> None:
+    # --- feeding it ---------------------------------------------------------------------
+
+    def add(
+        self,
+        group_id: int,
+        block_hash: BlockHash,
+        block_id: int,
+        holder: Hashable = None,
+        scope: Hashable = None,
+    ) -> None:
+        table = self._tables.get((scope, group_id))
+        if table is None:
+            table = self._tables[scope, group_id] = {}
+        copies = table.get(block_hash)
+        if copies is None:
+            copies = table[block_hash] = {}
+        copies[holder] = block_id
+        held = self._held.get(holder)
+        if held is None:
+            held = self._held[holder] = set()
+        held.add((scope, group_id, block_hash))
+
+    def remove(
+        self, group_id: int, block_hash: BlockHash, holder: Hashable = None, scope: Hashable = None
+    ) -> None:
+        table = self._tables.get((scope, group_id))
+        copies = None if table is None else table.get(block_hash)
+        if copies is not None and copies.pop(holder, None) is not None and not copies:
+            del table[block_hash]
+        held = self._held.get(holder)
+        if held is not None:
+            held.discard((scope, group_id, block_hash))
+
+    def apply(self, event: KVEvent, holder: Hashable = None, scope: Hashable = None) -> None:
+        gid = event.group_id
         if isinstance(event, BlockStored):
             for h, b in zip(event.block_hashes, event.block_ids, strict=True):
-                self.locations[(event.group_id, h)] = b
+                self.add(gid, h, b, holder, scope)
         else:
             for h in event.block_hashes:
-                self.locations.pop((event.group_id, h), None)
+                self.remove(gid, h, holder, scope)
 
-    def replay(self, events: Iterable[KVEvent]) -> PrefixIndex:
+    def replay(
+        self, events: Iterable[KVEvent], holder: Hashable = None, scope: Hashable = None
+    ) -> PrefixIndex:
         for e in events:
-            self.apply(e)
+            self.apply(e, holder, scope)
         return self
 
-    def longest_prefix(self, group_id: int, block_hashes: Sequence[BlockHash]) -> int:
-        """Leading blocks of ``block_hashes`` present in the index."""
-        n = 0
-        for h in block_hashes:
-            if (group_id, h) not in self.locations:
-                break
-            n += 1
-        return n
+    def drop_member(self, holder: Hashable) -> int:
+        """Forget every copy ``holder`` holds; returns how many."""
+        keys = self._held.pop(holder, set())
+        for scope, gid, h in keys:
+            table = self._tables.get((scope, gid))
+            copies = None if table is None else table.get(h)
+            if copies is not None:
+                copies.pop(holder, None)
+                if not copies:
+                    del table[h]
+        return len(keys)
+
+    # --- reading it ---------------------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self.locations)
+        """Distinct prefixes held by anyone."""
+        return sum(len(t) for t in self._tables.values())
+
+    def blocks_of(self, holder: Hashable) -> int:
+        return len(self._held.get(holder, ()))
+
+    def table(self, group_id: int, scope: Hashable = None) -> Mapping[BlockHash, Copies]:
+        """The group's map (block hash -> holders); read only."""
+        return self._tables.get((scope, group_id), _EMPTY)
+
+    def copies(self, group_id: int, block_hash: BlockHash, scope: Hashable = None) -> Copies:
+        return dict(self.table(group_id, scope).get(block_hash, _EMPTY))
+
+    @property
+    def locations(self) -> dict[tuple[int, BlockHash], int]:
+        """The in-process view: (group id, hash) -> block id of the unnamed holder (None)."""
+        return {
+            (gid, h): copies[None]
+            for (scope, gid), table in self._tables.items()
+            if scope is None
+            for h, copies in table.items()
+            if None in copies
+        }
+
+    def longest_prefix(
+        self, group_id: int, block_hashes: Iterable[BlockHash], scope: Hashable = None
+    ) -> int:
+        """Leading blocks of ``block_hashes`` somebody holds."""
+        table = self.table(group_id, scope)
+        return len(list(takewhile(table.__contains__, block_hashes)))
+
+    def probe(self, group_id: int, keys: Sequence[BlockHash], manager: Any, scope=None):
+        """``keys`` (one group's, of one request) against this index: see ``GroupProbe``."""
+        return GroupProbe(self.table(group_id, scope), keys, manager)
+
+
+class GroupProbe:
+    """One group's keys of one request against the index, answering what the group's
+    ``GroupManager`` asks: ``probe(j)`` is the holders of slot ``j`` (None: nobody), and
+    ``probe.longest_hit(lookup, limit)`` is ``manager.longest_hit`` over the index (so a
+    list of probes goes where a list of managers goes, e.g. ``common_hit``)."""
+
+    __slots__ = ("_run", "keys", "manager", "table")
+
+    def __init__(
+        self, table: Mapping[BlockHash, Copies], keys: Sequence[BlockHash], manager: Any
+    ) -> None:
+        self.table, self.keys, self.manager = table, keys, manager
+        self._run: int | None = None
+
+    def __call__(self, j: int) -> Copies | None:
+        return self.table.get(self.keys[j]) if j < len(self.keys) else None
+
+    def run(self) -> int:
+        """Leading slots held, scanned in C."""
+        if self._run is None:
+            self._run = len(list(takewhile(self.table.__contains__, self.keys)))
+        return self._run
+
+    def longest_hit(self, lookup: Any, limit: int) -> int:
+        """``manager.longest_hit`` answered from the index (``lookup`` is this probe's own
+        question). The base rule (scan forward to the first miss) is ``run``."""
+        from raykv.blocks.managers.base import GroupManager
+
+        m = self.manager
+        if type(m).longest_hit is GroupManager.longest_hit:
+            return min(self.run(), limit // m.block_size) * m.block_size
+        return m.longest_hit(self, limit)

@@ -1,10 +1,20 @@
 """Block hashes: sha256 chained over token ids, reproducible on every process and node.
 
 A hash block holds ``hash_block_size`` tokens. Hash ``i`` covers every token before the end
-of hash block ``i``: it digests the hash of block ``i - 1`` (or the seeded root), then the
-block's tokens as little-endian int64, then the extra keys. The LoRA id goes into every
-block, the cache salt only into the first one (the chain carries it on). Nothing here uses
-Python's ``hash()`` (randomized per process); the seed is explicit (invariant 10).
+of hash block ``i``: ``sha256(hash(i - 1) + row(i))``, where hash ``-1`` is the seeded root
+and ``row(i)`` is the block's tokens, then the extra keys. The tokens go in as little-endian
+uint32 behind the tag 0x05 when every token of the block is in ``0 .. 2**32 - 1`` (any real
+vocabulary), else as little-endian int64 behind the tag 0x06: one injective encoding per
+block that keeps a 16-token row in two sha256 compressions (with the 32-byte parent)
+instead of three. The LoRA id goes into every block, the cache salt only into the first one
+(the chain carries it on). Nothing here uses Python's ``hash()`` (randomized per process);
+the seed is explicit (invariant 10) and ``HASH_VERSION`` names this definition: it is the
+one implementation, used by the block manager's prefix cache, the service's group keys, the
+CPU tier's keys and the client's lookups alike.
+
+Speed: the tokens become one int64 array at once (one ``struct.pack`` for a list, no copy
+for an integer numpy array), every row is built by numpy in one pass, and the loop does one
+``sha256(...).digest()`` per block with no per-token Python work.
 
 A group whose block size is ``k x hash_block_size`` names its block ``j`` by hash
 ``(j + 1) * k - 1``, the chained hash at the end of that block. The pool keys its map by
@@ -16,13 +26,21 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 from raykv.errors import InvalidInput
 
-HASH_VERSION = b"raykv/block-hash/v1"
+HASH_VERSION = b"raykv/block-hash/v2"
 DEFAULT_HASH_SEED = 0
+DIGEST_BYTES = 32  # sha256: every BlockHash is this long
 
 BlockHash = bytes
+
+_NARROW, _WIDE = 0x05, 0x06  # row tags: uint32 tokens / int64 tokens
+_U32 = 1 << 32
+_FEW = 8  # up to this many blocks, rows are packed without numpy (cheaper per call)
 
 
 def _encode(value: int | str | bytes | None) -> bytes:
@@ -43,6 +61,48 @@ def _encode(value: int | str | bytes | None) -> bytes:
     return tag + struct.pack("<I", len(value)) + value
 
 
+def token_array(token_ids: Any, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """``token_ids[start:stop]`` as one int64 array: an integer numpy array is used as it is
+    (no per-token work), anything else is packed once. InvalidInput for a non-integer or a
+    value outside int64."""
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype.kind in "iu":
+        a = token_ids.reshape(-1)[start:stop]
+        if a.dtype.kind == "u" and a.dtype.itemsize == 8 and a.size and int(a.max()) >= 1 << 63:
+            raise InvalidInput(
+                f"token ids must be in the int64 range, got {int(a.max())}; nothing was hashed"
+            )
+        return a.astype("<i8", copy=False)
+    seq = token_ids[start:stop]
+    try:
+        buf = struct.pack(f"<{len(seq)}q", *seq)
+    except struct.error as e:
+        raise InvalidInput(
+            f"token ids must be integers in the int64 range ({e}); nothing was hashed"
+        ) from None
+    return np.frombuffer(buf, "<i8")
+
+
+def _rows(blocks: np.ndarray, tail: bytes) -> list[bytes]:
+    """One ``tag + tokens + tail`` row per block (``blocks``: [n, hash_block_size] int64)."""
+    n = blocks.shape[0]
+    if n == 0:
+        return []
+    if int(blocks.min()) >= 0 and int(blocks.max()) < _U32:  # every block is narrow
+        body = blocks.astype("<u4")
+        w = body.shape[1] * 4
+        buf = np.empty((n, 1 + w + len(tail)), np.uint8)
+        buf[:, 0] = _NARROW
+        buf[:, 1 : 1 + w] = body.view(np.uint8).reshape(n, w)
+        buf[:, 1 + w :] = np.frombuffer(tail, np.uint8)
+        return buf.view(f"V{buf.shape[1]}").ravel().tolist()  # bytes, no byte dropped
+    narrow = (blocks >= 0).all(axis=1) & (blocks < _U32).all(axis=1)
+    return [
+        (bytes([_NARROW]) + b.astype("<u4").tobytes() if ok else bytes([_WIDE]) + b.tobytes())
+        + tail
+        for b, ok in zip(blocks, narrow.tolist(), strict=True)
+    ]
+
+
 class BlockHasher:
     """Chained block hashes for one ``hash_block_size`` and one seed."""
 
@@ -54,12 +114,30 @@ class BlockHasher:
         self.root: BlockHash = hashlib.sha256(
             HASH_VERSION + _encode(hash_block_size) + _encode(seed)
         ).digest()
-        # Every block has exactly hash_block_size tokens: one precompiled layout.
-        self._tokens = struct.Struct(f"<{hash_block_size}q")
+        # a few blocks (a decode step filling one) skip numpy's per-call cost: same rows
+        self._narrow = struct.Struct(f"<B{hash_block_size}I").pack
+        self._wide = struct.Struct(f"<B{hash_block_size}q").pack
 
     def __reduce__(self):
-        # the precompiled struct layout does not pickle; a copy rebuilds it from the args
+        # the precompiled struct layouts do not pickle; a copy rebuilds them from the args
         return (BlockHasher, (self.hash_block_size, self.seed))
+
+    def _few_rows(self, token_ids: Sequence[int], first: int, last: int, tail: bytes) -> list:
+        """``_rows`` for a few blocks of a sequence, without numpy: a token outside uint32
+        makes the narrow pack fail, and the block goes wide."""
+        bs, out, narrow, wide = self.hash_block_size, [], self._narrow, self._wide
+        for i in range(first, last):
+            block = token_ids[i * bs : (i + 1) * bs]
+            try:
+                out.append(narrow(_NARROW, *block) + tail)
+            except struct.error:
+                try:
+                    out.append(wide(_WIDE, *block) + tail)
+                except struct.error as e:
+                    raise InvalidInput(
+                        f"token ids must be integers in the int64 range ({e}); nothing was hashed"
+                    ) from None
+        return out
 
     def hash_blocks(
         self,
@@ -72,8 +150,8 @@ class BlockHasher:
         cache_salt: str | bytes | None = None,
     ) -> list[BlockHash]:
         """Hashes of the full hash blocks ``first_block .. end_block - 1`` of ``token_ids``
-        (the whole sequence; by default up to its last full block, a partial one is never
-        hashed).
+        (the whole sequence: a list, tuple or integer numpy array; by default up to its last
+        full block, a partial one is never hashed).
 
         ``parent`` is the hash of block ``first_block - 1``; it is required when
         ``first_block > 0`` so the chain stays one chain however it is computed in pieces.
@@ -81,22 +159,33 @@ class BlockHasher:
         if first_block > 0 and parent is None:
             raise InvalidInput(f"hashing from block {first_block} needs the parent hash")
         bs = self.hash_block_size
-        lora = _encode(lora_id)
-        salt = _encode(cache_salt)
+        last = len(token_ids) // bs if end_block is None else min(end_block, len(token_ids) // bs)
+        if last <= first_block:
+            return []
+        tail = b"\x00\x00" if lora_id is None else _encode(lora_id) + b"\x00"
+        if last - first_block <= _FEW and not isinstance(token_ids, np.ndarray):
+            rows = self._few_rows(token_ids, first_block, last, tail)
+        else:
+            tokens = token_array(token_ids, first_block * bs, last * bs)
+            rows = _rows(tokens.reshape(last - first_block, bs), tail)
+        if first_block == 0 and cache_salt is not None:  # the salt enters the first block
+            rows[0] = rows[0][:-1] + _encode(cache_salt)
         prev = self.root if first_block == 0 else parent
         out: list[BlockHash] = []
-        pack = self._tokens.pack
-        sha = hashlib.sha256
-        try:
-            last = (
-                len(token_ids) // bs if end_block is None else min(end_block, len(token_ids) // bs)
-            )
-            for i in range(first_block, last):
-                tokens = pack(*token_ids[i * bs : (i + 1) * bs])
-                prev = sha(prev + tokens + lora + (salt if i == 0 else b"\x00")).digest()
-                out.append(prev)
-        except struct.error as e:
-            raise InvalidInput(
-                f"token ids must be integers in the int64 range ({e}); nothing was hashed"
-            ) from None
+        append, sha = out.append, hashlib.sha256
+        for row in rows:
+            prev = sha(prev + row).digest()
+            append(prev)
         return out
+
+
+def split_hashes(blob: bytes, every: int = 1) -> list[BlockHash]:
+    """Hashes ``every - 1, 2 * every - 1, ...`` of a chain sent as one blob
+    (``b"".join(hashes)``): one bytes object on the wire instead of one per block, cut
+    without per-hash Python work. InvalidInput if ``blob`` is not whole hashes."""
+    if len(blob) % DIGEST_BYTES or every < 1:
+        raise InvalidInput(
+            f"a hash blob holds whole {DIGEST_BYTES}-byte hashes (got {len(blob)} bytes, "
+            f"every={every}); send b''.join(BlockHasher.hash_blocks(...))"
+        )
+    return np.frombuffer(blob, f"V{DIGEST_BYTES}")[every - 1 :: every].tolist()

@@ -25,6 +25,8 @@ from typing import Any
 
 import ray
 
+from raykv.blocks.events import PrefixIndex
+from raykv.blocks.hashing import split_hashes
 from raykv.errors import ConfigError, InsufficientMemoryError, InvalidInput, ServiceError
 from raykv.service import placement, status
 from raykv.service.groups import (
@@ -35,7 +37,7 @@ from raykv.service.groups import (
     needed_slots,
     primary_group,
 )
-from raykv.service.index import CPU, GPU, Location, PrefixIndex
+from raykv.service.index import CPU, GPU, Location, key_events, rank, split_key
 from raykv.service.metrics import ServiceMetrics
 from raykv.service.spec import COORDINATOR, NAMESPACE, ServedModel
 
@@ -281,7 +283,6 @@ class Coordinator:
         for model, plan in snap.get("models", {}).items():
             if model not in self.models:
                 self.models[model], self.plans[model] = plan
-        tier = CPU if snap["kind"] == "tier" else GPU
         self.members[name] = Member(
             name,
             snap["kind"],
@@ -293,8 +294,7 @@ class Coordinator:
         )
         self._watch(name, snap.get("actor_id"))
         for model, blocks in snap["blocks"].items():
-            for h, b in blocks:
-                self.index.add(model, Location(name, snap["node_id"], tier, b), h)
+            self.index.replay(key_events(blocks, [], self._block_sizes(model)), name, model)
 
     async def register(self, snap: dict) -> None:
         await self._up()
@@ -317,18 +317,20 @@ class Coordinator:
         stored: list[tuple[Hashable, int]],
         removed: list[Hashable],
     ) -> bool:
-        """Apply one batch of KV events; False when a batch is missing (send a snapshot)."""
+        """Apply one batch of KV events (``stored``: (group key, block id), ``removed``: group
+        keys), as the block pool's events held by ``name``, to the one prefix index; False
+        when a batch is missing (send a snapshot)."""
         await self._up()
         m = self.members.get(name)
         if m is None or seq != m.seq + 1:
             return False
         m.seq, m.last_seen = seq, time.monotonic()
-        tier = CPU if m.kind == "tier" else GPU
-        for h in removed:
-            self.index.remove(model, name, h)
-        for h, b in stored:
-            self.index.add(model, Location(name, m.node_id, tier, b), h)
+        self.index.replay(key_events(stored, removed, self._block_sizes(model)), name, model)
         return True
+
+    def _block_sizes(self, model: str) -> dict[int, int]:
+        plan = self.plans.get(model)
+        return {} if plan is None else {g.group_id: g.block_size for g in plan.groups}
 
     async def member_failed(self, name: str) -> None:
         """A caller could not reach ``name``: stop pointing lookups at it until it
@@ -339,58 +341,88 @@ class Coordinator:
     # --- lookup -------------------------------------------------------------------------
 
     async def lookup(
-        self, model: str, keys: list, node_id: str, limit: int | None = None
+        self, model: str, hashes: bytes, node_id: str, limit: int | None = None
     ) -> dict[str, Any]:
-        """The longest prefix (<= ``limit`` tokens) every group can serve, with ``keys`` per
-        group (a one-group model also takes a flat list): ``hit_tokens``, and ``runs`` of
-        ``(tier, node_id, num_blocks)`` of the best copies, seen from ``node_id``, of the
-        blocks the primary group (full attention / MLA, else the first) needs for it. Runs
-        keep the answer small: a 32k-token prompt is 2048 blocks."""
+        """The longest prefix (<= ``limit`` tokens) every group can serve: ``hit_tokens``,
+        and ``runs`` of ``(tier, node_id, num_blocks)`` of the best copies, seen from
+        ``node_id``, of the blocks the primary group (full attention / MLA, else the first)
+        needs for it. Runs keep the answer small: a 32k-token prompt is 2048 blocks.
+
+        ``hashes`` is the request's chain (``BlockHasher.hash_blocks``, one hash per hash
+        block) joined into one bytes blob: one object on the wire; group ``g``'s key of
+        block ``j`` is hash ``(j + 1) * k - 1`` (``k = block_size // hash_block_size``), so
+        every group is probed from the same blob, one dict probe per slot."""
         await self._up()
         t0 = time.perf_counter()
         _, plan = self.model(model)
-        if keys and not isinstance(keys[0], list):
-            keys = [keys]
-        if len(keys) != len(plan.groups):
+        if not isinstance(hashes, bytes):
             raise InvalidInput(
-                f"model {model!r} has {len(plan.groups)} KV groups, lookup got keys for {len(keys)}"
+                f"lookup takes the chained hashes as one bytes blob, got {type(hashes).__name__}"
+                "; pass b''.join(BlockHasher(plan.hash_block_size).hash_blocks(token_ids))"
             )
         mgrs = self._managers.get(model)
         if mgrs is None:
             mgrs = self._managers[model] = managers(plan)
-        best: dict[tuple[int, int], Location | None] = {}
-
-        def where(gi: int, j: int) -> Location | None:
-            if (gi, j) not in best:
-                copies = self.index.copies(model, keys[gi][j])
-                best[gi, j] = min(copies, key=lambda c: c.rank(node_id)) if copies else None
-            return best[gi, j]
-
+        split: dict[int, list[bytes]] = {}
+        keys = []
+        for g in plan.groups:
+            k = g.block_size // plan.hash_block_size
+            if k not in split:
+                split[k] = split_hashes(hashes, k)
+            keys.append(split[k])
+        probes = [
+            self.index.probe(g.group_id, gk, m, model)
+            for g, gk, m in zip(plan.groups, keys, mgrs, strict=True)
+        ]
         cap = key_limit(plan, keys)
         cap = cap if limit is None else min(cap, limit)
-        hit = common_hit(mgrs, lambda gi, j: where(gi, j) is not None, cap)
+        hit = common_hit(probes, lambda gi, j: probes[gi](j) is not None, cap)
         p = primary_group(plan)
-        runs: list[list] = []
-        for j in needed_slots(mgrs[p], hit):
-            loc = where(p, j)
-            if runs and runs[-1][0] == loc.tier and runs[-1][1] == loc.node_id:
-                runs[-1][2] += 1
-            else:
-                runs.append([loc.tier, loc.node_id, 1])
+        slots = needed_slots(mgrs[p], hit)
+        runs = self._runs(probes[p], keys[p][slots.start : slots.stop], node_id)
         for tier, node, n in runs:
             self.metrics.hit(model, f"{'local' if node == node_id else 'remote'}_{tier}", n)
         looked = cap // plan.groups[p].block_size
         self.metrics.miss(model, "all", looked - hit // plan.groups[p].block_size)
         self.metrics.lookup_ms(model, (time.perf_counter() - t0) * 1e3)
-        return {"hit_tokens": hit, "runs": [tuple(r) for r in runs]}
+        return {"hit_tokens": hit, "runs": runs}
+
+    def _runs(self, probe: Any, keys: list[bytes], node_id: str) -> list[tuple[str, str, int]]:
+        """Runs of ``(tier, node, blocks)`` of the best copy of each of ``keys`` (all held).
+        A slot whose best holder is the run's is counted without ranking its copies."""
+        where = {n: (CPU if m.kind == "tier" else GPU, m.node_id) for n, m in self.members.items()}
+        ranks = {n: rank(nd, tier, node_id) for n, (tier, nd) in where.items()}
+        runs: list[tuple[str, str, int]] = []
+        cur, cur_at, n = None, None, 0
+        for copies in map(probe.table.__getitem__, keys):
+            if cur in copies and (len(copies) == 1 or ranks.get(cur) == 0):
+                n += 1
+                continue
+            best = next(iter(copies)) if len(copies) == 1 else min(copies, key=ranks.__getitem__)
+            at = where[best]
+            if at != cur_at:
+                if n:
+                    runs.append((*cur_at, n))
+                cur_at, n = at, 0
+            cur, n = best, n + 1
+        if n:
+            runs.append((*cur_at, n))
+        return runs
 
     async def locate(self, model: str, block_hashes: list[Hashable], node_id: str) -> list:
-        """Every copy of each block, best first (a loader falls back when one fails)."""
+        """Every copy of each block (by group key), best first (a loader falls back when one
+        fails)."""
         await self._up()
-        return [
-            sorted(self.index.copies(model, h), key=lambda loc: loc.rank(node_id))
-            for h in block_hashes
-        ]
+        out = []
+        for key in block_hashes:
+            gid, h = split_key(key)
+            locs = []
+            for name, b in self.index.table(gid, model).get(h, {}).items():
+                m = self.members.get(name)
+                if m is not None:
+                    locs.append(Location(name, m.node_id, CPU if m.kind == "tier" else GPU, b))
+            out.append(sorted(locs, key=lambda loc: loc.rank(node_id)))
+        return out
 
     # --- stats and shutdown -------------------------------------------------------------
 

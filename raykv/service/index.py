@@ -1,15 +1,21 @@
-"""The cluster-wide prefix index: block hash -> which pools and tiers hold a valid copy.
+"""Where a copy of a block lives, seen by the service (the index itself is
+``raykv.blocks.PrefixIndex``, the one prefix index, fed with the members' KV events).
 
-Pure Python, owned by the coordinator and fed by the members' KV events. Only blocks whose
-bytes were written are published (a block that is merely allocated is never a hit).
+A member publishes a block under its group key (``raykv.service.groups``: the group id,
+4 bytes little endian, then the chained hash); the coordinator files it in the index as
+(model, group id, hash) held by that member. Only blocks whose bytes were written are
+published (a block that is merely allocated is never a hit).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
+from raykv.blocks.events import BlockRemoved, BlockStored, KVEvent
+
 GPU, CPU = "gpu", "cpu"
+_GID = 4  # bytes of the group id in front of a group key
 
 
 @dataclass(frozen=True)
@@ -23,54 +29,41 @@ class Location:
 
     def rank(self, node_id: str) -> int:
         """Lower is better: local GPU, local CPU, then another node's GPU, then its CPU."""
-        return (0 if self.node_id == node_id else 2) + (0 if self.tier == GPU else 1)
+        return rank(self.node_id, self.tier, node_id)
 
 
-class PrefixIndex:
-    def __init__(self) -> None:
-        self._where: dict[tuple[str, Hashable], dict[str, Location]] = {}
-        self._by_member: dict[str, set[tuple[str, Hashable]]] = {}
+def rank(node: str, tier: str, seen_from: str) -> int:
+    """Local GPU 0, local CPU 1, another node's GPU 2, its CPU 3."""
+    return (0 if node == seen_from else 2) + (0 if tier == GPU else 1)
 
-    def __len__(self) -> int:
-        return len(self._where)
 
-    def add(self, model: str, loc: Location, block_hash: Hashable) -> None:
-        key = (model, block_hash)
-        self._where.setdefault(key, {})[loc.member] = loc
-        self._by_member.setdefault(loc.member, set()).add(key)
+def split_key(key: bytes) -> tuple[int, bytes]:
+    """A group key -> (group id, block hash)."""
+    return int.from_bytes(key[:_GID], "little"), bytes(key[_GID:])
 
-    def remove(self, model: str, member: str, block_hash: Hashable) -> None:
-        key = (model, block_hash)
-        copies = self._where.get(key)
-        if copies is not None and copies.pop(member, None) is not None and not copies:
-            del self._where[key]
-        self._by_member.get(member, set()).discard(key)
 
-    def drop_member(self, member: str) -> int:
-        """Forget every copy ``member`` holds (it died or left); returns how many."""
-        keys = self._by_member.pop(member, set())
-        for key in keys:
-            copies = self._where.get(key)
-            if copies is not None:
-                copies.pop(member, None)
-                if not copies:
-                    del self._where[key]
-        return len(keys)
-
-    def blocks_of(self, member: str) -> int:
-        return len(self._by_member.get(member, ()))
-
-    def copies(self, model: str, block_hash: Hashable) -> list[Location]:
-        return list(self._where.get((model, block_hash), {}).values())
-
-    def longest_prefix(
-        self, model: str, block_hashes: Iterable[Hashable], node_id: str
-    ) -> list[Location]:
-        """Best copy of each leading block, stopping at the first block nobody holds."""
-        best: list[Location] = []
-        for h in block_hashes:
-            copies = self._where.get((model, h))
-            if not copies:
-                break
-            best.append(min(copies.values(), key=lambda loc: loc.rank(node_id)))
-        return best
+def key_events(
+    stored: Iterable[tuple[Hashable, int]],
+    removed: Iterable[Hashable],
+    block_sizes: Mapping[int, int],
+) -> list[KVEvent]:
+    """A member's batch (``stored``: (group key, block id), ``removed``: group keys) as the
+    block pool's events, removals first (the order the coordinator applies them in);
+    ``block_sizes``: group id -> tokens per block."""
+    out: list[KVEvent] = []
+    gone: dict[int, list[bytes]] = {}
+    for key in removed:
+        gid, h = split_key(key)
+        gone.setdefault(gid, []).append(h)
+    out += [BlockRemoved(gid, tuple(hs)) for gid, hs in gone.items()]
+    new: dict[int, tuple[list[bytes], list[int]]] = {}
+    for key, b in stored:
+        gid, h = split_key(key)
+        hs, bs = new.setdefault(gid, ([], []))
+        hs.append(h)
+        bs.append(b)
+    out += [
+        BlockStored(gid, tuple(hs), tuple(bs), None, block_sizes.get(gid, 0))
+        for gid, (hs, bs) in new.items()
+    ]
+    return out

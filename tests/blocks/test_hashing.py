@@ -12,12 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raykv.blocks import BlockHasher
+from raykv.blocks.hashing import DIGEST_BYTES, split_hashes
 from raykv.errors import InvalidInput
 
 TOKENS = [1, 2, 3, 2**40, -5, 0, 7, 8, 9, 10, 11]
 
 _CHILD = """
 from raykv.blocks import BlockHasher
+from raykv.blocks.hashing import DIGEST_BYTES, split_hashes
 h = BlockHasher(4, seed="cluster-a")
 out = h.hash_blocks({tokens!r}, lora_id=3, cache_salt="tenant")
 print(",".join(x.hex() for x in out))
@@ -95,3 +97,102 @@ def test_bad_tokens_raise_invalid_input():
         BlockHasher(2).hash_blocks([1, 2, 3, 4], first_block=1)
     with pytest.raises(InvalidInput):
         BlockHasher(0)
+
+
+_CHILD_JSON = """
+import json, sys
+from raykv.blocks import BlockHasher
+case = json.loads(sys.stdin.read())
+out = []
+for tokens, bs, seed, lora, salt in case:
+    h = BlockHasher(bs, seed=seed)
+    out.append([x.hex() for x in h.hash_blocks(tokens, lora_id=lora, cache_salt=salt)])
+print(json.dumps(out))
+"""
+
+_TOKENS = st.lists(
+    st.one_of(st.integers(0, 2**32 - 1), st.integers(-(2**63), 2**63 - 1)), max_size=24
+)
+
+
+@settings(max_examples=3, deadline=None)
+@given(
+    cases=st.lists(
+        st.tuples(
+            _TOKENS,
+            st.integers(1, 5),
+            st.one_of(st.integers(-5, 5), st.text(max_size=4)),
+            st.one_of(st.none(), st.integers(0, 9)),
+            st.one_of(st.none(), st.text(max_size=4)),
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    hash_seed=st.integers(1, 2**31),
+)
+def test_same_tokens_same_hashes_in_a_process_with_another_hash_seed(cases, hash_seed):
+    """Invariant 10, as a property: whatever the tokens, seed and extra keys, a process with
+    another PYTHONHASHSEED computes the same hashes (one subprocess per example)."""
+    import json
+
+    expected = [
+        [x.hex() for x in BlockHasher(bs, seed=seed).hash_blocks(t, lora_id=lo, cache_salt=sa)]
+        for t, bs, seed, lo, sa in cases
+    ]
+    res = subprocess.run(
+        [sys.executable, "-c", _CHILD_JSON],
+        input=json.dumps(cases),
+        env={**os.environ, "PYTHONHASHSEED": str(hash_seed)},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert json.loads(res.stdout) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=_TOKENS, bs=st.integers(1, 4), salt=st.one_of(st.none(), st.binary(max_size=3)))
+def test_lists_tuples_and_arrays_hash_alike(tokens, bs, salt):
+    h = BlockHasher(bs, seed=3)
+    want = h.hash_blocks(tokens, cache_salt=salt)
+    assert h.hash_blocks(tuple(tokens), cache_salt=salt) == want
+    assert h.hash_blocks(np.array(tokens, dtype=np.int64), cache_salt=salt) == want
+    if all(0 <= t < 2**32 for t in tokens):
+        assert h.hash_blocks(np.array(tokens, dtype=np.uint32), cache_salt=salt) == want
+    assert all(len(x) == DIGEST_BYTES for x in want)
+    # one block at a time (the few-blocks path) chains to the same hashes as all at once
+    one_by_one: list[bytes] = []
+    for i in range(len(want)):
+        parent = one_by_one[-1] if one_by_one else None
+        one_by_one += h.hash_blocks(
+            tokens, first_block=i, end_block=i + 1, parent=parent, cache_salt=salt
+        )
+    assert one_by_one == want
+
+
+def test_wide_and_narrow_tokens_never_hash_alike():
+    """A block whose tokens fit uint32 is encoded in 4 bytes each, any other in 8: the tag
+    keeps the two apart, and a block's encoding depends on its own tokens only."""
+    h = BlockHasher(2)
+    # 2**32 + 1 as int64 little endian is the bytes of the two uint32 tokens (1, 1)
+    assert h.hash_blocks([1, 1]) != h.hash_blocks([2**32 + 1, 0])[:1]
+    assert h.hash_blocks([-1, 0]) != h.hash_blocks([2**32 - 1, 0])
+    narrow, wide = [5, 6], [2**40, 7]
+    # the first block hashes the same whatever follows it (wide or narrow)
+    assert h.hash_blocks(narrow + wide)[0] == h.hash_blocks(narrow + narrow)[0]
+    assert h.hash_blocks(wide + narrow)[0] == h.hash_blocks(wide)[0]
+
+
+def test_split_hashes_cuts_a_joined_chain():
+    hashes = BlockHasher(2).hash_blocks(list(range(20)))
+    blob = b"".join(hashes)
+    assert split_hashes(blob) == hashes
+    assert split_hashes(blob, 3) == hashes[2::3]
+    assert split_hashes(b"") == []
+    with pytest.raises(InvalidInput):
+        split_hashes(blob[:-1])
+    with pytest.raises(InvalidInput):
+        BlockHasher(2).hash_blocks([1, 2.5])
+    with pytest.raises(InvalidInput):
+        BlockHasher(2).hash_blocks(np.array([2**63, 1], dtype=np.uint64))

@@ -1,63 +1,36 @@
-"""The coordinator's prefix index (pure Python): ranking, prefixes, members leaving."""
+"""The service's side of the one prefix index: group keys filed as block-pool events, copies
+ranked from the caller's node, members leaving."""
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from raykv.service.index import CPU, GPU, Location, PrefixIndex
+from raykv.blocks import BlockRemoved, BlockStored, PrefixIndex
+from raykv.service.index import CPU, GPU, Location, key_events, rank, split_key
 
 
-def loc(member: str, node: str, tier: str = GPU) -> Location:
-    return Location(member, node, tier, 1)
+def key(gid: int, h: bytes) -> bytes:
+    return gid.to_bytes(4, "little") + h
 
 
 def test_best_copy_is_local_gpu_then_local_cpu_then_remote() -> None:
-    idx = PrefixIndex()
-    for m, node, tier in [("rg", "B", GPU), ("rc", "B", CPU), ("lc", "A", CPU), ("lg", "A", GPU)]:
-        idx.add("m", loc(m, node, tier), b"h0")
-    assert idx.longest_prefix("m", [b"h0"], "A")[0].member == "lg"
-    idx.remove("m", "lg", b"h0")
-    assert idx.longest_prefix("m", [b"h0"], "A")[0].member == "lc"
-    idx.remove("m", "lc", b"h0")
-    assert idx.longest_prefix("m", [b"h0"], "A")[0].member == "rg"
+    copies = [Location("rg", "B", GPU), Location("rc", "B", CPU), Location("lc", "A", CPU)]
+    copies.append(Location("lg", "A", GPU))
+    order = [c.member for c in sorted(copies, key=lambda c: c.rank("A"))]
+    assert order == ["lg", "lc", "rg", "rc"]
+    assert rank("A", GPU, "A") == 0 and rank("B", CPU, "A") == 3
 
 
-def test_prefix_stops_at_first_missing_block_and_models_are_apart() -> None:
-    idx = PrefixIndex()
-    for h in (b"a", b"b", b"d"):
-        idx.add("m1", loc("p", "A"), h)
-    assert len(idx.longest_prefix("m1", [b"a", b"b", b"c", b"d"], "A")) == 2
-    assert idx.longest_prefix("m2", [b"a"], "A") == []
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    st.lists(
-        st.tuples(
-            st.sampled_from(["add", "remove", "drop"]), st.sampled_from("pqr"), st.integers(0, 6)
-        ),
-        max_size=60,
-    )
-)
-def test_index_matches_a_model_of_sets(ops) -> None:
-    idx, model = PrefixIndex(), {}
-    for op, member, h in ops:
-        key = bytes([h])
-        if op == "add":
-            idx.add("m", loc(member, "N"), key)
-            model.setdefault(key, set()).add(member)
-        elif op == "remove":
-            idx.remove("m", member, key)
-            model.get(key, set()).discard(member)
-        else:
-            idx.drop_member(member)
-            for holders in model.values():
-                holders.discard(member)
-    for h in range(7):
-        key = bytes([h])
-        assert {c.member for c in idx.copies("m", key)} == model.get(key, set())
-    assert len(idx) == sum(1 for v in model.values() if v)
-    for member in "pqr":
-        assert idx.blocks_of(member) == sum(1 for v in model.values() if member in v)
+def test_a_members_batch_is_the_block_pools_events() -> None:
+    stored = [(key(0, b"a" * 32), 3), (key(1, b"b" * 32), 4), (key(0, b"c" * 32), 5)]
+    removed = [key(1, b"d" * 32)]
+    assert split_key(key(7, b"x" * 32)) == (7, b"x" * 32)
+    events = key_events(stored, removed, {0: 16, 1: 32})
+    assert events == [
+        BlockRemoved(1, (b"d" * 32,)),
+        BlockStored(0, (b"a" * 32, b"c" * 32), (3, 5), None, 16),
+        BlockStored(1, (b"b" * 32,), (4,), None, 32),
+    ]
+    idx = PrefixIndex().replay(events, "pool", "m")
+    assert idx.copies(0, b"c" * 32, "m") == {"pool": 5}
+    assert idx.copies(0, b"c" * 32, "other-model") == {}
+    assert idx.drop_member("pool") == 3 and len(idx) == 0
 
 
 def test_import_raykv_does_not_import_ray() -> None:

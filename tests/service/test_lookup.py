@@ -1,0 +1,100 @@
+"""The coordinator's lookup over the one prefix index, without Ray: the same answer as the
+managers' own rule with every copy ranked from the caller's node."""
+
+from __future__ import annotations
+
+import asyncio
+import unittest.mock
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from raykv.blocks import BlockHasher
+from raykv.errors import InvalidInput
+from raykv.layout import FullAttention, SlidingWindow
+from raykv.service.coordinator import Coordinator, Member
+from raykv.service.groups import common_hit, group_keys, managers, needed_slots, primary_group
+from raykv.service.index import CPU, GPU, rank
+from tests.blocks.helpers import make_plan
+
+# one pool and one tier per node: every member has its own rank seen from either node
+MEMBERS = {"pA": ("pool", "A"), "tA": ("tier", "A"), "pB": ("pool", "B"), "tB": ("tier", "B")}
+PLANS = {
+    "full": make_plan([FullAttention()], 64, 2),
+    "hybrid": make_plan([FullAttention(), SlidingWindow(window=4)], 64, 2),
+    "coarse": make_plan([FullAttention(), SlidingWindow(window=4)], 64, 4, hash_block_size=2),
+}
+
+
+def coordinator(plan) -> Coordinator:
+    with unittest.mock.patch("ray.get_runtime_context"):
+        c = Coordinator()
+
+    async def up() -> None:
+        return None
+
+    c._up = up
+    c.models["m"], c.plans["m"] = object(), plan
+    for name, (kind, node) in MEMBERS.items():
+        c.members[name] = Member(name, kind, node, "m")
+    return c
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    which=st.sampled_from(sorted(PLANS)),
+    n_tokens=st.integers(0, 30),
+    held=st.lists(st.sets(st.sampled_from(sorted(MEMBERS))), min_size=16, max_size=16),
+    node=st.sampled_from("AB"),
+    limit=st.one_of(st.none(), st.integers(0, 30)),
+)
+def test_lookup_is_the_managers_rule_over_the_best_copies(which, n_tokens, held, node, limit):
+    plan = PLANS[which]
+    c = coordinator(plan)
+    tokens = list(range(100, 100 + n_tokens))
+    chain = BlockHasher(plan.hash_block_size).hash_blocks(tokens)
+    keys = group_keys(plan, chain)
+    # slot j of every group is held by held[j] (fed as the members' KV-event batches)
+    batches: dict[str, list] = {m: [] for m in MEMBERS}
+    for gkeys in keys:
+        for j, key in enumerate(gkeys):
+            for m in held[j]:
+                batches[m].append((key, j if MEMBERS[m][0] == "pool" else -1))
+    for m, stored in batches.items():
+        assert asyncio.run(c.events(m, 1, "m", stored, []))
+    res = asyncio.run(c.lookup("m", b"".join(chain), node, limit))
+
+    mgrs = managers(plan)
+    cap = min(len(k) * g.block_size for k, g in zip(keys, plan.groups, strict=True))
+    cap = cap if limit is None else min(cap, limit)
+    hit = common_hit(mgrs, lambda gi, j: j < len(keys[gi]) and bool(held[j]), cap)
+    runs: list[list] = []
+    for j in needed_slots(mgrs[primary_group(plan)], hit):
+        best = min(held[j], key=lambda m: rank(MEMBERS[m][1], _tier(m), node))
+        at = [_tier(best), MEMBERS[best][1]]
+        if runs and runs[-1][:2] == at:
+            runs[-1][2] += 1
+        else:
+            runs.append([*at, 1])
+    assert res == {"hit_tokens": hit, "runs": [tuple(r) for r in runs]}
+
+
+def _tier(member: str) -> str:
+    return CPU if MEMBERS[member][0] == "tier" else GPU
+
+
+def test_locate_ranks_every_copy_and_a_gone_member_is_no_copy():
+    c = coordinator(PLANS["full"])
+    key = group_keys(PLANS["full"], BlockHasher(2).hash_blocks([1, 2]))[0][0]
+    for i, m in enumerate(MEMBERS):
+        assert asyncio.run(c.events(m, 1, "m", [(key, i)], []))
+    where = asyncio.run(c.locate("m", [key], "B"))[0]
+    assert [loc.member for loc in where] == ["pB", "tB", "pA", "tA"]
+    assert [loc.block_id for loc in where] == [2, 3, 0, 1]
+    c._forget("pB")
+    assert [loc.member for loc in asyncio.run(c.locate("m", [key], "B"))[0]] == ["tB", "pA", "tA"]
+    assert asyncio.run(c.events("tB", 2, "m", [], [key]))  # removed: tB has no copy now
+    assert [loc.member for loc in asyncio.run(c.locate("m", [key], "B"))[0]] == ["pA", "tA"]
+    with pytest.raises(InvalidInput):
+        asyncio.run(c.lookup("m", [key], "B"))
