@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+from raykv.blocks import PrefixIndex
 from raykv.layout import FullAttention, plan
 from raykv.service import status
 from raykv.service.coordinator import Member
-from raykv.service.index import CPU, GPU, Location, PrefixIndex
 from raykv.service.spec import ServedModel
 
 
@@ -17,9 +17,9 @@ def test_the_status_counts_nodes_members_models_and_lookups() -> None:
     model = ServedModel("m", layers, max_model_len=64, cpu_bytes=1 << 16)
     p = plan(layers, num_gpu_blocks=9, max_model_len=64, max_num_batched_tokens=64)
     index = PrefixIndex()
-    index.add("m", Location("pool", "n1", GPU, 3), b"h1")
-    index.add("m", Location("tier", "n1", CPU), b"h1")
-    index.add("m", Location("pool", "n1", GPU, 4), b"h2")
+    index.add(0, b"h1", 3, holder="pool", scope="m")
+    index.add(0, b"h1", 0, holder="tier", scope="m")
+    index.add(0, b"h2", 4, holder="pool", scope="m")
     members = [
         Member("tier", "tier", "n1", None, stats={"blocks_used": 1}),
         Member("pool", "pool", "n1", "m", stats={"blocks_used": 2}),
