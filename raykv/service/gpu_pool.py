@@ -21,7 +21,6 @@ yields). On a node without GPUs the same actors run with ``device="cpu"`` (devel
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -31,6 +30,7 @@ import ray
 import torch
 
 from raykv.errors import AccessDenied, InvalidInput, ServiceError
+from raykv.service.dataplane import PoolDataPlane
 from raykv.service.groups import (
     Chunk,
     as_tables,
@@ -47,11 +47,9 @@ from raykv.service.groups import (
 from raykv.service.index import GPU
 from raykv.service.member import Member
 from raykv.service.metrics import ServiceMetrics
-from raykv.service.mover import ObjectStoreMover
 from raykv.service.rank import RankKV
 from raykv.service.rows import RankRows, as_rank_rows, as_tensor
 from raykv.service.spec import (
-    COORDINATOR,
     NAMESPACE,
     ServedModel,
     StoreResult,
@@ -61,10 +59,11 @@ from raykv.service.spec import (
     check_token_ids,
     tier_name,
 )
-from raykv.tiers.jobs import NULL_BLOCK, StoreJob
+from raykv.tiers.checksum import row_checksums
+from raykv.tiers.jobs import NULL_BLOCK
 
 
-class GpuPool(Member):
+class GpuPool(PoolDataPlane, Member):
     kind = "pool"
 
     def __init__(
@@ -87,7 +86,7 @@ class GpuPool(Member):
             )
         self.model, self.plan, self.device = model, plan, device
         self.bm = BlockManager(plan, enable_prefix_caching=True)
-        self.local = RankKV(plan, device)  # rank 0
+        self.local = RankKV(plan, device, 0)  # rank 0
         self.rank_names = list(ranks)
         self._rank_handles: list[Any] | None = None
         self._leaving: asyncio.Task | None = None  # set once a rank died (see _retire)
@@ -111,8 +110,10 @@ class GpuPool(Member):
         self.key_of: dict[int, bytes] = {}
         self.chunk_of: dict[bytes, Chunk] = {}  # valid key -> a complete chunk it is part of
         self._writing: set[int] = set()  # blocks a store or load is writing now
-        self.mover = ObjectStoreMover()
+        # checksums of bytes written into blocks not yet valid (moved to sums on validation)
+        self._pending_sums: dict[int, tuple[int, ...]] = {}
         self.metrics = ServiceMetrics("pool")
+        self._init_dataplane()
 
     async def start(self) -> str:
         tier = ray.get_actor(tier_name(self.node_id), namespace=NAMESPACE)
@@ -183,10 +184,26 @@ class GpuPool(Member):
         """Every rank gets the rows of the distinct copy it holds."""
         await self._scatter(gi, [copies[c] for c in self.copy_of], block_ids)
 
-    async def _copy_blocks(self, gi: int, src: list[int], dst: list[int]) -> None:
-        refs = [h.copy.remote(gi, src, dst) for h in self._ranks()]
-        self.local.copy(gi, src, dst)
-        await self._remote(refs)
+    async def _copy_blocks(self, gi: int, src: list[int], dst: list[int]) -> int:
+        """Block ``dst[i]`` gets block ``src[i]``'s bytes on every rank, for the leading
+        blocks whose bytes still match their checksums on every copy's writer (invariant
+        12); returns how many. The first corrupt source is dropped (a miss)."""
+
+        def expected(r: int) -> list[int] | None:
+            if r not in self.writers:
+                return None
+            c = self.copy_of[r]
+            return [self.sums[b][c] if b in self.sums else -1 for b in src]
+
+        refs = [h.copy.remote(gi, src, dst, expected(r + 1)) for r, h in enumerate(self._ranks())]
+        counts = [self.local.copy(gi, src, dst, expected(0)), *await self._remote(refs)]
+        n = min(counts)
+        if n < len(src):
+            self._corrupt([src[n]])
+            await self.publish(self.model.name, [], self._gone([self._invalidate(src[n])]))
+        for s_, d in zip(src[:n], dst[:n], strict=True):
+            self._pending_sums[d] = self.sums[s_]
+        return n
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -241,6 +258,7 @@ class GpuPool(Member):
         return self.bm.pool.block_keys[block] == (key_group(key), key[4:])
 
     def _invalidate(self, block: int) -> bytes | None:
+        self.sums.pop(block, None)
         key = self.key_of.pop(block, None)
         if key is not None and self.valid.get(key) == block:
             del self.valid[key]
@@ -269,6 +287,8 @@ class GpuPool(Member):
                 if self._cached_as(b, key) and self.key_of.get(b) != key:
                     old.append(self._invalidate(b))
                     self.valid[key], self.key_of[b] = b, key
+                    if (sums := self._pending_sums.pop(b, None)) is not None:
+                        self.sums[b] = sums
                     out.append((key, b))
         for chunk in complete_chunks(self.plan, tables, keys):
             for m in chunk.members:
@@ -346,45 +366,6 @@ class GpuPool(Member):
         self.metrics.used(self.model.name, GPU, self.bm.pool.num_used_blocks)
         return new
 
-    async def _offload(self, chunks: list[Chunk]) -> int:
-        """Copy complete chunks whose real blocks are all valid here to the node's CPU tier
-        (every distinct TP copy). Returns the entries newly stored; 0 when there is no tier
-        or no room (a miss later, never wrong KV)."""
-        ready = [c for c in chunks if all(m is None or m in self.valid for m in c.members)]
-        if not ready:
-            return 0
-        keys, kgroups, widths, ids, sizes, slots, members = [], [], [], [], [], [], []
-        for gi in range(len(self.gids)):
-            n = 0
-            for c in (c for c in ready if c.group == gi):
-                k = len(keys)
-                keys.append(c.key)
-                kgroups.append(self.gids[gi])
-                widths.append(len(c.members))
-                members.append(c.members)
-                for s, m in enumerate(c.members):
-                    if m is not None:
-                        ids.append(self.valid[m])
-                        slots.append((k, s))
-                        n += 1
-            sizes.append(n)
-        job = StoreJob(
-            "offload", tuple(keys), tuple(kgroups), tuple(widths), tuple(ids), tuple(sizes),
-            tuple(slots),
-        )  # fmt: skip
-        started = [
-            self._start_gather(gi, list(job.block_ids[sl]), self.writers)
-            for gi, sl in enumerate(job.group_slices())
-        ]  # every group's bytes are read before the first await
-        rows = [(await self._finish_gather(s)).numpy() for s in started]
-        try:
-            tier = ray.get_actor(tier_name(self.node_id), namespace=NAMESPACE)
-            n = await tier.store.remote(self.model.name, job, tuple(members), rows)
-        except Exception:  # no tier: the blocks are simply gone (a miss later, never wrong)
-            return 0
-        self.metrics.offloaded(self.model.name, n)
-        return n
-
     async def store(
         self, client: str, rid: Hashable, block_ids: Sequence, rows: Any, offload: bool = False
     ) -> StoreResult:
@@ -416,6 +397,10 @@ class GpuPool(Member):
                 per_rank = [data[r][gi] for r in range(self.plan.tp_size)]
                 if sel is not None:
                     per_rank = [x[sel] for x in per_rank]
+                # invariant 12: the checksum of each distinct copy, from the rows written
+                sums = [row_checksums(per_rank[r]) for r in self.writers]
+                for j, b in enumerate(ids):
+                    self._pending_sums[b] = tuple(c[j] for c in sums)
                 await self._scatter(gi, per_rank, ids)
         finally:
             self._writing -= busy
@@ -454,30 +439,6 @@ class GpuPool(Member):
                 "into them to read what others computed)"
             )
         return [(await self._gather(gi, t, [rank]))[0].numpy() for gi, t in enumerate(tables)]
-
-    async def read_hashes(
-        self, model: str, keys: list[bytes], block_ids: list[int] | None = None
-    ) -> tuple[int, np.ndarray]:
-        """Rows of the leading ``keys`` (one group) still valid here, for other pools:
-        (count, uint8 [distinct copies, count, row_bytes])."""
-        blocks = []
-        gid = key_group(keys[0]) if keys else None
-        for key in keys:
-            b = self.valid.get(key)
-            # a stale index entry (evicted, re-keyed, a restarted coordinator's guess) is a
-            # miss: only a block the manager still caches under this very key is served
-            if b is None or model != self.model.name or key_group(key) != gid:
-                break
-            if not self._cached_as(b, key):
-                break
-            blocks.append(b)
-        self.metrics.miss(model, GPU, len(keys) - len(blocks))
-        if not blocks:
-            return 0, np.empty((len(self.writers), 0, 0), np.uint8)
-        rows = (await self._gather(self.gindex[gid], blocks, self.writers)).numpy()
-        self.metrics.hit(model, GPU, len(blocks))
-        self.metrics.moved(model, GPU, rows.nbytes)
-        return len(blocks), rows
 
     async def load(
         self, client: str, rid: Hashable, token_ids: Sequence[int], into: Sequence
@@ -518,8 +479,8 @@ class GpuPool(Member):
                 local = [(j, b) for j, b in want if keys[gi][j] in self.valid]
                 if local:
                     src = [self.valid[keys[gi][j]] for j, _ in local]
-                    await self._copy_blocks(gi, src, [b for _, b in local])
-                    filled.update(b for _, b in local)
+                    n = await self._copy_blocks(gi, src, [b for _, b in local])
+                    filled.update(b for _, b in local[:n])
                 # 2) the node's CPU tier or another node, best copy first
                 rest = [(keys[gi][j], b) for j, b in want if b not in filled]
                 if rest:
@@ -543,46 +504,6 @@ class GpuPool(Member):
             "bytes": moved,
             "seconds": time.perf_counter() - t0,
         }
-
-    async def _fetch(
-        self, rid: Hashable, gen: int | None, gi: int, want: list[tuple[bytes, int]], filled: set
-    ) -> int:
-        """Copy the blocks of ``want`` (key, our block) from wherever they are held."""
-        try:
-            coord = ray.get_actor(COORDINATOR, namespace=NAMESPACE)
-            where = await coord.locate.remote(self.model.name, [k for k, _ in want], self.node_id)
-        except Exception:  # coordinator restarting: nothing is known to be elsewhere, a miss
-            return 0
-        failed: set[str] = {self.name}
-        moved, i = 0, 0
-        while i < len(want):
-            source = next((c.member for c in where[i] if c.member not in failed), None)
-            if source is None:
-                i += 1  # nobody (else) holds it: a miss; later slots may still be needed
-                continue
-            run = i
-            while run < len(want) and any(c.member == source for c in where[run]):
-                run += 1
-            batch = want[i:run]
-            try:
-                n, rows = await self.mover.fetch(
-                    source, self.model.name, [k for k, _ in batch], [-1] * len(batch)
-                )
-            except Exception:  # the source died or left: its copies are misses
-                failed.add(source)
-                with contextlib.suppress(Exception):
-                    await coord.member_failed.remote(source)
-                continue
-            if not self._live(rid, gen):  # freed: our blocks may be someone else's now
-                return moved
-            if n:
-                await self._scatter_copies(gi, rows[:, :n], [b for _, b in batch[:n]])
-                filled.update(b for _, b in batch[:n])
-                moved += int(rows[:, :n].numel())
-            if n < len(batch):
-                failed.add(source)  # it lost the rest meanwhile; try the next copy
-            i += n
-        return moved
 
     async def block_table(self, client: str, rid: Hashable) -> list[list[int]]:
         """The request's logical block ids per group now (null slots are 0)."""

@@ -128,9 +128,14 @@ class OffloadEngine:
         self._track(rec)  # only now may poll() (from any thread) see it
         return rec.job_id
 
-    def submit_load(self, job: LoadJob) -> int | None:
-        """Start a load; None when a key is no longer readable (nothing changed)."""
-        lease = self.tier.prepare_load(job.keys)
+    def submit_load(self, job: LoadJob, lease: LoadLease | None = None) -> int | None:
+        """Start a load; None when a key is no longer readable (nothing changed).
+
+        ``lease`` comes from a caller that took the read references itself (a
+        ``CpuTierView``'s owner); else this engine takes them. Either way every key's
+        checksums are verified before a byte reaches a GPU block (invariant 12)."""
+        if lease is None:
+            lease = self.tier.prepare_load(job.keys)
         if lease is None:
             return None
         keep = set(self._usable_keys(job, lease))
