@@ -366,6 +366,21 @@ class Client(_Base):
     def free(self, request_id: Hashable) -> None:
         self._pool_call("free", check_request_id(request_id))
 
+    # --- shared memory (the data path without serialization) ------------------------------
+
+    def attach(self, kv_tensors: Mapping[str, Any] | None = None) -> Any:
+        """The engine's paged KV bound to this node's CPU tier through shared memory
+        (``raykv.service.attach.AttachedKV``): ``store_from(token_ids, block_ids)`` and
+        ``load_into(token_ids, block_ids)`` cost one paged copy plus two small actor calls.
+        ``kv_tensors``: the engine's own per-layer tensors (checked against the plan, as
+        ``GpuKV.register``); None allocates tensors laid out like the pools' (``.kv``)."""
+        from raykv.service.attach import AttachedKV
+        from raykv.service.spec import tier_name
+
+        model, plan = self._model()
+        tier = ray.get_actor(tier_name(self._node_id()), namespace=self.namespace)
+        return AttachedKV(model.name, plan, tier, kv_tensors)
+
 
 class AsyncClient(_Base):
     """The same operations as coroutines, for asyncio engines and async actors."""

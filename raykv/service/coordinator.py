@@ -607,6 +607,8 @@ class Coordinator:
             "hit_rate": hits / looked if looked else 0.0,
             "hits": {k.removeprefix("hits_"): v for k, v in tally.items() if k.startswith("hits_")},
             "misses": tally["misses_all"],
+            # copies that failed their checksum (invariant 12: served as misses), per member
+            "checksum_errors": sum(m.get("checksum_errors", 0) for m in members),
             "uptime_s": round(time.time() - self.started, 1),
             "restarted": self.restarts,
         }

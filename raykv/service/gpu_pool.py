@@ -540,6 +540,11 @@ class GpuPool(PoolDataPlane, Member):
     async def get_stats(self) -> dict[str, Any]:
         return self.stats()
 
+    async def kv_specs(self) -> list[Any]:
+        """Rank 0's KV tensors as ``SharedSpec``s (CPU-device pools: /dev/shm files other
+        processes of the node map with ``GpuKV.attach``); empty on GPU (CUDA IPC instead)."""
+        return list(self.local.kv.shared_specs)
+
     async def rank_info(self) -> list[dict[str, Any]]:
         """Where each rank of the group runs (rank 0 first)."""
         me = {
