@@ -129,6 +129,133 @@ def _bandwidth_bench(kv: Any, a_node: str, b_node: str, nblocks: int, reps: int)
     }
 
 
+# --- data moving (issue 10): the transport against raw Ray, shared memory against a copy ---
+
+SHM_MODEL = "bench-shm"
+
+
+def _raw_ray_bench(a_node: str, b_node: str, nbytes: int, reps: int) -> dict[str, Any]:
+    """One numpy array ``ray.put`` by an actor on node A, ``ray.get`` by one on node B: the
+    object store's own speed for the bytes the transport moves."""
+    import numpy as np
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    class Putter:
+        def put(self, n: int, seed: int) -> list:
+            return [ray.put(np.full(n, seed % 251, dtype=np.uint8))]
+
+    @ray.remote(num_cpus=0)
+    class Getter:
+        def get(self, refs: list) -> float:
+            t0 = time.perf_counter()
+            x = ray.get(refs[0])
+            dt = time.perf_counter() - t0
+            del x
+            return dt
+
+    on = lambda n: NodeAffinitySchedulingStrategy(n, soft=False)  # noqa: E731
+    put = Putter.options(scheduling_strategy=on(a_node)).remote()
+    get = Getter.options(scheduling_strategy=on(b_node)).remote()
+    times = []
+    for r in range(reps + 1):
+        refs = ray.get(put.put.remote(nbytes, r))
+        times.append(ray.get(get.get.remote(refs)))
+        del refs
+    med = statistics.median(times[1:])
+    return {"bytes": nbytes, "median_s": med, "gb_per_s": nbytes / med / 1e9}
+
+
+def _plain_copy_gbps(nbytes: int, reps: int = 5) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of the pages, not timed
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _shm_bench(kv: Any, nblocks: int, reps: int) -> dict[str, Any]:
+    """An engine attached to its node's CPU tier (``Client.attach``): engine->tier store
+    and tier->engine load GB/s (one paged copy + checksums + two control calls each), next
+    to a plain copy of the same bytes in this process."""
+    from raykv import ops
+    from raykv.layout import FullAttention
+
+    layers = {
+        f"l{i}": FullAttention(dtype="bfloat16", num_kv_heads=8, head_dim=128) for i in range(8)
+    }
+    row = 8 * 2 * 16 * 8 * 128 * 2
+    kv.add_model(
+        SHM_MODEL,
+        layers,
+        max_model_len=256,
+        pool_bytes=(nblocks + 8) * row,
+        cpu_bytes=(nblocks + 8) * row,
+        max_num_batched_tokens=256,
+    )
+    eng = kv.attach()
+    gid = eng.plan.groups[0].group_id
+    blocks = list(range(1, nblocks + 1))
+    g = torch.Generator().manual_seed(7)
+    src = torch.randint(0, 256, (nblocks, row), generator=g, dtype=torch.uint8)
+    ops.scatter_blocks(src, eng.kv.entries(gid), torch.tensor(blocks))
+    store, load = [], []
+    for r in range(reps + 1):
+        prompt = torch.randint(0, 100_000, (nblocks * 16,), generator=g).tolist()
+        t0 = time.perf_counter()
+        assert eng.store_from(prompt, blocks) == nblocks
+        t1 = time.perf_counter()
+        assert eng.load_into(prompt, blocks[::-1]) == nblocks * 16
+        t2 = time.perf_counter()
+        if r:  # the first round maps the arena and touches its pages
+            store.append(t1 - t0)
+            load.append(t2 - t1)
+    nbytes = nblocks * row
+    plain = _plain_copy_gbps(nbytes)
+    st, ld = nbytes / statistics.median(store) / 1e9, nbytes / statistics.median(load) / 1e9
+    return {
+        "blocks": nblocks,
+        "bytes": nbytes,
+        "store_gb_per_s": st,
+        "load_gb_per_s": ld,
+        "plain_copy_gb_per_s": plain,
+        "store_ratio": st / plain,
+        "load_ratio": ld / plain,
+    }
+
+
+def format_dataplane(r: dict[str, Any]) -> list[str]:
+    """The data-moving lines of the report (object store vs raw Ray, shared memory)."""
+    lines = []
+    bw, raw = r.get("object_store"), r.get("raw_ray")
+    if bw and raw:
+        lines.append("")
+        head = f"{'cross-node load':<30}{'MiB':>11}{'GB/s':>9}{'raw Ray GB/s':>14}{'ratio':>8}"
+        lines.append(head)
+        lines.append(
+            f"{'  object store transport':<30}{bw['bytes'] / 2**20:>11.1f}{bw['gb_per_s']:>9.2f}"
+            f"{raw['gb_per_s']:>14.2f}{bw['gb_per_s'] / raw['gb_per_s']:>8.3f}"
+        )
+    sm = r.get("shared_memory")
+    if sm:
+        lines.append("")
+        lines.append(
+            f"{'engine <-> tier, shared mem':<30}{'MiB':>11}{'GB/s':>9}{'copy GB/s':>14}"
+            f"{'ratio':>8}"
+        )
+        for label, key in (("store (engine->tier)", "store"), ("load (tier->engine)", "load")):
+            lines.append(
+                f"{'  ' + label:<30}{sm['bytes'] / 2**20:>11.1f}{sm[key + '_gb_per_s']:>9.2f}"
+                f"{sm['plain_copy_gb_per_s']:>14.2f}{sm[key + '_ratio']:>8.3f}"
+            )
+    return lines
+
+
 def run(quick: bool = False, echo: Callable[[str], None] = print) -> dict[str, Any]:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
@@ -151,15 +278,25 @@ def run(quick: bool = False, echo: Callable[[str], None] = print) -> dict[str, A
         echo("lookups of 32k-token prompts ...")
         lookup = _lookup_bench(kv, a_node, b_node, 32768, 20 if quick else 200)
         echo("cross-node loads through the object store ...")
-        bw = _bandwidth_bench(kv, a_node, b_node, 32 if quick else 256, 2 if quick else 5)
-        return {"lookup": lookup, "object_store": bw, "quick": quick}
+        bw = _bandwidth_bench(kv, a_node, b_node, 32 if quick else 2048, 2 if quick else 5)
+        echo("raw Ray put/get of the same bytes across nodes ...")
+        raw = _raw_ray_bench(a_node, b_node, bw["bytes"], 2 if quick else 5)
+        echo("engine <-> CPU tier through shared memory ...")
+        shared = _shm_bench(kv, 64 if quick else 1024, 2 if quick else 5)
+        return {
+            "lookup": lookup,
+            "object_store": bw,
+            "raw_ray": raw,
+            "shared_memory": shared,
+            "quick": quick,
+        }
     finally:
         ray.shutdown()
         cluster.shutdown()
 
 
 def format_report(r: dict[str, Any]) -> str:
-    lk, bw = r["lookup"], r["object_store"]
+    lk = r["lookup"]
     head = f"{'lookup, 32k-token prompt':<30}{'lookups/s':>11}{'p50 ms':>9}{'p99 ms':>9}"
     lines = [head]
     for label in ("hit", "miss"):
@@ -170,12 +307,7 @@ def format_report(r: dict[str, Any]) -> str:
             f"{x['p50_ms']:>9.2f}{x['p99_ms']:>9.2f}"
         )
     lines.append(f"  (client-side hashing of {lk['blocks']} blocks: {lk['hashing_ms']:.2f} ms)")
-    lines.append("")
-    lines.append(f"{'cross-node load':<30}{'MiB':>11}{'GB/s':>9}{'local GB/s':>12}{'ratio':>8}")
-    lines.append(
-        f"{'  object store (fallback)':<30}{bw['bytes'] / 2**20:>11.1f}{bw['gb_per_s']:>9.2f}"
-        f"{bw['local_copy_gb_per_s']:>12.2f}{bw['gb_per_s'] / bw['local_copy_gb_per_s']:>8.3f}"
-    )
+    lines += format_dataplane(r)
     return "\n".join(lines)
 
 

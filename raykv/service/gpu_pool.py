@@ -156,17 +156,23 @@ class GpuPool(PoolDataPlane, Member):
     def _start_gather(self, gi: int, block_ids: list[int], ranks: Sequence[int]) -> tuple:
         """Read rank 0's rows and send the other ranks their reads, without yielding: the
         bytes are read before any later call can write them (a rank runs its calls in the
-        order they were sent)."""
+        order they were sent). The rows land in one ``[len(ranks), n, width]`` buffer (the
+        transport's wire buffer; rank 0's part gathered straight into it)."""
         handles = self._ranks()
         refs = [handles[r - 1].gather.remote(gi, block_ids) for r in ranks if r]
-        local = self.local.gather(gi, block_ids) if 0 in ranks else None
-        return ranks, local, refs
+        out = torch.empty((len(ranks), len(block_ids), self.widths[gi]), dtype=torch.uint8)
+        if 0 in ranks:
+            self.local.gather_into(gi, block_ids, out[list(ranks).index(0)])
+        return ranks, out, refs
 
     async def _finish_gather(self, started: tuple) -> torch.Tensor:
         """``[len(ranks), n, width]``: the rows of each rank of a started gather."""
-        ranks, local, refs = started
+        ranks, out, refs = started
         remote = iter(await self._remote(refs))
-        return torch.stack([local if r == 0 else as_tensor(next(remote)) for r in ranks])
+        for i, r in enumerate(ranks):
+            if r:
+                out[i].copy_(as_tensor(next(remote)))
+        return out
 
     async def _gather(self, gi: int, block_ids: list[int], ranks: Sequence[int]) -> torch.Tensor:
         return await self._finish_gather(self._start_gather(gi, block_ids, ranks))
