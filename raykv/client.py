@@ -371,7 +371,7 @@ class Client(_Base):
     def attach(self, kv_tensors: Mapping[str, Any] | None = None) -> Any:
         """The engine's paged KV bound to this node's CPU tier through shared memory
         (``raykv.service.attach.AttachedKV``): ``store_from(token_ids, block_ids)`` and
-        ``load_into(token_ids, block_ids)`` cost one paged copy plus two small actor calls.
+        ``load_into(token_ids, block_ids)`` cost one paged copy plus one control round trip.
         ``kv_tensors``: the engine's own per-layer tensors (checked against the plan, as
         ``GpuKV.register``); None allocates tensors laid out like the pools' (``.kv``)."""
         from raykv.service.attach import AttachedKV

@@ -1,5 +1,7 @@
-"""``raykv bench service``: lookup rate and latency for 32k-token prompts, and the
-object-store mover's cross-node GB/s, measured in one run on a 2-node local Ray cluster.
+"""``raykv bench service``: lookup rate and latency for 32k-token prompts, the object-store
+transport's cross-node GB/s next to a raw Ray put/get of the same bytes, and an engine's
+store/load through the node's shared-memory CPU tier next to a plain copy, measured in one
+run on a 2-node local Ray cluster.
 
 Lookups: a 32k-token prompt whose KV one pool holds (a full hit) and one nobody holds (a
 miss), looked up from the other node: client-side block hashing plus one coordinator call.
@@ -142,27 +144,37 @@ def _raw_ray_bench(a_node: str, b_node: str, nbytes: int, reps: int) -> dict[str
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     @ray.remote(num_cpus=0)
-    class Putter:
+    class Side:
         def put(self, n: int, seed: int) -> list:
-            return [ray.put(np.full(n, seed % 251, dtype=np.uint8))]
+            self.keep = ray.put(np.full(n, seed % 251, dtype=np.uint8))  # this node's plasma
+            return [self.keep]
 
-    @ray.remote(num_cpus=0)
-    class Getter:
         def get(self, refs: list) -> float:
             t0 = time.perf_counter()
-            x = ray.get(refs[0])
+            x = ray.get(refs[0])  # pulled to this node, read in place
             dt = time.perf_counter() - t0
             del x
             return dt
 
-    on = lambda n: NodeAffinitySchedulingStrategy(n, soft=False)  # noqa: E731
-    put = Putter.options(scheduling_strategy=on(a_node)).remote()
-    get = Getter.options(scheduling_strategy=on(b_node)).remote()
+    def side(node: str, tag: str) -> Any:
+        # detached: owned by the cluster, like raykv's own members (a driver-owned actor
+        # or object is not reachable from other raylets' workers under token auth)
+        return Side.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            lifetime="detached",
+            name=f"raykv-bench-raw-{tag}",
+        ).remote()
+
+    put, get = side(a_node, "put"), side(b_node, "get")
     times = []
-    for r in range(reps + 1):
-        refs = ray.get(put.put.remote(nbytes, r))
-        times.append(ray.get(get.get.remote(refs)))
-        del refs
+    try:
+        for r in range(reps + 1):
+            refs = ray.get(put.put.remote(nbytes, r))
+            times.append(ray.get(get.get.remote(refs)))
+            del refs
+    finally:
+        ray.kill(put)
+        ray.kill(get)
     med = statistics.median(times[1:])
     return {"bytes": nbytes, "median_s": med, "gb_per_s": nbytes / med / 1e9}
 
@@ -181,9 +193,8 @@ def _plain_copy_gbps(nbytes: int, reps: int = 5) -> float:
 
 def _shm_bench(kv: Any, nblocks: int, reps: int) -> dict[str, Any]:
     """An engine attached to its node's CPU tier (``Client.attach``): engine->tier store
-    and tier->engine load GB/s (one paged copy + checksums + two control calls each), next
-    to a plain copy of the same bytes in this process."""
-    from raykv import ops
+    and tier->engine load GB/s (one paged copy + checksums + one control round trip each),
+    next to a plain copy of the same bytes in this process."""
     from raykv.layout import FullAttention
 
     layers = {
@@ -198,6 +209,19 @@ def _shm_bench(kv: Any, nblocks: int, reps: int) -> dict[str, Any]:
         cpu_bytes=(nblocks + 8) * row,
         max_num_batched_tokens=256,
     )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as an engine worker / actor with one CPU; the baseline too
+    try:
+        return _shm_rounds(kv, nblocks, reps, row)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _shm_rounds(kv: Any, nblocks: int, reps: int, row: int) -> dict[str, Any]:
+    import ray
+
+    from raykv import ops
+
     eng = kv.attach()
     gid = eng.plan.groups[0].group_id
     blocks = list(range(1, nblocks + 1))
@@ -216,6 +240,11 @@ def _shm_bench(kv: Any, nblocks: int, reps: int) -> dict[str, Any]:
             store.append(t1 - t0)
             load.append(t2 - t1)
     nbytes = nblocks * row
+    pings = []
+    for _ in range(20):  # one bare round trip to the same tier actor (its cheapest call)
+        t0 = time.perf_counter()
+        ray.get(eng.tier.arena.remote(SHM_MODEL))
+        pings.append(time.perf_counter() - t0)
     plain = _plain_copy_gbps(nbytes)
     st, ld = nbytes / statistics.median(store) / 1e9, nbytes / statistics.median(load) / 1e9
     return {
@@ -226,6 +255,10 @@ def _shm_bench(kv: Any, nblocks: int, reps: int) -> dict[str, Any]:
         "plain_copy_gb_per_s": plain,
         "store_ratio": st / plain,
         "load_ratio": ld / plain,
+        "store_ms": statistics.median(store) * 1e3,
+        "load_ms": statistics.median(load) * 1e3,
+        "tier_ping_ms": statistics.median(pings) * 1e3,
+        "copy_ms": nbytes / plain / 1e6,
     }
 
 
@@ -253,6 +286,11 @@ def format_dataplane(r: dict[str, Any]) -> list[str]:
                 f"{'  ' + label:<30}{sm['bytes'] / 2**20:>11.1f}{sm[key + '_gb_per_s']:>9.2f}"
                 f"{sm['plain_copy_gb_per_s']:>14.2f}{sm[key + '_ratio']:>8.3f}"
             )
+        lines.append(
+            f"  (median store {sm['store_ms']:.1f} ms, load {sm['load_ms']:.1f} ms: the copy "
+            f"alone {sm['copy_ms']:.1f} ms, one bare round trip to the tier "
+            f"{sm['tier_ping_ms']:.1f} ms)"
+        )
     return lines
 
 
@@ -278,11 +316,11 @@ def run(quick: bool = False, echo: Callable[[str], None] = print) -> dict[str, A
         echo("lookups of 32k-token prompts ...")
         lookup = _lookup_bench(kv, a_node, b_node, 32768, 20 if quick else 200)
         echo("cross-node loads through the object store ...")
-        bw = _bandwidth_bench(kv, a_node, b_node, 32 if quick else 2048, 2 if quick else 5)
+        bw = _bandwidth_bench(kv, a_node, b_node, 32 if quick else 256, 2 if quick else 5)
         echo("raw Ray put/get of the same bytes across nodes ...")
         raw = _raw_ray_bench(a_node, b_node, bw["bytes"], 2 if quick else 5)
         echo("engine <-> CPU tier through shared memory ...")
-        shared = _shm_bench(kv, 64 if quick else 1024, 2 if quick else 5)
+        shared = _shm_bench(kv, 32 if quick else 256, 2 if quick else 5)
         return {
             "lookup": lookup,
             "object_store": bw,

@@ -4,9 +4,11 @@
 process and runs the same ``raykv.tiers.OffloadEngine`` jobs the pools run: a store is one
 paged copy from the engine's blocks into the arena (``StoreJob``, checksums computed) and a
 load one paged copy back (``LoadJob``, checksums verified first: a corrupt entry is a miss,
-dropped and counted, never copied, invariant 12). Around each copy go two small actor calls
-to the tier (reserve / lease before, apply after) carrying keys, block numbers and
-checksums: no KV byte is pickled. Entries stored this way are published like any pool's
+dropped and counted, never copied, invariant 12). Around each copy go two small messages to
+the tier carrying keys, block numbers and checksums: one round trip before it (reserve /
+lease, which also names the arena) and one after it that is not waited for (apply: the
+tier runs an engine's calls in order, so its next reserve / lease sees it; ``flush`` waits).
+No KV byte is pickled. Entries stored this way are published like any pool's
 offload, so every node's lookup and load finds them.
 
 The engine keeps its own blocks: a block passed to ``store_from`` must not be rewritten until
@@ -43,13 +45,28 @@ class AttachedKV:
         self.hasher = BlockHasher(plan.hash_block_size)
         self._view: CpuTierView | None = None
         self.engine: OffloadEngine | None = None
+        self._applying: list = []  # tier calls sent without waiting (checked on the next)
 
-    def _engine(self) -> OffloadEngine:
-        spec = ray.get(self.tier.arena.remote(self.model))
+    def _engine(self, spec: Any) -> OffloadEngine:
+        """The engine on the arena ``spec`` names (mapped again if the tier was replaced)."""
         if self._view is None or self._view.spec != spec:
             self._view = CpuTierView(self.plan, spec)
             self.engine = OffloadEngine(self.kv, self._view, checksums=True)
         return self.engine
+
+    def _send(self, ops: list[tuple]) -> None:
+        """Apply the engine's queued tier calls without waiting: the tier runs this engine's
+        calls in order, so the next reserve / lease sees them. Failures surface here."""
+        done, self._applying = ray.wait(self._applying, num_returns=len(self._applying),
+                                        timeout=0)  # fmt: skip
+        ray.get(done)
+        if ops:
+            self._applying.append(self.tier.apply.remote(self.model, ops))
+
+    def flush(self) -> None:
+        """Wait until the tier applied every call sent so far (tests, shutdown)."""
+        ray.get(self._applying)
+        self._applying = []
 
     def _keys(self, token_ids: Sequence[int]) -> list[list[bytes]]:
         return group_keys(self.plan, self.hasher.hash_blocks(list(token_ids)))
@@ -64,28 +81,28 @@ class AttachedKV:
         if not job.keys:
             return 0
         members = tuple(c.members for c in complete_chunks(self.plan, tables, keys))
-        eng = self._engine()
-        res = ray.get(self.tier.reserve.remote(self.model, job.keys, members, 1))
+        spec, res = ray.get(self.tier.reserve.remote(self.model, job.keys, members, 1))
         if res is None:
             return 0
+        eng = self._engine(spec)
         eng.submit_store(job, res)
-        eng.wait_all()
-        return ray.get(self.tier.apply.remote(self.model, eng.tier.take()))
+        (done,) = eng.wait_all()
+        self._send(eng.tier.take())
+        return len(res.keys) if done.ok else 0
 
     def load_into(self, token_ids: Sequence[int], block_ids: Sequence) -> int:
         """Fill the engine's blocks ``block_ids`` (per group, by position from the prompt's
         first block) with the tier's verified copies; returns the leading tokens now
-        loaded in every group."""
+        loaded in every group (entries that fail their checksum are dropped: misses)."""
         tables = as_tables(self.plan, block_ids)
         keys = self._keys(token_ids)
-        eng = self._engine()
         loaded = []
         for gi, (g, table) in enumerate(zip(self.plan.groups, tables, strict=True)):
             want = list(zip(keys[gi][: len(table)], table, strict=False))
             if not want:
                 loaded.append(0)
                 continue
-            lease, chosen = ray.get(self.tier.lease.remote(self.model, [k for k, _ in want]))
+            spec, lease, chosen = ray.get(self.tier.lease.remote(self.model, [k for k, _ in want]))
             if lease is None:
                 loaded.append(0)
                 continue
@@ -97,9 +114,10 @@ class AttachedKV:
                 "attached", lease.keys, (g.group_id,) * n_keys, (f,) * n_keys,
                 tuple(b for _, b in want[: len(chosen)]), tuple(sizes), tuple(chosen),
             )  # fmt: skip
+            eng = self._engine(spec)
             eng.submit_load(job, lease)
             (res,) = eng.wait_all()
-            ray.get(self.tier.apply.remote(self.model, eng.tier.take()))
+            self._send(eng.tier.take())
             lost = set(res.missed) if res.ok else set(lease.keys)
             n = next((i for i, (e, _) in enumerate(chosen) if lease.keys[e] in lost), len(chosen))
             loaded.append(n * g.block_size)

@@ -50,6 +50,7 @@ class _ModelTier:
         self.entries: dict[bytes, Members] = {}  # entry key -> its members
         self.where: dict[bytes, dict[bytes, int]] = {}  # block key -> {entry key: sub-slot}
         self.pending: dict[bytes, Members] = {}  # entries being written -> their members
+        self.unpublished: list[bytes] = []  # evicted block keys the index still lists
 
     def forget(self, entry: bytes) -> list[bytes]:
         """Drop an evicted entry's members; returns block keys no entry holds any more."""
@@ -118,40 +119,46 @@ class CpuTierActor(Member):
         self, model: str, keys: tuple[bytes, ...], members: tuple[Members, ...], writers: int = 1
     ) -> Any:
         """Reserve entries for ``keys`` (all or nothing; LRU evicts to make room; keys held
-        already are skipped): a ``StoreReservation`` for ``writers`` TP writers, or None."""
+        already are skipped): (the arena's ``SharedSpec``, a ``StoreReservation`` for
+        ``writers`` TP writers or None). The spec rides along so a writer never needs a
+        call of its own to find (or re-find, after the tier was placed again) the arena."""
         mt = self._tier(model)
         if len(members) != len(keys) or any(len(m) != mt.tier.factor for m in members):
             raise InvalidInput(
                 f"each stored entry of model {model!r} needs {mt.tier.factor} member keys"
             )
+        spec = mt.tier.arena_spec
         res = mt.tier.prepare_store(keys, writers=writers)
         if res is None:
-            return None
+            return spec, None
         removed = [m for e in res.evicted for m in mt.forget(e)]
         self.metrics.evicted(model, CPU, len(res.evicted))
         member_of = dict(zip(keys, members, strict=True))
         for k in res.keys:
             mt.pending[k] = member_of[k]
-        if removed:
-            await self.publish(model, [], [m for m in removed if m not in mt.where])
-        return res
+        # evicted keys leave the index with the next apply (off the writer's critical path);
+        # until then a lookup may still name them here: a lease then misses, never wrong KV
+        mt.unpublished += removed
+        return spec, res
 
-    async def lease(self, model: str, keys: list[bytes]) -> tuple[Any, list[tuple[int, int]]]:
+    async def lease(self, model: str, keys: list[bytes]) -> tuple[Any, Any, list[tuple[int, int]]]:
         """Read references on the entries holding the leading block ``keys`` (one group):
-        (``LoadLease`` or None, per block (entry index in the lease, sub-slot))."""
+        (the arena's ``SharedSpec``, ``LoadLease`` or None, per block (entry index in the
+        lease, sub-slot))."""
         mt = self.tiers.get(model)
         chosen = mt.choose(keys) if mt is not None and keys else []
         entries = list(dict.fromkeys(e for e, _ in chosen))
         lease = mt.tier.prepare_load(entries) if entries else None
+        spec = mt.tier.arena_spec if mt is not None else None
         if lease is None:
             self.metrics.miss(model, CPU, len(keys))
-            return None, []
+            return spec, None, []
         self.metrics.miss(model, CPU, len(keys) - len(chosen))
         self.metrics.hit(model, CPU, len(chosen))
         width = mt.widths[key_group(keys[0])]
         self.metrics.moved(model, CPU, len(chosen) * width * mt.tier.copies)
         at = {e: i for i, e in enumerate(lease.keys)}
-        return lease, [(at[e], s) for e, s in chosen]
+        return spec, lease, [(at[e], s) for e, s in chosen]
 
     async def apply(self, model: str, ops: list[tuple]) -> int:
         """Apply the metadata calls an ``OffloadEngine`` on a ``CpuTierView`` queued; publish
@@ -173,6 +180,7 @@ class CpuTierActor(Member):
                 elif k in tier:  # every writer done
                     added += mt.note(k, mt.pending.pop(k))
                     stored += 1
+        removed, mt.unpublished = removed + mt.unpublished, []
         for k in corrupt:
             removed += mt.forget(k)
         if corrupt:
@@ -199,7 +207,7 @@ class CpuTierActor(Member):
         """For ``raykv.transport``: the leading block ``keys`` (one group) held here as one
         buffer uint8 [copies, count, row_bytes] with their stored checksums [copies][count]."""
         mt = self.tiers.get(model)
-        lease, chosen = await self.lease(model, keys) if mt is not None else (None, [])
+        _, lease, chosen = await self.lease(model, keys) if mt is not None else (0, None, [])
         if lease is None:
             return 0, np.empty((1, 0, 0), np.uint8), []
         tier = mt.tier

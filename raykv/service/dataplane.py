@@ -120,8 +120,7 @@ class PoolDataPlane:
         try:
             try:
                 tier = self._tier()
-                arena = await tier.arena.remote(self.model.name)
-                res = await tier.reserve.remote(
+                arena, res = await tier.reserve.remote(
                     self.model.name, job.keys, members, len(self.writers)
                 )
             except (ray.exceptions.RayError, ValueError) as e:  # no tier: a miss later
@@ -171,8 +170,7 @@ class PoolDataPlane:
         """Fill the leading blocks of ``want`` (key, our block) from the node's CPU tier: one
         ``LoadJob`` per rank on the shared arena, verified by the engine. Returns bytes."""
         tier = self._tier()
-        arena = await tier.arena.remote(self.model.name)
-        lease, chosen = await tier.lease.remote(self.model.name, [k for k, _ in want])
+        arena, lease, chosen = await tier.lease.remote(self.model.name, [k for k, _ in want])
         if lease is None:
             return 0
         if not live():  # freed while we waited: our blocks may be someone else's now

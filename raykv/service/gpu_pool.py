@@ -14,8 +14,14 @@ of a shared prefix block is the only one and its bytes never change while it sta
 Under memory pressure the block manager evicts cached blocks; the pool copies each complete
 chunk (``raykv.service.groups``) an evicted valid block belongs to into the node's CPU tier
 before handing the block out (nothing can overwrite it in between: its new owner learns its
-id only when ``allocate`` returns, and every rank's read is sent before the pool first
-yields). On a node without GPUs the same actors run with ``device="cpu"`` (development and CI).
+id only when ``allocate`` returns, and the offload fences the blocks before its first
+await). On a node without GPUs the same actors run with ``device="cpu"`` (development and
+CI).
+
+The bytes move in ``raykv.service.dataplane`` (``PoolDataPlane``, mixed in here): offload and
+load through ``raykv.tiers`` jobs on the node's shared arena, fetches through
+``raykv.transport``, a checksum for every valid block (``sums``; invariants 9 and 12 are
+kept there). This module keeps requests, their epochs and the validity of blocks.
 """
 
 from __future__ import annotations

@@ -92,6 +92,7 @@ def test_an_attached_engine_stores_and_loads_through_shared_memory(ray_cluster) 
     blocks = list(range(1, 9))
     ops.scatter_blocks(src, ea.kv.entries(gid), torch.tensor(blocks))
     assert ea.store_from(ids, blocks) == 8
+    ea.flush()  # the tier applied (published) the store
     assert a.lookup(ids).hit_tokens >= 7 * BS  # published: any node's lookup hits
     mine = [9, 3, 4, 5, 6, 7, 8, 10]
     assert ea.load_into(ids, mine) == 8 * BS
@@ -110,5 +111,6 @@ def test_an_attached_engine_stores_and_loads_through_shared_memory(ray_cluster) 
     mask = (arena[0] == src[3]).all(dim=1)
     arena[0][mask.nonzero()[0, 0], 0] ^= 1
     assert ea.load_into(ids, mine) == 3 * BS
+    ea.flush()
     assert stats_of(tier_name(ray_cluster.head)).get("checksum_errors", 0) >= 1
     del arena, eb

@@ -117,3 +117,27 @@ def test_a_view_of_a_different_plan_is_refused() -> None:
     with pytest.raises(ConfigError, match="different plans"):
         CpuTierView(make_plan("full", cpu_blocks=8), owner.arena_spec)
     shm.release(owner.arena_spec)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ids=st.lists(st.integers(1, 40), min_size=1, max_size=30, unique=True),
+    run=st.integers(0, 20),
+)
+def test_the_reference_copy_matches_a_per_block_loop_for_runs_and_scatters(ids, run) -> None:
+    """The CPU reference copies runs of consecutive ids as one strided copy and the rest with
+    index ops, in int64 words: the bytes are those of a copy block by block."""
+    from raykv import ops
+
+    ids = ids + [i for i in range(41, 41 + run)]  # a long consecutive tail: the runs path
+    g = torch.Generator().manual_seed(len(ids))
+    entries = [torch.randint(0, 256, (64, w), generator=g, dtype=torch.uint8) for w in (24, 8, 40)]
+    idx = torch.tensor(ids, dtype=torch.long)
+    out = torch.empty((len(ids), 72), dtype=torch.uint8)
+    ops.gather_blocks(entries, idx, out)
+    want = torch.stack([torch.cat([e[b] for e in entries]) for b in ids])
+    assert torch.equal(out, want)
+    fresh = [torch.zeros_like(e) for e in entries]
+    ops.scatter_blocks(want, fresh, idx)
+    for e, f in zip(entries, fresh, strict=True):
+        assert torch.equal(f[idx], e[idx]) and not f[[i for i in range(64) if i not in ids]].any()
