@@ -109,9 +109,10 @@ def _bandwidth_bench(kv: Any, a_node: str, b_node: str, nblocks: int, reps: int)
         )
         assert b.admit(f"l{r}", len(prompt), prompt)
         tb = b.allocate(f"l{r}", len(prompt), prompt)[0]
+        t0 = time.perf_counter()  # the caller's wall clock, as for the raw put/get below
         res = b.load(f"l{r}", prompt, into=tb[:nblocks])
+        times.append(time.perf_counter() - t0)
         assert res.loaded_blocks == nblocks, res
-        times.append(res.seconds)
         nbytes = res.bytes
         a.free(f"s{r}")
         b.free(f"l{r}")
@@ -127,6 +128,7 @@ def _bandwidth_bench(kv: Any, a_node: str, b_node: str, nblocks: int, reps: int)
         "bytes": nbytes,
         "median_s": med,
         "gb_per_s": nbytes / med / 1e9,
+        "best_gb_per_s": nbytes / min(times) / 1e9,
         "local_copy_gb_per_s": nbytes / local / 1e9,
     }
 
@@ -145,8 +147,11 @@ def _raw_ray_bench(a_node: str, b_node: str, nbytes: int, reps: int) -> dict[str
 
     @ray.remote(num_cpus=0)
     class Side:
-        def put(self, n: int, seed: int) -> list:
-            self.keep = ray.put(np.full(n, seed % 251, dtype=np.uint8))  # this node's plasma
+        def make(self, n: int, seed: int) -> None:
+            self.array = np.full(n, seed % 251, dtype=np.uint8)
+
+        def put(self) -> list:
+            self.keep = ray.put(self.array)  # one copy into this node's plasma
             return [self.keep]
 
         def get(self, refs: list) -> float:
@@ -169,26 +174,22 @@ def _raw_ray_bench(a_node: str, b_node: str, nbytes: int, reps: int) -> dict[str
     times = []
     try:
         for r in range(reps + 1):
-            refs = ray.get(put.put.remote(nbytes, r))
-            times.append(ray.get(get.get.remote(refs)))
+            ray.get(put.make.remote(nbytes, r))
+            t0 = time.perf_counter()  # put on node A + get on node B, the caller's clock
+            refs = ray.get(put.put.remote())
+            ray.get(get.get.remote(refs))
+            times.append(time.perf_counter() - t0)
             del refs
     finally:
         ray.kill(put)
         ray.kill(get)
-    med = statistics.median(times[1:])
-    return {"bytes": nbytes, "median_s": med, "gb_per_s": nbytes / med / 1e9}
-
-
-def _plain_copy_gbps(nbytes: int, reps: int = 5) -> float:
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # first touch of the pages, not timed
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
+    med, best = statistics.median(times[1:]), min(times[1:])
+    return {
+        "bytes": nbytes,
+        "median_s": med,
+        "gb_per_s": nbytes / med / 1e9,
+        "best_gb_per_s": nbytes / best / 1e9,
+    }
 
 
 def _shm_bench(kv: Any, nblocks: int, reps: int) -> dict[str, Any]:
@@ -228,25 +229,30 @@ def _shm_rounds(kv: Any, nblocks: int, reps: int, row: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(7)
     src = torch.randint(0, 256, (nblocks, row), generator=g, dtype=torch.uint8)
     ops.scatter_blocks(src, eng.kv.entries(gid), torch.tensor(blocks))
-    store, load = [], []
-    for r in range(reps + 1):
+    nbytes = nblocks * row
+    plain_src = torch.ones(nbytes, dtype=torch.uint8)
+    plain_dst = torch.empty_like(plain_src)
+    plain_dst.copy_(plain_src)  # first touch of the pages, not timed
+    store, load, plain, pings = [], [], [], []
+    for r in range(reps + 1):  # each round: store, load, a plain copy, a bare round trip
         prompt = torch.randint(0, 100_000, (nblocks * 16,), generator=g).tolist()
         t0 = time.perf_counter()
         assert eng.store_from(prompt, blocks) == nblocks
         t1 = time.perf_counter()
         assert eng.load_into(prompt, blocks[::-1]) == nblocks * 16
         t2 = time.perf_counter()
+        plain_dst.copy_(plain_src)
+        t3 = time.perf_counter()
+        ray.get(eng.tier.arena.remote(SHM_MODEL))  # the tier's cheapest call
+        t4 = time.perf_counter()
         if r:  # the first round maps the arena and touches its pages
             store.append(t1 - t0)
             load.append(t2 - t1)
-    nbytes = nblocks * row
-    pings = []
-    for _ in range(20):  # one bare round trip to the same tier actor (its cheapest call)
-        t0 = time.perf_counter()
-        ray.get(eng.tier.arena.remote(SHM_MODEL))
-        pings.append(time.perf_counter() - t0)
-    plain = _plain_copy_gbps(nbytes)
-    st, ld = nbytes / statistics.median(store) / 1e9, nbytes / statistics.median(load) / 1e9
+            plain.append(t3 - t2)
+            pings.append(t4 - t3)
+    # best of the rounds for every column alike: this host is shared, a slow round is noise
+    st, ld, cp = (nbytes / min(x) / 1e9 for x in (store, load, plain))
+    plain = cp
     return {
         "blocks": nblocks,
         "bytes": nbytes,
@@ -255,9 +261,9 @@ def _shm_rounds(kv: Any, nblocks: int, reps: int, row: int) -> dict[str, Any]:
         "plain_copy_gb_per_s": plain,
         "store_ratio": st / plain,
         "load_ratio": ld / plain,
-        "store_ms": statistics.median(store) * 1e3,
-        "load_ms": statistics.median(load) * 1e3,
-        "tier_ping_ms": statistics.median(pings) * 1e3,
+        "store_ms": min(store) * 1e3,
+        "load_ms": min(load) * 1e3,
+        "tier_ping_ms": min(pings) * 1e3,
         "copy_ms": nbytes / plain / 1e6,
     }
 
@@ -270,10 +276,11 @@ def format_dataplane(r: dict[str, Any]) -> list[str]:
         lines.append("")
         head = f"{'cross-node load':<30}{'MiB':>11}{'GB/s':>9}{'raw Ray GB/s':>14}{'ratio':>8}"
         lines.append(head)
-        lines.append(
-            f"{'  object store transport':<30}{bw['bytes'] / 2**20:>11.1f}{bw['gb_per_s']:>9.2f}"
-            f"{raw['gb_per_s']:>14.2f}{bw['gb_per_s'] / raw['gb_per_s']:>8.3f}"
-        )
+        for label, key in (("median", "gb_per_s"), ("best", "best_gb_per_s")):
+            lines.append(
+                f"{'  object store, ' + label:<30}{bw['bytes'] / 2**20:>11.1f}{bw[key]:>9.2f}"
+                f"{raw[key]:>14.2f}{bw[key] / raw[key]:>8.3f}"
+            )
     sm = r.get("shared_memory")
     if sm:
         lines.append("")
@@ -287,7 +294,7 @@ def format_dataplane(r: dict[str, Any]) -> list[str]:
                 f"{sm['plain_copy_gb_per_s']:>14.2f}{sm[key + '_ratio']:>8.3f}"
             )
         lines.append(
-            f"  (median store {sm['store_ms']:.1f} ms, load {sm['load_ms']:.1f} ms: the copy "
+            f"  (best store {sm['store_ms']:.1f} ms, load {sm['load_ms']:.1f} ms: a plain copy "
             f"alone {sm['copy_ms']:.1f} ms, one bare round trip to the tier "
             f"{sm['tier_ping_ms']:.1f} ms)"
         )

@@ -6,8 +6,8 @@ paged copy from the engine's blocks into the arena (``StoreJob``, checksums comp
 load one paged copy back (``LoadJob``, checksums verified first: a corrupt entry is a miss,
 dropped and counted, never copied, invariant 12). Around each copy go two small messages to
 the tier carrying keys, block numbers and checksums: one round trip before it (reserve /
-lease, which also names the arena) and one after it that is not waited for (apply: the
-tier runs an engine's calls in order, so its next reserve / lease sees it; ``flush`` waits).
+lease, which also names the arena) and one after it that is not waited for (apply; the
+next store / load first makes sure it was applied, ``flush`` waits for it).
 No KV byte is pickled. Entries stored this way are published like any pool's
 offload, so every node's lookup and load finds them.
 
@@ -55,18 +55,16 @@ class AttachedKV:
         return self.engine
 
     def _send(self, ops: list[tuple]) -> None:
-        """Apply the engine's queued tier calls without waiting: the tier runs this engine's
-        calls in order, so the next reserve / lease sees them. Failures surface here."""
-        done, self._applying = ray.wait(self._applying, num_returns=len(self._applying),
-                                        timeout=0)  # fmt: skip
-        ray.get(done)
+        """Send the engine's queued tier calls without waiting for them."""
         if ops:
-            self._applying.append(self.tier.apply.remote(self.model, ops))
+            self._applying.append(self.tier.apply.remote(self.model, ops, False))
 
     def flush(self) -> None:
-        """Wait until the tier applied every call sent so far (tests, shutdown)."""
-        ray.get(self._applying)
-        self._applying = []
+        """Wait until the tier applied every call sent so far. Each store / load does this
+        first (an async actor may start calls out of order; by then they are done, usually),
+        so its reserve / lease sees the previous copy's result. Failures surface here."""
+        pending, self._applying = self._applying, []
+        ray.get(pending)
 
     def _keys(self, token_ids: Sequence[int]) -> list[list[bytes]]:
         return group_keys(self.plan, self.hasher.hash_blocks(list(token_ids)))
@@ -77,6 +75,7 @@ class AttachedKV:
         entries newly stored (0 when the tier has no room: a miss later, never wrong)."""
         tables = as_tables(self.plan, block_ids)
         keys = self._keys(token_ids)
+        self.flush()
         job = StoreJob.build(self.plan, "attached", tables, keys)
         if not job.keys:
             return 0
@@ -96,6 +95,7 @@ class AttachedKV:
         loaded in every group (entries that fail their checksum are dropped: misses)."""
         tables = as_tables(self.plan, block_ids)
         keys = self._keys(token_ids)
+        self.flush()
         loaded = []
         for gi, (g, table) in enumerate(zip(self.plan.groups, tables, strict=True)):
             want = list(zip(keys[gi][: len(table)], table, strict=False))

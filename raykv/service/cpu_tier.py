@@ -21,6 +21,8 @@ and counted (``checksum_errors``); it is a miss from then on.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Hashable
 from typing import Any
 
@@ -33,8 +35,10 @@ from raykv.service.index import CPU
 from raykv.service.member import Member
 from raykv.service.metrics import ServiceMetrics
 from raykv.service.spec import tier_name
+from raykv.transport import export_rows
 
 Members = tuple[bytes | None, ...]
+log = logging.getLogger(__name__)
 
 
 class _ModelTier:
@@ -96,6 +100,7 @@ class CpuTierActor(Member):
         # take its node's offloads before it registers (its pools added them to the old one)
         self.tiers: dict[str, _ModelTier] = {m: _ModelTier(p) for m, p in (plans or {}).items()}
         self.metrics = ServiceMetrics("tier")
+        self._publishing: set[asyncio.Task] = set()
 
     async def add_model(self, model: str, plan: Any) -> int:
         """Make room for ``model`` (idempotent); returns its CPU-tier block count."""
@@ -160,9 +165,11 @@ class CpuTierActor(Member):
         at = {e: i for i, e in enumerate(lease.keys)}
         return spec, lease, [(at[e], s) for e, s in chosen]
 
-    async def apply(self, model: str, ops: list[tuple]) -> int:
+    async def apply(self, model: str, ops: list[tuple], wait_publish: bool = True) -> int:
         """Apply the metadata calls an ``OffloadEngine`` on a ``CpuTierView`` queued; publish
-        entries that became readable, unpublish corrupt ones. Returns the entries stored."""
+        entries that became readable, unpublish corrupt ones. Returns the entries stored.
+        ``wait_publish=False`` answers before the coordinator has the events (an engine's
+        store needs no index round trip on its path; events stay in order by sequence)."""
         mt = self._tier(model)
         tier = mt.tier
         corrupt = [op[1] for op in ops if op[0] == "drop" and op[2]]
@@ -188,8 +195,20 @@ class CpuTierActor(Member):
         self.metrics.used(model, CPU, tier.num_blocks - tier.num_free)
         removed = [m for m in removed if m not in mt.where]
         if added or removed:
-            await self.publish(model, [(m, -1) for m in added], removed)
+            sent = self.publish(model, [(m, -1) for m in added], removed)
+            if wait_publish:
+                await sent
+            else:
+                task = asyncio.get_running_loop().create_task(sent)
+                self._publishing.add(task)
+                task.add_done_callback(self._published)
         return stored
+
+    def _published(self, task: asyncio.Task) -> None:
+        self._publishing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("tier %s: publishing KV events failed: %r", self.name, task.exception())
+            self.metrics.failed("all", CPU, "publish")
 
     async def drop_keys(self, model: str, keys: list[bytes]) -> None:
         """A reader found the entries holding block ``keys`` corrupt: they are misses now."""
@@ -222,7 +241,7 @@ class CpuTierActor(Member):
             sums = [[lease.checksums[e][c][s] for e, s in chosen] for c in range(tier.copies)]
         finally:
             tier.finish_load(lease)
-        return len(chosen), rows.numpy(), sums
+        return len(chosen), export_rows(rows), sums
 
     def blocks(self) -> dict[str, list[tuple[Hashable, int]]]:
         return {m: [(k, -1) for k in mt.where] for m, mt in self.tiers.items()}

@@ -34,7 +34,7 @@ from raykv.service.groups import Chunk
 from raykv.service.index import CPU, GPU
 from raykv.service.spec import COORDINATOR, NAMESPACE, tier_name
 from raykv.tiers.jobs import LoadJob, StoreJob
-from raykv.transport import ObjectStoreTransport, verify
+from raykv.transport import ObjectStoreTransport, export_rows, verify
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ class PoolDataPlane:
         self.metrics.hit(model, GPU, len(blocks))
         self.metrics.moved(model, GPU, rows.numel())
         sums = [[self.sums[b][c] for b in blocks] for c in range(len(self.writers))]
-        return len(blocks), rows.numpy(), sums
+        return len(blocks), export_rows(rows), sums
 
     async def drop_keys(self, model: str, keys: list[bytes]) -> None:
         """A reader found these blocks' bytes corrupt: unpublish them (misses from now)."""
