@@ -27,7 +27,6 @@ from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
-import torch
 
 from raykv.errors import InvalidInput
 from raykv.service.groups import check_servable, key_group, row_widths
@@ -232,12 +231,7 @@ class CpuTierActor(Member):
         tier = mt.tier
         try:
             width = mt.widths[key_group(keys[0])]
-            idx = torch.tensor(
-                [lease.blocks[e] * tier.factor + s for e, s in chosen], dtype=torch.long
-            )
-            rows = torch.empty((tier.copies, len(chosen), width), dtype=torch.uint8)
-            for c in range(tier.copies):
-                torch.index_select(tier.arena[c, :, :width], 0, idx, out=rows[c])
+            rows = tier.read([(lease.blocks[e], s) for e, s in chosen], width)
             sums = [[lease.checksums[e][c][s] for e, s in chosen] for c in range(tier.copies)]
         finally:
             tier.finish_load(lease)

@@ -16,6 +16,7 @@ engine's queued tier calls for the leader to apply on the tier actor.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,8 @@ import torch
 from raykv import ops
 from raykv.service.groups import row_widths
 from raykv.tiers.checksum import row_checksums
+
+log = logging.getLogger(__name__)
 
 
 class RankKV:
@@ -90,7 +93,9 @@ class RankKV:
         eng = self.engine(arena)
         if eng.submit_store(job, reservation) is None:
             return []
-        eng.wait_all()
+        for res in eng.wait_all():
+            if not res.ok:  # the tier frees the entries (nothing half-readable): a miss later
+                log.warning("rank %d: store to the CPU tier failed: %s", self.rank, res.error)
         return eng.tier.take()
 
     def load_job(self, arena: Any, job: Any, lease: Any) -> tuple[tuple[bytes, ...], list]:
@@ -100,6 +105,8 @@ class RankKV:
         if eng.submit_load(job, lease) is None:
             return tuple(job.keys), eng.tier.take()
         (res,) = eng.wait_all()
+        if not res.ok:  # nothing counts as loaded: the blocks are misses
+            log.warning("rank %d: load from the CPU tier failed: %s", self.rank, res.error)
         missed = res.missed if res.ok else tuple(job.keys)
         return missed, eng.tier.take()
 

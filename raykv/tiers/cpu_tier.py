@@ -107,7 +107,32 @@ def tp_copies(plan: Plan) -> int:
     return max(1, plan.cpu_bytes_per_block // per_copy)
 
 
-class CpuTier:
+class ArenaRows:
+    """Addressing of the arena, the one place it is written down (tier and views alike):
+    row ``block * factor + sub`` of each copy holds GPU block ``sub`` of CPU block ``block``."""
+
+    arena: torch.Tensor
+    factor: int
+    copies: int
+
+    def rows(self, copy: int = 0) -> torch.Tensor:
+        """``[num_blocks * factor, gpu_bytes_per_block]`` rows of one TP copy."""
+        return self.arena[copy]
+
+    def row(self, block: int, sub: int) -> int:
+        return block * self.factor + sub
+
+    def read(self, picks: Sequence[tuple[int, int]], width: int) -> torch.Tensor:
+        """The first ``width`` bytes of the rows ``(block, sub)`` of every copy, as one new
+        buffer ``[copies, len(picks), width]`` (one gather per copy)."""
+        idx = torch.tensor([self.row(b, s) for b, s in picks], dtype=torch.long)
+        out = torch.empty((self.copies, len(picks), width), dtype=torch.uint8)
+        for c in range(self.copies):
+            torch.index_select(self.arena[c, :, :width], 0, idx, out=out[c])
+        return out
+
+
+class CpuTier(ArenaRows):
     def __init__(
         self,
         plan: Plan,
@@ -140,10 +165,6 @@ class CpuTier:
     @property
     def total_bytes(self) -> int:
         return self.arena.numel()
-
-    def rows(self, copy: int = 0) -> torch.Tensor:
-        """``[num_blocks * factor, gpu_bytes_per_block]`` rows of one TP copy."""
-        return self.arena[copy]
 
     # ---------------------------------------------------------------- lookups
     def lookup(self, keys: Sequence[Key]) -> int:
@@ -329,7 +350,7 @@ class CpuTier:
             assert set(self.policy) == readable, "policy and index disagree"
 
 
-class CpuTierView:
+class CpuTierView(ArenaRows):
     """Another process's view of a shared ``CpuTier`` (``shared=True``): its arena mapped
     from ``/dev/shm``, its metadata left with the owner. ``OffloadEngine`` runs on a view as
     on the tier itself: the caller takes the reservation / lease from the owner
@@ -352,9 +373,6 @@ class CpuTierView:
             )
         self.arena = shm.attach(spec)
         self.outbox: list[tuple] = []
-
-    def rows(self, copy: int = 0) -> torch.Tensor:
-        return self.arena[copy]
 
     def prepare_store(self, keys: Sequence[Key], writers: int = 1) -> None:
         raise RuntimeError("reserve on the tier's owner and pass the reservation to the engine")

@@ -196,7 +196,7 @@ class OffloadEngine:
                     continue
                 entries = self.gpu.entries(g.group_id)
                 width = ops.row_bytes(entries)
-                rows = [blocks[job.keys[k]] * tier.factor + s for k, s in job.slots[sl]]
+                rows = [tier.row(blocks[job.keys[k]], s) for k, s in job.slots[sl]]
                 ids_t = torch.tensor(ids, dtype=torch.int64)
                 if width == tier.slot_bytes and _consecutive(rows):
                     direct = rows_all[rows[0] : rows[0] + len(rows)]
@@ -270,7 +270,7 @@ class OffloadEngine:
         widths = {g.group_id: self.gpu.row_bytes(g.group_id) for g in self.gpu.plan.groups}
         out: list[list[tuple[int, int, int]]] = [[] for _ in job.keys]
         for k, s in job.slots:
-            out[k].append((s, blocks[k] * self.tier.factor + s, widths[job.key_groups[k]]))
+            out[k].append((s, self.tier.row(blocks[k], s), widths[job.key_groups[k]]))
         return out
 
     def _sums(self, rows: list[tuple[int, int, int]]) -> dict[int, int]:

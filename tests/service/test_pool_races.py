@@ -42,11 +42,10 @@ class FakeCoordinator:
         self.locate = _Method(self._locate)
         self.events = _Method(self._events)
         self.member_failed = _Method(self._ok)
-        self.arena = _Method(self._none)  # also the CPU tier: it has no room (no offloads)
-        self.reserve = _Method(self._none)
+        self.reserve = _Method(self._full)  # also the CPU tier: it has no room (no offloads)
 
-    async def _none(self, *args):
-        return None
+    async def _full(self, *args):
+        return None, None  # (arena, no reservation)
 
     async def _locate(self, model, hashes, node_id):
         return [[Location("raykv-pool-elsewhere", "other-node", GPU)] for _ in hashes]
