@@ -89,7 +89,9 @@ class PoolDataPlane:
         )  # fmt: skip
         return job, tuple(members)
 
-    def _corrupt_in(self, job: StoreJob, ops: list[tuple], copy: int) -> set[int]:
+    def _corrupt_in(
+        self, job: StoreJob, ops: list[tuple], copy: int, published: dict[int, Any]
+    ) -> set[int]:
         """GPU blocks whose rows a writer just stored differ from the checksums they were
         published with (corrupted since): the store must not land."""
         bad: set[int] = set()
@@ -100,7 +102,7 @@ class PoolDataPlane:
             at = {k: i for i, k in enumerate(res.keys)}
             for b, (k, s) in zip(job.block_ids, job.slots, strict=True):
                 i = at.get(job.keys[k])
-                want = self.sums.get(b)
+                want = published.get(b)
                 if i is not None and (want is None or sums[i][s] != want[copy]):
                     bad.add(b)
         return bad
@@ -117,6 +119,7 @@ class PoolDataPlane:
         self._fences += 1
         fence_id = ("offload", self._fences)
         self.fence.fence(fence_id, job.block_ids)  # before the first await (invariant 9)
+        published = {b: self.sums.get(b) for b in job.block_ids}
         try:
             try:
                 tier = self._tier()
@@ -139,7 +142,7 @@ class PoolDataPlane:
             )
             bad: set[int] = set()
             for c, rank_ops in enumerate(per_rank):
-                bad |= self._corrupt_in(job, rank_ops, c)
+                bad |= self._corrupt_in(job, rank_ops, c, published)
             if bad:  # fail every writer's store: the entries go back to free
                 self._corrupt(sorted(bad))
                 per_rank = [
@@ -309,10 +312,11 @@ class PoolDataPlane:
         self.metrics.miss(model, GPU, len(keys) - len(blocks))
         if not blocks:
             return 0, np.empty((len(self.writers), 0, 0), np.uint8), []
+        # the checksums of the bytes the gather reads now, before anything may yield
+        sums = [[self.sums[b][c] for b in blocks] for c in range(len(self.writers))]
         rows = await self._gather(self.gindex[gid], blocks, self.writers)
         self.metrics.hit(model, GPU, len(blocks))
         self.metrics.moved(model, GPU, rows.numel())
-        sums = [[self.sums[b][c] for b in blocks] for c in range(len(self.writers))]
         return len(blocks), export_rows(rows), sums
 
     async def drop_keys(self, model: str, keys: list[bytes]) -> None:

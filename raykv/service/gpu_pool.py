@@ -207,14 +207,16 @@ class GpuPool(PoolDataPlane, Member):
             c = self.copy_of[r]
             return [self.sums[b][c] if b in self.sums else -1 for b in src]
 
+        sums = [self.sums.get(b) for b in src]  # the bytes' checksums, read before any await
         refs = [h.copy.remote(gi, src, dst, expected(r + 1)) for r, h in enumerate(self._ranks())]
         counts = [self.local.copy(gi, src, dst, expected(0)), *await self._remote(refs)]
         n = min(counts)
+        for s_, d in zip(sums[:n], dst[:n], strict=True):
+            self._pending_sums[d] = s_
         if n < len(src):
             self._corrupt([src[n]])
-            await self.publish(self.model.name, [], self._gone([self._invalidate(src[n])]))
-        for s_, d in zip(src[:n], dst[:n], strict=True):
-            self._pending_sums[d] = self.sums[s_]
+            if self.key_of.get(src[n]) is not None and self.sums.get(src[n]) == sums[n]:
+                await self.publish(self.model.name, [], self._gone([self._invalidate(src[n])]))
         return n
 
     # --- helpers ------------------------------------------------------------------------
