@@ -27,6 +27,7 @@ kept there). This module keeps requests, their epochs and the validity of blocks
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -67,6 +68,8 @@ from raykv.service.spec import (
 )
 from raykv.tiers.checksum import row_checksums
 from raykv.tiers.jobs import NULL_BLOCK
+
+WRITE_WAIT_S = 30.0  # the longest a store or read waits for another call writing its blocks
 
 
 class GpuPool(PoolDataPlane, Member):
@@ -116,6 +119,7 @@ class GpuPool(PoolDataPlane, Member):
         self.key_of: dict[int, bytes] = {}
         self.chunk_of: dict[bytes, Chunk] = {}  # valid key -> a complete chunk it is part of
         self._writing: set[int] = set()  # blocks a store or load is writing now
+        self._written: tuple[Any, asyncio.Condition] | None = None  # (loop, its condition)
         # checksums of bytes written into blocks not yet valid (moved to sums on validation)
         self._pending_sums: dict[int, tuple[int, ...]] = {}
         self.metrics = ServiceMetrics("pool")
@@ -268,6 +272,33 @@ class GpuPool(PoolDataPlane, Member):
         is writing it."""
         return block in self.key_of or block in self._writing
 
+    def _condition(self) -> asyncio.Condition:
+        loop = asyncio.get_running_loop()
+        if self._written is None or self._written[0] is not loop:
+            self._written = (loop, asyncio.Condition())
+        return self._written[1]
+
+    async def _settle(self, blocks: set[int]) -> None:
+        """Wait until no other call is writing ``blocks`` (a request sharing a prefix block
+        with one whose load or store is filling it): a store then sees whether those bytes
+        were published, and a read never returns them half-written. Bounded: after
+        ``WRITE_WAIT_S`` the caller goes on as before (the block counts as being written)."""
+        if not blocks & self._writing:
+            return
+        cond = self._condition()
+        async with cond:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    cond.wait_for(lambda: not blocks & self._writing), WRITE_WAIT_S
+                )
+
+    async def _done_writing(self, busy: set[int]) -> None:
+        self._writing -= busy
+        if busy and self._written is not None:
+            cond = self._condition()
+            async with cond:
+                cond.notify_all()
+
     def _cached_as(self, block: int, key: bytes) -> bool:
         return self.bm.pool.block_keys[block] == (key_group(key), key[4:])
 
@@ -396,11 +427,14 @@ class GpuPool(PoolDataPlane, Member):
         self._own_blocks(rid, tables)
         data: RankRows = as_rank_rows(self.plan, rows, tables, self.widths)
         real = [[b for b in t if b != NULL_BLOCK] for t in tables]
+        gen = self._gen.get(rid)
+        await self._settle({b for ids in real for b in ids})
+        if not self._live(rid, gen):  # freed while we waited: its blocks may be others' now
+            return StoreResult(0, 0, [[] for _ in real])
         keep = [[i for i, b in enumerate(ids) if not self._immutable(b)] for ids in real]
         written = [[ids[i] for i in k] for ids, k in zip(real, keep, strict=True)]
         skipped = [[b for b in ids if self._immutable(b)] for ids in real]
         num_written = sum(len(w) for w in written)
-        gen = self._gen.get(rid)
         busy = {b for ids in written for b in ids}
         self._writing |= busy
         try:
@@ -417,7 +451,7 @@ class GpuPool(PoolDataPlane, Member):
                     self._pending_sums[b] = tuple(c[j] for c in sums)
                 await self._scatter(gi, per_rank, ids)
         finally:
-            self._writing -= busy
+            await self._done_writing(busy)
         if not self._live(rid, gen):  # freed meanwhile: its blocks may be someone else's
             return StoreResult(0, num_written, skipped)
         stored, removed = self._validate(rid, written)
@@ -439,6 +473,7 @@ class GpuPool(PoolDataPlane, Member):
             raise InvalidInput(
                 f"block ids {bad[:8]} out of range 1..{self.plan.num_gpu_blocks - 1}"
             )
+        await self._settle({b for t in tables for b in t})  # never bytes half-written
         mine = [set() for _ in tables]
         for rid in (r for r, c in self.owner.items() if c == client):
             for gi, table in enumerate(self.bm.block_table(rid)[: len(tables)]):
@@ -502,7 +537,7 @@ class GpuPool(PoolDataPlane, Member):
                 if not self._live(rid, gen):  # freed meanwhile: nothing to publish
                     return nothing | {"bytes": moved}
         finally:
-            self._writing -= busy
+            await self._done_writing(busy)
         written = [[b for b in t if b in filled] for t in into_tables]
         await self.publish(self.model.name, *self._validate(rid, written))
 
