@@ -417,11 +417,13 @@ class GpuPool(PoolDataPlane, Member):
         """Write the KV bytes of ``block_ids`` (this request's blocks, per group; null ids
         skipped) on every rank; full blocks become hits for everyone. Blocks holding
         published bytes (valid here: written before and cached under their prefix key, by
-        this request or one sharing the block through a prefix hit) and blocks another call
-        is writing now are immutable: they are skipped, their bytes unchanged, and reported
-        in ``skipped``. ``offload`` also copies the request's complete chunks to the node's
-        CPU tier now. Returns a ``StoreResult``: the blocks newly published (its int value),
-        the blocks written and the ones skipped."""
+        this request or one sharing the block through a prefix hit) are immutable: they are
+        skipped, their bytes unchanged, and reported in ``skipped``. A block another call is
+        writing now (a request sharing it is loading it) is waited for first (at most
+        ``WRITE_WAIT_S``), then skipped if that call published it, else written. ``offload``
+        also copies the request's complete chunks to the node's CPU tier now. Returns a
+        ``StoreResult``: the blocks newly published (its int value), the blocks written and
+        the ones skipped."""
         rid = self._mine(client, rid)
         tables = as_tables(self.plan, block_ids)
         self._own_blocks(rid, tables)
