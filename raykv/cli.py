@@ -331,7 +331,8 @@ def bench_blocks(
 @click.option("--quick", is_flag=True, help="Fewer repetitions and blocks (a smoke run).")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 def bench_service(quick: bool, as_json: bool) -> None:
-    """Lookup rate / p50 / p99 for 32k-token prompts and the object-store mover's GB/s."""
+    """Lookup rate / p50 / p99 for 32k-token prompts; the object-store transport's GB/s next to
+    a raw Ray put/get; engine<->tier store/load through shared memory next to a plain copy."""
     from raykv.bench.service import main as run_service
 
     run_service(quick=quick, as_json=as_json)

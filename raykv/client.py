@@ -459,6 +459,21 @@ class Client(_Base):
         except ray.exceptions.RayActorError as e:
             raise self._pool_gone(e) from e
 
+    # --- shared memory (the data path without serialization) ------------------------------
+
+    def attach(self, kv_tensors: Mapping[str, Any] | None = None) -> Any:
+        """The engine's paged KV bound to this node's CPU tier through shared memory
+        (``raykv.service.attach.AttachedKV``): ``store_from(token_ids, block_ids)`` and
+        ``load_into(token_ids, block_ids)`` cost one paged copy plus one control round trip.
+        ``kv_tensors``: the engine's own per-layer tensors (checked against the plan, as
+        ``GpuKV.register``); None allocates tensors laid out like the pools' (``.kv``)."""
+        from raykv.service.attach import AttachedKV
+        from raykv.service.spec import tier_name
+
+        model, plan = self._model()
+        tier = ray.get_actor(tier_name(self._node_id()), namespace=self.namespace)
+        return AttachedKV(model.name, plan, tier, kv_tensors)
+
 
 @_with_ops(_async_method)
 class AsyncClient(_Base):

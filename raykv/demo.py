@@ -3,8 +3,8 @@
 On one host: a 2-node local Ray cluster (both raylets on 127.0.0.1), the raykv service on
 it, and a tiny random-weight decoder running as two engine actors pinned to different nodes.
 Engine A prefills a long shared prompt and stores its KV in its node's pool. Engine B, on
-the other node, looks the prompt up, loads the KV across nodes (object-store mover) and
-computes only its own suffix. B's next-token logits must match a full recompute.
+the other node, looks the prompt up, loads the KV across nodes (``raykv.transport``, Ray's
+object store) and computes only its own suffix. B's next-token logits must match a full recompute.
 """
 
 from __future__ import annotations

@@ -3,8 +3,18 @@ prefix index), one TP group per engine instance — a ``GpuPool`` (rank 0, the g
 manager) plus ``tp_size - 1`` ``RankPool`` actors in one STRICT_PACK placement group (CPU-
 device pools on GPU-less nodes) — and one ``CpuTierActor`` per node. Any plan the layout
 makes is served (hybrid groups, TP ranks, CPU-tier entries of several GPU blocks; see
-``raykv.service.groups``). Blocks move between them through a ``BlockMover``; the
-``ObjectStoreMover`` (Ray's object store) is the slow fallback until NCCL / UCX movers exist.
+``raykv.service.groups``).
+
+One data path (``raykv.service.dataplane``): every byte that enters or leaves a block goes
+through ``raykv.tiers`` jobs and ``raykv.ops`` paged copies. The node's CPU tier arena and
+CPU-device pools' KV live in shared memory (``raykv.tiers.shm``): pools, their TP ranks and
+attached engines (``raykv.service.attach``) run ``OffloadEngine`` Store/Load jobs on the
+arena themselves, and the tier actor only keeps its metadata (reservations, leases,
+checksums). Between members that do not share memory, blocks move through
+``raykv.transport`` (Ray's object store today; NCCL / UCX next), one buffer per batch.
+Invariant 9 is kept in ``dataplane`` (the pool's ``StoreFence`` on the block manager) and
+``raykv.tiers.offload``; invariant 12 (checksum before a block is readable) in ``dataplane``,
+``raykv.tiers.offload`` and ``raykv.transport.verify``.
 
 Modules import Ray; ``import raykv`` does not (``raykv.connect`` loads it on first use).
 """

@@ -1,36 +1,43 @@
 """CpuTierActor: the CPU tier of one node (pinned to it), one ``raykv.tiers.CpuTier`` arena
-per served model.
+per served model, in shared memory (``raykv.tiers.shm``).
 
 An entry is one chunk (``raykv.service.groups``): ``block_size_factor`` GPU blocks of one
 group, keyed by its last block's key, holding every distinct TP copy (invariant 5: the
 arena is sized from the plan, ``cpu_num_blocks x cpu_bytes_per_block``). Null sub-slots
 carry nothing. Outside, the tier answers per GPU-block key: it publishes the key of every
-block an entry carries, and ``read_hashes`` serves a block from whichever entry holds it,
-so a lookup or a load never needs to know how blocks were chunked.
+block an entry carries, so a lookup or a load never needs to know how blocks were chunked.
 
-The node's pools offload chunks here (before their GPU blocks are evicted, or on a store
-with ``offload=True``), read them back (local CPU hits); other nodes' pools fetch from it
-through a ``BlockMover``.
+This actor moves no bytes of its own node's pools and engines: it keeps the arena's
+metadata (the ``CpuTier`` state machine, checksums, the key -> entry map) and hands out
+reservations and leases; the pools, their TP ranks and attached engines map the arena
+(``CpuTierView``) and run ``raykv.tiers.OffloadEngine`` jobs on it themselves, then send the
+engine's queued metadata calls back in one ``apply``. So the store/load path, the checksums
+(computed on every store, verified before every load, invariant 12) and the arena
+addressing are ``raykv.tiers``' alone. Other nodes fetch through ``raykv.transport``
+(``export_blocks``): the rows go out with the checksums they were stored with, and the
+receiver verifies them. A corrupt entry found by anyone is dropped (``apply`` / ``drop_keys``)
+and counted (``checksum_errors``); it is a miss from then on.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
-import torch
 
 from raykv.errors import InvalidInput
 from raykv.service.groups import check_servable, key_group, row_widths
 from raykv.service.index import CPU
 from raykv.service.member import Member
 from raykv.service.metrics import ServiceMetrics
-from raykv.service.rows import as_tensor
 from raykv.service.spec import tier_name
-from raykv.tiers.jobs import StoreJob
+from raykv.transport import export_rows
 
 Members = tuple[bytes | None, ...]
+log = logging.getLogger(__name__)
 
 
 class _ModelTier:
@@ -41,10 +48,12 @@ class _ModelTier:
 
         check_servable(plan)
         self.plan = plan
-        self.tier = CpuTier(plan, "lru")
+        self.tier = CpuTier(plan, "lru", shared=True)
         self.widths = {g.group_id: w for g, w in zip(plan.groups, row_widths(plan), strict=True)}
         self.entries: dict[bytes, Members] = {}  # entry key -> its members
         self.where: dict[bytes, dict[bytes, int]] = {}  # block key -> {entry key: sub-slot}
+        self.pending: dict[bytes, Members] = {}  # entries being written -> their members
+        self.unpublished: list[bytes] = []  # evicted block keys the index still lists
 
     def forget(self, entry: bytes) -> list[bytes]:
         """Drop an evicted entry's members; returns block keys no entry holds any more."""
@@ -69,6 +78,17 @@ class _ModelTier:
             held[entry] = s
         return new
 
+    def choose(self, keys: list[bytes]) -> list[tuple[bytes, int]]:
+        """(entry, sub-slot) of the leading ``keys`` (one group) held here."""
+        gid = key_group(keys[0]) if keys else None
+        chosen: list[tuple[bytes, int]] = []
+        for key in keys:
+            held = self.where.get(key)
+            if not held or key_group(key) != gid:
+                break
+            chosen.append(next(iter(held.items())))
+        return chosen
+
 
 class CpuTierActor(Member):
     kind = "tier"
@@ -79,6 +99,7 @@ class CpuTierActor(Member):
         # take its node's offloads before it registers (its pools added them to the old one)
         self.tiers: dict[str, _ModelTier] = {m: _ModelTier(p) for m, p in (plans or {}).items()}
         self.metrics = ServiceMetrics("tier")
+        self._publishing: set[asyncio.Task] = set()
 
     async def add_model(self, model: str, plan: Any) -> int:
         """Make room for ``model`` (idempotent); returns its CPU-tier block count."""
@@ -92,96 +113,129 @@ class CpuTierActor(Member):
             raise InvalidInput(f"the CPU tier on node {self.node_id[:12]} holds no model {model!r}")
         return mt
 
-    async def store(
-        self, model: str, job: StoreJob, members: tuple[Members, ...], rows: list[np.ndarray]
-    ) -> int:
-        """Store the chunks of ``job`` (all or nothing; LRU evicts to make room; keys already
-        held are skipped). ``rows[g]``: uint8 [copies, group_sizes[g], row_bytes(g)], the
-        carried blocks of group g in job order. Returns the entries newly stored."""
-        mt = self._tier(model)
-        tier, f = mt.tier, mt.tier.factor
-        masks = job.valid_masks()
-        if len(members) != len(job.keys) or any(
-            len(m) != w or [x is not None for x in m] != list(masks[k])
-            for k, (m, w) in enumerate(zip(members, job.key_widths, strict=True))
-        ):
-            raise InvalidInput("each stored entry needs one member key per sub-slot it carries")
-        if any(w != f for w in job.key_widths):
-            raise InvalidInput(f"entries of model {model!r} hold {f} GPU blocks each")
-        slices = job.group_slices()
-        gids = [g.group_id for g in mt.plan.groups]
-        src = []
-        for gi, sl in enumerate(slices):
-            t = as_tensor(rows[gi])
-            want = (tier.copies, sl.stop - sl.start, mt.widths[gids[gi]])
-            if t.dtype != torch.uint8 or tuple(t.shape) != want:
-                raise InvalidInput(
-                    f"CPU tier rows of group {gi} must be uint8 {list(want)}, got {t.dtype} "
-                    f"{list(t.shape)}"
-                )
-            src.append(t)
-        res = tier.prepare_store(job.keys)
-        if res is None:
-            return 0
-        at = res.block_of()
-        try:
-            for gi, sl in enumerate(slices):
-                pick = [i for i, (k, _) in enumerate(job.slots[sl]) if job.keys[k] in at]
-                if not pick:
-                    continue
-                arena_rows = torch.tensor(
-                    [at[job.keys[job.slots[sl][i][0]]] * f + job.slots[sl][i][1] for i in pick],
-                    dtype=torch.long,
-                )
-                width = src[gi].shape[2]
-                sel = src[gi][:, torch.tensor(pick, dtype=torch.long)]
-                for c in range(tier.copies):
-                    tier.rows(c)[:, :width].index_copy_(0, arena_rows, sel[c])
-        except Exception:
-            tier.finish_store(res, ok=False)
-            gone = [m for e in res.evicted for m in mt.forget(e)]  # evicted at prepare
-            await self.publish(model, [], [m for m in gone if m not in mt.where])
-            raise
-        index = {k: i for i, k in enumerate(job.keys)}
-        tier.finish_store(res, ok=True, valid=[masks[index[k]] for k in res.keys])
-        removed = [m for e in res.evicted for m in mt.forget(e)]
-        added = [m for k in res.keys for m in mt.note(k, members[index[k]])]
-        removed = [m for m in removed if m not in mt.where]  # re-added by this very store
-        self.metrics.evicted(model, CPU, len(res.evicted))
-        self.metrics.used(model, CPU, tier.num_blocks - tier.num_free)
-        await self.publish(model, [(m, -1) for m in added], removed)
-        return len(res.keys)
+    async def arena(self, model: str) -> Any:
+        """The ``SharedSpec`` of ``model``'s arena: map it with ``CpuTierView``."""
+        return self._tier(model).tier.arena_spec
 
-    async def read_hashes(
-        self, model: str, keys: list[Hashable], block_ids: list[int] | None = None
-    ) -> tuple[int, np.ndarray]:
-        """Rows of the leading block ``keys`` (one group) held here:
-        (count, uint8 [copies, count, row_bytes])."""
+    # --- stores: reserve here, copy in the writer's process, apply here -------------------
+
+    async def reserve(
+        self, model: str, keys: tuple[bytes, ...], members: tuple[Members, ...], writers: int = 1
+    ) -> Any:
+        """Reserve entries for ``keys`` (all or nothing; LRU evicts to make room; keys held
+        already are skipped): (the arena's ``SharedSpec``, a ``StoreReservation`` for
+        ``writers`` TP writers or None). The spec rides along so a writer never needs a
+        call of its own to find (or re-find, after the tier was placed again) the arena."""
+        mt = self._tier(model)
+        if len(members) != len(keys) or any(len(m) != mt.tier.factor for m in members):
+            raise InvalidInput(
+                f"each stored entry of model {model!r} needs {mt.tier.factor} member keys"
+            )
+        spec = mt.tier.arena_spec
+        res = mt.tier.prepare_store(keys, writers=writers)
+        if res is None:
+            return spec, None
+        removed = [m for e in res.evicted for m in mt.forget(e)]
+        self.metrics.evicted(model, CPU, len(res.evicted))
+        member_of = dict(zip(keys, members, strict=True))
+        for k in res.keys:
+            mt.pending[k] = member_of[k]
+        # evicted keys leave the index with the next apply (off the writer's critical path);
+        # until then a lookup may still name them here: a lease then misses, never wrong KV
+        mt.unpublished += removed
+        return spec, res
+
+    async def lease(self, model: str, keys: list[bytes]) -> tuple[Any, Any, list[tuple[int, int]]]:
+        """Read references on the entries holding the leading block ``keys`` (one group):
+        (the arena's ``SharedSpec``, ``LoadLease`` or None, per block (entry index in the
+        lease, sub-slot))."""
         mt = self.tiers.get(model)
-        if mt is None or not keys:
-            return 0, np.empty((1, 0, 0), np.uint8)
-        tier, gid = mt.tier, key_group(keys[0])
-        chosen: list[tuple[bytes, int]] = []
-        for key in keys:
-            held = mt.where.get(key)
-            if not held or key_group(key) != gid:
-                break
-            chosen.append(next(iter(held.items())))
+        chosen = mt.choose(keys) if mt is not None and keys else []
         entries = list(dict.fromkeys(e for e, _ in chosen))
-        lease = tier.prepare_load(entries) if entries else None
+        lease = mt.tier.prepare_load(entries) if entries else None
+        spec = mt.tier.arena_spec if mt is not None else None
         if lease is None:
             self.metrics.miss(model, CPU, len(keys))
-            return 0, np.empty((tier.copies, 0, mt.widths[gid]), np.uint8)
+            return spec, None, []
         self.metrics.miss(model, CPU, len(keys) - len(chosen))
+        self.metrics.hit(model, CPU, len(chosen))
+        width = mt.widths[key_group(keys[0])]
+        self.metrics.moved(model, CPU, len(chosen) * width * mt.tier.copies)
+        at = {e: i for i, e in enumerate(lease.keys)}
+        return spec, lease, [(at[e], s) for e, s in chosen]
+
+    async def apply(self, model: str, ops: list[tuple], wait_publish: bool = True) -> int:
+        """Apply the metadata calls an ``OffloadEngine`` on a ``CpuTierView`` queued; publish
+        entries that became readable, unpublish corrupt ones. Returns the entries stored.
+        ``wait_publish=False`` answers before the coordinator has the events (an engine's
+        store needs no index round trip on its path; events stay in order by sequence)."""
+        mt = self._tier(model)
+        tier = mt.tier
+        corrupt = [op[1] for op in ops if op[0] == "drop" and op[2]]
+        tier.apply(ops)
+        added, removed, stored = [], [], 0
+        for op in ops:
+            if op[0] != "finish_store":
+                continue
+            for k in op[1].keys:
+                if k not in mt.pending:
+                    continue
+                state = tier.state(k)
+                if state is None:  # a writer failed: back to free
+                    mt.pending.pop(k)
+                elif k in tier:  # every writer done
+                    added += mt.note(k, mt.pending.pop(k))
+                    stored += 1
+        removed, mt.unpublished = removed + mt.unpublished, []
+        for k in corrupt:
+            removed += mt.forget(k)
+        if corrupt:
+            self.metrics.checksum_errors(model, CPU, len(corrupt))
+        self.metrics.used(model, CPU, tier.num_blocks - tier.num_free)
+        removed = [m for m in removed if m not in mt.where]
+        if added or removed:
+            sent = self.publish(model, [(m, -1) for m in added], removed)
+            if wait_publish:
+                await sent
+            else:
+                task = asyncio.get_running_loop().create_task(sent)
+                self._publishing.add(task)
+                task.add_done_callback(self._published)
+        return stored
+
+    def _published(self, task: asyncio.Task) -> None:
+        self._publishing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("tier %s: publishing KV events failed: %r", self.name, task.exception())
+            self.metrics.copy_failed("all", CPU, "publish")
+
+    async def drop_keys(self, model: str, keys: list[bytes]) -> None:
+        """A reader found the entries holding block ``keys`` corrupt: they are misses now."""
+        mt = self.tiers.get(model)
+        if mt is None:
+            return
+        entries = {e for k in keys for e in mt.where.get(k, {})}
+        await self.apply(model, [("drop", e, True) for e in entries])
+
+    # --- other nodes ----------------------------------------------------------------------
+
+    async def export_blocks(
+        self, model: str, keys: list[bytes]
+    ) -> tuple[int, np.ndarray, list[list[int]]]:
+        """For ``raykv.transport``: the leading block ``keys`` (one group) held here as one
+        buffer uint8 [copies, count, row_bytes] with their stored checksums [copies][count]."""
+        mt = self.tiers.get(model)
+        _, lease, chosen = await self.lease(model, keys) if mt is not None else (0, None, [])
+        if lease is None:
+            return 0, np.empty((1, 0, 0), np.uint8), []
+        tier = mt.tier
         try:
-            block_of = dict(zip(lease.keys, lease.blocks, strict=True))
-            idx = torch.tensor([block_of[e] * tier.factor + s for e, s in chosen], dtype=torch.long)
-            rows = tier.arena[:, idx, : mt.widths[gid]].numpy()
+            width = mt.widths[key_group(keys[0])]
+            rows = tier.read([(lease.blocks[e], s) for e, s in chosen], width)
+            sums = [[lease.checksums[e][c][s] for e, s in chosen] for c in range(tier.copies)]
         finally:
             tier.finish_load(lease)
-        self.metrics.hit(model, CPU, len(chosen))
-        self.metrics.moved(model, CPU, rows.nbytes)
-        return len(chosen), rows
+        return len(chosen), export_rows(rows), sums
 
     def blocks(self) -> dict[str, list[tuple[Hashable, int]]]:
         return {m: [(k, -1) for k in mt.where] for m, mt in self.tiers.items()}
@@ -199,6 +253,7 @@ class CpuTierActor(Member):
                     "bytes": mt.tier.total_bytes,
                     "copies": mt.tier.copies,
                     "block_size_factor": mt.tier.factor,
+                    "checksum_errors": mt.tier.stats.checksum_errors,
                 }
                 for m, mt in self.tiers.items()
             },

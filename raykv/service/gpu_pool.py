@@ -14,8 +14,14 @@ of a shared prefix block is the only one and its bytes never change while it sta
 Under memory pressure the block manager evicts cached blocks; the pool copies each complete
 chunk (``raykv.service.groups``) an evicted valid block belongs to into the node's CPU tier
 before handing the block out (nothing can overwrite it in between: its new owner learns its
-id only when ``allocate`` returns, and every rank's read is sent before the pool first
-yields). On a node without GPUs the same actors run with ``device="cpu"`` (development and CI).
+id only when ``allocate`` returns, and the offload fences the blocks before its first
+await). On a node without GPUs the same actors run with ``device="cpu"`` (development and
+CI).
+
+The bytes move in ``raykv.service.dataplane`` (``PoolDataPlane``, mixed in here): offload and
+load through ``raykv.tiers`` jobs on the node's shared arena, fetches through
+``raykv.transport``, a checksum for every valid block (``sums``; invariants 9 and 12 are
+kept there). This module keeps requests, their epochs and the validity of blocks.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 
 from raykv.errors import AccessDenied, InvalidInput, ServiceError
 from raykv.layout import tp
+from raykv.service.dataplane import PoolDataPlane
 from raykv.service.groups import (
     Chunk,
     as_tables,
@@ -46,11 +53,9 @@ from raykv.service.groups import (
 from raykv.service.index import GPU
 from raykv.service.member import Member
 from raykv.service.metrics import ServiceMetrics
-from raykv.service.mover import ObjectStoreMover
 from raykv.service.rank import RankKV
 from raykv.service.rows import RankRows, as_rank_rows, as_tensor
 from raykv.service.spec import (
-    COORDINATOR,
     NAMESPACE,
     ServedModel,
     StoreResult,
@@ -60,12 +65,13 @@ from raykv.service.spec import (
     check_token_ids,
     tier_name,
 )
-from raykv.tiers.jobs import NULL_BLOCK, StoreJob
+from raykv.tiers.checksum import row_checksums
+from raykv.tiers.jobs import NULL_BLOCK
 
-WRITE_WAIT_S = 60.0  # a store waits this long at most for another call writing its blocks
+WRITE_WAIT_S = 30.0  # the longest a store or read waits for another call writing its blocks
 
 
-class GpuPool(Member):
+class GpuPool(PoolDataPlane, Member):
     kind = "pool"
 
     def __init__(
@@ -88,7 +94,7 @@ class GpuPool(Member):
             )
         self.model, self.plan, self.device = model, plan, device
         self.bm = BlockManager(plan, enable_prefix_caching=True)
-        self.local = RankKV(plan, device)  # rank 0
+        self.local = RankKV(plan, device, 0)  # rank 0
         self.rank_names = list(ranks)
         self._rank_handles: list[Any] | None = None
         self._leaving: asyncio.Task | None = None  # set once a rank died (see _retire)
@@ -112,8 +118,11 @@ class GpuPool(Member):
         self.key_of: dict[int, bytes] = {}
         self.chunk_of: dict[bytes, Chunk] = {}  # valid key -> a complete chunk it is part of
         self._writing: set[int] = set()  # blocks a store or load is writing now
-        self.mover = ObjectStoreMover()
+        self._written: tuple[Any, asyncio.Condition] | None = None  # (loop, its condition)
+        # checksums of bytes written into blocks not yet valid (moved to sums on validation)
+        self._pending_sums: dict[int, tuple[int, ...]] = {}
         self.metrics = ServiceMetrics("pool")
+        self._init_dataplane()
 
     async def start(self) -> str:
         tier = ray.get_actor(tier_name(self.node_id), namespace=NAMESPACE)
@@ -156,17 +165,23 @@ class GpuPool(Member):
     def _start_gather(self, gi: int, block_ids: list[int], ranks: Sequence[int]) -> tuple:
         """Read rank 0's rows and send the other ranks their reads, without yielding: the
         bytes are read before any later call can write them (a rank runs its calls in the
-        order they were sent)."""
+        order they were sent). The rows land in one ``[len(ranks), n, width]`` buffer (the
+        transport's wire buffer; rank 0's part gathered straight into it)."""
         handles = self._ranks()
         refs = [handles[r - 1].gather.remote(gi, block_ids) for r in ranks if r]
-        local = self.local.gather(gi, block_ids) if 0 in ranks else None
-        return ranks, local, refs
+        out = torch.empty((len(ranks), len(block_ids), self.widths[gi]), dtype=torch.uint8)
+        if 0 in ranks:
+            self.local.gather_into(gi, block_ids, out[list(ranks).index(0)])
+        return ranks, out, refs
 
     async def _finish_gather(self, started: tuple) -> torch.Tensor:
         """``[len(ranks), n, width]``: the rows of each rank of a started gather."""
-        ranks, local, refs = started
+        ranks, out, refs = started
         remote = iter(await self._remote(refs))
-        return torch.stack([local if r == 0 else as_tensor(next(remote)) for r in ranks])
+        for i, r in enumerate(ranks):
+            if r:
+                out[i].copy_(as_tensor(next(remote)))
+        return out
 
     async def _gather(self, gi: int, block_ids: list[int], ranks: Sequence[int]) -> torch.Tensor:
         return await self._finish_gather(self._start_gather(gi, block_ids, ranks))
@@ -184,10 +199,28 @@ class GpuPool(Member):
         """Every rank gets the rows of the distinct copy it holds."""
         await self._scatter(gi, [copies[c] for c in self.copy_of], block_ids)
 
-    async def _copy_blocks(self, gi: int, src: list[int], dst: list[int]) -> None:
-        refs = [h.copy.remote(gi, src, dst) for h in self._ranks()]
-        self.local.copy(gi, src, dst)
-        await self._remote(refs)
+    async def _copy_blocks(self, gi: int, src: list[int], dst: list[int]) -> int:
+        """Block ``dst[i]`` gets block ``src[i]``'s bytes on every rank, for the leading
+        blocks whose bytes still match their checksums on every copy's writer (invariant
+        12); returns how many. The first corrupt source is dropped (a miss)."""
+
+        def expected(r: int) -> list[int] | None:
+            if r not in self.writers:
+                return None
+            c = self.copy_of[r]
+            return [self.sums[b][c] if b in self.sums else -1 for b in src]
+
+        sums = [self.sums.get(b) for b in src]  # the bytes' checksums, read before any await
+        refs = [h.copy.remote(gi, src, dst, expected(r + 1)) for r, h in enumerate(self._ranks())]
+        counts = [self.local.copy(gi, src, dst, expected(0)), *await self._remote(refs)]
+        n = min(counts)
+        for s_, d in zip(sums[:n], dst[:n], strict=True):
+            self._pending_sums[d] = s_
+        if n < len(src):
+            self._corrupt([src[n]])
+            if self.key_of.get(src[n]) is not None and self.sums.get(src[n]) == sums[n]:
+                await self.publish(self.model.name, [], self._gone([self._invalidate(src[n])]))
+        return n
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -238,24 +271,38 @@ class GpuPool(Member):
         is writing it."""
         return block in self.key_of or block in self._writing
 
-    async def _wait_unwritten(self, blocks: list[int]) -> None:
-        """Until no other call of this pool is writing any of ``blocks``: a skipped block
-        must hold its bytes when the caller reads or computes on it (a load that missed
-        leaves its blocks unwritten, and then this call writes them)."""
-        deadline = time.monotonic() + WRITE_WAIT_S
-        while not self._writing.isdisjoint(blocks):
-            if time.monotonic() > deadline:
-                busy = sorted(self._writing.intersection(blocks))
-                raise ServiceError(
-                    f"blocks {busy[:8]} of pool {self.name!r} stayed busy with another "
-                    f"call's write for {WRITE_WAIT_S:.0f}s; retry the store"
+    def _condition(self) -> asyncio.Condition:
+        loop = asyncio.get_running_loop()
+        if self._written is None or self._written[0] is not loop:
+            self._written = (loop, asyncio.Condition())
+        return self._written[1]
+
+    async def _settle(self, blocks: set[int]) -> None:
+        """Wait until no other call is writing ``blocks`` (a request sharing a prefix block
+        with one whose load or store is filling it): a store then sees whether those bytes
+        were published, and a read never returns them half-written. Bounded: after
+        ``WRITE_WAIT_S`` the caller goes on as before (the block counts as being written)."""
+        if not blocks & self._writing:
+            return
+        cond = self._condition()
+        async with cond:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    cond.wait_for(lambda: not blocks & self._writing), WRITE_WAIT_S
                 )
-            await asyncio.sleep(0.001)
+
+    async def _done_writing(self, busy: set[int]) -> None:
+        self._writing -= busy
+        if busy and self._written is not None:
+            cond = self._condition()
+            async with cond:
+                cond.notify_all()
 
     def _cached_as(self, block: int, key: bytes) -> bool:
         return self.bm.pool.block_keys[block] == (key_group(key), key[4:])
 
     def _invalidate(self, block: int) -> bytes | None:
+        self.sums.pop(block, None)
         key = self.key_of.pop(block, None)
         if key is not None and self.valid.get(key) == block:
             del self.valid[key]
@@ -290,6 +337,8 @@ class GpuPool(Member):
                 if self._cached_as(b, key) and self.key_of.get(b) != key:
                     old.append(self._invalidate(b))
                     self.valid[key], self.key_of[b] = b, key
+                    if (sums := self._pending_sums.pop(b, None)) is not None:
+                        self.sums[b] = sums
                     out.append((key, b))
         for chunk in complete_chunks(self.plan, tables, keys):
             for m in chunk.members:
@@ -367,56 +416,17 @@ class GpuPool(Member):
         self.metrics.used(self.model.name, GPU, self.bm.pool.num_used_blocks)
         return new
 
-    async def _offload(self, chunks: list[Chunk]) -> int:
-        """Copy complete chunks whose real blocks are all valid here to the node's CPU tier
-        (every distinct TP copy). Returns the entries newly stored; 0 when there is no tier
-        or no room (a miss later, never wrong KV)."""
-        ready = [c for c in chunks if all(m is None or m in self.valid for m in c.members)]
-        if not ready:
-            return 0
-        keys, kgroups, widths, ids, sizes, slots, members = [], [], [], [], [], [], []
-        for gi in range(len(self.gids)):
-            n = 0
-            for c in (c for c in ready if c.group == gi):
-                k = len(keys)
-                keys.append(c.key)
-                kgroups.append(self.gids[gi])
-                widths.append(len(c.members))
-                members.append(c.members)
-                for s, m in enumerate(c.members):
-                    if m is not None:
-                        ids.append(self.valid[m])
-                        slots.append((k, s))
-                        n += 1
-            sizes.append(n)
-        job = StoreJob(
-            "offload", tuple(keys), tuple(kgroups), tuple(widths), tuple(ids), tuple(sizes),
-            tuple(slots),
-        )  # fmt: skip
-        started = [
-            self._start_gather(gi, list(job.block_ids[sl]), self.writers)
-            for gi, sl in enumerate(job.group_slices())
-        ]  # every group's bytes are read before the first await
-        rows = [(await self._finish_gather(s)).numpy() for s in started]
-        try:
-            tier = ray.get_actor(tier_name(self.node_id), namespace=NAMESPACE)
-            n = await tier.store.remote(self.model.name, job, tuple(members), rows)
-        except Exception:  # no tier: the blocks are simply gone (a miss later, never wrong)
-            return 0
-        self.metrics.offloaded(self.model.name, n)
-        return n
-
     async def store(
         self, client: str, rid: Hashable, block_ids: Sequence, rows: Any, offload: bool = False
     ) -> StoreResult:
         """Write the KV bytes of ``block_ids`` (this request's blocks, per group; null ids
         skipped) on every rank; full blocks become hits for everyone. Blocks holding
         published bytes (valid here: written before and cached under their prefix key, by
-        this request or one sharing the block through a prefix hit) are immutable: they
-        are skipped, their bytes unchanged, and reported in ``skipped``. A block another
-        call is writing now (a load or store of a request sharing it) is waited for first:
-        when this call returns, every block it names holds its bytes. ``offload`` also
-        copies the request's complete chunks to the node's CPU tier now. Returns a
+        this request or one sharing the block through a prefix hit) are immutable: they are
+        skipped, their bytes unchanged, and reported in ``skipped``. A block another call is
+        writing now (a request sharing it is loading it) is waited for first (at most
+        ``WRITE_WAIT_S``), then skipped if that call published it, else written. ``offload``
+        also copies the request's complete chunks to the node's CPU tier now. Returns a
         ``StoreResult``: the blocks newly published (its int value), the blocks written and
         the ones skipped."""
         rid = self._mine(client, rid)
@@ -424,12 +434,14 @@ class GpuPool(Member):
         self._own_blocks(rid, tables)
         data: RankRows = as_rank_rows(self.plan, rows, tables, self.widths)
         real = [[b for b in t if b != NULL_BLOCK] for t in tables]
-        await self._wait_unwritten([b for ids in real for b in ids])
+        gen = self._gen.get(rid)
+        await self._settle({b for ids in real for b in ids})
+        if not self._live(rid, gen):  # freed while we waited: its blocks may be others' now
+            return StoreResult(0, 0, [[] for _ in real])
         keep = [[i for i, b in enumerate(ids) if not self._immutable(b)] for ids in real]
         written = [[ids[i] for i in k] for ids, k in zip(real, keep, strict=True)]
         skipped = [[b for b in ids if self._immutable(b)] for ids in real]
         num_written = sum(len(w) for w in written)
-        gen = self._gen.get(rid)
         busy = {b for ids in written for b in ids}
         self._writing |= busy
         try:
@@ -440,9 +452,13 @@ class GpuPool(Member):
                 per_rank = [data[r][gi] for r in range(self.plan.tp_size)]
                 if sel is not None:
                     per_rank = [x[sel] for x in per_rank]
+                # invariant 12: the checksum of each distinct copy, from the rows written
+                sums = [row_checksums(per_rank[r]) for r in self.writers]
+                for j, b in enumerate(ids):
+                    self._pending_sums[b] = tuple(c[j] for c in sums)
                 await self._scatter(gi, per_rank, ids)
         finally:
-            self._writing -= busy
+            await self._done_writing(busy)
         if not self._live(rid, gen):  # freed meanwhile: its blocks may be someone else's
             return StoreResult(0, num_written, skipped)
         stored, removed = self._validate(rid, written)
@@ -464,6 +480,7 @@ class GpuPool(Member):
             raise InvalidInput(
                 f"block ids {bad[:8]} out of range 1..{self.plan.num_gpu_blocks - 1}"
             )
+        await self._settle({b for t in tables for b in t})  # never bytes half-written
         mine = [set() for _ in tables]
         for rid in (r for r, c in self.owner.items() if c == client):
             for gi, table in enumerate(self.bm.block_table(rid)[: len(tables)]):
@@ -478,30 +495,6 @@ class GpuPool(Member):
                 "into them to read what others computed)"
             )
         return [(await self._gather(gi, t, [rank]))[0].numpy() for gi, t in enumerate(tables)]
-
-    async def read_hashes(
-        self, model: str, keys: list[bytes], block_ids: list[int] | None = None
-    ) -> tuple[int, np.ndarray]:
-        """Rows of the leading ``keys`` (one group) still valid here, for other pools:
-        (count, uint8 [distinct copies, count, row_bytes])."""
-        blocks = []
-        gid = key_group(keys[0]) if keys else None
-        for key in keys:
-            b = self.valid.get(key)
-            # a stale index entry (evicted, re-keyed, a restarted coordinator's guess) is a
-            # miss: only a block the manager still caches under this very key is served
-            if b is None or model != self.model.name or key_group(key) != gid:
-                break
-            if not self._cached_as(b, key):
-                break
-            blocks.append(b)
-        self.metrics.miss(model, GPU, len(keys) - len(blocks))
-        if not blocks:
-            return 0, np.empty((len(self.writers), 0, 0), np.uint8)
-        rows = (await self._gather(self.gindex[gid], blocks, self.writers)).numpy()
-        self.metrics.hit(model, GPU, len(blocks))
-        self.metrics.moved(model, GPU, rows.nbytes)
-        return len(blocks), rows
 
     async def load(
         self, client: str, rid: Hashable, token_ids: Sequence[int], into: Sequence
@@ -542,8 +535,8 @@ class GpuPool(Member):
                 local = [(j, b) for j, b in want if keys[gi][j] in self.valid]
                 if local:
                     src = [self.valid[keys[gi][j]] for j, _ in local]
-                    await self._copy_blocks(gi, src, [b for _, b in local])
-                    filled.update(b for _, b in local)
+                    n = await self._copy_blocks(gi, src, [b for _, b in local])
+                    filled.update(b for _, b in local[:n])
                 # 2) the node's CPU tier or another node, best copy first
                 rest = [(keys[gi][j], b) for j, b in want if b not in filled]
                 if rest:
@@ -551,7 +544,7 @@ class GpuPool(Member):
                 if not self._live(rid, gen):  # freed meanwhile: nothing to publish
                     return nothing | {"bytes": moved}
         finally:
-            self._writing -= busy
+            await self._done_writing(busy)
         written = [[b for b in t if b in filled] for t in into_tables]
         await self.publish(self.model.name, *self._validate(rid, written))
 
@@ -567,46 +560,6 @@ class GpuPool(Member):
             "bytes": moved,
             "seconds": time.perf_counter() - t0,
         }
-
-    async def _fetch(
-        self, rid: Hashable, gen: int | None, gi: int, want: list[tuple[bytes, int]], filled: set
-    ) -> int:
-        """Copy the blocks of ``want`` (key, our block) from wherever they are held."""
-        try:
-            coord = ray.get_actor(COORDINATOR, namespace=NAMESPACE)
-            where = await coord.locate.remote(self.model.name, [k for k, _ in want], self.node_id)
-        except Exception:  # coordinator restarting: nothing is known to be elsewhere, a miss
-            return 0
-        failed: set[str] = {self.name}
-        moved, i = 0, 0
-        while i < len(want):
-            source = next((c.member for c in where[i] if c.member not in failed), None)
-            if source is None:
-                i += 1  # nobody (else) holds it: a miss; later slots may still be needed
-                continue
-            run = i
-            while run < len(want) and any(c.member == source for c in where[run]):
-                run += 1
-            batch = want[i:run]
-            try:
-                n, rows = await self.mover.fetch(
-                    source, self.model.name, [k for k, _ in batch], [-1] * len(batch)
-                )
-            except Exception:  # the source died or left: its copies are misses
-                failed.add(source)
-                with contextlib.suppress(Exception):
-                    await coord.member_failed.remote(source)
-                continue
-            if not self._live(rid, gen):  # freed: our blocks may be someone else's now
-                return moved
-            if n:
-                await self._scatter_copies(gi, rows[:, :n], [b for _, b in batch[:n]])
-                filled.update(b for _, b in batch[:n])
-                moved += int(rows[:, :n].numel())
-            if n < len(batch):
-                failed.add(source)  # it lost the rest meanwhile; try the next copy
-            i += n
-        return moved
 
     async def block_table(self, client: str, rid: Hashable) -> list[list[int]]:
         """The request's logical block ids per group now (null slots are 0)."""
@@ -642,6 +595,11 @@ class GpuPool(Member):
 
     async def get_stats(self) -> dict[str, Any]:
         return self.stats()
+
+    async def kv_specs(self) -> list[Any]:
+        """Rank 0's KV tensors as ``SharedSpec``s (CPU-device pools: /dev/shm files other
+        processes of the node map with ``GpuKV.attach``); empty on GPU (CUDA IPC instead)."""
+        return list(self.local.kv.shared_specs)
 
     async def rank_info(self) -> list[dict[str, Any]]:
         """Where each rank of the group runs (rank 0 first)."""

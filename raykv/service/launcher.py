@@ -290,6 +290,7 @@ def status_table(s: dict[str, Any]) -> str:
     lines.append("")
     lines.append(
         f"lookups {s['lookups']}  hit rate {s['hit_rate']:.1%}  hit blocks: {hits}  "
-        f"missed blocks {s['misses']}  indexed blocks {s['indexed_blocks']}"
+        f"missed blocks {s['misses']}  indexed blocks {s['indexed_blocks']}  "
+        f"checksum errors {s.get('checksum_errors', 0)}"
     )
     return "\n".join(lines)

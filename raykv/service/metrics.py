@@ -20,6 +20,12 @@ class ServiceMetrics:
         self._evictions = metrics.Counter("raykv_evicted_blocks", "Blocks evicted", tags)
         self._offloads = metrics.Counter("raykv_offloaded_blocks", "GPU blocks saved to CPU", tags)
         self._moved = metrics.Counter("raykv_bytes_moved", "KV bytes moved between members", tags)
+        self._corrupt = metrics.Counter(
+            "raykv_checksum_errors", "Copies whose bytes failed their checksum (misses)", tags
+        )
+        self._failed = metrics.Counter(
+            "raykv_failed_copies", "Copies that found their peer gone (misses)", tags
+        )
         self._used = metrics.Gauge("raykv_blocks_used", "Blocks holding KV", tags)
         self._failures = metrics.Counter(
             "raykv_handled_failures",
@@ -57,6 +63,17 @@ class ServiceMetrics:
         if nbytes:
             self.tally["bytes_moved"] += nbytes
             self._moved.inc(nbytes, self._tags(model, tier))
+
+    def checksum_errors(self, model: str, tier: str, n: int) -> None:
+        """Copies found corrupt (dropped, served as misses, never as KV)."""
+        if n:
+            self.tally["checksum_errors"] += n
+            self._corrupt.inc(n, self._tags(model, tier))
+
+    def copy_failed(self, model: str, tier: str, what: str) -> None:
+        """A copy that could not run (its peer gone): logged by the caller, a miss."""
+        self.tally[f"failed_{what}"] += 1
+        self._failed.inc(1, self._tags(model, tier))
 
     def used(self, model: str, tier: str, n: int) -> None:
         self._used.set(n, self._tags(model, tier))

@@ -1,15 +1,22 @@
-"""One TP rank's KV bytes: ``RankKV`` (the tensors and their row copies) and ``RankPool``,
-the actor that holds ranks 1..tp-1 of a TP group.
+"""One TP rank's KV bytes: ``RankKV`` (the tensors, their row copies and the rank's
+``OffloadEngine`` on the node's shared CPU-tier arena) and ``RankPool``, the actor that holds
+ranks 1..tp-1 of a TP group.
 
 A model served with tp_size=N gets N actors per engine instance, placed together on one node
 (a STRICT_PACK placement group): the ``GpuPool`` (rank 0, the group's leader: the one
 ``BlockManager``, since every rank uses the same block ids) and N-1 ``RankPool`` actors, each
 holding only its rank's slice of every block (the plan's per-rank page bytes). The leader
 drives them; they are not members of the coordinator.
+
+Each rank moves its own bytes to and from the CPU tier: ``store_job`` / ``load_job`` run a
+``raykv.tiers`` StoreJob / LoadJob on the rank's ``GpuKV`` and a ``CpuTierView`` of the
+arena (the one offload path; checksums computed on store, verified on load) and return the
+engine's queued tier calls for the leader to apply on the tier actor.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,18 +25,24 @@ import torch
 
 from raykv import ops
 from raykv.service.groups import row_widths
+from raykv.tiers.checksum import row_checksums
+
+log = logging.getLogger(__name__)
 
 
 class RankKV:
-    """The paged KV tensors of one rank, addressed by group index and logical block id."""
+    """The paged KV tensors of one rank, addressed by group index and logical block id.
+    On CPU they live in shared memory (``GpuKV.allocate(shared=True)``)."""
 
-    def __init__(self, plan: Any, device: str = "cpu") -> None:
+    def __init__(self, plan: Any, device: str = "cpu", rank: int = 0) -> None:
         from raykv.tiers.gpu_kv import GpuKV
 
-        self.plan = plan
-        self.kv = GpuKV.allocate(plan, device)
+        self.plan, self.rank = plan, rank
+        self.kv = GpuKV.allocate(plan, device, shared=True)
         self.entries = [self.kv.entries(g.group_id) for g in plan.groups]
         self.widths = row_widths(plan)
+        self._engine: Any = None
+        self._arena: Any = None  # the SharedSpec the engine's view maps
 
     def gather(self, gi: int, block_ids: Sequence[int]) -> torch.Tensor:
         dst = torch.empty((len(block_ids), self.widths[gi]), dtype=torch.uint8)
@@ -37,14 +50,65 @@ class RankKV:
             ops.gather_blocks(self.entries[gi], torch.tensor(block_ids, dtype=torch.long), dst)
         return dst
 
+    def gather_into(self, gi: int, block_ids: Sequence[int], dst: torch.Tensor) -> None:
+        if block_ids:
+            ops.gather_blocks(self.entries[gi], torch.tensor(block_ids, dtype=torch.long), dst)
+
     def scatter(self, gi: int, rows: torch.Tensor, block_ids: Sequence[int]) -> None:
         if block_ids:
             ids = torch.tensor(block_ids, dtype=torch.long)
             ops.scatter_blocks(rows, self.entries[gi], ids)
 
-    def copy(self, gi: int, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Block ``dst[i]`` gets the bytes of block ``src[i]`` (same group)."""
-        self.scatter(gi, self.gather(gi, src), dst)
+    def copy(
+        self, gi: int, src: Sequence[int], dst: Sequence[int], expected: Sequence[int] | None
+    ) -> int:
+        """Block ``dst[i]`` gets the bytes of block ``src[i]`` (same group) for the leading
+        blocks whose bytes match ``expected`` (their checksums; None: unchecked). Returns
+        how many were copied (invariant 12: a corrupt source is never copied)."""
+        rows = self.gather(gi, src)
+        n = len(src)
+        if expected is not None:
+            got = row_checksums(rows)
+            n = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), n)
+        self.scatter(gi, rows[:n], list(dst[:n]))
+        return n
+
+    # --- the CPU tier, through raykv.tiers ------------------------------------------------
+
+    def engine(self, arena: Any) -> Any:
+        """This rank's ``OffloadEngine`` on the arena ``arena`` (a ``SharedSpec``), mapped
+        once per arena (a re-placed tier has a new one)."""
+        from raykv.tiers.cpu_tier import CpuTierView
+        from raykv.tiers.offload import OffloadEngine
+
+        if self._engine is None or self._arena != arena:
+            view = CpuTierView(self.plan, arena)
+            self._engine = OffloadEngine(self.kv, view, rank=self.rank, checksums=True)
+            self._arena = arena
+        return self._engine
+
+    def store_job(self, arena: Any, job: Any, reservation: Any) -> list[tuple]:
+        """Copy this rank's blocks of ``job`` into the reserved arena rows (a replica rank
+        copies nothing); returns the tier calls to apply."""
+        eng = self.engine(arena)
+        if eng.submit_store(job, reservation) is None:
+            return []
+        for res in eng.wait_all():
+            if not res.ok:  # the tier frees the entries (nothing half-readable): a miss later
+                log.warning("rank %d: store to the CPU tier failed: %s", self.rank, res.error)
+        return eng.tier.take()
+
+    def load_job(self, arena: Any, job: Any, lease: Any) -> tuple[tuple[bytes, ...], list]:
+        """Verify and copy the leased arena rows of ``job`` into this rank's blocks; returns
+        (keys not loaded, tier calls to apply)."""
+        eng = self.engine(arena)
+        if eng.submit_load(job, lease) is None:
+            return tuple(job.keys), eng.tier.take()
+        (res,) = eng.wait_all()
+        if not res.ok:  # nothing counts as loaded: the blocks are misses
+            log.warning("rank %d: load from the CPU tier failed: %s", self.rank, res.error)
+        missed = res.missed if res.ok else tuple(job.keys)
+        return missed, eng.tier.take()
 
 
 class RankPool:
@@ -52,7 +116,7 @@ class RankPool:
 
     def __init__(self, name: str, plan: Any, rank: int, device: str = "cpu") -> None:
         self.name, self.rank, self.device = name, rank, device
-        self.kv = RankKV(plan, device)
+        self.kv = RankKV(plan, device, rank)
 
     def gather(self, gi: int, block_ids: list[int]) -> np.ndarray:
         return self.kv.gather(gi, block_ids).numpy()
@@ -62,8 +126,17 @@ class RankPool:
 
         self.kv.scatter(gi, as_tensor(rows), block_ids)
 
-    def copy(self, gi: int, src: list[int], dst: list[int]) -> None:
-        self.kv.copy(gi, src, dst)
+    def copy(self, gi: int, src: list[int], dst: list[int], expected=None) -> int:
+        return self.kv.copy(gi, src, dst, expected)
+
+    def checksums(self, gi: int, block_ids: list[int]) -> tuple[int, ...]:
+        return row_checksums(self.kv.gather(gi, block_ids))
+
+    def store_job(self, arena: Any, job: Any, reservation: Any) -> list[tuple]:
+        return self.kv.store_job(arena, job, reservation)
+
+    def load_job(self, arena: Any, job: Any, lease: Any) -> tuple:
+        return self.kv.load_job(arena, job, lease)
 
     def info(self) -> dict[str, Any]:
         import ray

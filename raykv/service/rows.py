@@ -13,7 +13,6 @@ with its non-null ids only. Anything else raises InvalidInput before a byte move
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import numpy as np
@@ -22,15 +21,11 @@ import torch
 from raykv.errors import InvalidInput
 from raykv.layout.plan import Plan
 from raykv.tiers.jobs import NULL_BLOCK
+from raykv.transport.object_store import as_tensor
+
+__all__ = ["RankRows", "as_rank_rows", "as_tensor", "rows_tensor", "to_wire"]
 
 RankRows = list[list[torch.Tensor]]  # [rank][group] -> uint8 [n, row_bytes]
-
-
-def as_tensor(rows: np.ndarray) -> torch.Tensor:
-    """Zero-copy view of rows read from the object store (read-only: we only copy from it)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "non-writable array"
-        return torch.from_numpy(rows)
 
 
 def _array(x: Any) -> bool:

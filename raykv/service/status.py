@@ -84,15 +84,18 @@ def cluster(
 ) -> dict[str, Any]:
     """The whole status, in the shape ``raykv status`` prints (``status_table``)."""
     look = lookups(tally)
+    rows = members(members_, index)
     return {
         "nodes": nodes(ray_nodes),
         "models": models(served, plans),
-        "members": members(members_, index),
+        "members": rows,
         "indexed_blocks": len(index),
         "lookups": look["lookups"],
         "hit_rate": look["hit_rate"],
         "hits": look["hits"],
         "misses": look["misses"],
+        # copies that failed their checksum (invariant 12: served as misses), per member
+        "checksum_errors": sum(m.get("checksum_errors", 0) for m in rows),
         "failures": {
             k.removeprefix("failures_"): v for k, v in tally.items() if k.startswith("failures_")
         },

@@ -1,7 +1,16 @@
-"""Tiers: paged GPU KV tensors, the pinned-host CPU tier, offload jobs and eviction policies."""
+"""Tiers: paged GPU KV tensors, the CPU tier (its arena in shared memory, ``shm``), offload
+jobs with fence and checksums, and eviction policies."""
 
 from raykv.tiers.checksum import row_checksums
-from raykv.tiers.cpu_tier import BlockState, CpuTier, LoadLease, StoreReservation, TierStats
+from raykv.tiers.cpu_tier import (
+    ArenaRows,
+    BlockState,
+    CpuTier,
+    CpuTierView,
+    LoadLease,
+    StoreReservation,
+    TierStats,
+)
 from raykv.tiers.fence import StoreFence
 from raykv.tiers.gpu_kv import GpuKV
 from raykv.tiers.jobs import (
@@ -18,9 +27,11 @@ from raykv.tiers.policies import ARCPolicy, EvictionPolicy, LRUPolicy, make_poli
 __all__ = [
     "NULL_BLOCK",
     "ARCPolicy",
+    "ArenaRows",
     "BlockJob",
     "BlockState",
     "CpuTier",
+    "CpuTierView",
     "EvictionPolicy",
     "GpuKV",
     "JobResult",

@@ -25,9 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from raykv.errors import ConfigError
 from raykv.layout import tp
 from raykv.layout.plan import Plan
+from raykv.tiers import shm
 from raykv.tiers.policies import EvictionPolicy, make_policy
+from raykv.tiers.shm import SharedSpec
 
 Key = bytes
 
@@ -91,13 +94,39 @@ class TierStats:
     checksum_errors: int = 0
 
 
-class CpuTier:
+class ArenaRows:
+    """Addressing of the arena, the one place it is written down (tier and views alike):
+    row ``block * factor + sub`` of each copy holds GPU block ``sub`` of CPU block ``block``."""
+
+    arena: torch.Tensor
+    factor: int
+    copies: int
+
+    def rows(self, copy: int = 0) -> torch.Tensor:
+        """``[num_blocks * factor, gpu_bytes_per_block]`` rows of one TP copy."""
+        return self.arena[copy]
+
+    def row(self, block: int, sub: int) -> int:
+        return block * self.factor + sub
+
+    def read(self, picks: Sequence[tuple[int, int]], width: int) -> torch.Tensor:
+        """The first ``width`` bytes of the rows ``(block, sub)`` of every copy, as one new
+        buffer ``[copies, len(picks), width]`` (one gather per copy)."""
+        idx = torch.tensor([self.row(b, s) for b, s in picks], dtype=torch.long)
+        out = torch.empty((self.copies, len(picks), width), dtype=torch.uint8)
+        for c in range(self.copies):
+            torch.index_select(self.arena[c, :, :width], 0, idx, out=out[c])
+        return out
+
+
+class CpuTier(ArenaRows):
     def __init__(
         self,
         plan: Plan,
         policy: str | EvictionPolicy = "lru",
         *,
         pin_memory: bool | None = None,
+        shared: bool = False,
     ) -> None:
         self.plan = plan
         self.num_blocks = plan.cpu_num_blocks
@@ -106,11 +135,13 @@ class CpuTier:
         self.slot_bytes = plan.gpu_bytes_per_block
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
-        self.arena = torch.empty(
-            (self.copies, self.num_blocks * self.factor, self.slot_bytes),
-            dtype=torch.uint8,
-            pin_memory=pin_memory,
-        )
+        shape = (self.copies, self.num_blocks * self.factor, self.slot_bytes)
+        # shared: in /dev/shm, so pools, TP ranks and engines of the node map it (CpuTierView)
+        self.arena_spec: SharedSpec | None = None
+        if shared:
+            self.arena, self.arena_spec = shm.create(shape, "arena")
+        else:
+            self.arena = torch.empty(shape, dtype=torch.uint8, pin_memory=pin_memory)
         self.policy = make_policy(policy, self.num_blocks) if isinstance(policy, str) else policy
         self.stats = TierStats()
         self._lock = threading.Lock()
@@ -121,10 +152,6 @@ class CpuTier:
     @property
     def total_bytes(self) -> int:
         return self.arena.numel()
-
-    def rows(self, copy: int = 0) -> torch.Tensor:
-        """``[num_blocks * factor, gpu_bytes_per_block]`` rows of one TP copy."""
-        return self.arena[copy]
 
     # ---------------------------------------------------------------- lookups
     def lookup(self, keys: Sequence[Key]) -> int:
@@ -275,6 +302,13 @@ class CpuTier:
             else:
                 self._release(i)
 
+    def apply(self, ops: Sequence[tuple]) -> None:
+        """Apply the metadata calls a ``CpuTierView`` queued (in order)."""
+        for op, *args in ops:
+            if op not in ("finish_store", "finish_load", "drop"):
+                raise ValueError(f"unknown tier operation {op!r}")
+            getattr(self, op)(*args)
+
     # ---------------------------------------------------------------- internals
     def _evictable(self, key: Key, protected: set[Key]) -> bool:
         b = self._blocks[self._by_key[key]]
@@ -301,3 +335,48 @@ class CpuTier:
                 assert (b.state is BlockState.READING) == (b.readers > 0), b
             readable = {k for k, i in self._by_key.items() if self._blocks[i].state in READABLE}
             assert set(self.policy) == readable, "policy and index disagree"
+
+
+class CpuTierView(ArenaRows):
+    """Another process's view of a shared ``CpuTier`` (``shared=True``): its arena mapped
+    from ``/dev/shm``, its metadata left with the owner. ``OffloadEngine`` runs on a view as
+    on the tier itself: the caller takes the reservation / lease from the owner
+    (``prepare_store`` / ``prepare_load``, passed to ``submit_store`` / ``submit_load``), and
+    the engine's ``finish_store`` / ``finish_load`` / ``drop`` calls queue up in ``outbox``
+    for the caller to apply on the owner (``CpuTier.apply``) in one message. So the bytes
+    move once, in this process, and the owner's state machine stays the only one."""
+
+    def __init__(self, plan: Plan, spec: SharedSpec) -> None:
+        self.plan, self.spec = plan, spec
+        self.num_blocks = plan.cpu_num_blocks
+        self.factor = max(1, plan.block_size_factor)
+        self.copies = tp.plan_copies(plan)
+        self.slot_bytes = plan.gpu_bytes_per_block
+        want = (self.copies, self.num_blocks * self.factor, self.slot_bytes)
+        if tuple(spec.shape) != want:
+            raise ConfigError(
+                f"shared arena {spec.path} has shape {list(spec.shape)}, the plan needs "
+                f"{list(want)}; the tier and this process serve different plans"
+            )
+        self.arena = shm.attach(spec)
+        self.outbox: list[tuple] = []
+
+    def prepare_store(self, keys: Sequence[Key], writers: int = 1) -> None:
+        raise RuntimeError("reserve on the tier's owner and pass the reservation to the engine")
+
+    def prepare_load(self, keys: Sequence[Key]) -> None:
+        raise RuntimeError("lease on the tier's owner and pass the lease to the engine")
+
+    def finish_store(self, reservation: StoreReservation, ok: bool, valid=None, checksums=None,
+                     copy: int = 0) -> None:  # fmt: skip
+        self.outbox.append(("finish_store", reservation, ok, valid, checksums, copy))
+
+    def finish_load(self, lease: LoadLease, loaded: int | None = None) -> None:
+        self.outbox.append(("finish_load", lease, loaded))
+
+    def drop(self, key: Key, corrupt: bool = False) -> None:
+        self.outbox.append(("drop", key, corrupt))
+
+    def take(self) -> list[tuple]:
+        out, self.outbox = self.outbox, []
+        return out

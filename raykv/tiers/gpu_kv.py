@@ -154,21 +154,35 @@ class GpuKV:
         self._entries = entries
         self.device = device
         self.total_bytes = total_bytes
+        self.shared_specs: tuple = ()  # set by allocate(shared=True) / attach
+        self.raw: tuple[torch.Tensor, ...] = ()
 
     @property
     def num_blocks(self) -> int:
         return self.plan.num_gpu_blocks  # invariant 6: never a tensor shape
 
     @classmethod
-    def allocate(cls, plan: Plan, device: str | torch.device = "cpu") -> GpuKV:
+    def allocate(
+        cls, plan: Plan, device: str | torch.device = "cpu", *, shared: bool = False
+    ) -> GpuKV:
+        """The plan's tensors on ``device``. ``shared``: on CPU in ``/dev/shm``
+        (``raykv.tiers.shm``; ``shared_specs`` maps them in other processes of the node); on
+        CUDA other processes open them with torch's CUDA IPC (``share_handles``)."""
         device = torch.device(device)
         nb = plan.num_gpu_blocks
         layers: dict[str, LayerTensors] = {}
         entries: dict[int, list[torch.Tensor]] = {g.group_id: [] for g in plan.groups}
         pages = tensor_pages(plan)
         total = 0
+        specs = []
         for t, page in enumerate(pages):
-            raw = torch.zeros((nb, page), dtype=torch.uint8, device=device)
+            if shared and device.type == "cpu":
+                from raykv.tiers import shm
+
+                raw, shared_spec = shm.create((nb, page), f"kv{t}")
+                specs.append(shared_spec)
+            else:
+                raw = torch.zeros((nb, page), dtype=torch.uint8, device=device)
             total += raw.numel()
             for g in plan.groups:
                 if t >= len(g.layer_names):
@@ -190,7 +204,44 @@ class GpuKV:
                 f"plan says gpu_bytes_per_block={plan.gpu_bytes_per_block} ({expected} bytes); "
                 "the plan and GpuKV disagree on the tensor layout"
             )
-        return cls(plan, layers, entries, device, total)
+        kv = cls(plan, layers, entries, device, total)
+        kv.shared_specs = tuple(specs)
+        kv.raw = tuple(dict.fromkeys(e for es in entries.values() for e in es))
+        return kv
+
+    @classmethod
+    def attach(cls, plan: Plan, specs: Sequence) -> GpuKV:
+        """Map the tensors another process of this node allocated with ``shared=True`` on
+        CPU: the same layout, the same bytes (block ids are the owner's)."""
+        from raykv.tiers import shm
+
+        tensors = [shm.attach(s) for s in specs]
+        entries = {g.group_id: [tensors[t] for t in range(len(g.layer_names))] for g in plan.groups}
+        layers = {
+            name: _block_major_view(tensors[t], tensors[t].shape[1], plan, g,
+                                    layer_spec(plan, g, name))
+            for g in plan.groups
+            for t, name in enumerate(g.layer_names)
+        }  # fmt: skip
+        kv = cls(plan, layers, entries, torch.device("cpu"), sum(t.numel() for t in tensors))
+        kv.shared_specs, kv.raw = tuple(specs), tuple(tensors)
+        return kv
+
+    def share_handles(self) -> list:  # pragma: no cover - GPU only
+        """CUDA IPC handles of the raw tensors (torch's ``reduce_tensor``); another process
+        on the same GPU rebuilds them with ``open_handles``."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return [reduce_tensor(t) for t in self.raw]
+
+    @classmethod
+    def open_handles(cls, plan: Plan, handles: Sequence) -> GpuKV:  # pragma: no cover - GPU
+        """The tensors ``share_handles`` exported, opened in this process (CUDA IPC)."""
+        tensors = [fn(*args) for fn, args in handles]
+        entries = {g.group_id: [tensors[t] for t in range(len(g.layer_names))] for g in plan.groups}
+        kv = cls(plan, {}, entries, tensors[0].device, sum(t.numel() for t in tensors))
+        kv.shared_specs, kv.raw = (), tuple(tensors)
+        return kv
 
     @classmethod
     def register(cls, plan: Plan, tensors: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]):

@@ -129,9 +129,14 @@ class OffloadEngine:
         self._track(rec)  # only now may poll() (from any thread) see it
         return rec.job_id
 
-    def submit_load(self, job: LoadJob) -> int | None:
-        """Start a load; None when a key is no longer readable (nothing changed)."""
-        lease = self.tier.prepare_load(job.keys)
+    def submit_load(self, job: LoadJob, lease: LoadLease | None = None) -> int | None:
+        """Start a load; None when a key is no longer readable (nothing changed).
+
+        ``lease`` comes from a caller that took the read references itself (a
+        ``CpuTierView``'s owner); else this engine takes them. Either way every key's
+        checksums are verified before a byte reaches a GPU block (invariant 12)."""
+        if lease is None:
+            lease = self.tier.prepare_load(job.keys)
         if lease is None:
             return None
         keep = set(self._usable_keys(job, lease))
@@ -192,7 +197,7 @@ class OffloadEngine:
                     continue
                 entries = self.gpu.entries(g.group_id)
                 width = ops.row_bytes(entries)
-                rows = [blocks[job.keys[k]] * tier.factor + s for k, s in job.slots[sl]]
+                rows = [tier.row(blocks[job.keys[k]], s) for k, s in job.slots[sl]]
                 ids_t = torch.tensor(ids, dtype=torch.int64)
                 if width == tier.slot_bytes and _consecutive(rows):
                     direct = rows_all[rows[0] : rows[0] + len(rows)]
@@ -266,7 +271,7 @@ class OffloadEngine:
         widths = {g.group_id: self.gpu.row_bytes(g.group_id) for g in self.gpu.plan.groups}
         out: list[list[tuple[int, int, int]]] = [[] for _ in job.keys]
         for k, s in job.slots:
-            out[k].append((s, blocks[k] * self.tier.factor + s, widths[job.key_groups[k]]))
+            out[k].append((s, self.tier.row(blocks[k], s), widths[job.key_groups[k]]))
         return out
 
     def _sums(self, rows: list[tuple[int, int, int]]) -> dict[int, int]:

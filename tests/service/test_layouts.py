@@ -125,10 +125,10 @@ def test_hybrid_cross_node_hit_skips_null_blocks(svc) -> None:
     # full entries cover blocks 0..11 (block 12's entry would need block 13: not stored)
     keys = group_keys(svc.gemma, BlockHasher(svc.gemma.hash_block_size).hash_blocks(p))
     tier = tier_of(svc.a)
-    n, got = ray.get(tier.read_hashes.remote("gemma", [keys[0][11]]))
+    n, got, _ = ray.get(tier.export_blocks.remote("gemma", [keys[0][11]]))
     assert n == 1 and torch.equal(torch.from_numpy(got[0]), data[0][:1])
-    assert ray.get(tier.read_hashes.remote("gemma", [keys[0][10]]))[0] == 0
-    n, got = ray.get(tier.read_hashes.remote("gemma", keys[2][:13]))
+    assert ray.get(tier.export_blocks.remote("gemma", [keys[0][10]]))[0] == 0
+    n, got, _ = ray.get(tier.export_blocks.remote("gemma", keys[2][:13]))
     assert n == 12 and torch.equal(torch.from_numpy(got[0]), data[2][:12])
 
 

@@ -1,6 +1,6 @@
 """A ``GpuPool`` driven in-process (no Ray): what happens when a call that awaited finds its
 request freed and admitted again under the same id, and when a request's token ids change.
-The coordinator and the mover are stand-ins that record what the pool publishes."""
+The coordinator and the transport are stand-ins that record what the pool publishes."""
 
 import asyncio
 
@@ -13,6 +13,8 @@ from raykv.layout import FullAttention
 from raykv.service.gpu_pool import GpuPool
 from raykv.service.index import GPU, Location
 from raykv.service.spec import ServedModel
+from raykv.tiers.checksum import row_checksums
+from raykv.transport import BlockBatch
 
 BS, ROW = 16, 2 * 16 * 1 * 16 * 4  # one layer: K,V x 16 tokens x 1 head x 16 x 4 bytes
 ENGINE = "engine"  # the client id every call of these in-process pools comes from
@@ -40,6 +42,10 @@ class FakeCoordinator:
         self.locate = _Method(self._locate)
         self.events = _Method(self._events)
         self.member_failed = _Method(self._ok)
+        self.reserve = _Method(self._full)  # also the CPU tier: it has no room (no offloads)
+
+    async def _full(self, *args):
+        return None, None  # (arena, no reservation)
 
     async def _locate(self, model, hashes, node_id):
         return [[Location("raykv-pool-elsewhere", "other-node", GPU)] for _ in hashes]
@@ -69,14 +75,15 @@ def test_a_load_whose_request_is_freed_and_readmitted_writes_and_publishes_nothi
     first, second = tokens(5 * BS, 1), tokens(5 * BS, 2)
     fetched = torch.full((1, 4, ROW), 7, dtype=torch.uint8)  # the first prompt's KV
 
-    class RacingMover:
-        async def fetch(self, source, model, keys, ids):
+    class RacingTransport:
+        async def fetch(self, source, model, keys):
             # while the rows travel, the engine aborts "r" and reuses its id for a new prompt
             await pool.free(ENGINE, "r")
             assert await pool.admit(ENGINE, "r", len(second), second)
             table = (await pool.allocate(ENGINE, "r", len(second), second))[0]
             race.append(table)
-            return len(keys), fetched
+            sums = [list(row_checksums(fetched[0]))]
+            return BlockBatch(len(keys), fetched, tuple(tuple(c) for c in sums))
 
     async def run():
         assert await pool.admit(ENGINE, "r", len(first), first)
@@ -85,7 +92,7 @@ def test_a_load_whose_request_is_freed_and_readmitted_writes_and_publishes_nothi
         return table, res
 
     race: list = []
-    pool.mover = RacingMover()
+    pool.transport = RacingTransport()
     table, res = asyncio.run(run())
     assert res["num_tokens"] == 0 and res["loaded_blocks"] == 0
     assert set(race[0]) & set(table[:4]), "the new request must have reused the freed blocks"
@@ -132,4 +139,4 @@ def test_a_store_into_a_reused_block_publishes_the_old_key_as_removed(pool) -> N
     assert sorted(pool.coord.removed) == sorted(keys) and pool.valid == {}
     # an index that still points here (a lost event, a restarted coordinator) gets a miss,
     # never the bytes b wrote into those blocks
-    assert asyncio.run(pool.read_hashes("u", keys))[0] == 0
+    assert asyncio.run(pool.export_blocks("u", keys))[0] == 0

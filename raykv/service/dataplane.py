@@ -1,0 +1,331 @@
+"""How a GPU pool's blocks move: offload to and load from the node's CPU tier through
+``raykv.tiers`` jobs, fetches from other members through ``raykv.transport``, checksums on
+every copy. ``PoolDataPlane`` is the part of ``GpuPool`` that moves bytes; the pool keeps
+the requests, their epochs and the validity of blocks.
+
+Where the invariants are kept:
+
+* 9 (a block with a store in flight is not reused): ``_offload`` fences the job's GPU blocks
+  in the pool's ``StoreFence`` (hooked to ``BlockManager.hold_blocks`` / ``release_blocks``)
+  before its first await, and the rank engines' ``StoreJob`` fences them again while the
+  copy runs; only when every writer rank finished is the fence lifted.
+* 12 (copied bytes are checksum-verified before the block is readable): every valid block
+  has the xxh3 checksum of each distinct TP copy (``sums``), taken from the rows ``store``
+  wrote, or carried over from the copy a load verified. A load from the node's CPU tier runs
+  a ``LoadJob`` (the engine verifies each entry against the checksums its ``StoreJob``
+  computed); a fetch from another member verifies the batch (``raykv.transport.verify``); a
+  copy between two blocks of this pool verifies the source rows; an offload compares the
+  arena rows' checksums with ``sums`` (a GPU block corrupted since it was published is never
+  offloaded). A mismatch drops the bad copy where it lives (pool block invalidated, tier
+  entry dropped), counts ``checksum_errors`` (stats, ``raykv status``, the
+  ``raykv_checksum_errors`` metric) and is a miss: the caller recomputes, never reads wrong KV.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+import ray
+
+from raykv.service.groups import Chunk
+from raykv.service.index import CPU, GPU
+from raykv.service.spec import COORDINATOR, NAMESPACE, tier_name
+from raykv.tiers.jobs import LoadJob, StoreJob
+from raykv.transport import ObjectStoreTransport, export_rows, verify
+
+log = logging.getLogger(__name__)
+
+
+class PoolDataPlane:
+    """Mixed into ``GpuPool``: needs its ``plan``, ``model``, ``node_id``, ``name``,
+    ``local`` (rank 0's ``RankKV``), ``_ranks()``, ``_remote()``, ``valid`` / ``key_of`` /
+    ``sums``, ``_cached_as``, ``_invalidate``, ``_gone``, ``publish``, ``metrics``,
+    ``fence``, ``writers``, ``copy_of``, ``gids``, ``gindex``."""
+
+    transport: ObjectStoreTransport
+
+    def _init_dataplane(self) -> None:
+        from raykv.tiers.fence import StoreFence
+
+        self.transport = ObjectStoreTransport(NAMESPACE)
+        # invariant 9: a fenced block keeps a block-manager reference until its store is done
+        self.fence = StoreFence(hold=self.bm.hold_blocks, release=self.bm.release_blocks)
+        self.sums: dict[int, tuple[int, ...]] = {}  # valid block -> checksum per TP copy
+        self._fences = 0
+
+    def _tier(self) -> Any:
+        return ray.get_actor(tier_name(self.node_id), namespace=NAMESPACE)
+
+    async def _apply(self, tier: Any, ops: list[tuple]) -> int:
+        return await tier.apply.remote(self.model.name, ops) if ops else 0
+
+    # --- GPU -> CPU tier ------------------------------------------------------------------
+
+    def _store_job(self, chunks: list[Chunk]) -> tuple[StoreJob, tuple] | None:
+        ready = [c for c in chunks if all(m is None or m in self.valid for m in c.members)]
+        if not ready:
+            return None
+        keys, kgroups, widths, ids, sizes, slots, members = [], [], [], [], [], [], []
+        for gi in range(len(self.gids)):
+            n = 0
+            for c in (c for c in ready if c.group == gi):
+                k = len(keys)
+                keys.append(c.key)
+                kgroups.append(self.gids[gi])
+                widths.append(len(c.members))
+                members.append(c.members)
+                for s, m in enumerate(c.members):
+                    if m is not None:
+                        ids.append(self.valid[m])
+                        slots.append((k, s))
+                        n += 1
+            sizes.append(n)
+        job = StoreJob(
+            "offload", tuple(keys), tuple(kgroups), tuple(widths), tuple(ids), tuple(sizes),
+            tuple(slots),
+        )  # fmt: skip
+        return job, tuple(members)
+
+    def _corrupt_in(
+        self, job: StoreJob, ops: list[tuple], copy: int, published: dict[int, Any]
+    ) -> set[int]:
+        """GPU blocks whose rows a writer just stored differ from the checksums they were
+        published with (corrupted since): the store must not land."""
+        bad: set[int] = set()
+        for op in ops:
+            if op[0] != "finish_store" or op[4] is None:
+                continue
+            res, sums = op[1], op[4]
+            at = {k: i for i, k in enumerate(res.keys)}
+            for b, (k, s) in zip(job.block_ids, job.slots, strict=True):
+                i = at.get(job.keys[k])
+                want = published.get(b)
+                if i is not None and (want is None or sums[i][s] != want[copy]):
+                    bad.add(b)
+        return bad
+
+    async def _offload(self, chunks: list[Chunk]) -> int:
+        """Copy complete chunks whose real blocks are all valid here to the node's CPU tier
+        (every distinct TP copy, each written by its rank's ``StoreJob`` straight into the
+        shared arena). Returns the entries newly stored; 0 when there is no tier or no room
+        (a miss later, never wrong KV)."""
+        built = self._store_job(chunks)
+        if built is None:
+            return 0
+        job, members = built
+        self._fences += 1
+        fence_id = ("offload", self._fences)
+        self.fence.fence(fence_id, job.block_ids)  # before the first await (invariant 9)
+        published = {b: self.sums.get(b) for b in job.block_ids}
+        try:
+            try:
+                tier = self._tier()
+                arena, res = await tier.reserve.remote(
+                    self.model.name, job.keys, members, len(self.writers)
+                )
+            except (ray.exceptions.RayError, ValueError) as e:  # no tier: a miss later
+                log.warning("pool %s: no CPU tier to offload to (%s)", self.name, e)
+                self.metrics.copy_failed(self.model.name, CPU, "offload")
+                return 0
+            if res is None:
+                return 0
+            handles = self._ranks()
+            refs = [handles[r - 1].store_job.remote(arena, job, res) for r in self.writers if r]
+            ops = self.local.store_job(arena, job, res) if 0 in self.writers else []
+            per_rank = (
+                [ops, *await self._remote(refs)]
+                if 0 in self.writers
+                else [*await self._remote(refs)]
+            )
+            bad: set[int] = set()
+            for c, rank_ops in enumerate(per_rank):
+                bad |= self._corrupt_in(job, rank_ops, c, published)
+            if bad:  # fail every writer's store: the entries go back to free
+                self._corrupt(sorted(bad))
+                per_rank = [
+                    [(*op[:2], False, *op[3:]) if op[0] == "finish_store" else op for op in r]
+                    for r in per_rank
+                ]
+            n = await self._apply(tier, [op for r in per_rank for op in r])
+        finally:
+            self.fence.release(fence_id)
+        if bad:
+            await self.publish(self.model.name, [], self._gone([self._invalidate(b) for b in bad]))
+        self.metrics.offloaded(self.model.name, n)
+        return n
+
+    def _corrupt(self, blocks: list[int]) -> None:
+        log.warning(
+            "pool %s: GPU blocks %s no longer match their checksums; dropped (misses)",
+            self.name,
+            blocks[:8],
+        )
+        self.metrics.checksum_errors(self.model.name, GPU, len(blocks))
+
+    # --- CPU tier / other members -> GPU --------------------------------------------------
+
+    async def _load_local_tier(
+        self, gi: int, want: list[tuple[bytes, int]], filled: set[int], live: Any
+    ) -> int:
+        """Fill the leading blocks of ``want`` (key, our block) from the node's CPU tier: one
+        ``LoadJob`` per rank on the shared arena, verified by the engine. Returns bytes."""
+        tier = self._tier()
+        arena, lease, chosen = await tier.lease.remote(self.model.name, [k for k, _ in want])
+        if lease is None:
+            return 0
+        if not live():  # freed while we waited: our blocks may be someone else's now
+            await self._apply(tier, [("finish_load", lease, 0)])
+            return 0
+        f = max(1, self.plan.block_size_factor)
+        sizes = [0] * len(self.gids)
+        sizes[gi] = len(chosen)
+        job = LoadJob(
+            "load", lease.keys, (self.gids[gi],) * len(lease.keys), (f,) * len(lease.keys),
+            tuple(b for _, b in want[: len(chosen)]), tuple(sizes), tuple(chosen),
+        )  # fmt: skip
+        handles = self._ranks()
+        refs = [h.load_job.remote(arena, job, lease) for h in handles]
+        missed, ops = self.local.load_job(arena, job, lease)
+        lost = set(missed)
+        for m, rank_ops in await self._remote(refs):
+            lost |= set(m)
+            ops += [op for op in rank_ops if op[0] == "drop"]  # one finish_load: the leader's
+        corrupt = sum(1 for op in ops if op[0] == "drop" and op[2])
+        await self._apply(tier, ops)
+        # every rank loaded the same prefix of keys, unless one missed: keep the common one
+        n = 0
+        for e, _ in chosen:
+            if lease.keys[e] in lost:
+                break
+            n += 1
+        if corrupt:
+            self.metrics.checksum_errors(self.model.name, CPU, corrupt)
+        got = want[:n]
+        for (e, s), (_, b) in zip(chosen[:n], got, strict=True):
+            self._pending_sums[b] = tuple(
+                c[s] for c in _copies(lease.checksums[e], len(self.writers))
+            )
+        filled.update(b for _, b in got)
+        width = self.local.widths[gi]
+        return n * width * len(self.writers)
+
+    async def _fetch(
+        self, rid: Hashable, gen: int | None, gi: int, want: list[tuple[bytes, int]], filled: set
+    ) -> int:
+        """Copy the blocks of ``want`` (key, our block) from wherever they are held: the
+        node's CPU tier through the shared arena, other members through the transport."""
+        try:
+            coord = ray.get_actor(COORDINATOR, namespace=NAMESPACE)
+            where = await coord.locate.remote(self.model.name, [k for k, _ in want], self.node_id)
+        except (ray.exceptions.RayError, ValueError) as e:  # coordinator restarting: a miss
+            log.warning("pool %s: cannot locate copies (%s); loading nothing", self.name, e)
+            self.metrics.copy_failed(self.model.name, GPU, "locate")
+            return 0
+        failed: set[str] = {self.name}
+        moved, i = 0, 0
+
+        def live() -> bool:
+            return self._live(rid, gen)
+
+        while i < len(want):
+            loc = next((c for c in where[i] if c.member not in failed), None)
+            if loc is None:
+                i += 1  # nobody (else) holds it: a miss; later slots may still be needed
+                continue
+            run = i
+            while run < len(want) and any(c.member == loc.member for c in where[run]):
+                run += 1
+            batch = want[i:run]
+            before = len(filled)
+            try:
+                if loc.node_id == self.node_id and loc.tier == CPU:
+                    moved += await self._load_local_tier(gi, batch, filled, live)
+                    n = len(filled) - before
+                else:
+                    n, nbytes = await self._fetch_remote(loc.member, gi, batch, filled, live)
+                    moved += nbytes
+            except (ray.exceptions.RayActorError, ValueError) as e:  # the source is gone
+                log.warning("pool %s: copy source %s failed (%s)", self.name, loc.member, e)
+                failed.add(loc.member)
+                try:
+                    await coord.member_failed.remote(loc.member)
+                except ray.exceptions.RayError as e2:
+                    log.warning("pool %s: cannot report %s (%s)", self.name, loc.member, e2)
+                continue
+            if not self._live(rid, gen):  # freed: our blocks may be someone else's now
+                return moved
+            if n < len(batch):
+                failed.add(loc.member)  # it lost (or corrupted) the rest; try the next copy
+            i += n
+        return moved
+
+    async def _fetch_remote(
+        self, source: str, gi: int, want: list[tuple[bytes, int]], filled: set[int], live: Any
+    ) -> tuple[int, int]:
+        """One batch from another member: verified, then scattered to every rank."""
+        batch = await self.transport.fetch(source, self.model.name, [k for k, _ in want])
+        if not live():  # freed while the rows travelled: our blocks may be someone else's
+            return 0, 0
+        good = verify(batch)
+        if good < batch.count:  # the source's copy is corrupt: a miss, dropped there
+            self.metrics.checksum_errors(self.model.name, "remote", 1)
+            log.warning("pool %s: block from %s failed its checksum; a miss", self.name, source)
+            try:
+                await self.transport._actor(source).drop_keys.remote(
+                    self.model.name, [want[good][0]]
+                )
+            except ray.exceptions.RayError as e:
+                log.warning("pool %s: cannot tell %s to drop (%s)", self.name, source, e)
+        if not good:
+            return 0, 0
+        blocks = [b for _, b in want[:good]]
+        rows = batch.rows[:, :good]
+        await self._scatter_copies(gi, rows, blocks)
+        for j, b in enumerate(blocks):
+            self._pending_sums[b] = tuple(c[j] for c in batch.checksums)
+        filled.update(blocks)
+        return good, int(rows.numel())
+
+    # --- serving other members ------------------------------------------------------------
+
+    async def export_blocks(
+        self, model: str, keys: list[bytes]
+    ) -> tuple[int, np.ndarray, list[list[int]]]:
+        """For ``raykv.transport``: the leading ``keys`` (one group) still valid here, as one
+        buffer uint8 [distinct copies, count, row_bytes] plus their checksums per copy."""
+        from raykv.service.groups import key_group
+
+        blocks = []
+        gid = key_group(keys[0]) if keys else None
+        for key in keys:
+            b = self.valid.get(key)
+            # a stale index entry (evicted, re-keyed, a restarted coordinator's guess) is a
+            # miss: only a block the manager still caches under this very key is served
+            if b is None or model != self.model.name or key_group(key) != gid:
+                break
+            if not self._cached_as(b, key) or b not in self.sums:
+                break
+            blocks.append(b)
+        self.metrics.miss(model, GPU, len(keys) - len(blocks))
+        if not blocks:
+            return 0, np.empty((len(self.writers), 0, 0), np.uint8), []
+        # the checksums of the bytes the gather reads now, before anything may yield
+        sums = [[self.sums[b][c] for b in blocks] for c in range(len(self.writers))]
+        rows = await self._gather(self.gindex[gid], blocks, self.writers)
+        self.metrics.hit(model, GPU, len(blocks))
+        self.metrics.moved(model, GPU, rows.numel())
+        return len(blocks), export_rows(rows), sums
+
+    async def drop_keys(self, model: str, keys: list[bytes]) -> None:
+        """A reader found these blocks' bytes corrupt: unpublish them (misses from now)."""
+        bad = [self.valid[k] for k in keys if model == self.model.name and k in self.valid]
+        if bad:
+            self._corrupt(bad)
+            await self.publish(model, [], self._gone([self._invalidate(b) for b in bad]))
+
+
+def _copies(per_copy: dict[int, tuple[int, ...]], n: int) -> list[tuple[int, ...]]:
+    return [per_copy[c] for c in range(n)]

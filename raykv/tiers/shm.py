@@ -1,0 +1,143 @@
+"""Host memory every process of a node can map: ``/dev/shm`` files seen as torch tensors.
+
+The CPU tier's arena and a CPU-device pool's KV tensors live here, so that the pool actor,
+its TP ranks and engine processes on the same node copy blocks in and out with one paged
+copy (``raykv.ops``) and send each other only block ids, keys and a ``SharedSpec`` (the
+file's path and shape) — never the bytes. On CUDA the mapping is also page-locked with
+``cudaHostRegister``, so GPU<->host copies run at the pinned-copy speed (checked on the H100
+machine: 54-55 GB/s, the contiguous pinned copy's).
+
+Lifetime: the creating process owns the file and unlinks it with ``release`` or when it
+exits; mappings other processes hold stay valid after that. Files of owners
+that died without cleaning up (a killed actor) are removed by the next ``create`` on the
+node (the owner's pid is in the name).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from raykv.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path(os.environ.get("RAYKV_SHM_DIR", "/dev/shm"))
+PREFIX = "raykv-"
+_owned: set[str] = set()
+
+
+@dataclass(frozen=True)
+class SharedSpec:
+    """What another process needs to map a shared tensor: its file, shape (uint8)."""
+
+    path: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep() -> int:
+    """Remove shared files whose creating process is gone; returns how many."""
+    n = 0
+    for f in SHM_DIR.glob(PREFIX + "*"):
+        try:
+            pid = int(f.name[len(PREFIX) :].split("-", 1)[0])
+        except ValueError:
+            continue
+        if not _alive(pid):
+            with contextlib.suppress(FileNotFoundError):
+                f.unlink()
+                n += 1
+    return n
+
+
+def _unlink(path: str) -> None:
+    _owned.discard(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+@atexit.register
+def _unlink_all() -> None:
+    for p in list(_owned):
+        _unlink(p)
+
+
+def release(spec: SharedSpec) -> None:
+    """Unlink a file this process created (mappings stay valid until dropped)."""
+    _unlink(spec.path)
+
+
+def _map(path: str, shape: tuple[int, ...]) -> torch.Tensor:
+    n = SharedSpec(path, shape).nbytes
+    t = torch.from_file(path, shared=True, size=max(n, 1), dtype=torch.uint8)
+    return t[:n].view(shape)
+
+
+def register_host(t: torch.Tensor) -> bool:
+    """Page-lock ``t`` for CUDA copies where CUDA is present (GPU only; a no-op on CPU
+    hosts). Returns whether it did."""
+    if not torch.cuda.is_available() or t.numel() == 0:
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(err) != 0:
+        log.warning("cudaHostRegister of %d bytes failed (error %s): unpinned", t.numel(), err)
+        return False
+    return True
+
+
+def create(shape: tuple[int, ...], tag: str = "") -> tuple[torch.Tensor, SharedSpec]:
+    """A zeroed uint8 tensor of ``shape`` in a fresh ``/dev/shm`` file this process owns."""
+    sweep()
+    nbytes = SharedSpec("", shape).nbytes
+    name = f"{PREFIX}{os.getpid()}-{tag + '-' if tag else ''}{secrets.token_hex(6)}"
+    path = str(SHM_DIR / name)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot create {nbytes} bytes of shared memory at {path} ({e}); free space in "
+            f"{SHM_DIR} (df -h {SHM_DIR}) or lower --cpu-mem / --pool-mem"
+        ) from e
+    _owned.add(path)
+    t = _map(path, shape)
+    register_host(t)
+    return t, SharedSpec(path, tuple(shape))
+
+
+def attach(spec: SharedSpec) -> torch.Tensor:
+    """Map a tensor another process of this node created (writes are seen by both)."""
+    if not os.path.exists(spec.path):
+        raise FileNotFoundError(
+            f"shared memory {spec.path} is gone (its owner exited); ask the owner again"
+        )
+    t = _map(spec.path, spec.shape)
+    register_host(t)
+    return t

@@ -1,0 +1,120 @@
+"""The one data path on a 2-node cluster: checksums kept on every copy, corruption is a
+miss (counted), an engine attached through shared memory stores and loads its own KV, and
+an engine recomputing after a miss gets the same logits as a full recompute."""
+
+import time
+
+import ray
+import torch
+
+from raykv.blocks import BlockHasher
+from raykv.layout import FullAttention
+from raykv.service.groups import group_keys
+from raykv.service.spec import NAMESPACE, pool_name, tier_name
+from raykv.tiers import shm
+
+RAY_WORKERS = 1
+BS = 16
+LAYERS = {f"l{i}": FullAttention(dtype="float32", num_kv_heads=1, head_dim=16) for i in range(2)}
+ROW = 2 * 2 * BS * 1 * 16 * 4
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def rows(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, ROW), generator=g, dtype=torch.uint8)
+
+
+def stats_of(name: str) -> dict:
+    return ray.get(ray.get_actor(name, namespace=NAMESPACE).snapshot.remote())["stats"]
+
+
+def setup(ray_cluster, model: str):
+    kv = ray_cluster.kv
+    plan = kv.add_model(model, LAYERS, max_model_len=512, pool_bytes=40 * ROW, cpu_bytes=40 * ROW)
+    return kv.on(ray_cluster.head), kv.on(ray_cluster.ids[0]), plan
+
+
+def test_corrupt_tier_entry_and_gpu_block_are_misses_never_wrong_kv(ray_cluster) -> None:
+    a, b, plan = setup(ray_cluster, "dp-corrupt")
+    ids = tokens(6 * BS + 3, 1)
+    data = rows(6, 2)
+    assert a.admit("r", len(ids), ids)
+    table = a.allocate("r", len(ids), ids)[0]
+    assert a.store("r", table[:6], data, offload=True) == 6
+    a.free("r")
+
+    # corrupt block 2's bytes in A's pool (its KV is shared memory) and in A's CPU tier
+    tier = ray.get_actor(tier_name(ray_cluster.head), namespace=NAMESPACE)
+    arena = shm.attach(ray.get(tier.arena.remote("dp-corrupt")))
+    keys = group_keys(plan, BlockHasher(plan.hash_block_size).hash_blocks(ids))[0]
+    pool = ray.get_actor(pool_name("dp-corrupt", ray_cluster.head, 0), namespace=NAMESPACE)
+    kv_specs = ray.get(pool.kv_specs.remote())
+    pool_kv = [shm.attach(s) for s in kv_specs]
+    for t in pool_kv:
+        t[table[2]] ^= 0xFF
+    mask = (arena[0] == data[2]).all(dim=1)
+    assert int(mask.sum()) == 1
+    arena[0][mask.nonzero()[0, 0], :7] ^= 0x5A
+
+    # B loads: A's GPU copy and A's tier copy of block 2 fail their checksums: a miss at 2
+    assert b.admit("q", len(ids), ids)
+    tq = b.allocate("q", len(ids), ids)[0]
+    res = b.load("q", ids, into=tq[:6])
+    assert res.num_tokens == 2 * BS, res
+    got = b.read(tq[:2])
+    assert torch.equal(got, data[:2])
+    sb = stats_of(pool_name("dp-corrupt", ray_cluster.ids[0], 0))
+    assert sb.get("checksum_errors", 0) >= 2, sb  # A's pool copy and A's tier copy
+    # the engine recomputes block 2.. and stores it: its bytes win, nothing wrong is served
+    assert b.store("q", tq[2:6], data[2:6]) == 4
+    assert torch.equal(b.read(tq[:6]), data)
+    b.free("q")
+    assert b.lookup(ids).hit_tokens == 6 * BS
+    deadline = time.monotonic() + 20  # members report their stats with each heartbeat
+    while ray_cluster.kv.stats()["checksum_errors"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray_cluster.kv.stats()["checksum_errors"] >= 2
+    del arena, pool_kv, keys
+
+
+def test_an_attached_engine_stores_and_loads_through_shared_memory(ray_cluster) -> None:
+    a, b, plan = setup(ray_cluster, "dp-attach")
+    ids = tokens(8 * BS, 5)
+    ea, eb = a.attach(), b.attach()
+    gid = plan.groups[0].group_id
+    src = rows(8, 6)
+    from raykv import ops
+
+    blocks = list(range(1, 9))
+    ops.scatter_blocks(src, ea.kv.entries(gid), torch.tensor(blocks))
+    assert ea.store_from(ids, blocks) == 8
+    ea.flush()  # the tier applied the store; its events reach the index right after
+    deadline = time.monotonic() + 10
+    while a.lookup(ids).hit_tokens < 7 * BS and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # published: any node's lookup hits (a lookup leaves the prompt's last token to compute)
+    assert b.lookup(ids).hit_tokens == 7 * BS
+    mine = [9, 3, 4, 5, 6, 7, 8, 10]
+    assert ea.load_into(ids, mine) == 8 * BS
+    out = torch.empty((8, ROW), dtype=torch.uint8)
+    ops.gather_blocks(ea.kv.entries(gid), torch.tensor(mine), out)
+    assert torch.equal(out, src)
+    # the other node's pool loads the same entries across nodes, verified
+    assert b.admit("x", len(ids), ids)
+    tx = b.allocate("x", len(ids), ids)[0]
+    assert b.load("x", ids, into=tx[:8]).num_tokens == 8 * BS
+    assert torch.equal(b.read(tx[:8]), src)
+    b.free("x")
+    # a corrupt arena entry: the attached engine's load stops there (a counted miss)
+    tier = ray.get_actor(tier_name(ray_cluster.head), namespace=NAMESPACE)
+    arena = shm.attach(ray.get(tier.arena.remote("dp-attach")))
+    mask = (arena[0] == src[3]).all(dim=1)
+    arena[0][mask.nonzero()[0, 0], 0] ^= 1
+    assert ea.load_into(ids, mine) == 3 * BS
+    ea.flush()
+    assert stats_of(tier_name(ray_cluster.head)).get("checksum_errors", 0) >= 1
+    del arena, eb
