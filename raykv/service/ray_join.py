@@ -16,13 +16,12 @@ Every wait here is bounded and ends in a ``ServiceError`` that says what to do.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import secrets
 import socket
-from collections.abc import Iterator
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -64,32 +63,27 @@ def ensure_token(path: Path | None = None) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def token_presented(path: Path | None = None) -> Iterator[None]:
-    """Within the block, this process presents the token in ``path`` (default
-    ``token_path()``) when it joins a cluster: a token sent to a cluster without auth is
-    ignored there, so presenting one is always safe. An explicit ``RAY_AUTH_MODE`` or
-    ``RAY_AUTH_TOKEN`` from the caller wins. The environment is restored afterwards, so the
-    Ray processes this process starts later (a local test cluster's nodes) keep the mode
-    their cluster started with."""
-    path = path or token_path()
-    if os.environ.get("RAY_AUTH_MODE") or os.environ.get("RAY_AUTH_TOKEN") or not path.exists():
-        yield
-        return
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
+def prepare_auth(*, create: bool = False) -> bool:
+    """Before Ray is imported: make this process (and the Ray processes it starts) present
+    Ray's token, so it can join a cluster with token auth on (``raykv up``'s head,
+    ``cluster/local.sh``'s). A token sent to a cluster without auth is ignored there.
+
+    The token is ``raykv up``'s (its state file) or ``token_path()``. The caller's own
+    ``RAY_AUTH_MODE`` / ``RAY_AUTH_TOKEN`` win, and once Ray is imported nothing changes
+    (Ray reads the mode at import; re-reading its config in a live process breaks its
+    clusters): such a process sets ``RAY_AUTH_MODE=token`` itself. ``create``: make the
+    token first if there is none (``raykv up`` starting a head). True if it was set."""
+    if "ray" in sys.modules or os.environ.get("RAY_AUTH_MODE") or os.environ.get("RAY_AUTH_TOKEN"):
+        return False
+    recorded = read_state().get("token")
+    path = Path(recorded) if recorded else token_path()
+    if create:
+        ensure_token(path)
+    if not path.exists():
+        return False
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
-    from ray._raylet import Config
-
-    Config.initialize("")  # Ray read the mode when it was imported: read it again
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return True
 
 
 def is_loopback(address: str) -> bool:
@@ -140,6 +134,7 @@ def join(address: str | None, namespace: str, *, start_local: bool) -> str:
 
     A loopback cluster is joined on loopback; an address that does not answer is an error
     within seconds, never a wait."""
+    prepare_auth()
     import ray
 
     address = address or local_address()
@@ -167,20 +162,18 @@ def join(address: str | None, namespace: str, *, start_local: bool) -> str:
             f"no Ray cluster answers at {address}; check the address (raykv status prints it) "
             "or start the service with `raykv up`"
         )
-    token = read_state().get("token") if read_state().get("address") == address else None
     node_ip = {}
     if is_loopback(address):
         stay_on_loopback()
         node_ip = {"_node_ip_address": LOOPBACK}
     try:
-        with token_presented(Path(token) if token else None):
-            ray.init(
-                address=address,
-                namespace=namespace,
-                log_to_driver=False,
-                logging_level=logging.WARNING,
-                **node_ip,
-            )
+        ray.init(
+            address=address,
+            namespace=namespace,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+            **node_ip,
+        )
     except ConnectionError as e:
         raise ServiceError(f"could not join the Ray cluster at {address}: {_reason(e)}") from e
     return address
@@ -190,8 +183,9 @@ def _reason(error: BaseException) -> str:
     text = " ".join(str(c) for c in _chain(error))
     if "InvalidAuthToken" in text or "AuthenticationError" in text:
         return (
-            f"it refused this process's auth token; put the cluster's token in {token_path()} "
-            "(or RAY_AUTH_TOKEN_PATH / RAY_AUTH_TOKEN), e.g. copy it from the head's ~/.ray/"
+            "it refused this process (Ray token auth); put the cluster's token in "
+            f"{token_path()} (or RAY_AUTH_TOKEN_PATH / RAY_AUTH_TOKEN), and where Ray was "
+            "imported before raykv, export RAY_AUTH_MODE=token"
         )
     return f"{type(error).__name__}: {error}"
 
