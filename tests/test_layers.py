@@ -30,7 +30,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "demo": BELOW_SERVICE | {"service", "client"},
     "bench": BELOW_SERVICE | {"service", "client"},
     "cli": BELOW_SERVICE | {"service", "client", "demo", "bench"},
-    "__init__": {"client"},  # raykv.connect & co., loaded on first use
+    "__init__": {"client", "service"},  # raykv.connect & co. (Ray auth set up first), on use
 }
 # third-party packages a layer may import (None: any)
 THIRD_PARTY: dict[str, set[str] | None] = {"layout": {"numpy", "torch"}}
