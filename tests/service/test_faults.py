@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from kvdata import BLOCK, ROW, tokens
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raykv.client import Client
@@ -33,17 +34,11 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 RAY_WORKERS = 2
 LAYERS = {f"l{i}": FullAttention(dtype="float32", num_kv_heads=1, head_dim=16) for i in range(2)}
-ROW = 2 * 2 * 16 * 1 * 16 * 4  # layers x K,V x block x heads x head_dim x 4 bytes
-BLOCK = 16
 MAX_LEN = 512
 RECOVER_S = 45.0  # bound on any recovery (a loaded 2-core CI box starts actors slowly)
 REPLACE_S = 20.0  # a killed pool answers again within this (placed on the next health tick)
 THREADS = int(os.environ.get("RAYKV_FAULT_THREADS", "6"))
 LOAD_S = float(os.environ.get("RAYKV_FAULT_LOAD_S", "12"))
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def expected(ids: list[int], n: int) -> torch.Tensor:

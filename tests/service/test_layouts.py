@@ -5,9 +5,11 @@ hold 2 GPU blocks, and a TP-2 model (2 pool actors per node in one placement gro
 import time
 from types import SimpleNamespace
 
+import kvdata
 import pytest
 import ray
 import torch
+from kvdata import rows, tokens
 
 from raykv.blocks import BlockHasher
 from raykv.client import Client
@@ -36,17 +38,9 @@ GEMMA = layers_from_hf_config(
     )
 )
 ROW = 2 * 2 * BS * 16 * 4  # 2 shared tensors x K,V x 16 tokens x 1 head x 16 x 4 bytes
+assert ROW == kvdata.ROW  # kvdata.rows' default width
 TP_LAYERS = {f"l{i}": FullAttention("float32", num_kv_heads=2, head_dim=16) for i in range(2)}
 TP_ROW = ROW  # per rank: 2 layers x K,V x 16 tokens x 1 of 2 heads x 16 x 4 bytes
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def rows(n: int, seed: int, width: int = ROW) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, width), dtype=torch.uint8, generator=g)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import ray
 import torch
+from kvdata import tokens
 
 from raykv.errors import InvalidInput
 from raykv.layout import FullAttention
@@ -19,10 +20,6 @@ from raykv.transport import BlockBatch
 BS, ROW = 16, 2 * 16 * 1 * 16 * 4  # one layer: K,V x 16 tokens x 1 head x 16 x 4 bytes
 ENGINE = "engine"  # the client id every call of these in-process pools comes from
 LAYERS = {"l0": FullAttention(dtype="float32", num_kv_heads=1, head_dim=16)}
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 class _Method:

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 import torch
+from kvdata import BLOCK, ROW, rows, tokens
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raykv.client import Client
@@ -19,18 +20,7 @@ pytestmark = pytest.mark.ray
 
 
 LAYERS = {f"l{i}": FullAttention(dtype="float32", num_kv_heads=1, head_dim=16) for i in range(2)}
-ROW = 2 * 2 * 16 * 1 * 16 * 4  # layers x K,V x block x heads x head_dim x 4 bytes
-BLOCK = 16
 MAX_LEN = 512
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def rows(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, ROW), dtype=torch.uint8, generator=g)
 
 
 @pytest.fixture(scope="module")
