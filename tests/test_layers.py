@@ -14,12 +14,22 @@ ROOT = Path(raykv.__file__).parent
 
 # layer -> the raykv layers it may import (itself always). ``errors`` is everyone's base.
 BASE = {"errors"}
-BELOW_SERVICE = {"errors", "layout", "blocks", "ops", "tiers", "transport", "models"}
+BELOW_SERVICE = {
+    "errors",
+    "layout",
+    "blocks",
+    "ops",
+    "ops_reference",
+    "tiers",
+    "transport",
+    "models",
+}
 MAY_IMPORT: dict[str, set[str]] = {
     "errors": set(),
     "layout": BASE,
     "blocks": BASE | {"layout"},
-    "ops": BASE | {"layout"},
+    "ops": BASE | {"layout", "ops_reference"},
+    "ops_reference": set(),  # the torch half of ops, in a file of its own
     "tiers": BASE | {"layout", "blocks", "ops"},
     "transport": BASE | {"layout", "tiers", "ops"},
     "models": BASE | {"layout", "ops"},
