@@ -54,5 +54,10 @@ class TierError(RaykvError):
     """A data-plane failure: a store or load that could not complete."""
 
 
+class TransportError(TierError):
+    """A transport could not move a batch (peer unreachable, refused, timed out, died
+    mid-transfer); the reader retries on the fallback transport or counts a miss."""
+
+
 class ServiceError(RaykvError):
     """The Ray service is missing, unreachable or misconfigured."""

@@ -40,6 +40,7 @@ from raykv.service.groups import (
 from raykv.service.index import CPU, GPU, Location, key_events, rank, split_key
 from raykv.service.metrics import ServiceMetrics
 from raykv.service.spec import COORDINATOR, NAMESPACE, ServedModel
+from raykv.transport.select import OBJECT_STORE, choose
 
 HEARTBEAT_S = 1.0
 WATCH_S = 30.0  # how long one watch call stays open before the next replaces it
@@ -59,6 +60,8 @@ class Member:
     last_seen: float = field(default_factory=time.monotonic)
     stats: dict[str, Any] = field(default_factory=dict)
     actor_id: str | None = None  # the incarnation that registered (a name outlives actors)
+    # transport name -> endpoint it advertised (``Member.endpoints``)
+    transports: dict[str, Any] = field(default_factory=lambda: {OBJECT_STORE: None})
 
 
 def _plan_or_explain(model: ServedModel, pool_bytes: int, *, on_gpus: bool) -> Any:
@@ -98,6 +101,7 @@ class Coordinator:
         self._placing: asyncio.Task | None = None
         self._managers: dict[str, Any] = {}  # model -> its group managers (hit rules)
         self._watches: dict[str, tuple[str, asyncio.Task]] = {}  # name -> (actor id, watch)
+        self.routes: dict[tuple[str, str], str] = {}  # (holder, reader) -> transport used
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -161,6 +165,7 @@ class Coordinator:
     def _forget(self, name: str) -> None:
         self.members.pop(name, None)
         self.index.drop_member(name)
+        self.routes = {pair: t for pair, t in self.routes.items() if name not in pair}
 
     def _watch(self, name: str, actor_id: str | None) -> None:
         """Watch the member ``name`` registered as (one task per name and incarnation)."""
@@ -291,6 +296,7 @@ class Coordinator:
             snap["seq"],
             stats=snap.get("stats", {}),
             actor_id=snap.get("actor_id"),
+            transports=snap.get("transports") or {OBJECT_STORE: None},
         )
         self._watch(name, snap.get("actor_id"))
         for model, blocks in snap["blocks"].items():
@@ -409,9 +415,20 @@ class Coordinator:
             runs.append((*cur_at, n))
         return runs
 
-    async def locate(self, model: str, block_hashes: list[Hashable], node_id: str) -> list:
+    def _route(self, holder: Member, reader: str | None) -> tuple[str, Any]:
+        """The transport ``reader`` uses to fetch from ``holder`` (the fastest both
+        offer), and the holder's endpoint for it; remembered for ``raykv status``."""
+        r = self.members.get(reader) if reader else None
+        name = choose(holder.transports, r.transports if r else {OBJECT_STORE: None})
+        if reader:
+            self.routes[(holder.name, reader)] = name
+        return name, holder.transports.get(name)
+
+    async def locate(
+        self, model: str, block_hashes: list[Hashable], node_id: str, reader: str | None = None
+    ) -> list:
         """Every copy of each block (by group key), best first (a loader falls back when one
-        fails)."""
+        fails), each with the transport ``reader`` (a member's name) fetches it over."""
         await self._up()
         out = []
         for key in block_hashes:
@@ -420,7 +437,9 @@ class Coordinator:
             for name, b in self.index.table(gid, model).get(h, {}).items():
                 m = self.members.get(name)
                 if m is not None:
-                    locs.append(Location(name, m.node_id, CPU if m.kind == "tier" else GPU, b))
+                    kind = CPU if m.kind == "tier" else GPU
+                    t, ep = self._route(m, reader)
+                    locs.append(Location(name, m.node_id, kind, b, t, ep))
             out.append(sorted(locs, key=lambda loc: loc.rank(node_id)))
         return out
 
@@ -438,6 +457,7 @@ class Coordinator:
             tally=self.metrics.tally,
             started=self.started,
             restarted=self.restarts,
+            routes=self.routes,
         )
 
     async def shutdown_service(self, admin: str | None = None) -> int:

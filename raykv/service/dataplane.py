@@ -30,11 +30,19 @@ from typing import Any
 import numpy as np
 import ray
 
+from raykv.errors import TransportError
 from raykv.service.groups import Chunk
-from raykv.service.index import CPU, GPU
+from raykv.service.index import CPU, GPU, Location
 from raykv.service.spec import COORDINATOR, NAMESPACE, tier_name
 from raykv.tiers.jobs import LoadJob, StoreJob
-from raykv.transport import ObjectStoreTransport, export_rows, verify
+from raykv.transport import (
+    FALLBACK,
+    BlockBatch,
+    ObjectStoreTransport,
+    Transport,
+    export_rows,
+    verify,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +53,12 @@ class PoolDataPlane:
     ``sums``, ``_cached_as``, ``_invalidate``, ``_gone``, ``publish``, ``metrics``,
     ``fence``, ``writers``, ``copy_of``, ``gids``, ``gindex``."""
 
-    transport: ObjectStoreTransport
+    transports: dict[str, Transport]  # by name (``raykv.transport.select``)
 
     def _init_dataplane(self) -> None:
         from raykv.tiers.fence import StoreFence
 
-        self.transport = ObjectStoreTransport(NAMESPACE)
+        self.transports = {FALLBACK: ObjectStoreTransport(NAMESPACE)}
         # invariant 9: a fenced block keeps a block-manager reference until its store is done
         self.fence = StoreFence(hold=self.bm.hold_blocks, release=self.bm.release_blocks)
         self.sums: dict[int, tuple[int, ...]] = {}  # valid block -> checksum per TP copy
@@ -219,7 +227,9 @@ class PoolDataPlane:
         node's CPU tier through the shared arena, other members through the transport."""
         try:
             coord = ray.get_actor(COORDINATOR, namespace=NAMESPACE)
-            where = await coord.locate.remote(self.model.name, [k for k, _ in want], self.node_id)
+            where = await coord.locate.remote(
+                self.model.name, [k for k, _ in want], self.node_id, self.name
+            )
         except (ray.exceptions.RayError, ValueError) as e:  # coordinator restarting: a miss
             log.warning("pool %s: cannot locate copies (%s); loading nothing", self.name, e)
             self.metrics.copy_failed(self.model.name, GPU, "locate")
@@ -245,9 +255,9 @@ class PoolDataPlane:
                     moved += await self._load_local_tier(gi, batch, filled, live)
                     n = len(filled) - before
                 else:
-                    n, nbytes = await self._fetch_remote(loc.member, gi, batch, filled, live)
+                    n, nbytes = await self._fetch_remote(loc, gi, batch, filled, live)
                     moved += nbytes
-            except (ray.exceptions.RayActorError, ValueError) as e:  # the source is gone
+            except (ray.exceptions.RayActorError, ValueError, TransportError) as e:  # gone
                 log.warning("pool %s: copy source %s failed (%s)", self.name, loc.member, e)
                 failed.add(loc.member)
                 try:
@@ -262,11 +272,27 @@ class PoolDataPlane:
             i += n
         return moved
 
+    async def _fetch_batch(self, loc: Location, keys: list[bytes]) -> BlockBatch:
+        """The batch over the transport chosen for this pair; if that one fails, once more
+        over the fallback (the object store) before the source counts as failed."""
+        fallback = self.transports[FALLBACK]
+        t = self.transports.get(loc.transport, fallback)
+        try:
+            return await t.fetch(loc.member, self.model.name, keys, loc.endpoint)
+        except TransportError as e:
+            if t is fallback:
+                raise
+            log.warning("pool %s: %s from %s failed (%s); retrying over %s",
+                        self.name, t.name, loc.member, e, fallback.name)  # fmt: skip
+            self.metrics.failed(f"transport_{t.name}")
+        return await fallback.fetch(loc.member, self.model.name, keys)
+
     async def _fetch_remote(
-        self, source: str, gi: int, want: list[tuple[bytes, int]], filled: set[int], live: Any
+        self, loc: Location, gi: int, want: list[tuple[bytes, int]], filled: set[int], live: Any
     ) -> tuple[int, int]:
         """One batch from another member: verified, then scattered to every rank."""
-        batch = await self.transport.fetch(source, self.model.name, [k for k, _ in want])
+        source = loc.member
+        batch = await self._fetch_batch(loc, [k for k, _ in want])
         if not live():  # freed while the rows travelled: our blocks may be someone else's
             return 0, 0
         good = verify(batch)
@@ -274,8 +300,10 @@ class PoolDataPlane:
             self.metrics.checksum_errors(self.model.name, "remote", 1)
             log.warning("pool %s: block from %s failed its checksum; a miss", self.name, source)
             try:
-                await self.transport._actor(source).drop_keys.remote(
-                    self.model.name, [want[good][0]]
+                await (
+                    self.transports[FALLBACK]
+                    ._actor(source)
+                    .drop_keys.remote(self.model.name, [want[good][0]])
                 )
             except ray.exceptions.RayError as e:
                 log.warning("pool %s: cannot tell %s to drop (%s)", self.name, source, e)

@@ -10,9 +10,11 @@ published (a block that is merely allocated is never a hit).
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from raykv.blocks.events import BlockRemoved, BlockStored, KVEvent
+from raykv.transport.select import OBJECT_STORE
 
 GPU, CPU = "gpu", "cpu"
 _GID = 4  # bytes of the group id in front of a group key
@@ -26,6 +28,8 @@ class Location:
     node_id: str
     tier: str  # GPU or CPU
     block_id: int = -1  # the member's own slot (GPU block id); -1 for a CPU tier
+    transport: str = OBJECT_STORE  # how the reader fetches it (``raykv.transport.choose``)
+    endpoint: Any = field(default=None, compare=False, hash=False)  # the holder's, for it
 
     def rank(self, node_id: str) -> int:
         """Lower is better: local GPU, local CPU, then another node's GPU, then its CPU."""

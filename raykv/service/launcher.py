@@ -286,6 +286,11 @@ def status_table(s: dict[str, Any]) -> str:
             f"{m['name']:<{w}}{m['kind']:<6}{m['node_id'][:12]:<14}{m.get('blocks_used', 0):>8}"
             f"{m.get('blocks_total', 0):>8}{m['indexed_blocks']:>9}{m['heartbeat_age_s']:>7}s"
         )
+    if s.get("routes"):
+        lines.append("")
+        lines.append("transports (holder -> reader)")
+        for r in s["routes"]:
+            lines.append(f"  {r['from']} -> {r['to']}: {r['transport']}")
     hits = ", ".join(f"{k} {v}" for k, v in sorted(s["hits"].items())) or "none"
     lines.append("")
     lines.append(

@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from raykv.service.spec import COORDINATOR, NAMESPACE
+from raykv.transport.select import OBJECT_STORE
 
 HEARTBEAT_S = 1.0
 CALL_TIMEOUT_S = 10.0
@@ -46,6 +47,11 @@ class Member:
     def extra_snapshot(self) -> dict[str, Any]:
         return {}
 
+    def endpoints(self) -> dict[str, Any]:
+        """Transport name -> how a reader reaches this member over it (``raykv.transport``);
+        pools and tiers add what they run (a UCX listener, an NCCL rank)."""
+        return {OBJECT_STORE: None}
+
     # --- protocol -----------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
@@ -58,6 +64,7 @@ class Member:
             "actor_id": ray.get_runtime_context().get_actor_id(),
             "blocks": self.blocks(),
             "stats": self.stats(),
+            "transports": self.endpoints(),
             **self.extra_snapshot(),
         }
 

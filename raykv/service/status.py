@@ -81,6 +81,7 @@ def cluster(
     tally: Mapping[str, int],
     started: float,
     restarted: bool,
+    routes: Mapping[tuple[str, str], str] | None = None,
 ) -> dict[str, Any]:
     """The whole status, in the shape ``raykv status`` prints (``status_table``)."""
     look = lookups(tally)
@@ -99,6 +100,10 @@ def cluster(
         "failures": {
             k.removeprefix("failures_"): v for k, v in tally.items() if k.startswith("failures_")
         },
+        # which transport each (holder, reader) pair fetched over (``raykv.transport.choose``)
+        "routes": [
+            {"from": a, "to": b, "transport": t} for (a, b), t in sorted((routes or {}).items())
+        ],
         "uptime_s": round(time.time() - started, 1),
         "restarted": restarted,
     }

@@ -7,5 +7,16 @@ UCX (host<->host) plug in behind the same interface. See ``raykv.transport.base`
 
 from raykv.transport.base import BlockBatch, Transport, export_rows, verify
 from raykv.transport.object_store import ObjectStoreTransport
+from raykv.transport.select import FALLBACK, OBJECT_STORE, PREFERENCE, choose
 
-__all__ = ["BlockBatch", "ObjectStoreTransport", "Transport", "export_rows", "verify"]
+__all__ = [
+    "FALLBACK",
+    "OBJECT_STORE",
+    "PREFERENCE",
+    "BlockBatch",
+    "ObjectStoreTransport",
+    "Transport",
+    "choose",
+    "export_rows",
+    "verify",
+]

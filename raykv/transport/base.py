@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -49,9 +49,13 @@ class BlockBatch:
 class Transport(Protocol):
     name: str
 
-    async def fetch(self, source: str, model: str, keys: Sequence[bytes]) -> BlockBatch:
+    async def fetch(
+        self, source: str, model: str, keys: Sequence[bytes], endpoint: Any = None
+    ) -> BlockBatch:
         """The leading ``keys`` (one group, prefix order) that member ``source`` holds, as
-        stored (not yet verified: call ``verify``). Raises if the source is gone."""
+        stored (not yet verified: call ``verify``); ``endpoint`` is what the source
+        advertised for this transport (``Member.endpoints``). Raises ``TransportError``
+        (or Ray's actor error) if the source is gone or the transfer fails."""
         ...
 
 

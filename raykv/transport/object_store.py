@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import ray
 import torch
 
 from raykv.transport.base import BlockBatch
+from raykv.transport.select import OBJECT_STORE
 
 
 def as_tensor(rows: np.ndarray) -> torch.Tensor:
@@ -27,7 +29,7 @@ def as_tensor(rows: np.ndarray) -> torch.Tensor:
 
 
 class ObjectStoreTransport:
-    name = "object-store"
+    name = OBJECT_STORE
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
@@ -39,7 +41,9 @@ class ObjectStoreTransport:
             h = self._handles[source] = ray.get_actor(source, namespace=self.namespace)
         return h
 
-    async def fetch(self, source: str, model: str, keys: Sequence[bytes]) -> BlockBatch:
+    async def fetch(
+        self, source: str, model: str, keys: Sequence[bytes], endpoint: Any = None
+    ) -> BlockBatch:
         try:
             n, rows, sums = await self._actor(source).export_blocks.remote(model, list(keys))
         except ray.exceptions.RayActorError:

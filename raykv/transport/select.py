@@ -1,0 +1,30 @@
+"""Which transport a pair of members uses: the fastest one both ends offer.
+
+Every member (pool or tier) advertises the transports it can serve and how to reach it
+(``Member.endpoints``: name -> endpoint info, e.g. a UCX listener's host and port); the
+coordinator picks, for each (holder, reader) pair, the first name of ``PREFERENCE`` both
+advertise (``choose``), hands it out with every ``Location`` of a lookup, and remembers it
+for ``raykv status``. ``OBJECT_STORE`` works on any Ray cluster and is always offered, so a
+pair always has one. A reader whose chosen transport fails for a batch retries that batch on
+the object store (``FALLBACK``) before it counts the source as failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+NCCL, UCX, GLOO, OBJECT_STORE = "nccl", "ucx", "gloo", "object-store"
+# fastest first: NCCL between GPUs, UCX between hosts (CPU tiers), torch.distributed's gloo
+# between CPU pools, Ray's object store last
+PREFERENCE = (NCCL, UCX, GLOO, OBJECT_STORE)
+FALLBACK = OBJECT_STORE
+
+
+def choose(holder: Mapping[str, Any], reader: Mapping[str, Any]) -> str:
+    """The first transport of ``PREFERENCE`` that both ends advertise (their
+    ``endpoints()``); the object store when they share nothing else."""
+    for name in PREFERENCE:
+        if name in holder and name in reader:
+            return name
+    return OBJECT_STORE

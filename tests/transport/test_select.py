@@ -1,0 +1,26 @@
+"""Transport choice: the fastest transport both ends advertise, the object store last."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from raykv.transport import OBJECT_STORE, PREFERENCE, choose
+
+offers = st.sets(st.sampled_from(PREFERENCE)).map(lambda s: {n: None for n in s})
+
+
+@given(offers, offers)
+def test_the_first_shared_transport_of_the_preference_wins(holder, reader):
+    got = choose(holder, reader)
+    shared = [n for n in PREFERENCE if n in holder and n in reader]
+    assert got == (shared[0] if shared else OBJECT_STORE)
+    # nothing faster than the choice is offered by both
+    assert not any(n in holder and n in reader for n in PREFERENCE[: PREFERENCE.index(got)])
+
+
+def test_gpu_pools_pick_nccl_hosts_pick_ucx_and_strangers_the_object_store():
+    gpu = {"nccl": 0, "ucx": ("10.0.0.1", 1), OBJECT_STORE: None}
+    tier = {"ucx": ("10.0.0.2", 2), OBJECT_STORE: None}
+    assert choose(gpu, gpu) == "nccl"
+    assert choose(tier, gpu) == "ucx"
+    assert choose({OBJECT_STORE: None}, gpu) == OBJECT_STORE
+    assert choose({}, {}) == OBJECT_STORE
