@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from raykv.blocks import BlockManager
+from raykv.blocks.step import release_skipped
 from raykv.layout import FullAttention, KVSpec, Plan, SlidingWindow, plan
 
 BLOCK_SIZE = 32  # vLLM wants attention block sizes that are multiples of 32 on CPU
@@ -129,6 +130,30 @@ class RaykvSide:
 
     def step(self, rid: str, tokens: list[int], n: int) -> bool:
         return self.bm.allocate(rid, n, tokens) is not None
+
+    def would_step(self, rid: str, tokens: list[int], n: int) -> bool:
+        """Whether ``step`` would fit (the allocator's own step plan), leaving the state a
+        refused step leaves (out-of-window blocks released, nothing taken): where the
+        lead refused, raykv answers and then follows the lead's preemption from the same
+        state, instead of running a step the lead never ran."""
+        bm = self.bm
+        step = bm.step_plan(rid, n, tokens)
+        fits = step.fits(bm.num_free_blocks)
+        release_skipped(bm._request(rid), step, bm.pool)
+        return fits
+
+    def would_admit(self, rid: str, tokens: list[int], budget: int) -> tuple[int, int] | None:
+        """``admit``'s answer without its first chunk's side effects (nothing evicted)."""
+        bm = self.bm
+        if not bm.admit(rid, len(tokens), tokens):
+            return None
+        try:
+            hit = bm.prefix_hit(rid)
+            n = min(len(tokens), hit + budget)
+            step = bm.step_plan(rid, n, tokens)
+            return (step.num_hit_tokens, n) if step.fits(bm.num_free_blocks) else None
+        finally:
+            bm.free(rid)  # it holds no block yet: nothing returns to the pool
 
     def free(self, rid: str) -> None:
         self.bm.free(rid)
@@ -303,8 +328,15 @@ def replay(
                 continue
             toks = run.tokens[: run.done + n]
             op = Op(kind, rid, tokens=tuple(toks), done=len(toks))
-            res = call(op, lambda s, rid=rid, toks=toks, n=n: s.step(rid, toks, n))
-            op.ok = {s.name: bool(r) for s, r in zip(sides, res, strict=True)}
+            # the lead first; where it refused, raykv only answers whether it would fit
+            # (both then preempt from the same state: raykv never runs a step the lead
+            # did not, which would evict what the lead's state still caches)
+            for s in sides:
+                t0 = clock()
+                lead_ok = op.ok.get(sides[0].name, True)
+                fn = s.step if s is sides[0] or lead_ok else s.would_step
+                op.ok[s.name] = bool(fn(rid, toks, n))
+                op.seconds[s.name] = clock() - t0
             budget -= n
             if op.ok[sides[0].name]:
                 run.done += n
@@ -331,14 +363,13 @@ def replay(
             op.seconds[lead.name] = clock() - t0
             if got is None:
                 op.ok[lead.name] = False
-                if len(sides) == 2:  # does raykv admit what the lead refuses? undo it
+                if len(sides) == 2:  # would raykv admit what the lead refuses? (no side effects)
                     t0 = clock()
-                    mine = raykv.admit(rid, toks, budget)
+                    mine = raykv.would_admit(rid, toks, budget)
                     op.seconds[raykv.name] = clock() - t0
                     op.ok[raykv.name] = mine is not None
                     if mine is not None:
                         op.hit[raykv.name], op.done = mine
-                        raykv.free(rid)
                 finish(op)
                 break
             hit, n = got
