@@ -203,8 +203,8 @@ class UcxTransport:
                 raise
             raise TransportError(
                 f"{source}'s UCX listener at {host}:{port} closed the connection during the "
-                f"handshake ({type(e).__name__}: {e}); it does not hold this node's transport secret"
-                " or is not a raykv listener"
+                f"handshake ({type(e).__name__}: {e}); it does not hold this node's transport "
+                "secret or is not a raykv listener"
             ) from None
         return ep
 

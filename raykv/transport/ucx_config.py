@@ -1,15 +1,15 @@
 """UCX transport settings, read from the node's environment (the service config the Helm
 chart and ``raykv up`` hand to every Ray node).
 
-| variable | default | meaning |
-| --- | --- | --- |
-| ``RAYKV_UCX`` | ``1`` | ``0``: run no UCX listener and fetch nothing over UCX |
-| ``RAYKV_UCX_TLS`` | UCX's own choice | ``UCX_TLS`` of raykv's UCX context, e.g. ``tcp`` (tests), ``rc,sm,self`` (InfiniBand / RoCE), ``tcp,cuda_copy,cuda_ipc`` |
-| ``RAYKV_UCX_STRIPES`` | ``4`` | endpoints a large batch is striped over, in parallel |
-| ``RAYKV_UCX_STRIPE_MIN_BYTES`` | 4 MiB | batches smaller than this travel on one endpoint |
-| ``RAYKV_UCX_TIMEOUT_S`` | ``10`` | bound on connecting, the handshake and each control message |
-| ``RAYKV_UCX_MIN_GBPS`` | ``0.05`` | a batch's bytes must arrive at least this fast (its timeout grows with its size) |
-| ``RAYKV_UCX_HOST`` | the node's IP (Ray's) | the address this node advertises for its listener |
+* ``RAYKV_UCX`` (default 1): 0 runs no UCX listener and fetches nothing over UCX.
+* ``RAYKV_UCX_TLS`` (default: UCX's own choice): ``UCX_TLS`` of raykv's UCX context, e.g.
+  ``tcp`` (tests), ``rc,sm,self`` (InfiniBand / RoCE), ``tcp,cuda_copy,cuda_ipc``.
+* ``RAYKV_UCX_STRIPES`` (4): endpoints per peer; a large batch is striped over them.
+* ``RAYKV_UCX_STRIPE_MIN_BYTES`` (4 MiB): batches smaller than this use one endpoint.
+* ``RAYKV_UCX_TIMEOUT_S`` (10): bound on connecting, the handshake, each control message.
+* ``RAYKV_UCX_MIN_GBPS`` (0.05): a batch's rows must arrive at least this fast (a batch's
+  timeout is ``timeout_s + bytes / rate``).
+* ``RAYKV_UCX_HOST`` (the node's IP, from Ray): the address the listener is advertised on.
 """
 
 from __future__ import annotations

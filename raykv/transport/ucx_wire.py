@@ -10,8 +10,8 @@ A fetch, always on the client's stripe 0: the request ``{"op": "fetch", "model",
 width], "sums": [[...] per copy], "parts": p}`` (or ``{"error": text}``); then the rows,
 one contiguous buffer ``[copies, n, width]`` cut into ``p`` byte ranges (``ranges``), range
 ``i`` sent on stripe ``i`` of the same client, all in parallel, each received straight into
-its slice of the reader's staging buffer. Control messages are JSON (a uint64 size,
-then the bytes, the size checked before anything is allocated); nothing a peer sends is ever unpickled.
+its slice of the reader's staging buffer. Control messages are JSON (a uint64 size, then
+the bytes, the size checked before anything is allocated); nothing received is unpickled.
 """
 
 from __future__ import annotations
