@@ -212,3 +212,23 @@ class UcxTransport:
         peer.abort()
         if self._peers.get(key) is peer:
             del self._peers[key]
+
+
+def ucx_reader(config: UcxConfig | None = None) -> UcxTransport | None:
+    """A ``UcxTransport`` when this process can read over UCX (ucxx installed, ``RAYKV_UCX``
+    not 0, ``RAYKV_TRANSPORT_SECRET`` set); None (and why, in the log) otherwise: the reader
+    then fetches over the object store."""
+    from raykv.transport.auth import SECRET_ENV, secret_from_env
+    from raykv.transport.ucx_runtime import available
+
+    config = config or UcxConfig.from_env()
+    secret = secret_from_env()
+    if not config.enabled or not available() or secret is None:
+        if config.enabled and available():
+            log.info("no UCX: %s is not set on this node", SECRET_ENV)
+        return None
+    try:
+        return UcxTransport(secret, config)
+    except TransportError as e:
+        log.warning("no UCX here: %s", e)
+        return None

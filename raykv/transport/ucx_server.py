@@ -179,3 +179,37 @@ class UcxServer:
         await asyncio.wait_for(asyncio.gather(*sends), self.config.transfer_timeout(flat.nbytes))
         self.counts["batches"] += 1
         self.counts["bytes"] += flat.nbytes
+
+
+def ucx_server(
+    export: Export,
+    *,
+    host: str,
+    owner_loop: asyncio.AbstractEventLoop | None = None,
+    on_refused: Callable[[str], None] | None = None,
+    config: UcxConfig | None = None,
+) -> UcxServer | None:
+    """A started ``UcxServer`` when this process can serve UCX (ucxx installed, ``RAYKV_UCX``
+    not 0, ``RAYKV_TRANSPORT_SECRET`` set: never an unauthenticated listener); else None."""
+    from raykv.errors import TransportError
+    from raykv.transport.auth import SECRET_ENV, secret_from_env
+    from raykv.transport.ucx_runtime import available
+
+    config = config or UcxConfig.from_env()
+    secret = secret_from_env()
+    if not config.enabled or not available():
+        return None
+    if secret is None:
+        log.warning(
+            "no UCX listener: %s is not set on this node (blocks move over the object store); "
+            "set it on every node to the same random string", SECRET_ENV,
+        )  # fmt: skip
+        return None
+    try:
+        server = UcxServer(secret, export, host=config.host or host, config=config,
+                           owner_loop=owner_loop, on_refused=on_refused)  # fmt: skip
+        server.start()
+    except TransportError as e:
+        log.warning("no UCX listener here: %s", e)
+        return None
+    return server
