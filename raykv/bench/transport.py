@@ -252,8 +252,8 @@ def ucx_format(r: dict[str, Any], machine: str = "") -> str:
     return "\n".join(lines)
 
 
-def ucx_main(quick: bool = False, as_json: bool = False) -> None:
+def ucx_main(quick: bool = False, as_json: bool = False, tls: str = "tcp") -> None:
     import click
 
-    r = ucx_run(quick=quick, echo=lambda s: click.echo(s, err=True))
+    r = ucx_run(quick=quick, echo=lambda s: click.echo(s, err=True), tls=tls)
     click.echo(json.dumps(r, indent=2) if as_json else ucx_format(r))

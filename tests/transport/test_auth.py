@@ -108,3 +108,12 @@ def test_secrets_are_checked_and_read_from_the_environment() -> None:
         auth.check_secret("short")
     assert auth.secret_from_env({}) is None
     assert auth.secret_from_env({auth.SECRET_ENV: "x" * 20}) == b"x" * 20
+
+
+def test_raykv_up_keeps_one_owner_only_secret_next_to_the_token(tmp_path) -> None:
+    from raykv.service.ray_join import ensure_transport_secret, transport_secret_path
+
+    path = transport_secret_path(tmp_path / "auth_token")
+    first = ensure_transport_secret(path)
+    assert path.parent == tmp_path and (path.stat().st_mode & 0o777) == 0o600
+    assert ensure_transport_secret(path) == first and auth.check_secret(first)
