@@ -59,7 +59,7 @@ def ucx_pair(
     """raykv's UCX fetch (per stripe count) vs raw ucxx, two processes, same bytes and TLS.
     ``prefix``: run the peer under it (``ip netns exec NS``); ``host``: its address."""
     from raykv.bench.ucx_peer import block_rows, threads
-    from raykv.transport import verify
+    from raykv.transport.base import verify
     from raykv.transport.ucx import UcxTransport
     from raykv.transport.ucx_config import UcxConfig
     from raykv.transport.ucx_runtime import UcxRuntime
@@ -257,3 +257,27 @@ def ucx_main(quick: bool = False, as_json: bool = False, tls: str = "tcp") -> No
 
     r = ucx_run(quick=quick, echo=lambda s: click.echo(s, err=True), tls=tls)
     click.echo(json.dumps(r, indent=2) if as_json else ucx_format(r))
+
+
+def ucx_pairs_main(argv: list[str] | None = None) -> None:
+    """``python -m raykv.bench.transport --tls tcp --tls sm,self``: the Ray-less section
+    (``ucx_pair``) for each transport, as JSON lines (hosts without Ray: the device)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=ucx_pairs_main.__doc__)
+    p.add_argument("--tls", action="append", default=None)
+    p.add_argument("--blocks", type=int, default=512)
+    p.add_argument("--stripes", default="1,4")
+    p.add_argument("--reps", type=int, default=5)
+    a = p.parse_args(argv)
+    for tls in a.tls or ["tcp"]:
+        stripes = tuple(int(x) for x in a.stripes.split(","))
+        try:
+            r = ucx_pair(tls, a.blocks, stripes=stripes, reps=a.reps)
+        except Exception as e:  # one transport missing on this host: say so, go on
+            r = {"tls": tls, "error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    ucx_pairs_main()
