@@ -65,6 +65,12 @@ def test_scattered_blocks_arrive_whole_and_verified(stripes) -> None:
             if n:
                 assert b.rows.shape == (1, n, WIDTH) and b.rows.is_contiguous()
                 assert torch.equal(b.rows, want[:, :n])
+        # a batch still held keeps its bytes: the next fetch lands in another buffer
+        held = fetch(t, where, KEYS[10:20])
+        again = fetch(t, where, KEYS[:10])
+        assert torch.equal(held.rows, want[:, 10:20]) and torch.equal(again.rows, want[:, :10])
+        assert held.rows.data_ptr() != again.rows.data_ptr()
+        del held, again
         # keys past what the peer holds: only the leading ones come back
         b = fetch(t, where, [*KEYS[:3], (10**6).to_bytes(8, "little"), KEYS[4]])
         assert b.count == 3 and verify(b) == 3
