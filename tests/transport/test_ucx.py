@@ -170,3 +170,33 @@ def test_two_hosts_in_network_namespaces(two_hosts) -> None:
         assert f"ok {32 * WIDTH}" in out.stdout
     finally:
         stop(p)
+
+
+def test_tp_copies_in_chunks_arrive_copy_major() -> None:
+    """A batch of 2 TP copies sent in several chunks is one [copies, n, width] buffer."""
+    import asyncio
+
+    from raykv.tiers.checksum import row_checksums
+    from raykv.transport.ucx_server import UcxServer
+
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randint(0, 256, (2, 40, 4096), generator=g, dtype=torch.uint8)
+    sums = [list(row_checksums(rows[c])) for c in range(2)]
+
+    async def export(model: str, keys: list[bytes]):
+        idx = [int.from_bytes(k, "little") for k in keys]
+        n = next((i for i, b in enumerate(idx) if b >= 30), len(idx))  # holds 0..29
+        return n, rows[:, idx[:n]].numpy(), [[s[i] for i in idx[:n]] for s in sums]
+
+    cfg = UcxConfig(tls="tcp", stripes=2, stripe_min_bytes=1, chunk_bytes=3 * 2 * 4096)
+    server = UcxServer(SECRET.encode(), export, host="127.0.0.1", config=cfg)
+    ep = server.start()
+    t = UcxTransport(SECRET.encode(), cfg)
+    try:
+        b = UcxRuntime.get("tcp").submit(t.fetch("s", "m", KEYS[:40], ep)).result(60)
+        assert b.count == 30 and verify(b) == 30 and torch.equal(b.rows, rows[:, :30])
+        assert server.stats()["batches"] > 3  # it came in chunks
+        assert asyncio.iscoroutinefunction(export)
+    finally:
+        t.close()
+        server.stop()
