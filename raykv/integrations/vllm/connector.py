@@ -62,6 +62,14 @@ class RaykvConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.config = RaykvVllmConfig.from_extra(extra)
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if role == KVConnectorRole.SCHEDULER and policy != "recompute":
+            log.warning(
+                "kv_load_failure_policy=%r: a raykv load that fails its checksum or finds its "
+                "copy gone fails the request; set kv_load_failure_policy='recompute' in "
+                "kv_transfer_config to recompute those tokens instead",
+                policy,
+            )
         kv, layout, groups = serve(self.config, vllm_config, kv_cache_config)
         self.layout = layout
         self.scheduler: RaykvScheduler | None = None
