@@ -16,11 +16,11 @@ import pytest
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs 'vllm'")
 
-import ray  # noqa: E402
-import torch  # noqa: E402
+import ray
+import torch
 
-from raykv.integrations.vllm.engine import Engine  # noqa: E402
-from raykv.integrations.vllm.tiny import TinyLlama, build_tiny_llama  # noqa: E402
+from raykv.integrations.vllm.engine import Engine
+from raykv.integrations.vllm.tiny import TinyLlama, build_tiny_llama
 
 pytestmark = pytest.mark.ray
 
