@@ -34,6 +34,7 @@ from raykv.service.index import CPU
 from raykv.service.member import Member
 from raykv.service.metrics import ServiceMetrics
 from raykv.service.spec import tier_name
+from raykv.service.transports import reader_transports
 from raykv.transport import export_rows
 
 Members = tuple[bytes | None, ...]
@@ -100,6 +101,7 @@ class CpuTierActor(Member):
         self.tiers: dict[str, _ModelTier] = {m: _ModelTier(p) for m, p in (plans or {}).items()}
         self.metrics = ServiceMetrics("tier")
         self._publishing: set[asyncio.Task] = set()
+        self.transports = reader_transports()  # for pull: the object store, UCX where it runs
 
     async def add_model(self, model: str, plan: Any) -> int:
         """Make room for ``model`` (idempotent); returns its CPU-tier block count."""
@@ -236,6 +238,16 @@ class CpuTierActor(Member):
         finally:
             tier.finish_load(lease)
         return len(chosen), export_rows(rows), sums
+
+    async def pull(self, model: str, keys: list[bytes]) -> int:
+        """Copy the leading block ``keys`` (one group, prefix order, from a chunk boundary)
+        that other members hold into this node's arena (CPU tier -> CPU tier over UCX where
+        both run it, else the object store): verified, stored with their checksums,
+        published. Returns how many leading ``keys`` this tier holds afterwards; the rest
+        are misses (``raykv.service.tier_pull``)."""
+        from raykv.service.tier_pull import pull
+
+        return await pull(self, model, keys)
 
     def blocks(self) -> dict[str, list[tuple[Hashable, int]]]:
         return {m: [(k, -1) for k in mt.where] for m, mt in self.tiers.items()}

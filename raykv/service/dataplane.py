@@ -35,14 +35,7 @@ from raykv.service.groups import Chunk
 from raykv.service.index import CPU, GPU, Location
 from raykv.service.spec import COORDINATOR, NAMESPACE, tier_name
 from raykv.tiers.jobs import LoadJob, StoreJob
-from raykv.transport import (
-    FALLBACK,
-    BlockBatch,
-    ObjectStoreTransport,
-    Transport,
-    export_rows,
-    verify,
-)
+from raykv.transport import FALLBACK, BlockBatch, Transport, export_rows, fetch_over, verify
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +49,10 @@ class PoolDataPlane:
     transports: dict[str, Transport]  # by name (``raykv.transport.select``)
 
     def _init_dataplane(self) -> None:
+        from raykv.service.transports import reader_transports
         from raykv.tiers.fence import StoreFence
 
-        self.transports = {FALLBACK: ObjectStoreTransport(NAMESPACE)}
+        self.transports = reader_transports()  # the object store, and UCX where it runs
         # invariant 9: a fenced block keeps a block-manager reference until its store is done
         self.fence = StoreFence(hold=self.bm.hold_blocks, release=self.bm.release_blocks)
         self.sums: dict[int, tuple[int, ...]] = {}  # valid block -> checksum per TP copy
@@ -275,17 +269,14 @@ class PoolDataPlane:
     async def _fetch_batch(self, loc: Location, keys: list[bytes]) -> BlockBatch:
         """The batch over the transport chosen for this pair; if that one fails, once more
         over the fallback (the object store) before the source counts as failed."""
-        fallback = self.transports[FALLBACK]
-        t = self.transports.get(loc.transport, fallback)
-        try:
-            return await t.fetch(loc.member, self.model.name, keys, loc.endpoint)
-        except TransportError as e:
-            if t is fallback:
-                raise
+
+        def fell_back(name: str, e: TransportError) -> None:
             log.warning("pool %s: %s from %s failed (%s); retrying over %s",
-                        self.name, t.name, loc.member, e, fallback.name)  # fmt: skip
-            self.metrics.failed(f"transport_{t.name}")
-        return await fallback.fetch(loc.member, self.model.name, keys)
+                        self.name, name, loc.member, e, FALLBACK)  # fmt: skip
+            self.metrics.failed(f"transport_{name}")
+
+        return await fetch_over(self.transports, loc.transport, loc.member, self.model.name,
+                                keys, loc.endpoint, fell_back)  # fmt: skip
 
     async def _fetch_remote(
         self, loc: Location, gi: int, want: list[tuple[bytes, int]], filled: set[int], live: Any

@@ -296,6 +296,7 @@ def status_table(s: dict[str, Any]) -> str:
     lines.append(
         f"lookups {s['lookups']}  hit rate {s['hit_rate']:.1%}  hit blocks: {hits}  "
         f"missed blocks {s['misses']}  indexed blocks {s['indexed_blocks']}  "
-        f"checksum errors {s.get('checksum_errors', 0)}"
+        f"checksum errors {s.get('checksum_errors', 0)}  "
+        f"refused transport peers {s.get('transport_auth_refused', 0)}"
     )
     return "\n".join(lines)

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 
 from raykv.service.spec import COORDINATOR, NAMESPACE
-from raykv.transport.select import OBJECT_STORE
+from raykv.transport.select import OBJECT_STORE, UCX
 
 HEARTBEAT_S = 1.0
 CALL_TIMEOUT_S = 10.0
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 class Member:
     kind = "member"
     metrics: Any = None  # pools and tiers set their ServiceMetrics
+    ucx: Any = None  # its UCX listener (``raykv.service.transports.serve_ucx``), if any
 
     def __init__(self, name: str, node_id: str) -> None:
         self.name = name
@@ -50,7 +51,10 @@ class Member:
     def endpoints(self) -> dict[str, Any]:
         """Transport name -> how a reader reaches this member over it (``raykv.transport``);
         pools and tiers add what they run (a UCX listener, an NCCL rank)."""
-        return {OBJECT_STORE: None}
+        out: dict[str, Any] = {OBJECT_STORE: None}
+        if self.ucx is not None:
+            out[UCX] = self.ucx.endpoint
+        return out
 
     # --- protocol -----------------------------------------------------------------------
 
@@ -93,6 +97,10 @@ class Member:
     async def start(self) -> str:
         """Register and start heartbeats (idempotent). Returns the member's name."""
         if self._beat is None:
+            if hasattr(self, "export_blocks"):  # it serves blocks: over UCX too, if it can
+                from raykv.service.transports import serve_ucx
+
+                self.ucx = serve_ucx(self)
             await self._call("register", self.snapshot())
             self._beat = asyncio.get_running_loop().create_task(self._heartbeats())
         return self.name

@@ -97,6 +97,8 @@ def cluster(
         "misses": look["misses"],
         # copies that failed their checksum (invariant 12: served as misses), per member
         "checksum_errors": sum(m.get("checksum_errors", 0) for m in rows),
+        # peers a member's UCX listener refused (no or wrong transport secret)
+        "transport_auth_refused": sum(m.get("failures_transport_auth", 0) for m in rows),
         "failures": {
             k.removeprefix("failures_"): v for k, v in tally.items() if k.startswith("failures_")
         },

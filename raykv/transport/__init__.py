@@ -2,10 +2,13 @@
 
 ``Transport`` is the one interface; ``ObjectStoreTransport`` (Ray's object store) is the
 first implementation and the fallback that works on any Ray cluster. NCCL (GPU<->GPU) and
-UCX (host<->host) plug in behind the same interface. See ``raykv.transport.base``.
+UCX (host<->host, ``raykv.transport.ucx``: optional, needs ``raykv[ucx]`` and a transport
+secret) plug in behind the same interface; every reader fetches through ``fetch_over``. See
+``raykv.transport.base``.
 """
 
 from raykv.transport.base import BlockBatch, Transport, export_rows, verify
+from raykv.transport.fallback import fetch_over
 from raykv.transport.object_store import ObjectStoreTransport
 from raykv.transport.select import FALLBACK, OBJECT_STORE, PREFERENCE, choose
 
@@ -18,5 +21,6 @@ __all__ = [
     "Transport",
     "choose",
     "export_rows",
+    "fetch_over",
     "verify",
 ]

@@ -1,0 +1,51 @@
+"""The transports a member reads over and serves (``raykv.transport``), in one place.
+
+Every member (GPU pool, CPU tier) reads through the object store and, where this node can
+(``raykv[ucx]`` installed, ``RAYKV_TRANSPORT_SECRET`` set, ``RAYKV_UCX`` not 0), over UCX;
+and where it can, it also runs a UCX listener serving its ``export_blocks`` and advertises it
+(``Member.endpoints``: ``{"ucx": (host, port)}``), so the coordinator routes the pair over
+UCX when both ends have it. Without ucxx or the secret nothing advertises UCX and every
+fetch takes the object store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+
+from raykv.service.spec import NAMESPACE
+from raykv.transport import FALLBACK, ObjectStoreTransport, Transport
+from raykv.transport.select import UCX
+
+log = logging.getLogger(__name__)
+
+
+def reader_transports() -> dict[str, Transport]:
+    """Name -> transport this process fetches over (the fallback always)."""
+    out: dict[str, Transport] = {FALLBACK: ObjectStoreTransport(NAMESPACE)}
+    from raykv.transport.ucx import ucx_reader
+
+    ucx = ucx_reader()
+    if ucx is not None:
+        out[UCX] = ucx
+    return out
+
+
+def serve_ucx(member: Any) -> Any:
+    """Start ``member``'s UCX listener (on its actor's running loop), or None. Refused
+    peers are counted in ``member.metrics`` (``failures_transport_auth``)."""
+    from raykv.transport.ucx_server import ucx_server
+
+    def refused(reason: str) -> None:
+        if member.metrics is not None:
+            member.metrics.failed("transport_auth")
+
+    return ucx_server(
+        member.export_blocks,
+        host=ray.util.get_node_ip_address(),
+        owner_loop=asyncio.get_running_loop(),
+        on_refused=refused,
+    )

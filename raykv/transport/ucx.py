@@ -1,0 +1,234 @@
+"""``UcxTransport``: fetch a batch of blocks from another member's UCX listener (ucxx).
+
+A member that serves UCX runs a ``UcxServer`` (``raykv.transport.ucx_server``) and advertises
+``{"ucx": (host, port)}`` in ``Member.endpoints``; a reader fetches from it here. Per peer the
+reader keeps ``stripes`` authenticated endpoints (connected and authenticated once, reused
+by every later fetch; ``raykv.transport.auth``). A fetch is one request and one header on
+stripe 0 (keys, then count, shape and stored checksums), then the rows: one gathered buffer,
+cut into a few large byte ranges sent on the stripes in parallel and received straight into
+one staging buffer (``raykv.transport.ucx_wire``). No message per block, no round trip per
+block. The caller ``verify``s the batch before any byte reaches a block (invariant 12).
+
+Every step is bounded (``UcxConfig``: connect, handshake and control messages by
+``timeout_s``, the rows by ``transfer_timeout(bytes)``). A peer that dies, stalls or answers
+nonsense ends the fetch with ``TransportError`` and its endpoints are dropped (the next fetch
+reconnects); the staging buffer is never handed out, so nothing half-written is ever read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from raykv.errors import TransportError
+from raykv.transport.auth import AuthError, check_secret, client_handshake
+from raykv.transport.base import BlockBatch
+from raykv.transport.select import UCX
+from raykv.transport.ucx_config import UcxConfig
+from raykv.transport.ucx_runtime import UcxRuntime
+from raykv.transport.ucx_wire import (
+    check_header,
+    ranges,
+    recv_frame,
+    recv_msg,
+    send_frame,
+    send_msg,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Peer:
+    """The endpoints to one listener (stripe 0 carries the control messages)."""
+
+    eps: list[Any]
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    staging: Any = None  # kept alive until the endpoints are gone (a receive may be posted)
+
+    def alive(self) -> bool:
+        return all(not ep.closed for ep in self.eps)
+
+    def abort(self) -> None:
+        for ep in self.eps:
+            ep.abort()
+
+
+class UcxTransport:
+    name = UCX
+
+    def __init__(self, secret: bytes, config: UcxConfig | None = None) -> None:
+        self._secret = check_secret(secret)
+        self.config = config or UcxConfig.from_env()
+        self.runtime = UcxRuntime.get(self.config.tls)
+        self.counts: Counter[str] = Counter()  # refused (servers that failed auth), batches
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
+
+    async def fetch(
+        self, source: str, model: str, keys: Sequence[bytes], endpoint: Any = None
+    ) -> BlockBatch:
+        """The leading ``keys`` that ``source`` (listening at ``endpoint`` = (host, port))
+        holds; TransportError if it cannot be reached, refuses us or fails mid-transfer."""
+        if not endpoint:
+            raise TransportError(f"{source} advertised no UCX endpoint; it serves no UCX")
+        host, port = str(endpoint[0]), int(endpoint[1])
+        return await self.runtime.call(self._fetch(source, host, port, model, list(keys)))
+
+    def close(self) -> None:
+        async def close() -> None:
+            for peer in self._peers.values():
+                peer.abort()
+            self._peers.clear()
+
+        self.runtime.submit(close()).result(self.config.timeout_s)
+
+    # --- on the UCX loop -------------------------------------------------------------------
+
+    async def _fetch(
+        self, source: str, host: str, port: int, model: str, keys: list[bytes]
+    ) -> BlockBatch:
+        peer = await self._peer(source, host, port)
+        async with peer.lock:
+            try:
+                batch = await self._request(peer, model, keys)
+            except Exception as e:
+                self._drop((host, port), peer)
+                if isinstance(e, TransportError):
+                    raise
+                raise TransportError(
+                    f"UCX fetch from {source} at {host}:{port} failed ({type(e).__name__}: "
+                    f"{e}); its blocks are fetched elsewhere or missed"
+                ) from None
+        self.counts["batches"] += 1
+        self.counts["bytes"] += batch.nbytes
+        return batch
+
+    async def _request(self, peer: _Peer, model: str, keys: list[bytes]) -> BlockBatch:
+        cfg, ep = self.config, peer.eps[0]
+        req = {
+            "op": "fetch",
+            "model": model,
+            "keys": [k.hex() for k in keys],
+            "stripes": len(peer.eps),
+            "min_part": cfg.stripe_min_bytes // max(1, len(peer.eps)),
+        }
+        await asyncio.wait_for(send_msg(ep, req), cfg.timeout_s)
+        head = await asyncio.wait_for(recv_msg(ep), cfg.timeout_s)
+        n, shape, sums, parts = check_header(head, len(keys))
+        staging = torch.empty(shape, dtype=torch.uint8)
+        flat = staging.view(-1).numpy()
+        cuts = ranges(flat.nbytes, parts)
+        if len(cuts) > len(peer.eps) or (flat.nbytes and len(cuts) != parts):
+            raise TransportError(
+                f"the UCX peer striped over {parts} endpoints, we have {len(peer.eps)}"
+            )
+        peer.staging = staging
+        recvs = [e.recv(flat[a:b]) for e, (a, b) in zip(peer.eps, cuts, strict=False)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*recvs), cfg.transfer_timeout(flat.nbytes))
+        except TimeoutError:
+            raise TransportError(
+                f"{flat.nbytes} bytes did not arrive within {cfg.transfer_timeout(flat.nbytes):.1f}"
+                "s; the peer stalled or died (RAYKV_UCX_MIN_GBPS sets the slowest rate allowed)"
+            ) from None
+        peer.staging = None
+        return BlockBatch(n, staging, tuple(tuple(c) for c in sums))
+
+    async def _peer(self, source: str, host: str, port: int) -> _Peer:
+        key = (host, port)
+        async with self._connecting.setdefault(key, asyncio.Lock()):
+            peer = self._peers.get(key)
+            if peer is not None and peer.alive():
+                return peer
+            if peer is not None:
+                self._drop(key, peer)
+            client = secrets.token_hex(8)
+            # stripe 0 first: a peer that refuses us is asked (and counts us) once
+            first = await self._open(source, host, port, client, 0)
+            opened = [first] + await asyncio.gather(
+                *(self._open(source, host, port, client, i) for i in range(1, self.config.stripes)),
+                return_exceptions=True,
+            )
+            errors = [e for e in opened if isinstance(e, BaseException)]
+            if errors:
+                for ep in opened:
+                    if not isinstance(ep, BaseException):
+                        ep.abort()
+                raise errors[0]
+            peer = self._peers[key] = _Peer(list(opened))
+            return peer
+
+    async def _open(self, source: str, host: str, port: int, client: str, stripe: int) -> Any:
+        import ucxx
+
+        t = self.config.timeout_s
+        try:
+            ep = await asyncio.wait_for(ucxx.create_endpoint(host, port), t)
+        except Exception as e:
+            raise TransportError(
+                f"cannot connect to {source}'s UCX listener at {host}:{port} ({type(e).__name__}:"
+                f" {e}); is the node reachable on that address and port?"
+            ) from None
+
+        async def send(frame: bytes) -> None:
+            await send_frame(ep, frame)
+
+        async def recv(n: int) -> bytes:
+            return await recv_frame(ep, n)
+
+        try:
+            await asyncio.wait_for(client_handshake(self._secret, send, recv), t)
+            await asyncio.wait_for(send_msg(ep, {"client": client, "stripe": stripe}), t)
+            if (await asyncio.wait_for(recv_msg(ep), t)).get("ok") is not True:
+                raise TransportError(f"{source} did not accept UCX stripe {stripe}")
+        except AuthError as e:
+            ep.abort()
+            if stripe == 0:
+                self.counts["refused"] += 1
+                log.warning(
+                    "UCX peer %s at %s:%d refused or failed auth: %s", source, host, port, e
+                )
+            raise
+        except Exception as e:
+            ep.abort()
+            if isinstance(e, TransportError):
+                raise
+            raise TransportError(
+                f"{source}'s UCX listener at {host}:{port} closed the connection during the "
+                f"handshake ({type(e).__name__}: {e}); it does not hold this node's transport "
+                "secret or is not a raykv listener"
+            ) from None
+        return ep
+
+    def _drop(self, key: tuple[str, int], peer: _Peer) -> None:
+        peer.abort()
+        if self._peers.get(key) is peer:
+            del self._peers[key]
+
+
+def ucx_reader(config: UcxConfig | None = None) -> UcxTransport | None:
+    """A ``UcxTransport`` when this process can read over UCX (ucxx installed, ``RAYKV_UCX``
+    not 0, ``RAYKV_TRANSPORT_SECRET`` set); None (and why, in the log) otherwise: the reader
+    then fetches over the object store."""
+    from raykv.transport.auth import SECRET_ENV, secret_from_env
+    from raykv.transport.ucx_runtime import available
+
+    config = config or UcxConfig.from_env()
+    secret = secret_from_env()
+    if not config.enabled or not available() or secret is None:
+        if config.enabled and available():
+            log.info("no UCX: %s is not set on this node", SECRET_ENV)
+        return None
+    try:
+        return UcxTransport(secret, config)
+    except TransportError as e:
+        log.warning("no UCX here: %s", e)
+        return None

@@ -1,0 +1,62 @@
+"""UCX transport settings, read from the node's environment (the service config the Helm
+chart and ``raykv up`` hand to every Ray node).
+
+* ``RAYKV_UCX`` (default 1): 0 runs no UCX listener and fetches nothing over UCX.
+* ``RAYKV_UCX_TLS`` (default: UCX's own choice): ``UCX_TLS`` of raykv's UCX context, e.g.
+  ``tcp`` (tests), ``rc,sm,self`` (InfiniBand / RoCE), ``tcp,cuda_copy,cuda_ipc``.
+* ``RAYKV_UCX_STRIPES`` (4): endpoints per peer; a large batch is striped over them.
+* ``RAYKV_UCX_STRIPE_MIN_BYTES`` (4 MiB): batches smaller than this use one endpoint.
+* ``RAYKV_UCX_TIMEOUT_S`` (10): bound on connecting, the handshake, each control message.
+* ``RAYKV_UCX_MIN_GBPS`` (0.05): a batch's rows must arrive at least this fast (a batch's
+  timeout is ``timeout_s + bytes / rate``).
+* ``RAYKV_UCX_HOST`` (the node's IP, from Ray): the address the listener is advertised on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from raykv.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class UcxConfig:
+    enabled: bool = True
+    tls: str | None = None
+    stripes: int = 4
+    stripe_min_bytes: int = 4 << 20
+    timeout_s: float = 10.0
+    min_gbps: float = 0.05
+    host: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.stripes < 1 or self.timeout_s <= 0 or self.min_gbps <= 0:
+            raise ConfigError(
+                f"UCX settings out of range: stripes={self.stripes} (>= 1), timeout_s="
+                f"{self.timeout_s} (> 0), min_gbps={self.min_gbps} (> 0); fix RAYKV_UCX_*"
+            )
+
+    def transfer_timeout(self, nbytes: int) -> float:
+        """Seconds a batch of ``nbytes`` may take before its peer counts as dead."""
+        return self.timeout_s + nbytes / (self.min_gbps * 1e9)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> UcxConfig:
+        e = os.environ if env is None else env
+        try:
+            numbers = dict(
+                stripes=int(e.get("RAYKV_UCX_STRIPES", cls.stripes)),
+                stripe_min_bytes=int(e.get("RAYKV_UCX_STRIPE_MIN_BYTES", cls.stripe_min_bytes)),
+                timeout_s=float(e.get("RAYKV_UCX_TIMEOUT_S", cls.timeout_s)),
+                min_gbps=float(e.get("RAYKV_UCX_MIN_GBPS", cls.min_gbps)),
+            )
+        except ValueError as err:
+            raise ConfigError(f"a RAYKV_UCX_* setting is not a number ({err}); fix it") from err
+        return cls(
+            enabled=e.get("RAYKV_UCX", "1") not in ("0", "false", "no", "off"),
+            tls=e.get("RAYKV_UCX_TLS") or None,
+            host=e.get("RAYKV_UCX_HOST") or None,
+            **numbers,
+        )

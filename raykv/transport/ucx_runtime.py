@@ -1,0 +1,98 @@
+"""ucxx in a process that already runs an event loop of its own (a Ray async actor, a driver
+under ``asyncio.run``): one private event loop thread per process owns every ucxx object.
+
+Why a loop of its own. ucxx's asyncio layer binds its application context to the event
+loop that is current when the context is created: its notifier thread (progress mode
+``thread``, the default, where a C++ thread progresses the UCX worker and completes requests)
+hands finished requests to that loop with ``run_coroutine_threadsafe``. Created from a Ray
+actor's ``__init__`` (no loop running yet) it binds a fresh loop nobody runs and every send
+hangs; created on the actor's loop it works, but then every transfer's completion competes
+with the actor's own calls, and the loop is blocked by the synchronous gathers, checksums
+and scatters those calls do (tens of ms for a large batch), stalling UCX. So raykv creates
+the context inside a daemon thread running its own loop (``raykv-ucx``) and submits every
+ucxx coroutine there (``call``, from any loop; ``submit``, from plain threads). The
+``polling`` and ``blocking`` modes need the owning loop to spin or wake for progress; the
+``thread`` mode needs nothing from it, which is why it is the one used.
+
+``UCX_TLS`` comes from ``UcxConfig.tls`` (passed to ``ucxx.init`` as the context's ``TLS``
+option, so it wins over the environment); the first caller in a process fixes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib.util
+import logging
+import os
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from raykv.errors import TransportError
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+INIT_TIMEOUT_S = 60.0
+
+
+def available() -> bool:
+    """Whether ucxx is installed (``pip install 'raykv[ucx]'``)."""
+    return importlib.util.find_spec("ucxx") is not None
+
+
+class UcxRuntime:
+    """The process's ucxx context and the loop thread that owns it (``UcxRuntime.get``)."""
+
+    _instance: UcxRuntime | None = None
+    _lock = threading.Lock()
+
+    def __init__(self, tls: str | None) -> None:
+        self.tls = tls
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="raykv-ucx", daemon=True)
+        self._thread.start()
+        try:
+            self.submit(self._init(tls)).result(INIT_TIMEOUT_S)
+        except Exception as e:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            raise TransportError(
+                f"UCX did not start (UCX_TLS={tls or 'default'}): {e!r}; check RAYKV_UCX_TLS "
+                "names transports this host has (ucx_info -d), or set RAYKV_UCX=0"
+            ) from e
+
+    @classmethod
+    def get(cls, tls: str | None = None) -> UcxRuntime:
+        """The process's runtime, started on first use with ``tls``."""
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls(tls)
+            elif tls and tls != cls._instance.tls:
+                log.warning(
+                    "UCX already runs here with UCX_TLS=%s; %s ignored", cls._instance.tls, tls
+                )
+            return cls._instance
+
+    @staticmethod
+    async def _init(tls: str | None) -> None:
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        import ucxx
+
+        # on this (running) loop: ucxx binds its notifier thread to the current loop
+        ucxx.init(options={"TLS": tls} if tls else {}, progress_mode="thread")
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` on the UCX loop (from any thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Await ``coro`` on the UCX loop from another loop; cancelling the caller (or
+        ``timeout_s``) cancels it there too."""
+        fut = asyncio.wrap_future(self.submit(coro))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            raise TransportError(
+                f"a UCX operation took more than {timeout_s:.0f}s; the peer is unreachable or "
+                "stalled (raise RAYKV_UCX_TIMEOUT_S for slow links)"
+            ) from None

@@ -1,0 +1,215 @@
+"""``UcxServer``: a member's UCX listener, serving fetches of the blocks it holds.
+
+The member hands in its ``export(model, keys)`` coroutine (the same one the object store
+transport calls: the leading keys it holds as one gathered buffer plus their stored
+checksums); the server runs it on the member's own event loop (``owner_loop``, a Ray actor's)
+and moves the buffer over UCX as ``raykv.transport.ucx_wire`` describes. Every connection is
+authenticated first (``raykv.transport.auth``, bounded by ``timeout_s``); a peer that fails
+reads nothing, writes nothing, is logged and counted (``refused``, and ``on_refused`` on the
+owner's loop for its metrics).
+
+ucxx 0.52's listener takes a port but no address: it listens on every interface of the
+host (UCX binds the wildcard address). The member advertises one address (the node's IP,
+``UcxConfig.host``), and the handshake, not the bind, is what keeps other peers out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from raykv.transport.auth import check_secret, serve_handshake
+from raykv.transport.ucx_config import UcxConfig
+from raykv.transport.ucx_runtime import UcxRuntime
+from raykv.transport.ucx_wire import (
+    ranges,
+    recv_frame,
+    recv_msg,
+    send_frame,
+    send_msg,
+    stripes_for,
+)
+
+Export = Callable[[str, list[bytes]], Awaitable[tuple[int, np.ndarray, list[list[int]]]]]
+log = logging.getLogger(__name__)
+START_TIMEOUT_S = 30.0
+
+
+class UcxServer:
+    def __init__(
+        self,
+        secret: bytes,
+        export: Export,
+        *,
+        host: str,
+        config: UcxConfig | None = None,
+        owner_loop: asyncio.AbstractEventLoop | None = None,
+        on_refused: Callable[[str], None] | None = None,
+    ) -> None:
+        self._secret = check_secret(secret)
+        self.export = export
+        self.host = host
+        self.config = config or UcxConfig.from_env()
+        self.owner_loop = owner_loop
+        self.on_refused = on_refused
+        self.runtime = UcxRuntime.get(self.config.tls)
+        self.port = 0
+        self.counts: Counter[str] = Counter()
+        self._listener: Any = None
+        self._eps: dict[tuple[str, int], Any] = {}  # (client id, stripe) -> endpoint
+        self._ids = itertools.count()
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+    def start(self) -> tuple[str, int]:
+        """Listen (on a free port); returns the endpoint to advertise."""
+        if self._listener is None:
+            self.port = self.runtime.submit(self._listen()).result(START_TIMEOUT_S)
+        return self.endpoint
+
+    async def _listen(self) -> int:
+        import ucxx
+
+        self._listener = ucxx.create_listener(self._handle, port=0)
+        return int(self._listener.port)
+
+    def stop(self) -> None:
+        async def close() -> None:
+            for ep in list(self._eps.values()):
+                ep.abort()
+            self._eps.clear()
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+
+        self.runtime.submit(close()).result(START_TIMEOUT_S)
+
+    def stats(self) -> dict[str, int]:
+        """``refused``: peers that failed the handshake; ``batches`` / ``bytes`` served;
+        ``connections``: endpoints open now."""
+        return {**{k: self.counts[k] for k in ("refused", "batches", "bytes")},
+                "connections": len(self._eps)}  # fmt: skip
+
+    # --- one connection -------------------------------------------------------------------
+
+    async def _handle(self, ep: Any) -> None:
+        conn = next(self._ids)
+        t = self.config.timeout_s
+
+        async def send(frame: bytes) -> None:
+            await send_frame(ep, frame)
+
+        async def recv(n: int) -> bytes:
+            return await recv_frame(ep, n)
+
+        try:
+            await asyncio.wait_for(serve_handshake(self._secret, send, recv), t)
+        except Exception as e:  # wrong secret, no secret (silence, garbage), a dead peer
+            self._refuse(conn, e)
+            ep.abort()
+            return
+        me: tuple[str, int] | None = None
+        try:
+            hello = await asyncio.wait_for(recv_msg(ep), t)
+            me = (str(hello["client"]), int(hello["stripe"]))
+            self._eps[me] = ep
+            await asyncio.wait_for(send_msg(ep, {"ok": True}), t)
+            while True:  # idle connections wait here until their peer closes them
+                req = await recv_msg(ep)
+                if req.get("op") != "fetch":
+                    raise ValueError(f"unknown request {str(req.get('op'))[:40]!r}")
+                await self._fetch(ep, me[0], req)
+        except Exception as e:  # the peer closed, died, or spoke nonsense: drop it
+            log.debug("ucx connection %d from %s closed: %r", conn, me, e)
+        finally:
+            if me is not None and self._eps.get(me) is ep:
+                del self._eps[me]
+            ep.abort()
+
+    def _refuse(self, conn: int, error: BaseException) -> None:
+        self.counts["refused"] += 1
+        reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        log.warning(
+            "refused UCX connection %d on %s:%d: it did not authenticate (%s)",
+            conn, self.host, self.port, reason,
+        )  # fmt: skip
+        if self.on_refused is not None:
+            if self.owner_loop is not None:
+                self.owner_loop.call_soon_threadsafe(self.on_refused, reason)
+            else:
+                self.on_refused(reason)
+
+    async def _export(self, model: str, keys: list[bytes]) -> tuple[int, np.ndarray, list]:
+        coro = self.export(model, keys)
+        if self.owner_loop is None or self.owner_loop is asyncio.get_running_loop():
+            return await coro
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.owner_loop))
+
+    async def _fetch(self, ep: Any, client: str, req: dict[str, Any]) -> None:
+        t = self.config.timeout_s
+        try:
+            model, keys = str(req["model"]), [bytes.fromhex(k) for k in req["keys"]]
+            n, rows, sums = await self._export(model, keys)
+        except Exception as e:  # a bad request or the member refused: the reader misses
+            await asyncio.wait_for(send_msg(ep, {"error": f"{type(e).__name__}: {e}"}), t)
+            return
+        rows = np.ascontiguousarray(rows)
+        flat = rows.reshape(-1)
+        want = stripes_for(flat.nbytes, int(req.get("stripes", 1)), int(req.get("min_part", 1)))
+        eps = [ep]
+        while len(eps) < want and (client, len(eps)) in self._eps:
+            eps.append(self._eps[(client, len(eps))])
+        cuts = ranges(flat.nbytes, len(eps))
+        head = {
+            "count": n,
+            "shape": list(rows.shape),
+            "sums": [[int(x) for x in c] for c in sums],
+            "parts": max(1, len(cuts)),
+        }
+        await asyncio.wait_for(send_msg(ep, head), t)
+        sends = [e.send(flat[a:b]) for e, (a, b) in zip(eps, cuts, strict=False)]
+        await asyncio.wait_for(asyncio.gather(*sends), self.config.transfer_timeout(flat.nbytes))
+        self.counts["batches"] += 1
+        self.counts["bytes"] += flat.nbytes
+
+
+def ucx_server(
+    export: Export,
+    *,
+    host: str,
+    owner_loop: asyncio.AbstractEventLoop | None = None,
+    on_refused: Callable[[str], None] | None = None,
+    config: UcxConfig | None = None,
+) -> UcxServer | None:
+    """A started ``UcxServer`` when this process can serve UCX (ucxx installed, ``RAYKV_UCX``
+    not 0, ``RAYKV_TRANSPORT_SECRET`` set: never an unauthenticated listener); else None."""
+    from raykv.errors import TransportError
+    from raykv.transport.auth import SECRET_ENV, secret_from_env
+    from raykv.transport.ucx_runtime import available
+
+    config = config or UcxConfig.from_env()
+    secret = secret_from_env()
+    if not config.enabled or not available():
+        return None
+    if secret is None:
+        log.warning(
+            "no UCX listener: %s is not set on this node (blocks move over the object store); "
+            "set it on every node to the same random string", SECRET_ENV,
+        )  # fmt: skip
+        return None
+    try:
+        server = UcxServer(secret, export, host=config.host or host, config=config,
+                           owner_loop=owner_loop, on_refused=on_refused)  # fmt: skip
+        server.start()
+    except TransportError as e:
+        log.warning("no UCX listener here: %s", e)
+        return None
+    return server
