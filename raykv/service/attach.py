@@ -105,6 +105,18 @@ class AttachedKV:
         self._send(eng.tier.take())
         return len(res.keys) if done.ok else 0
 
+    def pull(self, token_ids: Sequence[int], num_blocks: int | Sequence[int]) -> list[int]:
+        """Make the node's tier hold the prompt's first ``num_blocks`` blocks (per group, or
+        one count for all) that other nodes hold: ``CpuTierActor.pull`` copies what it
+        lacks into its arena, verified. Returns, per group, the leading blocks it holds."""
+        keys = self._keys(token_ids)
+        counts = [num_blocks] * len(keys) if isinstance(num_blocks, int) else list(num_blocks)
+        refs = [
+            self.tier.pull.remote(self.model, gk[:n]) if n else None
+            for gk, n in zip(keys, counts, strict=True)
+        ]
+        return [ray.get(r) if r is not None else 0 for r in refs]
+
     def load_into(
         self, token_ids: Sequence[int], block_ids: Sequence, skip: int | Sequence[int] = 0
     ) -> int:

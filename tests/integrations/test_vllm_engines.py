@@ -83,7 +83,6 @@ def test_b_takes_the_prefix_a_computed_and_answers_identically(engines) -> None:
     assert ra["raykv"]["saved_tokens"] == PREFIX
     mine = shared + prompt(9, 3)
     rb = ray.get(b.generate.remote(mine))
-    print("RB", rb)
     assert rb["raykv"]["external_tokens"] == PREFIX, rb  # block-aligned: the whole prefix
     assert rb["raykv"]["load_error_blocks"] == 0, rb
     assert rb["token_ids"] == reference(b, mine)

@@ -115,6 +115,19 @@ class RaykvConnector(KVConnectorBase_V1, SupportsHMA):
             return None, None
         return self.worker.finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self.worker.take_failed() if self.worker is not None else set()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()) | failed,
+            failed_recving=failed,
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors() if self.worker is not None else set()
 

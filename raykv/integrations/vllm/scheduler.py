@@ -4,9 +4,14 @@
 for the cluster-wide hit of the prompt beyond vLLM's own prefix cache: whole blocks, and
 never the whole prompt (at most N - 1 tokens: vLLM must compute at least one token; a hit
 covering the last full block is cut to N - 1, and the load then ends mid-block: the block is
-loaded whole and vLLM rewrites its last slot). Loads are synchronous (done by the worker
-before the step's forward), so a request never waits in WAITING_FOR_REMOTE_KVS and an
-abort or a preemption never meets a load of this connector in flight between steps.
+loaded whole and vLLM rewrites its last slot). Loads are asynchronous in vLLM's terms (the
+request waits in WAITING_FOR_REMOTE_KVS for one step) but each is done within the step
+that carries it: the worker copies it in ``start_load_kv`` and reports it finished
+(``finished_recving``), or failed (``failed_recving``: vLLM recomputes the request, never
+reads the blocks; the only way vLLM takes failures of models with several KV groups) in
+that same step's output. So no load is in flight between steps: an abort, a preemption or
+``request_finished`` never meets one, and no transfer is reported for a request vLLM has
+already dropped. A request whose load failed is offered no more hits (it recomputes).
 
 Saves are asynchronous: ``build_connector_meta`` asks the worker to publish every prompt
 block that this step completes; the worker copies them after the forward in the
@@ -40,6 +45,7 @@ class _Req:
     external_tokens: int = 0  # tokens vLLM agreed to take from raykv
     load_blocks: tuple[tuple[int, ...], ...] = ()  # the blocks the load fills (per group)
     failed_blocks: int = 0
+    failed: bool = False  # a load failed: recompute, no more hits
     saved_tokens: int = 0  # prompt tokens already sent for saving
     saves_sent: bool = False
     pending_load: LoadSpec | None = None
@@ -83,7 +89,7 @@ class RaykvScheduler:
         st.local_tokens, st.hit_tokens = num_computed_tokens, 0
         prompt = list(request.prompt_token_ids or ())
         n = len(prompt)
-        if not st.load or n <= self.bs or num_computed_tokens >= n - 1:
+        if not st.load or st.failed or n <= self.bs or num_computed_tokens >= n - 1:
             return 0, False
         # lookup(ids) looks at the full blocks of ids[:-1]; one token more makes it see the
         # prompt's last full block too (a hit there is cut to n - 1 below)
@@ -98,14 +104,13 @@ class RaykvScheduler:
         hit -= hit % self.bs
         ext = max(min(hit, n - 1) - num_computed_tokens, 0)
         st.hit_tokens = ext
-        return ext, False
+        return ext, ext > 0
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._state(request)
-        st.pending_load = None
-        st.external_tokens = num_external_tokens
-        if num_external_tokens <= 0:
+        if num_external_tokens <= 0:  # nothing to load (or the second call, after a load)
             return
+        st.external_tokens = num_external_tokens
         local = st.local_tokens - st.local_tokens % self.bs
         end = local + num_external_tokens
         nblocks = -(-end // self.bs)
@@ -132,8 +137,8 @@ class RaykvScheduler:
 
     def build_meta(self, so: Any) -> RaykvMetadata:
         meta = RaykvMetadata(preempted=frozenset(getattr(so, "preempted_req_ids", None) or ()))
-        for rid, st in self.reqs.items():
-            if st.pending_load is not None and rid in so.num_scheduled_tokens:
+        for st in self.reqs.values():
+            if st.pending_load is not None:
                 meta.loads.append(st.pending_load)
                 self.stats.loaded_tokens += st.pending_load.num_tokens
             st.pending_load = None
@@ -157,7 +162,13 @@ class RaykvScheduler:
         return meta
 
     def on_output(self, output: Any) -> None:
-        """Count load errors per request (vLLM recomputes those blocks itself)."""
+        """Count load errors per request (vLLM recomputes those tokens itself)."""
+        for rid in getattr(output, "failed_recving", None) or ():
+            st = self.reqs.get(rid)
+            if st is not None:
+                st.failed = True
+                st.failed_blocks += sum(len(t) for t in st.load_blocks)
+                self.stats.load_error_blocks += sum(len(t) for t in st.load_blocks)
         bad = set(getattr(output, "invalid_block_ids", None) or ())
         if not bad:
             return

@@ -8,11 +8,14 @@ vLLM's tensors are block-outermost (``[num_blocks, kv_heads, block_size, 2 * hea
 one contiguous page per block and layer), registered with ``layout="block_outer"``; on GPU
 (NHD, ``[2, num_blocks, block_size, kv_heads, head_size]``) with ``layout="kv_outer"``.
 
-Loads run in ``start_load_kv``, before the forward, all layers at once
-(``wait_for_layer_load`` has nothing left to wait for). What the tier does not deliver
-(a checksum failure, an entry evicted or never pulled to this node) is reported by
-``get_block_ids_with_load_errors``: vLLM recomputes from the first such block, never
-reading wrong KV. Saves run after the forward (``wait_for_save``) on one background thread;
+Loads run in ``start_load_kv``, all layers at once, for requests waiting on them
+(``wait_for_layer_load`` has nothing left to wait for): blocks other nodes hold are pulled
+into this node's tier first (``AttachedKV.pull``: ``CpuTierActor.pull``, verified on
+arrival), then copied into vLLM's blocks (``load_into``, verified again). A load is reported
+in the same step: ``finished_recving``, plus ``failed_recving`` when the tier did not
+deliver every block (a checksum failure, an entry evicted or gone with its node): vLLM then
+recomputes the request, never reading wrong KV. Saves run after the forward
+(``wait_for_save``) on one background thread;
 ``get_finished`` reports a finished request once every save sent for it is done, so vLLM
 keeps its blocks until then. ``handle_preemptions`` waits for the saves in flight before
 vLLM reuses a preempted request's blocks. A step whose ``wait_for_save`` never ran drops its
@@ -59,6 +62,8 @@ class RaykvWorker:
         self.sent: set[str] = set()  # requests a save was sent for (reported when finished)
         self.finishing: set[str] = set()
         self.errors: set[int] = set()
+        self.recved: set[str] = set()  # loads done this step
+        self.failed: set[str] = set()  # ... of which some blocks did not arrive
         self.counts: Counter[str] = Counter()
 
     def register(self, kv_caches: Mapping[str, Any]) -> None:
@@ -83,7 +88,10 @@ class RaykvWorker:
                 self._load(spec)
 
     def _load(self, spec: LoadSpec) -> None:
-        bs = self.attached.plan.block_size
+        try:  # blocks other nodes hold come to this node's tier first (verified there)
+            self.attached.pull(spec.token_ids, [len(t) for t in spec.block_ids])
+        except Exception as e:  # what is local still loads; the rest is recomputed
+            log.warning("raykv pull for %s failed (%r)", spec.request_id, e)
         try:
             got = self.attached.load_into(spec.token_ids, [list(t) for t in spec.block_ids],
                                           list(spec.skip))  # fmt: skip
@@ -91,12 +99,12 @@ class RaykvWorker:
             log.warning("raykv load of %s failed (%r): vLLM recomputes it", spec.request_id, e)
             got = 0
         self.counts["loaded_tokens"] += min(got, spec.num_tokens)
-        if got >= spec.num_tokens:
-            return
-        first = got // bs
-        for t, s in zip(spec.block_ids, spec.skip, strict=True):
-            self.errors.update(b for b in t[max(first, s) :] if b != 0)
-        self.counts["load_errors"] += 1
+        self.recved.add(spec.request_id)
+        if got < spec.num_tokens:
+            self.failed.add(spec.request_id)
+            self.counts["load_errors"] += 1
+            log.info("raykv load of %s: %d of %d tokens arrived; vLLM recomputes it",
+                     spec.request_id, got, spec.num_tokens)  # fmt: skip
 
     def wait_for_save(self) -> None:
         staged, self.staged = self.staged, []
@@ -134,7 +142,12 @@ class RaykvWorker:
                 self.pending.pop(r, None)
         self.finishing -= done
         self.sent -= done
-        return (done or None), None
+        recved, self.recved = self.recved, set()
+        return (done or None), (recved or None)
+
+    def take_failed(self) -> set[str]:
+        failed, self.failed = self.failed, set()
+        return failed
 
     def load_errors(self) -> set[int]:
         errors, self.errors = self.errors, set()
