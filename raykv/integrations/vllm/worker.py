@@ -54,6 +54,7 @@ class RaykvWorker:
         self.kv, self.num_blocks = client, num_blocks
         self.attached: Any = None
         self.lock = threading.Lock()  # one AttachedKV user at a time (loads vs saves)
+        self.book = threading.Lock()  # the counters below (never held during a copy)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="raykv-save")
         self.meta: RaykvMetadata | None = None
         self.staged: list[SaveSpec] = []  # this step's saves until wait_for_save
@@ -109,7 +110,8 @@ class RaykvWorker:
     def wait_for_save(self) -> None:
         staged, self.staged = self.staged, []
         for spec in staged:
-            self.pending[spec.request_id] += 1
+            with self.book:
+                self.pending[spec.request_id] += 1
             self.inflight.append(self.pool.submit(self._save, spec))
 
     def _save(self, spec: SaveSpec) -> None:
@@ -121,7 +123,7 @@ class RaykvWorker:
             log.warning("raykv save of %s failed (%r)", spec.request_id, e)
             self.counts["save_errors"] += 1
         finally:
-            with self.lock:
+            with self.book:
                 self.pending[spec.request_id] -= 1
 
     def preempted(self) -> None:
@@ -136,7 +138,7 @@ class RaykvWorker:
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self.inflight = [f for f in self.inflight if not f.done()]
         self.finishing.update(r for r in finished_req_ids if r in self.sent)
-        with self.lock:
+        with self.book:
             done = {r for r in self.finishing if self.pending[r] <= 0}
             for r in done:
                 self.pending.pop(r, None)
