@@ -72,12 +72,15 @@ def run(
     ttft: dict[str, dict[int, list[float]]] = {c: {n: [] for n in sizes} for c in CONNECTORS}
     hits: dict[int, int] = {}
     try:
-        raykv.connect()
+        kv = raykv.connect(model="bench-vllm")
         actor = ray.remote(num_cpus=0)(Engine)
         for conn in CONNECTORS:
             extra: dict[str, Any] = {}
             if conn == "raykv":
-                extra = {"cpu_bytes": 2 * repeat * len(sizes) * max_len * 4096}
+                extra = {
+                    "model": "bench-vllm",
+                    "cpu_bytes": 2 * repeat * len(sizes) * max_len * 4096,
+                }
             elif conn == "example":
                 extra = {"shared_storage_path": os.path.join(work, "example-kv")}
             kind = None if conn == "none" else conn
@@ -89,9 +92,12 @@ def run(
             for n in sizes:
                 for r in range(repeat):
                     prefix = _tokens(n, 1000 * n + r)
+                    mine = prefix + _tokens(16, 7 + r)
                     if conn != "none":
                         ray.get(a.generate.remote(prefix + _tokens(8, r), max_tokens=1))
-                    out = ray.get(b.generate.remote(prefix + _tokens(16, 7 + r), max_tokens=1))
+                    if conn == "raykv":  # A's save runs after its answer: B comes once it is in
+                        _wait_for_hit(kv, mine, n)
+                    out = ray.get(b.generate.remote(mine, max_tokens=1))
                     ttft[conn][n].append(out["seconds"])
                     if conn == "raykv":
                         hits[n] = out["raykv"].get("external_tokens", 0)
@@ -104,6 +110,14 @@ def run(
         Row(n, {c: statistics.median(ttft[c][n]) for c in CONNECTORS}, hits.get(n, 0))
         for n in sizes
     ]
+
+
+def _wait_for_hit(kv: Any, tokens: list[int], n: int, timeout_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while kv.lookup(tokens).hit_tokens < n and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def format_table(rows: list[Row], machine: str) -> str:

@@ -41,7 +41,7 @@ class FakeClient:
         self.calls += 1
         if self.fail:
             raise RuntimeError("coordinator restarting")
-        return SimpleNamespace(hit_tokens=min(self.hit, len(ids) - 1))
+        return SimpleNamespace(hit_tokens=min(self.hit, len(ids) - 1), where=())
 
 
 class FakeManager:
@@ -60,9 +60,14 @@ def layout(max_model_len: int = 8192) -> EngineLayout:
     )  # fmt: skip
 
 
-def scheduler(hit: int = 0, fail: bool = False) -> tuple[RaykvScheduler, FakeManager]:
+def scheduler(
+    hit: int = 0, fail: bool = False, sync: bool = True
+) -> tuple[RaykvScheduler, FakeManager]:
+    """One KV group: loads are synchronous; ``sync=False`` takes the several-groups path
+    (asynchronous loads reported within their step)."""
     s = RaykvScheduler(RaykvVllmConfig(), layout(), FakeClient(hit, fail), (0,))
     s.kv_cache_manager = FakeManager()
+    s.sync = sync
     return s, s.kv_cache_manager
 
 
@@ -83,10 +88,10 @@ def alloc(s: RaykvScheduler, m: FakeManager, req: Request, ext: int) -> None:
 def test_a_full_prompt_hit_is_n_minus_one_never_the_whole_prompt() -> None:
     s, _ = scheduler(hit=64 * BS)
     req = request("r", 64 * BS)
-    assert s.num_new_matched_tokens(req, 0) == (64 * BS - 1, True)
+    assert s.num_new_matched_tokens(req, 0) == (64 * BS - 1, False)  # one group: sync load
     # beyond a local hit, block-aligned: a hit of 100 tokens is 96, 64 of them local
     s2, _ = scheduler(hit=100)
-    assert s2.num_new_matched_tokens(request("q", 200), 64) == (32, True)
+    assert s2.num_new_matched_tokens(request("q", 200), 64) == (32, False)
     # nothing beyond the local hit, or a prompt vLLM must compute anyway: no load
     assert s2.num_new_matched_tokens(request("p", 200), 96) == (0, False)
     assert s2.num_new_matched_tokens(request("o", BS), 0) == (0, False)
@@ -129,10 +134,12 @@ def test_a_request_aborted_before_it_is_scheduled_leaves_nothing_behind() -> Non
 
 
 def test_a_load_never_outlives_its_step_so_an_abort_or_preemption_meets_none() -> None:
-    """The worker reports each load in the output of the step that carried it, so the
-    scheduler never sees a transfer finish for a request it dropped since."""
-    s, m = scheduler(hit=256)
+    """The worker reports each (asynchronous, several-groups) load in the output of the
+    step that carried it, so the scheduler never sees a transfer finish for a request it
+    dropped since."""
+    s, m = scheduler(hit=256, sync=False)
     req = request("r", 300)
+    assert s.num_new_matched_tokens(req, 0) == (256, True)
     alloc(s, m, req, s.num_new_matched_tokens(req, 0)[0])
     meta = s.build_meta(output())
     w = worker(FakeAttached())
@@ -146,8 +153,22 @@ def test_a_load_never_outlives_its_step_so_an_abort_or_preemption_meets_none() -
     assert w.finished({"r"}) == (None, None)  # nothing more is ever reported for it
 
 
-def test_a_failed_load_is_reported_failed_and_the_request_recomputes() -> None:
+def test_a_failed_sync_load_reports_the_blocks_that_did_not_arrive() -> None:
     s, m = scheduler(hit=256)
+    req = request("r", 300)
+    alloc(s, m, req, s.num_new_matched_tokens(req, 0)[0])
+    w = worker(FakeAttached(deliver=96))  # a checksum failure at block 3
+    w.bind(s.build_meta(output()))
+    w.start_load()
+    bad = w.load_errors()
+    assert bad == {4, 5, 6, 7, 8} and w.finished(set()) == (None, None)
+    s.on_output(SimpleNamespace(failed_recving=set(), invalid_block_ids=bad))
+    assert s.num_new_matched_tokens(req, 0) == (0, False)  # recomputed, no second hit
+    assert s.finished(req)[1]["raykv"]["load_error_blocks"] == 5
+
+
+def test_a_failed_async_load_is_reported_failed_and_the_request_recomputes() -> None:
+    s, m = scheduler(hit=256, sync=False)
     req = request("r", 300)
     alloc(s, m, req, s.num_new_matched_tokens(req, 0)[0])
     w = worker(FakeAttached(deliver=96))  # a checksum failure at block 3

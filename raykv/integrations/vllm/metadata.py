@@ -20,6 +20,8 @@ class LoadSpec:
     block_ids: tuple[tuple[int, ...], ...]
     skip: tuple[int, ...]
     num_tokens: int
+    sync: bool = True  # loaded before this step's forward (one KV group); else reported async
+    remote: bool = True  # some blocks are on other nodes: pull them to this node's tier first
 
 
 @dataclass(frozen=True)

@@ -4,14 +4,17 @@
 for the cluster-wide hit of the prompt beyond vLLM's own prefix cache: whole blocks, and
 never the whole prompt (at most N - 1 tokens: vLLM must compute at least one token; a hit
 covering the last full block is cut to N - 1, and the load then ends mid-block: the block is
-loaded whole and vLLM rewrites its last slot). Loads are asynchronous in vLLM's terms (the
-request waits in WAITING_FOR_REMOTE_KVS for one step) but each is done within the step
-that carries it: the worker copies it in ``start_load_kv`` and reports it finished
-(``finished_recving``), or failed (``failed_recving``: vLLM recomputes the request, never
-reads the blocks; the only way vLLM takes failures of models with several KV groups) in
-that same step's output. So no load is in flight between steps: an abort, a preemption or
-``request_finished`` never meets one, and no transfer is reported for a request vLLM has
-already dropped. A request whose load failed is offered no more hits (it recomputes).
+loaded whole and vLLM rewrites its last slot). Every load is done within the step that
+carries it, by the worker's ``start_load_kv``. For a model with one KV group it is
+synchronous (before that step's forward; blocks that did not arrive are reported by
+``get_block_ids_with_load_errors`` and vLLM recomputes from the first of them). vLLM takes
+block-level failures of one group only, so for several groups (hybrid models) the load is
+asynchronous in vLLM's terms: the request waits in WAITING_FOR_REMOTE_KVS for one step and
+the worker reports it finished (``finished_recving``) or failed (``failed_recving``: vLLM
+recomputes the request) in that same step's output. Either way no load is in flight between
+steps: an abort, a preemption or ``request_finished`` never meets one, and no transfer is
+reported for a request vLLM has already dropped. A request whose load failed is offered no
+more hits (it recomputes).
 
 Saves are asynchronous: ``build_connector_meta`` asks the worker to publish every prompt
 block that this step completes; the worker copies them after the forward in the
@@ -49,6 +52,7 @@ class _Req:
     saved_tokens: int = 0  # prompt tokens already sent for saving
     saves_sent: bool = False
     pending_load: LoadSpec | None = None
+    remote: bool = True  # the last lookup found blocks on other nodes
 
 
 @dataclass
@@ -74,6 +78,7 @@ class RaykvScheduler:
         self.reqs: dict[str, _Req] = {}
         self.stats = SchedulerStats()
         self.kv_cache_manager: Any = None
+        self.sync = len(groups) == 1  # see the module docstring
 
     # --- lookups ----------------------------------------------------------------------
 
@@ -95,16 +100,18 @@ class RaykvScheduler:
         # prompt's last full block too (a hit there is cut to n - 1 below)
         probe = [*prompt, 0] if n < self.layout.max_model_len else prompt
         try:
-            hit = self.kv.lookup(probe).hit_tokens
+            found = self.kv.lookup(probe)
         except Exception as e:  # the service is down or restarting: a miss, never a stall
             log.warning("raykv lookup failed (%r): computing request %s", e, request.request_id)
             return 0, False
+        hit = found.hit_tokens
+        st.remote = any(not h.local or h.tier != "cpu" for h in found.where)
         self.stats.lookups += 1
         self.stats.lookup_tokens += n
         hit -= hit % self.bs
         ext = max(min(hit, n - 1) - num_computed_tokens, 0)
         st.hit_tokens = ext
-        return ext, ext > 0
+        return ext, ext > 0 and not self.sync
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._state(request)
@@ -122,8 +129,9 @@ class RaykvScheduler:
         st.load_blocks = tuple(tuple(t[s:]) for t, s in zip(ids, skip, strict=True))
         prompt = request.prompt_token_ids
         st.pending_load = LoadSpec(
-            request.request_id, tuple(prompt[: nblocks * self.bs]), ids, skip, end
-        )
+            request.request_id, tuple(prompt[: nblocks * self.bs]), ids, skip, end,
+            sync=self.sync, remote=st.remote,
+        )  # fmt: skip
 
     def _table(self, request_id: str) -> list[list[int]]:
         """The request's block ids per raykv group (vLLM's groups reordered)."""
@@ -175,7 +183,7 @@ class RaykvScheduler:
         for st in self.reqs.values():
             n = sum(b in bad for t in st.load_blocks for b in t)
             if n:
-                st.failed_blocks += n
+                st.failed, st.failed_blocks = True, st.failed_blocks + n
                 self.stats.load_error_blocks += n
 
     def finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:

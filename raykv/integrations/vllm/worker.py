@@ -8,14 +8,14 @@ vLLM's tensors are block-outermost (``[num_blocks, kv_heads, block_size, 2 * hea
 one contiguous page per block and layer), registered with ``layout="block_outer"``; on GPU
 (NHD, ``[2, num_blocks, block_size, kv_heads, head_size]``) with ``layout="kv_outer"``.
 
-Loads run in ``start_load_kv``, all layers at once, for requests waiting on them
-(``wait_for_layer_load`` has nothing left to wait for): blocks other nodes hold are pulled
+Loads run in ``start_load_kv``, all layers at once (``wait_for_layer_load`` has nothing
+left to wait for): blocks other nodes hold are pulled
 into this node's tier first (``AttachedKV.pull``: ``CpuTierActor.pull``, verified on
-arrival), then copied into vLLM's blocks (``load_into``, verified again). A load is reported
-in the same step: ``finished_recving``, plus ``failed_recving`` when the tier did not
-deliver every block (a checksum failure, an entry evicted or gone with its node): vLLM then
-recomputes the request, never reading wrong KV. Saves run after the forward
-(``wait_for_save``) on one background thread;
+arrival), then copied into vLLM's blocks (``load_into``, verified again). Blocks the tier
+did not deliver (a checksum failure, an entry evicted or gone with its node) are reported
+in the same step: by block id for a synchronous load (one KV group), as ``failed_recving``
+for an asynchronous one (several groups); vLLM recomputes them, never reading wrong KV.
+Saves run after the forward (``wait_for_save``) on one background thread;
 ``get_finished`` reports a finished request once every save sent for it is done, so vLLM
 keeps its blocks until then. ``handle_preemptions`` waits for the saves in flight before
 vLLM reuses a preempted request's blocks. A step whose ``wait_for_save`` never ran drops its
@@ -90,7 +90,8 @@ class RaykvWorker:
 
     def _load(self, spec: LoadSpec) -> None:
         try:  # blocks other nodes hold come to this node's tier first (verified there)
-            self.attached.pull(spec.token_ids, [len(t) for t in spec.block_ids])
+            if spec.remote:
+                self.attached.pull(spec.token_ids, [len(t) for t in spec.block_ids])
         except Exception as e:  # what is local still loads; the rest is recomputed
             log.warning("raykv pull for %s failed (%r)", spec.request_id, e)
         try:
@@ -100,10 +101,16 @@ class RaykvWorker:
             log.warning("raykv load of %s failed (%r): vLLM recomputes it", spec.request_id, e)
             got = 0
         self.counts["loaded_tokens"] += min(got, spec.num_tokens)
-        self.recved.add(spec.request_id)
+        if not spec.sync:
+            self.recved.add(spec.request_id)
         if got < spec.num_tokens:
-            self.failed.add(spec.request_id)
             self.counts["load_errors"] += 1
+            if spec.sync:  # vLLM recomputes from the first block that did not arrive
+                first = got // self.attached.plan.block_size
+                for t, s in zip(spec.block_ids, spec.skip, strict=True):
+                    self.errors.update(b for b in t[max(first, s) :] if b != 0)
+            else:
+                self.failed.add(spec.request_id)
             log.info("raykv load of %s: %d of %d tokens arrived; vLLM recomputes it",
                      spec.request_id, got, spec.num_tokens)  # fmt: skip
 
