@@ -68,7 +68,7 @@ def run(
     max_len = -(-(max(sizes) + 64) // 32) * 32
     kv_bytes = 3 * max_len * 4096  # three prompts of the largest size (4 KiB per token)
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=100 << 20)  # fmt: skip
+             object_store_memory=100 << 20, log_to_driver=False)  # fmt: skip
     ttft: dict[str, dict[int, list[float]]] = {c: {n: [] for n in sizes} for c in CONNECTORS}
     hits: dict[int, int] = {}
     try:
