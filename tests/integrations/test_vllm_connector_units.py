@@ -167,6 +167,27 @@ def test_a_failed_sync_load_reports_the_blocks_that_did_not_arrive() -> None:
     assert s.finished(req)[1]["raykv"]["load_error_blocks"] == 5
 
 
+def test_a_step_whose_load_missed_blocks_never_saves_them() -> None:
+    """Blocks a sync load did not fill hold stale bytes, and the step's tokens were computed
+    over them: the step's save stops before the first miss (never published as KV)."""
+    s, m = scheduler(hit=256)
+    req = request("r", 300)
+    alloc(s, m, req, s.num_new_matched_tokens(req, 0)[0])
+    req.num_computed_tokens = 256  # scheduled with the hit, the rest computed this step
+    meta = s.build_meta(output(scheduled={"r": 44}))
+    assert len(meta.saves[0].block_ids[0]) == 9
+    att = FakeAttached(deliver=96)
+    w = worker(att)
+    w.bind(meta)
+    w.start_load()
+    w.wait_for_save()
+    w.drain()
+    assert [n for n, _ in att.stored] == [96]  # blocks 0..2 only
+    s.on_output(SimpleNamespace(failed_recving=set(), invalid_block_ids=w.load_errors()))
+    assert s.reqs["r"].saved_tokens == 0  # the recomputed blocks are saved again
+    w.close()
+
+
 def test_a_failed_async_load_is_reported_failed_and_the_request_recomputes() -> None:
     s, m = scheduler(hit=256, sync=False)
     req = request("r", 300)

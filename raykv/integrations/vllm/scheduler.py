@@ -174,7 +174,7 @@ class RaykvScheduler:
         for rid in getattr(output, "failed_recving", None) or ():
             st = self.reqs.get(rid)
             if st is not None:
-                st.failed = True
+                st.failed, st.saved_tokens = True, 0
                 st.failed_blocks += sum(len(t) for t in st.load_blocks)
                 self.stats.load_error_blocks += sum(len(t) for t in st.load_blocks)
         bad = set(getattr(output, "invalid_block_ids", None) or ())
@@ -184,6 +184,7 @@ class RaykvScheduler:
             n = sum(b in bad for t in st.load_blocks for b in t)
             if n:
                 st.failed, st.failed_blocks = True, st.failed_blocks + n
+                st.saved_tokens = 0  # the recomputed blocks are saved again (held keys skip)
                 self.stats.load_error_blocks += n
 
     def finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:

@@ -63,6 +63,7 @@ class RaykvWorker:
         self.sent: set[str] = set()  # requests a save was sent for (reported when finished)
         self.finishing: set[str] = set()
         self.errors: set[int] = set()
+        self.cut: dict[str, int] = {}  # request -> its first block a load missed (this step)
         self.recved: set[str] = set()  # loads done this step
         self.failed: set[str] = set()  # ... of which some blocks did not arrive
         self.counts: Counter[str] = Counter()
@@ -82,6 +83,7 @@ class RaykvWorker:
         self.sent.update(s.request_id for s in meta.saves)
 
     def start_load(self) -> None:
+        self.cut = {}
         if self.meta is None or not self.meta.loads:
             return
         with self.lock:
@@ -107,6 +109,7 @@ class RaykvWorker:
             self.counts["load_errors"] += 1
             if spec.sync:  # vLLM recomputes from the first block that did not arrive
                 first = got // self.attached.plan.block_size
+                self.cut[spec.request_id] = first  # this step's save stops there (below)
                 for t, s in zip(spec.block_ids, spec.skip, strict=True):
                     self.errors.update(b for b in t[max(first, s) :] if b != 0)
             else:
@@ -115,8 +118,19 @@ class RaykvWorker:
                      spec.request_id, got, spec.num_tokens)  # fmt: skip
 
     def wait_for_save(self) -> None:
+        """Submit this step's saves. A request whose load missed blocks this step saves only
+        the blocks before the first miss: the rest hold stale bytes (and this step's tokens
+        were computed over them), and must never be published."""
         staged, self.staged = self.staged, []
+        cut, self.cut = self.cut, {}
         for spec in staged:
+            if spec.request_id in cut:
+                n = cut[spec.request_id]
+                if n == 0:
+                    continue
+                bs = len(spec.token_ids) // max(len(spec.block_ids[0]), 1)
+                spec = SaveSpec(spec.request_id, spec.token_ids[: n * bs],
+                                tuple(t[:n] for t in spec.block_ids))  # fmt: skip
             with self.book:
                 self.pending[spec.request_id] += 1
             self.inflight.append(self.pool.submit(self._save, spec))
