@@ -341,3 +341,14 @@ def test_vllm_cpu_block_outer_tensors_register_as_the_plans_pages() -> None:
     assert kv.row_bytes(p.groups[0].group_id) == p.gpu_bytes_per_block
     with pytest.raises(InvalidInput, match="kernel blocks of 32768 bytes"):
         GpuKV.register(p, {"l0": backing[0, :, :1], "l1": backing[1]}, layout="block_outer")
+
+
+def test_counters_reach_vllms_stats_as_deltas() -> None:
+    from raykv.integrations.vllm.stats import RaykvStats, take
+
+    last: dict[str, int] = {}
+    first = take({"loaded_tokens": 96, "load_errors": 0}, last)
+    assert first is not None and first.reduce() == {"loaded_tokens": 96}
+    assert take({"loaded_tokens": 96}, last) is None  # nothing new
+    total = RaykvStats(data={"loaded_tokens": 1}).aggregate(first)
+    assert total.reduce() == {"loaded_tokens": 97} and not total.is_empty()

@@ -25,6 +25,7 @@ from raykv.integrations.vllm.config import RaykvVllmConfig
 from raykv.integrations.vllm.metadata import RaykvMetadata
 from raykv.integrations.vllm.model import check_groups, engine_layout, model_name
 from raykv.integrations.vllm.scheduler import RaykvScheduler
+from raykv.integrations.vllm.stats import RaykvStats, take
 from raykv.integrations.vllm.worker import RaykvWorker
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class RaykvConnector(KVConnectorBase_V1, SupportsHMA):
         self.layout = layout
         self.scheduler: RaykvScheduler | None = None
         self.worker: RaykvWorker | None = None
+        self._reported: dict[str, int] = {}  # counters already handed to vLLM's stats
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = RaykvScheduler(self.config, layout, kv, groups)
         else:
@@ -173,7 +175,17 @@ class RaykvConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler.finished(request)
 
     def take_events(self) -> Iterable[Any]:
-        return ()
+        return ()  # raykv publishes its own block events to its index (coordinator)
+
+    def get_kv_connector_stats(self) -> RaykvStats | None:
+        """What this side did since the last call (see ``stats.py``)."""
+        if self.worker is not None:
+            return take(self.worker.counts, self._reported)
+        return take(self.stats(), self._reported)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> RaykvStats | None:
+        return RaykvStats(data=dict(data)) if data is not None else RaykvStats()
 
     def stats(self) -> dict[str, int]:
         """The scheduler's counters (lookups, hit / loaded tokens, load errors, saves)."""
