@@ -347,6 +347,22 @@ def bench_service(quick: bool, as_json: bool) -> None:
     run_service(quick=quick, as_json=as_json)
 
 
+@bench.command("transport")
+@click.option("--quick", is_flag=True, help="Fewer repetitions and blocks (a smoke run).")
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+@click.option("--ucx-tls", default="tcp", show_default=True, help="UCX_TLS for the UCX section.")
+def bench_transport(quick: bool, as_json: bool, ucx_tls: str) -> None:
+    """Blocks between nodes: UCX (CPU tier -> CPU tier, 512 scattered blocks through raykv,
+    1 and 4 endpoints) next to raw ucxx sending one contiguous buffer of the same bytes and a
+    raw Ray put/get, in one run. Needs raykv[ucx]."""
+    from raykv.bench.transport import ucx_main
+    from raykv.transport.ucx_runtime import available
+
+    if not available():
+        raise click.ClickException("the UCX section needs ucxx: pip install 'raykv[ucx]'")
+    ucx_main(quick=quick, as_json=as_json, tls=ucx_tls)
+
+
 @bench.command("vllm")
 @click.option("--sizes", default="1024,2048,4096,8192", show_default=True,
               help="shared-prefix tokens, comma-separated")  # fmt: skip

@@ -3,8 +3,9 @@
 On one host: a 2-node local Ray cluster (both raylets on 127.0.0.1), the raykv service on
 it, and a tiny random-weight decoder running as two engine actors pinned to different nodes.
 Engine A prefills a long shared prompt and stores its KV in its node's pool. Engine B, on
-the other node, looks the prompt up, loads the KV across nodes (``raykv.transport``, Ray's
-object store) and computes only its own suffix. B's next-token logits must match a full recompute.
+the other node, looks the prompt up, loads the KV across nodes (``raykv.transport``: over
+UCX when ucxx is installed, ``raykv[ucx]``, else Ray's object store; the output says which)
+and computes only its own suffix. B's next-token logits must match a full recompute.
 """
 
 from __future__ import annotations
@@ -100,6 +101,33 @@ class DemoEngine:
         return {"logits": logits, "total_s": time.perf_counter() - t0}
 
 
+def _ucx_env() -> bool:
+    """Before the nodes start: give them a transport secret (UCX endpoints authenticate
+    with it) and tcp on loopback, when ucxx is installed. True if UCX will run."""
+    import secrets
+
+    from raykv.transport.ucx_runtime import available
+
+    if not available() or os.environ.get("RAYKV_UCX", "1") == "0":
+        return False
+    os.environ.setdefault("RAYKV_TRANSPORT_SECRET", secrets.token_hex(32))
+    os.environ.setdefault("RAYKV_UCX_TLS", "tcp")
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    return True
+
+
+def _route(kv: Any, reader_node: str) -> str:
+    """How the cross-node load travelled: the transports of the pairs read from."""
+    stats = kv.stats()
+    used = {r["transport"] for r in stats["routes"] if reader_node[:12] in r["to"]}
+    fell = sum(m.get("failures_transport_ucx", 0) for m in stats["members"])
+    if "ucx" in used and fell:
+        return f"over Ray's object store: UCX failed {fell} time(s), see the pools' logs"
+    if "ucx" in used:
+        return f"over UCX (UCX_TLS={os.environ.get('RAYKV_UCX_TLS', 'default')})"
+    return "over Ray's object store (pip install 'raykv[ucx]' to move blocks over UCX)"
+
+
 def run_demo(
     echo: Callable[[str], None] = print,
     prompt_tokens: int = 3072,
@@ -115,6 +143,7 @@ def run_demo(
     from raykv.models import TinyDecoder
 
     t_start = time.perf_counter()
+    ucx = _ucx_env()
     echo("[1/6] starting a 2-node local Ray cluster on 127.0.0.1 ...")
     node = dict(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=100 << 20)
     cluster = Cluster(
@@ -123,7 +152,11 @@ def run_demo(
     )
     try:
         cluster.add_node(**node, resources={"node-b": 1})
-        echo("[2/6] starting raykv (coordinator, a pool and a CPU tier per node) ...")
+        echo(
+            "[2/6] starting raykv (coordinator, a pool and a CPU tier per node"
+            + (", UCX listeners)" if ucx else ")")
+            + " ..."
+        )
         kv = raykv.connect(cluster.address)
         layers = TinyDecoder().kv_layers()
         plan = kv.add_model(
@@ -160,6 +193,7 @@ def run_demo(
             f"computed {len(shared) + suffix_tokens - rb['loaded_tokens']} in "
             f"{rb['compute_s']:.2f}s"
         )
+        echo(f"      the KV crossed nodes {_route(kv, node_b)}")
         echo("[5/6] engine B recomputes the whole prompt for reference ...")
         rf = ray.get(b.full_recompute.remote(shared + question))
         echo("[6/6] checking B's next-token logits against the full recompute ...")

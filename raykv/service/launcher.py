@@ -24,11 +24,13 @@ from raykv.service import control
 from raykv.service.admin import admin_key
 from raykv.service.ray_join import (
     ensure_token,
+    ensure_transport_secret,
     join,
     listening,
     local_address,
     read_state,
     state_file,
+    transport_secret_path,
 )
 
 STOP_TIMEOUT_S = 60.0
@@ -68,8 +70,12 @@ def start_head(num_cpus: int | None = None, timeout_s: float = 60.0) -> dict[str
     # Token auth stays on (Ray's default for a new cluster): the head and every raykv driver
     # use the same token file, created here if this host has none. Loopback stays loopback.
     token = ensure_token()
+    secret = transport_secret_path(token)
     env = {
         "RAY_AUTH_MODE": "token",
+        # raykv's transport secret (UCX endpoints authenticate with it): the head's actors
+        # inherit it; a value the caller exported wins
+        "RAYKV_TRANSPORT_SECRET": ensure_transport_secret(secret),
         **os.environ,
         "RAY_AUTH_TOKEN_PATH": str(token),
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -79,7 +85,8 @@ def start_head(num_cpus: int | None = None, timeout_s: float = 60.0) -> dict[str
             cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
     # recorded at once: if this command is killed now, the next `up` or `down` finds the head
-    state = {"address": f"127.0.0.1:{port}", "pid": proc.pid, "log": str(log), "token": str(token)}
+    state = {"address": f"127.0.0.1:{port}", "pid": proc.pid, "log": str(log), "token": str(token),
+             "transport_secret": str(secret)}  # fmt: skip
     path.write_text(json.dumps(state))
     deadline = time.monotonic() + timeout_s
     while not _port_open(port):

@@ -16,6 +16,7 @@ Every wait here is bounded and ends in a ``ServiceError`` that says what to do.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -61,6 +62,25 @@ def ensure_token(path: Path | None = None) -> Path:
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
     return path
+
+
+def transport_secret_path(token: Path | None = None) -> Path:
+    """Where ``raykv up`` keeps the transport secret: next to the Ray auth token."""
+    return (token or token_path()).parent / "raykv_transport_secret"
+
+
+def ensure_transport_secret(path: Path | None = None) -> str:
+    """The transport secret UCX endpoints authenticate with (``raykv.transport.auth``),
+    created (random, owner-only) if missing; the caller hands it to the nodes it starts
+    as ``RAYKV_TRANSPORT_SECRET`` and never logs it."""
+    path = path or transport_secret_path()
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+    return path.read_text().strip()
 
 
 def prepare_auth(*, create: bool = False) -> bool:

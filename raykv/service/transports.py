@@ -28,7 +28,11 @@ def reader_transports() -> dict[str, Transport]:
     out: dict[str, Transport] = {FALLBACK: ObjectStoreTransport(NAMESPACE)}
     from raykv.transport.ucx import ucx_reader
 
-    ucx = ucx_reader()
+    try:
+        ucx = ucx_reader()
+    except Exception as e:  # UCX is an optimization: a member never fails over it
+        log.warning("UCX reader unavailable here (%r); fetching over the object store", e)
+        ucx = None
     if ucx is not None:
         out[UCX] = ucx
     return out
@@ -43,9 +47,13 @@ def serve_ucx(member: Any) -> Any:
         if member.metrics is not None:
             member.metrics.failed("transport_auth")
 
-    return ucx_server(
-        member.export_blocks,
-        host=ray.util.get_node_ip_address(),
-        owner_loop=asyncio.get_running_loop(),
-        on_refused=refused,
-    )
+    try:
+        return ucx_server(
+            member.export_blocks,
+            host=ray.util.get_node_ip_address(),
+            owner_loop=asyncio.get_running_loop(),
+            on_refused=refused,
+        )
+    except Exception as e:  # UCX is an optimization: a member never fails over it
+        log.warning("%s: no UCX listener (%r); serving over the object store", member.name, e)
+        return None

@@ -6,6 +6,8 @@ chart and ``raykv up`` hand to every Ray node).
   ``tcp`` (tests), ``rc,sm,self`` (InfiniBand / RoCE), ``tcp,cuda_copy,cuda_ipc``.
 * ``RAYKV_UCX_STRIPES`` (4): endpoints per peer; a large batch is striped over them.
 * ``RAYKV_UCX_STRIPE_MIN_BYTES`` (4 MiB): batches smaller than this use one endpoint.
+* ``RAYKV_UCX_CHUNK_BYTES`` (16 MiB): a batch is exported and sent in chunks of about this
+  size, the next chunk gathered while the previous one is on the wire.
 * ``RAYKV_UCX_TIMEOUT_S`` (10): bound on connecting, the handshake, each control message.
 * ``RAYKV_UCX_MIN_GBPS`` (0.05): a batch's rows must arrive at least this fast (a batch's
   timeout is ``timeout_s + bytes / rate``).
@@ -27,6 +29,7 @@ class UcxConfig:
     tls: str | None = None
     stripes: int = 4
     stripe_min_bytes: int = 4 << 20
+    chunk_bytes: int = 16 << 20
     timeout_s: float = 10.0
     min_gbps: float = 0.05
     host: str | None = None
@@ -49,6 +52,7 @@ class UcxConfig:
             numbers = dict(
                 stripes=int(e.get("RAYKV_UCX_STRIPES", cls.stripes)),
                 stripe_min_bytes=int(e.get("RAYKV_UCX_STRIPE_MIN_BYTES", cls.stripe_min_bytes)),
+                chunk_bytes=int(e.get("RAYKV_UCX_CHUNK_BYTES", cls.chunk_bytes)),
                 timeout_s=float(e.get("RAYKV_UCX_TIMEOUT_S", cls.timeout_s)),
                 min_gbps=float(e.get("RAYKV_UCX_MIN_GBPS", cls.min_gbps)),
             )

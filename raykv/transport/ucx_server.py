@@ -39,6 +39,7 @@ from raykv.transport.ucx_wire import (
 Export = Callable[[str, list[bytes]], Awaitable[tuple[int, np.ndarray, list[list[int]]]]]
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 30.0
+FIRST_CHUNK_KEYS = 8  # the first chunk is small: it tells the row size, and starts the wire
 
 
 class UcxServer:
@@ -154,16 +155,46 @@ class UcxServer:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.owner_loop))
 
     async def _fetch(self, ep: Any, client: str, req: dict[str, Any]) -> None:
+        """Export and send the batch in chunks (``chunk_bytes``): the next chunk is gathered
+        (on the owner's loop) while the previous one is on the wire; each chunk is one
+        header plus its rows, striped. A chunk that comes back short ends the batch (the
+        holder's prefix ends there)."""
         t = self.config.timeout_s
         try:
             model, keys = str(req["model"]), [bytes.fromhex(k) for k in req["keys"]]
-            n, rows, sums = await self._export(model, keys)
-        except Exception as e:  # a bad request or the member refused: the reader misses
-            await asyncio.wait_for(send_msg(ep, {"error": f"{type(e).__name__}: {e}"}), t)
+            chunk_bytes = max(1, int(req.get("chunk_bytes", 1 << 62)))
+            stripes, min_part = int(req.get("stripes", 1)), int(req.get("min_part", 1))
+        except (KeyError, TypeError, ValueError) as e:
+            await asyncio.wait_for(send_msg(ep, {"error": f"bad request: {e}"}), t)
             return
+        start, size = 0, min(len(keys), FIRST_CHUNK_KEYS)
+        pending = asyncio.ensure_future(self._export(model, keys[:size]))
+        while True:
+            try:
+                n, rows, sums = await pending
+            except Exception as e:  # the member refused: the reader misses the rest
+                await asyncio.wait_for(send_msg(ep, {"error": f"{type(e).__name__}: {e}"}), t)
+                return
+            end = start + size
+            more = n == size and end < len(keys)
+            if more:  # gather the next chunk while this one travels
+                size = max(1, min(len(keys) - end, chunk_bytes // max(1, rows.nbytes // n)))
+                pending = asyncio.ensure_future(self._export(model, keys[end : end + size]))
+            try:
+                await self._send(ep, client, rows, n, sums, more, stripes, min_part)
+            except BaseException:
+                if more:
+                    pending.cancel()
+                raise
+            if not more:
+                return
+            start = end
+
+    async def _send(self, ep: Any, client: str, rows: np.ndarray, n: int, sums: list,
+                    more: bool, stripes: int, min_part: int) -> None:  # fmt: skip
         rows = np.ascontiguousarray(rows)
         flat = rows.reshape(-1)
-        want = stripes_for(flat.nbytes, int(req.get("stripes", 1)), int(req.get("min_part", 1)))
+        want = stripes_for(flat.nbytes, stripes, min_part)
         eps = [ep]
         while len(eps) < want and (client, len(eps)) in self._eps:
             eps.append(self._eps[(client, len(eps))])
@@ -173,8 +204,9 @@ class UcxServer:
             "shape": list(rows.shape),
             "sums": [[int(x) for x in c] for c in sums],
             "parts": max(1, len(cuts)),
+            "more": more,
         }
-        await asyncio.wait_for(send_msg(ep, head), t)
+        await asyncio.wait_for(send_msg(ep, head), self.config.timeout_s)
         sends = [e.send(flat[a:b]) for e, (a, b) in zip(eps, cuts, strict=False)]
         await asyncio.wait_for(asyncio.gather(*sends), self.config.transfer_timeout(flat.nbytes))
         self.counts["batches"] += 1

@@ -8,6 +8,7 @@ Every listener still binds 127.0.0.1 inside that namespace."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -194,6 +195,8 @@ def test_demo_matches_a_full_recompute(host, home) -> None:
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert "logits MATCH" in demo.stdout
     assert "prefill time saved" in demo.stdout
+    if importlib.util.find_spec("ucxx") is not None:  # the cross-node load goes over UCX
+        assert "the KV crossed nodes over UCX" in demo.stdout, demo.stdout
 
 
 def test_bench_service_quick(home) -> None:

@@ -1,0 +1,106 @@
+"""A UCX peer process without Ray: a CPU-tier arena of scattered blocks served by raykv's
+``UcxServer``, beside a raw ucxx listener that sends one contiguous buffer of the same bytes.
+
+``python -m raykv.bench.ucx_peer --blocks 512 --block-bytes 262144`` prints one JSON line
+(``{"raykv": [host, port], "raw": [host, port], "checksums": [...]}``) and serves until its
+stdin closes. Used by ``raykv bench transport`` (``raykv.bench.transport.ucx_pair``), by the
+two-host test in network namespaces, and by the peer-dies-mid-transfer test
+(``--die-after-ms``: the process exits that long after it starts sending a batch).
+Block ``i`` (key: ``i`` as 8 bytes, little endian) is row ``perm[i]`` of an arena twice as
+large, so a batch is gathered from scattered rows, as a tier's export is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import threading
+
+import numpy as np
+import torch
+
+
+def arena(blocks: int, block_bytes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(arena ``[1, 2 * blocks, block_bytes]``, ``perm``: block i -> its arena row)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, 256, (1, 2 * blocks, block_bytes), generator=g, dtype=torch.uint8)
+    perm = torch.randperm(2 * blocks, generator=g)[:blocks]
+    return rows, perm
+
+
+def block_rows(blocks: int, block_bytes: int, seed: int) -> torch.Tensor:
+    """What a reader must receive for blocks 0..blocks-1: ``[1, blocks, block_bytes]``."""
+    rows, perm = arena(blocks, block_bytes, seed)
+    return rows[:, perm]
+
+
+async def serve(args: argparse.Namespace) -> None:
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import ucxx
+
+    from raykv.tiers.checksum import row_checksums
+    from raykv.transport.ucx_config import UcxConfig
+    from raykv.transport.ucx_runtime import UcxRuntime
+    from raykv.transport.ucx_server import UcxServer
+
+    rows, perm = arena(args.blocks, args.block_bytes, args.seed)
+    sums = list(row_checksums(rows[0, perm]))
+    contiguous = rows[0, perm].contiguous().view(-1).numpy()
+    config = UcxConfig(tls=args.tls, timeout_s=args.timeout_s)
+    runtime = UcxRuntime.get(args.tls)
+
+    async def export(model: str, keys: list[bytes]) -> tuple[int, np.ndarray, list[list[int]]]:
+        idx = [int.from_bytes(k, "little") for k in keys]
+        n = next((i for i, b in enumerate(idx) if not 0 <= b < args.blocks), len(idx))
+        pick = perm[torch.tensor(idx[:n], dtype=torch.long)]
+        out = torch.index_select(rows[0], 0, pick).unsqueeze(0)  # one gather, as a tier's
+        if args.die_after_ms:
+            threading.Timer(args.die_after_ms / 1000, os._exit, (3,)).start()
+        return n, out.numpy(), [[sums[i] for i in idx[:n]]]
+
+    secret = os.environ.get("RAYKV_TRANSPORT_SECRET", "").encode()
+    server = UcxServer(secret, export, host=args.host, config=config)
+    server.start()
+
+    async def raw(ep: object) -> None:  # the baseline: ask for n bytes, get one message
+        try:
+            while True:
+                n = np.empty(1, np.uint64)
+                await ep.recv(n)
+                await ep.send(contiguous[: int(n[0])])
+        except Exception:
+            return
+
+    async def listen() -> int:
+        serve.raw_listener = ucxx.create_listener(raw, port=0)  # kept alive
+        return int(serve.raw_listener.port)
+
+    raw_port = await asyncio.wrap_future(runtime.submit(listen()))
+    print(json.dumps({"raykv": list(server.endpoint), "raw": [args.host, raw_port]}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until closed
+
+
+def threads() -> None:
+    """Few torch threads: this process shares the host with its peer (2 cores here would
+    be oversubscribed by torch's default and a 128 MiB gather slowed 50x)."""
+    torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 4)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    threads()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--blocks", type=int, default=512)
+    p.add_argument("--block-bytes", type=int, default=256 << 10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tls", default=None)
+    p.add_argument("--timeout-s", type=float, default=10.0)
+    p.add_argument("--die-after-ms", type=float, default=0.0)
+    asyncio.run(serve(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

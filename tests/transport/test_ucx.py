@@ -1,0 +1,202 @@
+"""``raykv.transport.ucx`` between two processes without Ray (``raykv.bench.ucx_peer`` serves
+a CPU-tier arena of scattered blocks): bytes equal and verified, striped or not; a peer that
+dies mid-transfer is a ``TransportError`` within the bounded timeout (never a hang, nothing
+handed out); two hosts in network namespaces joined by a veth pair."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+
+pytest.importorskip("ucxx")
+
+from raykv.bench.ucx_peer import block_rows
+from raykv.errors import TransportError
+from raykv.transport import verify
+from raykv.transport.ucx import UcxTransport
+from raykv.transport.ucx_config import UcxConfig
+from raykv.transport.ucx_runtime import UcxRuntime
+
+SECRET = "transport-test-secret-0123456789"
+BLOCKS, WIDTH = 64, 16 << 10
+KEYS = [i.to_bytes(8, "little") for i in range(BLOCKS)]
+
+
+def peer(*args: str, prefix: tuple[str, ...] = (), host: str = "127.0.0.1"):
+    """A ``ucx_peer`` process; returns (process, its endpoints)."""
+    env = {**os.environ, "RAYKV_TRANSPORT_SECRET": SECRET, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    cmd = [*prefix, sys.executable, "-m", "raykv.bench.ucx_peer", "--tls", "tcp",
+           "--host", host, *args]  # fmt: skip
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    line = " "
+    while line and not line.startswith("{"):
+        line = p.stdout.readline()
+    assert line, f"peer exited {p.wait()}"
+    return p, json.loads(line)
+
+
+def stop(p) -> None:
+    p.stdin.close()
+    try:
+        p.wait(10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+
+
+def fetch(t: UcxTransport, where, keys=KEYS, timeout: float = 60):
+    return UcxRuntime.get("tcp").submit(t.fetch("peer", "m", keys, where["raykv"])).result(timeout)
+
+
+@pytest.mark.parametrize("stripes", [1, 3])
+def test_scattered_blocks_arrive_whole_and_verified(stripes) -> None:
+    p, where = peer("--blocks", str(BLOCKS), "--block-bytes", str(WIDTH))
+    try:
+        t = UcxTransport(SECRET.encode(), UcxConfig(tls="tcp", stripes=stripes, stripe_min_bytes=1))
+        want = block_rows(BLOCKS, WIDTH, 0)
+        for n in (BLOCKS, 5, 0):  # the endpoints are reused; an empty batch is fine too
+            b = fetch(t, where, KEYS[:n])
+            assert b.count == n and verify(b) == n
+            if n:
+                assert b.rows.shape == (1, n, WIDTH) and b.rows.is_contiguous()
+                assert torch.equal(b.rows, want[:, :n])
+        # a batch still held keeps its bytes: the next fetch lands in another buffer
+        held = fetch(t, where, KEYS[10:20])
+        again = fetch(t, where, KEYS[:10])
+        assert torch.equal(held.rows, want[:, 10:20]) and torch.equal(again.rows, want[:, :10])
+        assert held.rows.data_ptr() != again.rows.data_ptr()
+        del held, again
+        # keys past what the peer holds: only the leading ones come back
+        b = fetch(t, where, [*KEYS[:3], (10**6).to_bytes(8, "little"), KEYS[4]])
+        assert b.count == 3 and verify(b) == 3
+        t.close()
+    finally:
+        stop(p)
+
+
+def test_a_peer_dying_mid_transfer_is_a_transport_error_in_bounded_time() -> None:
+    # 64 MiB at >= 0.05 GB/s: the transfer may take ~2 s; the peer dies 50 ms into it
+    p, where = peer("--blocks", "256", "--block-bytes", str(256 << 10), "--die-after-ms", "50")
+    try:
+        cfg = UcxConfig(tls="tcp", stripes=2, stripe_min_bytes=1, timeout_s=3)
+        t = UcxTransport(SECRET.encode(), cfg)
+        keys = [i.to_bytes(8, "little") for i in range(256)]
+        t0 = time.monotonic()
+        with pytest.raises(TransportError):
+            fetch(t, where, keys, timeout=120)
+        assert time.monotonic() - t0 < cfg.transfer_timeout(256 * (256 << 10)) + 5
+        assert p.wait(10) == 3  # it did die (in the middle of sending)
+        # the next fetch to the dead peer fails fast too (its endpoints were dropped)
+        t0 = time.monotonic()
+        with pytest.raises(TransportError):
+            fetch(t, where, keys[:1], timeout=60)
+        assert time.monotonic() - t0 < 3 * cfg.timeout_s
+        assert t.counts["batches"] == 0
+    finally:
+        if p.poll() is None:
+            stop(p)
+
+
+def _netns_ok() -> bool:
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        return False
+    name = f"rkv-probe-{uuid.uuid4().hex[:6]}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ok
+
+
+@pytest.fixture
+def two_hosts():
+    """Namespaces a (10.231.0.1) and b (10.231.0.2), joined by a veth pair."""
+    if not _netns_ok():
+        pytest.skip("network namespaces need root and `ip netns` (not permitted here)")
+    tag = uuid.uuid4().hex[:6]
+    a, b, va, vb = f"rkv-a-{tag}", f"rkv-b-{tag}", f"rkva{tag}", f"rkvb{tag}"
+
+    def ip(*args: str, ns: str | None = None) -> None:
+        cmd = ["ip", *(["netns", "exec", ns, "ip"] if ns else []), *args]
+        subprocess.run(cmd, check=True, capture_output=True)
+
+    try:
+        ip("netns", "add", a)
+        ip("netns", "add", b)
+        ip("link", "add", va, "type", "veth", "peer", "name", vb)
+        ip("link", "set", va, "netns", a)
+        ip("link", "set", vb, "netns", b)
+        for ns, dev, addr in ((a, va, "10.231.0.1/24"), (b, vb, "10.231.0.2/24")):
+            ip("addr", "add", addr, "dev", dev, ns=ns)
+            ip("link", "set", dev, "up", ns=ns)
+            ip("link", "set", "lo", "up", ns=ns)
+        yield a, b
+    finally:
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_two_hosts_in_network_namespaces(two_hosts) -> None:
+    a, b = two_hosts
+    p, where = peer("--blocks", "32", "--block-bytes", str(WIDTH),
+                    prefix=("ip", "netns", "exec", a), host="10.231.0.1")  # fmt: skip
+    try:
+        assert where["raykv"][0] == "10.231.0.1"
+        # the reader runs in namespace b: the only way to a is the veth pair
+        code = (
+            "import json,sys,torch;"
+            "from raykv.transport.ucx import UcxTransport;"
+            "from raykv.transport.ucx_config import UcxConfig;"
+            "from raykv.transport.ucx_runtime import UcxRuntime;"
+            "from raykv.transport import verify;"
+            "from raykv.bench.ucx_peer import block_rows;"
+            "t=UcxTransport(sys.argv[1].encode(),UcxConfig(tls='tcp',stripes=2,stripe_min_bytes=1));"
+            "k=[i.to_bytes(8,'little') for i in range(32)];"
+            "b=UcxRuntime.get('tcp').submit(t.fetch('a','m',k,json.loads(sys.argv[2]))).result(60);"
+            f"assert verify(b)==32 and torch.equal(b.rows,block_rows(32,{WIDTH},0));"
+            "print('ok',b.nbytes)"
+        )
+        env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+        out = subprocess.run(
+            ["ip", "netns", "exec", b, sys.executable, "-c", code, SECRET,
+             json.dumps(where["raykv"])],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert f"ok {32 * WIDTH}" in out.stdout
+    finally:
+        stop(p)
+
+
+def test_tp_copies_in_chunks_arrive_copy_major() -> None:
+    """A batch of 2 TP copies sent in several chunks is one [copies, n, width] buffer."""
+    import asyncio
+
+    from raykv.tiers.checksum import row_checksums
+    from raykv.transport.ucx_server import UcxServer
+
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randint(0, 256, (2, 40, 4096), generator=g, dtype=torch.uint8)
+    sums = [list(row_checksums(rows[c])) for c in range(2)]
+
+    async def export(model: str, keys: list[bytes]):
+        idx = [int.from_bytes(k, "little") for k in keys]
+        n = next((i for i, b in enumerate(idx) if b >= 30), len(idx))  # holds 0..29
+        return n, rows[:, idx[:n]].numpy(), [[s[i] for i in idx[:n]] for s in sums]
+
+    cfg = UcxConfig(tls="tcp", stripes=2, stripe_min_bytes=1, chunk_bytes=3 * 2 * 4096)
+    server = UcxServer(SECRET.encode(), export, host="127.0.0.1", config=cfg)
+    ep = server.start()
+    t = UcxTransport(SECRET.encode(), cfg)
+    try:
+        b = UcxRuntime.get("tcp").submit(t.fetch("s", "m", KEYS[:40], ep)).result(60)
+        assert b.count == 30 and verify(b) == 30 and torch.equal(b.rows, rows[:, :30])
+        assert server.stats()["batches"] > 3  # it came in chunks
+        assert asyncio.iscoroutinefunction(export)
+    finally:
+        t.close()
+        server.stop()

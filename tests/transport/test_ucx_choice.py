@@ -1,0 +1,61 @@
+"""Choosing UCX: nothing runs or advertises it without ucxx, without the transport secret,
+or with ``RAYKV_UCX=0`` (everything then moves over the object store); its settings come
+from the node's environment and bad ones name the fix."""
+
+import pytest
+
+from raykv.errors import ConfigError
+from raykv.transport import choose
+from raykv.transport import ucx_runtime as rt
+from raykv.transport.ucx_config import UcxConfig
+from raykv.transport.ucx_wire import ranges, stripes_for
+
+
+async def _export(model, keys):
+    raise AssertionError("never called")
+
+
+@pytest.mark.parametrize("why", ["no ucxx", "no secret", "off"])
+def test_no_ucx_without_ucxx_the_secret_or_when_off(monkeypatch, why) -> None:
+    from raykv.transport.ucx import ucx_reader
+    from raykv.transport.ucx_server import ucx_server
+
+    monkeypatch.setenv("RAYKV_TRANSPORT_SECRET", "s" * 32)
+    if why == "no ucxx":
+        monkeypatch.setattr(rt, "available", lambda: False)
+    elif why == "no secret":
+        monkeypatch.delenv("RAYKV_TRANSPORT_SECRET")
+    else:
+        monkeypatch.setenv("RAYKV_UCX", "0")
+    assert ucx_reader() is None
+    assert ucx_server(_export, host="127.0.0.1") is None
+    # a member without UCX advertises only the object store: every pair routes there
+    assert choose({"object-store": None}, {"object-store": None, "ucx": ("h", 1)}) == "object-store"
+    assert choose({"object-store": None, "ucx": ("h", 1)}, {"object-store": None}) == "object-store"
+
+
+def test_ucx_is_chosen_when_both_ends_run_it() -> None:
+    both = {"object-store": None, "ucx": ("10.0.0.1", 4000)}
+    assert choose(both, both) == "ucx"
+
+
+def test_settings_come_from_the_environment() -> None:
+    c = UcxConfig.from_env({"RAYKV_UCX_TLS": "tcp", "RAYKV_UCX_STRIPES": "8",
+                            "RAYKV_UCX_TIMEOUT_S": "2.5"})  # fmt: skip
+    assert (c.tls, c.stripes, c.timeout_s, c.enabled) == ("tcp", 8, 2.5, True)
+    assert c.transfer_timeout(10**9) == pytest.approx(2.5 + 1 / 0.05)
+    with pytest.raises(ConfigError, match="RAYKV_UCX"):
+        UcxConfig.from_env({"RAYKV_UCX_STRIPES": "many"})
+    with pytest.raises(ConfigError, match="stripes"):
+        UcxConfig.from_env({"RAYKV_UCX_STRIPES": "0"})
+
+
+def test_stripes_cut_a_buffer_into_few_large_aligned_ranges() -> None:
+    for nbytes in (0, 1, 4095, 4096, 10**6, 128 << 20):
+        for parts in (1, 3, 4, 8):
+            cuts = ranges(nbytes, parts)
+            assert len(cuts) <= parts
+            assert sum(b - a for a, b in cuts) == nbytes
+            assert all(a % 4096 == 0 and b > a for a, b in cuts)
+    assert stripes_for(128 << 20, 4, 1 << 20) == 4
+    assert stripes_for(1 << 20, 4, 1 << 20) == 1
