@@ -461,18 +461,26 @@ class Client(_Base):
 
     # --- shared memory (the data path without serialization) ------------------------------
 
-    def attach(self, kv_tensors: Mapping[str, Any] | None = None) -> Any:
+    def attach(
+        self,
+        kv_tensors: Mapping[str, Any] | None = None,
+        *,
+        num_blocks: int | None = None,
+        layout: str = "kv_outer",
+    ) -> Any:
         """The engine's paged KV bound to this node's CPU tier through shared memory
         (``raykv.service.attach.AttachedKV``): ``store_from(token_ids, block_ids)`` and
         ``load_into(token_ids, block_ids)`` cost one paged copy plus one control round trip.
         ``kv_tensors``: the engine's own per-layer tensors (checked against the plan, as
-        ``GpuKV.register``); None allocates tensors laid out like the pools' (``.kv``)."""
+        ``GpuKV.register``, ``layout`` "kv_outer" or "block_outer"); None allocates tensors
+        laid out like the pools' (``.kv``). ``num_blocks``: the engine's own block count
+        (its pool is its own; the model's plan sets the rest)."""
         from raykv.service.attach import AttachedKV
         from raykv.service.spec import tier_name
 
         model, plan = self._model()
         tier = ray.get_actor(tier_name(self._node_id()), namespace=self.namespace)
-        return AttachedKV(model.name, plan, tier, kv_tensors)
+        return AttachedKV(model.name, plan, tier, kv_tensors, num_blocks=num_blocks, layout=layout)
 
 
 @_with_ops(_async_method)

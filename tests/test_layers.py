@@ -38,8 +38,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "integrations": BELOW_SERVICE | {"service", "client"},
     # tools on top: the demo and the benches drive the service through the client
     "demo": BELOW_SERVICE | {"service", "client"},
-    "bench": BELOW_SERVICE | {"service", "client"},
-    "cli": BELOW_SERVICE | {"service", "client", "demo", "bench"},
+    "bench": BELOW_SERVICE | {"service", "client", "integrations"},
+    "cli": BELOW_SERVICE | {"service", "client", "demo", "bench", "integrations"},
     "__init__": {"client", "service"},  # raykv.connect & co. (Ray auth set up first), on use
 }
 # third-party packages a layer may import (None: any)

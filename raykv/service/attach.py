@@ -17,6 +17,7 @@ the call returns (it is synchronous; on CUDA it waits for the copy).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,14 +35,29 @@ from raykv.tiers.offload import OffloadEngine
 class AttachedKV:
     """``store_from`` / ``load_into`` between an engine's paged KV and its node's tier."""
 
-    def __init__(self, model: str, plan: Any, tier: Any, tensors: Mapping | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        plan: Any,
+        tier: Any,
+        tensors: Mapping | None = None,
+        *,
+        num_blocks: int | None = None,
+        layout: str = "kv_outer",
+    ) -> None:
         if plan.tp_size != 1:
             raise InvalidInput(
                 f"attach serves tp_size=1 engines (this model has tp_size={plan.tp_size}); "
                 "use store/load with rows per rank"
             )
+        if num_blocks is not None:  # the engine's own pool: its block count, the model's layout
+            plan = dataclasses.replace(plan, num_gpu_blocks=num_blocks)
         self.model, self.plan, self.tier = model, plan, tier
-        self.kv = GpuKV.allocate(plan, "cpu") if tensors is None else GpuKV.register(plan, tensors)
+        self.kv = (
+            GpuKV.allocate(plan, "cpu")
+            if tensors is None
+            else GpuKV.register(plan, tensors, layout=layout)
+        )
         self.hasher = BlockHasher(plan.hash_block_size)
         self._view: CpuTierView | None = None
         self.engine: OffloadEngine | None = None
@@ -89,22 +105,41 @@ class AttachedKV:
         self._send(eng.tier.take())
         return len(res.keys) if done.ok else 0
 
-    def load_into(self, token_ids: Sequence[int], block_ids: Sequence) -> int:
+    def pull(self, token_ids: Sequence[int], num_blocks: int | Sequence[int]) -> list[int]:
+        """Make the node's tier hold the prompt's first ``num_blocks`` blocks (per group, or
+        one count for all) that other nodes hold: ``CpuTierActor.pull`` copies what it
+        lacks into its arena, verified. Returns, per group, the leading blocks it holds."""
+        keys = self._keys(token_ids)
+        counts = [num_blocks] * len(keys) if isinstance(num_blocks, int) else list(num_blocks)
+        refs = [
+            self.tier.pull.remote(self.model, gk[:n]) if n else None
+            for gk, n in zip(keys, counts, strict=True)
+        ]
+        return [ray.get(r) if r is not None else 0 for r in refs]
+
+    def load_into(
+        self, token_ids: Sequence[int], block_ids: Sequence, skip: int | Sequence[int] = 0
+    ) -> int:
         """Fill the engine's blocks ``block_ids`` (per group, by position from the prompt's
         first block) with the tier's verified copies; returns the leading tokens now
-        loaded in every group (entries that fail their checksum are dropped: misses)."""
+        loaded in every group (entries that fail their checksum are dropped: misses).
+        ``skip`` (per group, or one count for all): leading positions the engine already
+        holds (its own prefix cache, or null blocks out of a window); they are neither read
+        nor written and count as loaded."""
         tables = as_tables(self.plan, block_ids)
         keys = self._keys(token_ids)
+        skips = [skip] * len(tables) if isinstance(skip, int) else list(skip)
         self.flush()
         loaded = []
         for gi, (g, table) in enumerate(zip(self.plan.groups, tables, strict=True)):
-            want = list(zip(keys[gi][: len(table)], table, strict=False))
+            s = skips[gi]
+            want = list(zip(keys[gi][s : len(table)], table[s:], strict=False))
             if not want:
-                loaded.append(0)
+                loaded.append(min(s, len(table)) * g.block_size)
                 continue
             spec, lease, chosen = ray.get(self.tier.lease.remote(self.model, [k for k, _ in want]))
             if lease is None:
-                loaded.append(0)
+                loaded.append(s * g.block_size)
                 continue
             f = max(1, self.plan.block_size_factor)
             sizes = [0] * len(self.plan.groups)
@@ -120,5 +155,5 @@ class AttachedKV:
             self._send(eng.tier.take())
             lost = set(res.missed) if res.ok else set(lease.keys)
             n = next((i for i, (e, _) in enumerate(chosen) if lease.keys[e] in lost), len(chosen))
-            loaded.append(n * g.block_size)
+            loaded.append((s + n) * g.block_size)
         return min(loaded) if loaded else 0

@@ -19,8 +19,14 @@ Inside a row each layer gets its kernel-facing typed view through strides:
 The copy engine never looks at those views: ``entries(group_id)`` is one raw
 ``[num_blocks, page]`` uint8 row view per tensor the group uses, padding included, so one
 block of one layer is one contiguous segment and the CPU tier stores the real allocated
-bytes (invariant 5). ``GpuKV.register`` adopts an engine's own tensors (e.g. K/V-outermost
-attention caches); their entries are then each layer's K and V halves (``ops.logical_view``).
+bytes (invariant 5). ``GpuKV.register`` adopts an engine's own tensors: K/V-outermost
+attention caches (``layout="kv_outer"``, the kernel shape above; their entries are each
+layer's K and V halves, ``ops.logical_view``), or block-outermost ones
+(``layout="block_outer"``: dim 0 is the kernel block, and one block of one layer is one
+contiguous page whatever its inner order, e.g. vLLM CPU's
+``[num_blocks, kv_heads, block_size, 2 * head_dim]``; the entry is the tensor itself).
+Bytes are copied as they lie, so engines sharing a model's entries must share its inner
+layout (the vLLM integration names the model after it).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from raykv.layout.plan import KVGroup, Plan
 from raykv.layout.specs import KVSpec, Mamba
 
 LayerTensors = torch.Tensor | tuple[torch.Tensor, ...]  # Mamba layers hold several states
+LAYOUTS = ("kv_outer", "block_outer")  # engine tensors ``GpuKV.register`` adopts
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -244,8 +251,17 @@ class GpuKV:
         return kv
 
     @classmethod
-    def register(cls, plan: Plan, tensors: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]):
-        """Adopt an engine's tensors, checking shape, dtype, device and block count."""
+    def register(
+        cls,
+        plan: Plan,
+        tensors: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
+        layout: str = "kv_outer",
+    ):
+        """Adopt an engine's tensors, checking shape, dtype, device and block count.
+        ``layout``: "kv_outer" (attention tensors in the kernel shape) or "block_outer"
+        (dim 0 the kernel block, each block one contiguous page); see the module docstring."""
+        if layout not in LAYOUTS:
+            raise InvalidInput(f"unknown KV tensor layout {layout!r}; use one of {LAYOUTS}")
         want = {n for g in plan.groups for n in g.layer_names}
         missing, extra = sorted(want - set(tensors)), sorted(set(tensors) - want)
         if missing or extra:
@@ -268,14 +284,30 @@ class GpuKV:
                         f"layer {name!r}: expected {len(shapes)} tensor(s), got {len(ts)}"
                     )
                 dtype = torch_dtype(spec.dtype)
+                k = g.kernel_blocks_per_block
+                outer = layout == "block_outer" and not isinstance(spec, Mamba)
                 for t, shape in zip(ts, shapes, strict=True):
-                    _validate(name, t, shape, dtype, plan.num_gpu_blocks)
+                    if outer:
+                        page = spec.page_bytes(g.block_size, plan.tp_size) // k
+                        _validate_block_outer(
+                            name,
+                            t,
+                            shape[-4 if len(shape) == 5 else 0],
+                            page,
+                            dtype,
+                            plan.num_gpu_blocks,
+                        )
+                    else:
+                        _validate(name, t, shape, dtype, plan.num_gpu_blocks)
                     devices.add(t.device)
                     st = t.untyped_storage()
                     storages[st.data_ptr()] = st.nbytes()
                 value: LayerTensors = ts if isinstance(spec, Mamba) else ts[0]
                 layers[name] = value
-                entries[g.group_id] += _layer_entries(name, value, spec, g.kernel_blocks_per_block)
+                if outer:
+                    entries[g.group_id].append(_outer_entry(name, ts[0], k))
+                else:
+                    entries[g.group_id] += _layer_entries(name, value, spec, k)
         if len(devices) > 1:
             raise InvalidInput(f"KV tensors live on several devices {sorted(map(str, devices))}")
         for gid, es in entries.items():
@@ -298,6 +330,32 @@ class GpuKV:
     def kernel_view(self, layer: str) -> LayerTensors:
         """The layer's tensor(s) with dim 0 (attention: dim 1) in KERNEL block ids."""
         return self.layers[layer]
+
+
+def _outer_entry(name: str, t: torch.Tensor, k: int) -> torch.Tensor:
+    """The logical-block entry of a block-outermost layer tensor."""
+    v = ops.logical_view(t, k)
+    _check_blocks_contiguous(name, v)
+    return v
+
+
+def _validate_block_outer(
+    name: str, t: torch.Tensor, kernel_blocks: int, page: int, dtype, num_blocks: int
+) -> None:
+    """A block-outermost tensor: ``kernel_blocks`` pages of ``page`` bytes along dim 0."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidInput(f"layer {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise InvalidInput(f"layer {name!r}: dtype expected {dtype}, got {t.dtype}")
+    got = t[0].numel() * t.element_size() if t.dim() and t.shape[0] else 0
+    if t.dim() < 2 or t.shape[0] != kernel_blocks or got != page:
+        raise InvalidInput(
+            f"layer {name!r}: block-outer tensor of shape {tuple(t.shape)} should hold "
+            f"{kernel_blocks} kernel blocks of {page} bytes along dim 0 (plan: "
+            f"num_gpu_blocks={num_blocks}); it holds {t.shape[0] if t.dim() else 0} of {got} "
+            "bytes: serve the model with the engine's block size, heads, head size and dtype, "
+            "and pass the engine's block count"
+        )
 
 
 def _validate(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype, num_blocks: int) -> None:

@@ -1,0 +1,148 @@
+"""``raykv bench vllm``: engine B's time to first token with raykv, with no connector and
+with vLLM's ``ExampleConnector`` (its reference disk connector), in one run on this machine.
+
+For each prompt size, engine A answers a prompt whose shared prefix is that long; then
+engine B (another process: a Ray actor, started once per connector) answers another prompt
+with the same prefix and a short question of its own, one output token: its wall time is
+the TTFT. With raykv, B takes the prefix from the node's CPU tier (shared memory, one paged
+copy, checksums verified); with ``ExampleConnector`` from safetensors files A wrote to a
+local folder; without a connector B computes it. Each point is the median of ``repeat``
+prompts (a fresh prefix each). The model is a random-weight Llama built locally (``tiny``).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Any
+
+CONNECTORS = ("none", "example", "raykv")
+
+
+@dataclass(frozen=True)
+class Row:
+    prefix_tokens: int
+    ttft_s: dict[str, float]  # connector -> B's median TTFT
+    hit_tokens: int  # raykv's external tokens for B
+
+    @property
+    def speedup_vs_none(self) -> float:
+        return self.ttft_s["none"] / self.ttft_s["raykv"]
+
+    @property
+    def speedup_vs_example(self) -> float:
+        return self.ttft_s["example"] / self.ttft_s["raykv"]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {
+            "speedup_vs_none": self.speedup_vs_none,
+            "speedup_vs_example": self.speedup_vs_example,
+        }
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(4, 1000) for _ in range(n)]
+
+
+def run(
+    sizes: tuple[int, ...] = (1024, 2048, 4096, 8192),
+    repeat: int = 3,
+    echo: Any = print,
+) -> list[Row]:
+    """Measure every size for every connector (see the module docstring)."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import ray
+
+    import raykv
+    from raykv.integrations.vllm.engine import Engine
+    from raykv.integrations.vllm.tiny import build_tiny_llama
+
+    work = tempfile.mkdtemp(prefix="raykv-bench-vllm-")
+    model = str(build_tiny_llama(os.path.join(work, "model")))
+    max_len = -(-(max(sizes) + 64) // 32) * 32
+    kv_bytes = 3 * max_len * 4096  # three prompts of the largest size (4 KiB per token)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             object_store_memory=100 << 20, log_to_driver=False)  # fmt: skip
+    ttft: dict[str, dict[int, list[float]]] = {c: {n: [] for n in sizes} for c in CONNECTORS}
+    hits: dict[int, int] = {}
+    try:
+        kv = raykv.connect(model="bench-vllm")
+        actor = ray.remote(num_cpus=0)(Engine)
+        for conn in CONNECTORS:
+            extra: dict[str, Any] = {}
+            if conn == "raykv":
+                extra = {
+                    "model": "bench-vllm",
+                    "cpu_bytes": 2 * repeat * len(sizes) * max_len * 4096,
+                }
+            elif conn == "example":
+                extra = {"shared_storage_path": os.path.join(work, "example-kv")}
+            kind = None if conn == "none" else conn
+            echo(f"[{conn}] starting engines A and B ...")
+            a = actor.remote(model, kind, extra, max_model_len=max_len, kv_bytes=kv_bytes)
+            b = actor.remote(model, kind, extra, max_model_len=max_len, kv_bytes=kv_bytes)
+            ray.get([a.node_id.remote(), b.node_id.remote()])
+            ray.get(b.generate.remote(_tokens(200, 999), max_tokens=1))  # warm up
+            for n in sizes:
+                for r in range(repeat):
+                    prefix = _tokens(n, 1000 * n + r)
+                    mine = prefix + _tokens(16, 7 + r)
+                    if conn != "none":
+                        ray.get(a.generate.remote(prefix + _tokens(8, r), max_tokens=1))
+                    if conn == "raykv":  # A's save runs after its answer: B comes once it is in
+                        _wait_for_hit(kv, mine, n)
+                    out = ray.get(b.generate.remote(mine, max_tokens=1))
+                    ttft[conn][n].append(out["seconds"])
+                    if conn == "raykv":
+                        hits[n] = out["raykv"].get("external_tokens", 0)
+                echo(f"      {n:>5} tokens: B {statistics.median(ttft[conn][n]) * 1e3:8.1f} ms")
+            for e in (a, b):
+                ray.kill(e)
+    finally:
+        ray.shutdown()
+    return [
+        Row(n, {c: statistics.median(ttft[c][n]) for c in CONNECTORS}, hits.get(n, 0))
+        for n in sizes
+    ]
+
+
+def _wait_for_hit(kv: Any, tokens: list[int], n: int, timeout_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while kv.lookup(tokens).hit_tokens < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def format_table(rows: list[Row], machine: str) -> str:
+    lines = [
+        f"engine B time to first token ({machine}; median of each point)",
+        "| shared prefix | no connector | ExampleConnector | raykv | raykv hit | "
+        "vs none | vs Example |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        t = r.ttft_s
+        lines.append(
+            f"| {r.prefix_tokens} | {t['none'] * 1e3:.0f} ms | {t['example'] * 1e3:.0f} ms | "
+            f"{t['raykv'] * 1e3:.0f} ms | {r.hit_tokens} | {r.speedup_vs_none:.2f}x | "
+            f"{r.speedup_vs_example:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    """This host in words: CPU model and core count."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if "model name" in ln), "")
+    except OSError:
+        pass
+    return f"{os.cpu_count()}-core CPU{f' ({name})' if name else ''}, no GPU"

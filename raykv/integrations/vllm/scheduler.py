@@ -1,0 +1,210 @@
+"""The connector's scheduler side: how many tokens raykv adds, and what each step moves.
+
+``get_num_new_matched_tokens`` asks the service (one coordinator call, ``Client.lookup``)
+for the cluster-wide hit of the prompt beyond vLLM's own prefix cache: whole blocks, and
+never the whole prompt (at most N - 1 tokens: vLLM must compute at least one token; a hit
+covering the last full block is cut to N - 1, and the load then ends mid-block: the block is
+loaded whole and vLLM rewrites its last slot). Every load is done within the step that
+carries it, by the worker's ``start_load_kv``. For a model with one KV group it is
+synchronous (before that step's forward; blocks that did not arrive are reported by
+``get_block_ids_with_load_errors`` and vLLM recomputes from the first of them). vLLM takes
+block-level failures of one group only, so for several groups (hybrid models) the load is
+asynchronous in vLLM's terms: the request waits in WAITING_FOR_REMOTE_KVS for one step and
+the worker reports it finished (``finished_recving``) or failed (``failed_recving``: vLLM
+recomputes the request) in that same step's output. Either way no load is in flight between
+steps: an abort, a preemption or ``request_finished`` never meets one, and no transfer is
+reported for a request vLLM has already dropped. A request whose load failed is offered no
+more hits (it recomputes).
+
+Saves are asynchronous: ``build_connector_meta`` asks the worker to publish every prompt
+block that this step completes; the worker copies them after the forward in the
+background. ``request_finished`` keeps a request's blocks (returns True) when any save was
+sent for it, until the worker reports it in ``finished_sending``: the worker reports every
+such request once its saves are done (or dropped), and never one it was not sent.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from raykv.integrations.vllm.config import RaykvVllmConfig, request_flags
+from raykv.integrations.vllm.metadata import LoadSpec, RaykvMetadata, SaveSpec
+from raykv.integrations.vllm.model import EngineLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Req:
+    """One request the connector knows (from its first lookup to ``request_finished``)."""
+
+    request: Any
+    load: bool
+    store: bool
+    local_tokens: int = 0  # vLLM's own prefix-cache hit at the last lookup
+    hit_tokens: int = 0  # raykv's extra tokens at the last lookup
+    external_tokens: int = 0  # tokens vLLM agreed to take from raykv
+    load_blocks: tuple[tuple[int, ...], ...] = ()  # the blocks the load fills (per group)
+    failed_blocks: int = 0
+    failed: bool = False  # a load failed: recompute, no more hits
+    saved_tokens: int = 0  # prompt tokens already sent for saving
+    saves_sent: bool = False
+    pending_load: LoadSpec | None = None
+    remote: bool = True  # the last lookup found blocks on other nodes
+
+
+@dataclass
+class SchedulerStats:
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    loaded_tokens: int = 0
+    load_error_blocks: int = 0
+    saved_blocks: int = 0
+    by_request: dict[str, int] = field(default_factory=dict)
+
+
+class RaykvScheduler:
+    """State of the scheduler-side connector; vLLM's calls map one to one (connector.py)."""
+
+    def __init__(
+        self, config: RaykvVllmConfig, layout: EngineLayout, client: Any, groups: tuple[int, ...]
+    ) -> None:
+        self.config, self.layout, self.kv = config, layout, client
+        self.groups = groups  # vLLM group -> raykv group
+        self.bs = layout.block_size
+        self.reqs: dict[str, _Req] = {}
+        self.stats = SchedulerStats()
+        self.kv_cache_manager: Any = None
+        self.sync = len(groups) == 1  # see the module docstring
+
+    # --- lookups ----------------------------------------------------------------------
+
+    def _state(self, request: Any) -> _Req:
+        st = self.reqs.get(request.request_id)
+        if st is None or st.request is not request:  # new, or an id reused after an abort
+            load, store = request_flags(request.kv_transfer_params, self.config)
+            st = self.reqs[request.request_id] = _Req(request, load, store)
+        return st
+
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)
+        st.local_tokens, st.hit_tokens = num_computed_tokens, 0
+        prompt = list(request.prompt_token_ids or ())
+        n = len(prompt)
+        if not st.load or st.failed or n <= self.bs or num_computed_tokens >= n - 1:
+            return 0, False
+        # lookup(ids) looks at the full blocks of ids[:-1]; one token more makes it see the
+        # prompt's last full block too (a hit there is cut to n - 1 below)
+        probe = [*prompt, 0] if n < self.layout.max_model_len else prompt
+        try:
+            found = self.kv.lookup(probe)
+        except Exception as e:  # the service is down or restarting: a miss, never a stall
+            log.warning("raykv lookup failed (%r): computing request %s", e, request.request_id)
+            return 0, False
+        hit = found.hit_tokens
+        st.remote = any(not h.local or h.tier != "cpu" for h in found.where)
+        self.stats.lookups += 1
+        self.stats.lookup_tokens += n
+        hit -= hit % self.bs
+        ext = max(min(hit, n - 1) - num_computed_tokens, 0)
+        st.hit_tokens = ext
+        return ext, ext > 0 and not self.sync
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self._state(request)
+        if num_external_tokens <= 0:  # nothing to load (or the second call, after a load)
+            return
+        st.external_tokens = num_external_tokens
+        local = st.local_tokens - st.local_tokens % self.bs
+        end = local + num_external_tokens
+        nblocks = -(-end // self.bs)
+        table = self._table(request.request_id)
+        ids = tuple(tuple(t[:nblocks]) for t in table)
+        skip = tuple(
+            max(local // self.bs, _leading_nulls(t[:nblocks])) for t in table
+        )  # fmt: skip
+        st.load_blocks = tuple(tuple(t[s:]) for t, s in zip(ids, skip, strict=True))
+        prompt = request.prompt_token_ids
+        st.pending_load = LoadSpec(
+            request.request_id, tuple(prompt[: nblocks * self.bs]), ids, skip, end,
+            sync=self.sync, remote=st.remote,
+        )  # fmt: skip
+
+    def _table(self, request_id: str) -> list[list[int]]:
+        """The request's block ids per raykv group (vLLM's groups reordered)."""
+        vllm_table = self.kv_cache_manager.get_block_ids(request_id)
+        out: list[list[int]] = [[] for _ in self.groups]
+        for vi, ri in enumerate(self.groups):
+            out[ri] = list(vllm_table[vi])
+        return out
+
+    # --- each step --------------------------------------------------------------------
+
+    def build_meta(self, so: Any) -> RaykvMetadata:
+        meta = RaykvMetadata(preempted=frozenset(getattr(so, "preempted_req_ids", None) or ()))
+        for st in self.reqs.values():
+            if st.pending_load is not None:
+                meta.loads.append(st.pending_load)
+                self.stats.loaded_tokens += st.pending_load.num_tokens
+            st.pending_load = None
+        for rid, scheduled in so.num_scheduled_tokens.items():
+            st = self.reqs.get(rid)
+            if st is None or not st.store:
+                continue
+            request = st.request
+            prompt = request.prompt_token_ids or ()
+            done = min(request.num_computed_tokens + scheduled, len(prompt))
+            full = done - done % self.bs
+            if full <= st.saved_tokens:
+                continue
+            table = self._table(rid)
+            nb = full // self.bs
+            meta.saves.append(
+                SaveSpec(rid, tuple(prompt[:full]), tuple(tuple(t[:nb]) for t in table))
+            )
+            self.stats.saved_blocks += nb - st.saved_tokens // self.bs
+            st.saved_tokens, st.saves_sent = full, True
+        return meta
+
+    def on_output(self, output: Any) -> None:
+        """Count load errors per request (vLLM recomputes those tokens itself)."""
+        for rid in getattr(output, "failed_recving", None) or ():
+            st = self.reqs.get(rid)
+            if st is not None:
+                st.failed, st.saved_tokens = True, 0
+                st.failed_blocks += sum(len(t) for t in st.load_blocks)
+                self.stats.load_error_blocks += sum(len(t) for t in st.load_blocks)
+        bad = set(getattr(output, "invalid_block_ids", None) or ())
+        if not bad:
+            return
+        for st in self.reqs.values():
+            n = sum(b in bad for t in st.load_blocks for b in t)
+            if n:
+                st.failed, st.failed_blocks = True, st.failed_blocks + n
+                st.saved_tokens = 0  # the recomputed blocks are saved again (held keys skip)
+                self.stats.load_error_blocks += n
+
+    def finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; hold its blocks while a save sent for it may run."""
+        st = self.reqs.pop(request.request_id, None)
+        if st is None or st.request is not request:
+            return False, None
+        self.stats.hit_tokens += st.external_tokens
+        params = {
+            "raykv": {
+                "external_tokens": st.external_tokens,
+                "load_error_blocks": st.failed_blocks,
+                "saved_tokens": st.saved_tokens,
+            }
+        }
+        return st.saves_sent, params
+
+
+def _leading_nulls(ids: list[int]) -> int:
+    n = 0
+    while n < len(ids) and ids[n] == 0:
+        n += 1
+    return n

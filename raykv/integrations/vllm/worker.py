@@ -1,0 +1,181 @@
+"""The connector's worker side: vLLM's own KV tensors <-> the node's raykv CPU tier.
+
+``register_kv_caches`` hands vLLM's per-layer KV tensors to ``Client.attach`` (raykv's one
+data plane: ``AttachedKV`` maps the node's tier arena from ``/dev/shm`` and runs
+``raykv.tiers`` Store/LoadJobs on it: one paged copy, checksums computed on store and
+verified before load). No KV byte goes through a Python object or Ray's object store. On CPU
+vLLM's tensors are block-outermost (``[num_blocks, kv_heads, block_size, 2 * head_size]``,
+one contiguous page per block and layer), registered with ``layout="block_outer"``; on GPU
+(NHD, ``[2, num_blocks, block_size, kv_heads, head_size]``) with ``layout="kv_outer"``.
+
+Loads run in ``start_load_kv``, all layers at once (``wait_for_layer_load`` has nothing
+left to wait for): blocks other nodes hold are pulled
+into this node's tier first (``AttachedKV.pull``: ``CpuTierActor.pull``, verified on
+arrival), then copied into vLLM's blocks (``load_into``, verified again). Blocks the tier
+did not deliver (a checksum failure, an entry evicted or gone with its node) are reported
+in the same step: by block id for a synchronous load (one KV group), as ``failed_recving``
+for an asynchronous one (several groups); vLLM recomputes them, never reading wrong KV.
+Saves run after the forward (``wait_for_save``) on one background thread;
+``get_finished`` reports a finished request once every save sent for it is done, so vLLM
+keeps its blocks until then. ``handle_preemptions`` waits for the saves in flight before
+vLLM reuses a preempted request's blocks. A step whose ``wait_for_save`` never ran drops its
+saves when the next step's metadata arrives (nothing stays reserved: a store reserves its
+tier entries only while it copies).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from raykv.integrations.vllm.metadata import LoadSpec, RaykvMetadata, SaveSpec
+
+log = logging.getLogger(__name__)
+
+
+def tensor_layout(tensors: Mapping[str, Any], num_blocks: int) -> str:
+    """ "block_outer" (vLLM CPU) or "kv_outer" (vLLM GPU, NHD) for ``GpuKV.register``."""
+    t = next(iter(tensors.values()))
+    return (
+        "kv_outer"
+        if t.dim() == 5 and t.shape[0] == 2 and t.shape[1] >= num_blocks
+        else ("block_outer")
+    )
+
+
+class RaykvWorker:
+    """State of the worker-side connector; vLLM's calls map one to one (connector.py)."""
+
+    def __init__(self, client: Any, num_blocks: int) -> None:
+        self.kv, self.num_blocks = client, num_blocks
+        self.attached: Any = None
+        self.lock = threading.Lock()  # one AttachedKV user at a time (loads vs saves)
+        self.book = threading.Lock()  # the counters below (never held during a copy)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="raykv-save")
+        self.meta: RaykvMetadata | None = None
+        self.staged: list[SaveSpec] = []  # this step's saves until wait_for_save
+        self.inflight: list[Future] = []
+        self.pending: Counter[str] = Counter()  # request -> saves not done
+        self.sent: set[str] = set()  # requests a save was sent for (reported when finished)
+        self.finishing: set[str] = set()
+        self.errors: set[int] = set()
+        self.cut: dict[str, int] = {}  # request -> its first block a load missed (this step)
+        self.recved: set[str] = set()  # loads done this step
+        self.failed: set[str] = set()  # ... of which some blocks did not arrive
+        self.counts: Counter[str] = Counter()
+
+    def register(self, kv_caches: Mapping[str, Any]) -> None:
+        layout = tensor_layout(kv_caches, self.num_blocks)
+        self.attached = self.kv.attach(dict(kv_caches), num_blocks=self.num_blocks, layout=layout)
+
+    # --- per step ---------------------------------------------------------------------
+
+    def bind(self, meta: RaykvMetadata) -> None:
+        if self.staged:  # the last step's wait_for_save never ran: its saves are dropped
+            self.counts["saves_dropped"] += len(self.staged)
+            self.staged = []
+        self.meta = meta
+        self.staged = list(meta.saves)
+        self.sent.update(s.request_id for s in meta.saves)
+
+    def start_load(self) -> None:
+        self.cut = {}
+        if self.meta is None or not self.meta.loads:
+            return
+        with self.lock:
+            for spec in self.meta.loads:
+                self._load(spec)
+
+    def _load(self, spec: LoadSpec) -> None:
+        try:  # blocks other nodes hold come to this node's tier first (verified there)
+            if spec.remote:
+                self.attached.pull(spec.token_ids, [len(t) for t in spec.block_ids])
+        except Exception as e:  # what is local still loads; the rest is recomputed
+            log.warning("raykv pull for %s failed (%r)", spec.request_id, e)
+        try:
+            got = self.attached.load_into(spec.token_ids, [list(t) for t in spec.block_ids],
+                                          list(spec.skip))  # fmt: skip
+        except Exception as e:  # the tier is gone or restarting: nothing was loaded
+            log.warning("raykv load of %s failed (%r): vLLM recomputes it", spec.request_id, e)
+            got = 0
+        self.counts["loaded_tokens"] += min(got, spec.num_tokens)
+        if not spec.sync:
+            self.recved.add(spec.request_id)
+        if got < spec.num_tokens:
+            self.counts["load_errors"] += 1
+            if spec.sync:  # vLLM recomputes from the first block that did not arrive
+                first = got // self.attached.plan.block_size
+                self.cut[spec.request_id] = first  # this step's save stops there (below)
+                for t, s in zip(spec.block_ids, spec.skip, strict=True):
+                    self.errors.update(b for b in t[max(first, s) :] if b != 0)
+            else:
+                self.failed.add(spec.request_id)
+            log.info("raykv load of %s: %d of %d tokens arrived; vLLM recomputes it",
+                     spec.request_id, got, spec.num_tokens)  # fmt: skip
+
+    def wait_for_save(self) -> None:
+        """Submit this step's saves. A request whose load missed blocks this step saves only
+        the blocks before the first miss: the rest hold stale bytes (and this step's tokens
+        were computed over them), and must never be published."""
+        staged, self.staged = self.staged, []
+        cut, self.cut = self.cut, {}
+        for spec in staged:
+            if spec.request_id in cut:
+                n = cut[spec.request_id]
+                if n == 0:
+                    continue
+                bs = len(spec.token_ids) // max(len(spec.block_ids[0]), 1)
+                spec = SaveSpec(spec.request_id, spec.token_ids[: n * bs],
+                                tuple(t[:n] for t in spec.block_ids))  # fmt: skip
+            with self.book:
+                self.pending[spec.request_id] += 1
+            self.inflight.append(self.pool.submit(self._save, spec))
+
+    def _save(self, spec: SaveSpec) -> None:
+        try:
+            with self.lock:
+                n = self.attached.store_from(spec.token_ids, [list(t) for t in spec.block_ids])
+            self.counts["saved_entries"] += n
+        except Exception as e:  # a miss later, never wrong KV
+            log.warning("raykv save of %s failed (%r)", spec.request_id, e)
+            self.counts["save_errors"] += 1
+        finally:
+            with self.book:
+                self.pending[spec.request_id] -= 1
+
+    def preempted(self) -> None:
+        """Preempted requests' blocks are about to be reused: finish the saves reading them."""
+        self.drain()
+
+    def drain(self) -> None:
+        inflight, self.inflight = self.inflight, []
+        for f in inflight:
+            f.result()
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self.inflight = [f for f in self.inflight if not f.done()]
+        self.finishing.update(r for r in finished_req_ids if r in self.sent)
+        with self.book:
+            done = {r for r in self.finishing if self.pending[r] <= 0}
+            for r in done:
+                self.pending.pop(r, None)
+        self.finishing -= done
+        self.sent -= done
+        recved, self.recved = self.recved, set()
+        return (done or None), (recved or None)
+
+    def take_failed(self) -> set[str]:
+        failed, self.failed = self.failed, set()
+        return failed
+
+    def load_errors(self) -> set[int]:
+        errors, self.errors = self.errors, set()
+        return errors
+
+    def close(self) -> None:
+        self.drain()
+        self.pool.shutdown(wait=True)

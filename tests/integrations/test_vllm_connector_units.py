@@ -1,0 +1,354 @@
+"""The connector's scheduler and worker sides on vLLM's own types (``Request``,
+``SchedulerOutput``, ``KVCacheConfig`` specs), without engines or Ray: the field's recurring
+connector bugs, each a case here. A fake client answers lookups, a fake attached KV stands
+in for the node's tier (the data plane itself is tested with real engines and in
+tests/service).
+
+Needs the optional extra ``vllm``; skipped without it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs 'vllm'")
+
+import torch
+from vllm import SamplingParams
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+from vllm.v1.request import Request
+
+from raykv.errors import ConfigError, InvalidInput
+from raykv.integrations.vllm.config import RaykvVllmConfig
+from raykv.integrations.vllm.metadata import RaykvMetadata, SaveSpec
+from raykv.integrations.vllm.model import EngineLayout, check_groups, engine_layout, model_name
+from raykv.integrations.vllm.scheduler import RaykvScheduler
+from raykv.integrations.vllm.worker import RaykvWorker
+from raykv.layout import FullAttention, plan
+
+BS = 32
+
+
+class FakeClient:
+    def __init__(self, hit: int = 0, fail: bool = False) -> None:
+        self.hit, self.fail, self.calls = hit, fail, 0
+
+    def lookup(self, ids):
+        self.calls += 1
+        if self.fail:
+            raise RuntimeError("coordinator restarting")
+        return SimpleNamespace(hit_tokens=min(self.hit, len(ids) - 1), where=())
+
+
+class FakeManager:
+    def __init__(self) -> None:
+        self.tables: dict[str, tuple[list[int], ...]] = {}
+
+    def get_block_ids(self, rid: str):
+        return self.tables[rid]
+
+
+def layout(max_model_len: int = 8192) -> EngineLayout:
+    return EngineLayout(
+        layers={"l0": FullAttention(dtype="float32", num_kv_heads=2, head_dim=64)},
+        groups=(("l0",),), block_size=BS, num_blocks=512, max_model_len=max_model_len,
+        max_num_batched_tokens=8192, kv_layout="LBHNC",
+    )  # fmt: skip
+
+
+def scheduler(
+    hit: int = 0, fail: bool = False, sync: bool = True
+) -> tuple[RaykvScheduler, FakeManager]:
+    """One KV group: loads are synchronous; ``sync=False`` takes the several-groups path
+    (asynchronous loads reported within their step)."""
+    s = RaykvScheduler(RaykvVllmConfig(), layout(), FakeClient(hit, fail), (0,))
+    s.kv_cache_manager = FakeManager()
+    s.sync = sync
+    return s, s.kv_cache_manager
+
+
+def request(rid: str, n: int, **kw) -> Request:
+    params = SamplingParams(max_tokens=4, **kw)
+    return Request(rid, [5 + i % 900 for i in range(n)], params, None)
+
+
+def output(**kw):
+    return SimpleNamespace(num_scheduled_tokens=kw.pop("scheduled", {}), **kw)
+
+
+def alloc(s: RaykvScheduler, m: FakeManager, req: Request, ext: int) -> None:
+    m.tables[req.request_id] = (list(range(1, -(-req.num_prompt_tokens // BS) + 1)),)
+    s.after_alloc(req, None, ext)
+
+
+def test_a_full_prompt_hit_is_n_minus_one_never_the_whole_prompt() -> None:
+    s, _ = scheduler(hit=64 * BS)
+    req = request("r", 64 * BS)
+    assert s.num_new_matched_tokens(req, 0) == (64 * BS - 1, False)  # one group: sync load
+    # beyond a local hit, block-aligned: a hit of 100 tokens is 96, 64 of them local
+    s2, _ = scheduler(hit=100)
+    assert s2.num_new_matched_tokens(request("q", 200), 64) == (32, False)
+    # nothing beyond the local hit, or a prompt vLLM must compute anyway: no load
+    assert s2.num_new_matched_tokens(request("p", 200), 96) == (0, False)
+    assert s2.num_new_matched_tokens(request("o", BS), 0) == (0, False)
+
+
+def test_a_lookup_that_fails_is_a_miss_and_opt_out_skips_the_lookup() -> None:
+    s, _ = scheduler(fail=True)
+    assert s.num_new_matched_tokens(request("r", 300), 0) == (0, False)
+    s2, _ = scheduler(hit=256)
+    off = request("r", 300, extra_args={"kv_transfer_params": {"raykv": {"load": False}}})
+    assert s2.num_new_matched_tokens(off, 0) == (0, False)
+    assert s2.kv.calls == 0
+
+
+def test_a_load_that_ends_mid_block_loads_the_block_whole() -> None:
+    s, m = scheduler(hit=64 * BS)
+    req = request("r", 64 * BS)
+    ext, _ = s.num_new_matched_tokens(req, 0)
+    alloc(s, m, req, ext)
+    (load,) = s.build_meta(output()).loads
+    assert load.num_tokens == 64 * BS - 1  # vLLM recomputes the last token's slot
+    assert len(load.block_ids[0]) == 64 and len(load.token_ids) == 64 * BS
+    assert load.skip == (0,)
+    # after a local hit of 2 blocks, those stay untouched (skipped)
+    s2, m2 = scheduler(hit=10 * BS)
+    r2 = request("q", 12 * BS + 5)
+    ext, _ = s2.num_new_matched_tokens(r2, 2 * BS)
+    alloc(s2, m2, r2, ext)
+    (load,) = s2.build_meta(output()).loads
+    assert load.skip == (2,) and load.num_tokens == 10 * BS
+
+
+def test_a_request_aborted_before_it_is_scheduled_leaves_nothing_behind() -> None:
+    s, _ = scheduler(hit=256)
+    req = request("r", 300)
+    assert s.num_new_matched_tokens(req, 0)[0] == 256  # looked up, never allocated
+    held, params = s.finished(req)  # aborted while waiting
+    assert held is False and params["raykv"]["external_tokens"] == 0
+    assert s.reqs == {} and s.build_meta(output()).loads == []
+
+
+def test_a_load_never_outlives_its_step_so_an_abort_or_preemption_meets_none() -> None:
+    """The worker reports each (asynchronous, several-groups) load in the output of the
+    step that carried it, so the scheduler never sees a transfer finish for a request it
+    dropped since."""
+    s, m = scheduler(hit=256, sync=False)
+    req = request("r", 300)
+    assert s.num_new_matched_tokens(req, 0) == (256, True)
+    alloc(s, m, req, s.num_new_matched_tokens(req, 0)[0])
+    meta = s.build_meta(output())
+    w = worker(FakeAttached())
+    w.bind(meta)
+    w.start_load()
+    assert w.finished(set()) == (None, {"r"})  # reported in this very step
+    held, _ = s.finished(req)  # aborted (or preempted) right after: nothing in flight
+    assert held is False
+    w.bind(s.build_meta(output(finished_req_ids={"r"})))
+    w.start_load()
+    assert w.finished({"r"}) == (None, None)  # nothing more is ever reported for it
+
+
+def test_a_failed_sync_load_reports_the_blocks_that_did_not_arrive() -> None:
+    s, m = scheduler(hit=256)
+    req = request("r", 300)
+    alloc(s, m, req, s.num_new_matched_tokens(req, 0)[0])
+    w = worker(FakeAttached(deliver=96))  # a checksum failure at block 3
+    w.bind(s.build_meta(output()))
+    w.start_load()
+    bad = w.load_errors()
+    assert bad == {4, 5, 6, 7, 8} and w.finished(set()) == (None, None)
+    s.on_output(SimpleNamespace(failed_recving=set(), invalid_block_ids=bad))
+    assert s.num_new_matched_tokens(req, 0) == (0, False)  # recomputed, no second hit
+    assert s.finished(req)[1]["raykv"]["load_error_blocks"] == 5
+
+
+def test_a_step_whose_load_missed_blocks_never_saves_them() -> None:
+    """Blocks a sync load did not fill hold stale bytes, and the step's tokens were computed
+    over them: the step's save stops before the first miss (never published as KV)."""
+    s, m = scheduler(hit=256)
+    req = request("r", 300)
+    alloc(s, m, req, s.num_new_matched_tokens(req, 0)[0])
+    req.num_computed_tokens = 256  # scheduled with the hit, the rest computed this step
+    meta = s.build_meta(output(scheduled={"r": 44}))
+    assert len(meta.saves[0].block_ids[0]) == 9
+    att = FakeAttached(deliver=96)
+    w = worker(att)
+    w.bind(meta)
+    w.start_load()
+    w.wait_for_save()
+    w.drain()
+    assert [n for n, _ in att.stored] == [96]  # blocks 0..2 only
+    s.on_output(SimpleNamespace(failed_recving=set(), invalid_block_ids=w.load_errors()))
+    assert s.reqs["r"].saved_tokens == 0  # the recomputed blocks are saved again
+    w.close()
+
+
+def test_a_failed_async_load_is_reported_failed_and_the_request_recomputes() -> None:
+    s, m = scheduler(hit=256, sync=False)
+    req = request("r", 300)
+    alloc(s, m, req, s.num_new_matched_tokens(req, 0)[0])
+    w = worker(FakeAttached(deliver=96))  # a checksum failure at block 3
+    w.bind(s.build_meta(output()))
+    w.start_load()
+    failed = w.take_failed()
+    assert failed == {"r"} and w.finished(set())[1] == {"r"}
+    s.on_output(SimpleNamespace(failed_recving=failed, invalid_block_ids=set()))
+    # vLLM resets the request to recompute; no second hit is offered to it
+    assert s.num_new_matched_tokens(req, 0) == (0, False)
+    assert s.finished(req)[1]["raykv"]["load_error_blocks"] == 8
+
+
+class FakeAttached:
+    """Stands in for ``AttachedKV``: loads deliver ``deliver`` tokens, stores take
+    ``store_s`` seconds."""
+
+    def __init__(self, deliver: int | None = None, store_s: float = 0.0) -> None:
+        self.deliver, self.store_s = deliver, store_s
+        self.plan = SimpleNamespace(block_size=BS)
+        self.stored: list[tuple] = []
+
+    def pull(self, token_ids, counts):
+        return counts
+
+    def load_into(self, token_ids, block_ids, skip):
+        return len(token_ids) if self.deliver is None else self.deliver
+
+    def store_from(self, token_ids, block_ids):
+        time.sleep(self.store_s)
+        self.stored.append((len(token_ids), threading.current_thread().name))
+        return len(block_ids[0])
+
+
+def worker(attached: FakeAttached) -> RaykvWorker:
+    w = RaykvWorker(None, 512)
+    w.attached = attached
+    return w
+
+
+def save(rid: str, n: int = 2) -> RaykvMetadata:
+    return RaykvMetadata(saves=[SaveSpec(rid, tuple(range(n * BS)), (tuple(range(1, n + 1)),))])
+
+
+def test_blocks_are_held_while_a_save_runs_and_released_once_it_is_done() -> None:
+    s, m = scheduler()
+    req = request("r", 3 * BS)
+    alloc(s, m, req, 0)
+    req.num_computed_tokens = 0
+    meta = s.build_meta(output(scheduled={"r": 3 * BS}))
+    assert [x.request_id for x in meta.saves] == ["r"]
+    w = worker(FakeAttached(store_s=0.3))
+    w.bind(meta)
+    w.wait_for_save()
+    held, _ = s.finished(req)
+    assert held is True  # vLLM keeps the blocks ...
+    assert w.finished({"r"}) == (None, None)  # ... while the save still reads them
+    w.drain()
+    assert w.finished(set()) == ({"r"}, None)  # then they go back, once
+    assert w.finished(set()) == (None, None)
+    w.close()
+
+
+def test_preemption_waits_for_the_saves_reading_the_preempted_blocks() -> None:
+    att = FakeAttached(store_s=0.3)
+    w = worker(att)
+    w.bind(save("r"))
+    w.wait_for_save()
+    w.preempted()  # vLLM is about to reuse the blocks
+    assert len(att.stored) == 1
+    w.close()
+
+
+def test_saves_of_a_step_whose_wait_for_save_was_skipped_are_dropped_and_released() -> None:
+    att = FakeAttached()
+    w = worker(att)
+    w.bind(save("r"))  # the step failed before wait_for_save
+    w.bind(RaykvMetadata())  # next step: the staged save is gone, nothing reserved
+    w.wait_for_save()
+    w.drain()
+    assert att.stored == [] and w.counts["saves_dropped"] == 1
+    assert w.finished({"r"}) == ({"r"}, None)  # its blocks are released, not leaked
+    w.close()
+
+
+# --- the vLLM layout -> raykv model mapping --------------------------------------------
+
+
+def cfg(groups, num_blocks=512):
+    vllm = SimpleNamespace(
+        model_config=SimpleNamespace(model="/m/tiny", revision=None, dtype=torch.float32,
+                                     max_model_len=4096),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=4096),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+    )  # fmt: skip
+    kvc = SimpleNamespace(kv_cache_groups=groups, num_blocks=num_blocks, kv_cache_layout="LBHNC")
+    return vllm, kvc
+
+
+def spec(cls=FullAttentionSpec, **kw):
+    return cls(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32, **kw)
+
+
+def test_a_hybrid_engine_maps_to_raykv_groups_of_the_same_layers() -> None:
+    groups = [
+        KVCacheGroupSpec(["l0", "l2"], spec()),
+        KVCacheGroupSpec(["l1", "l3"], spec(SlidingWindowSpec, sliding_window=256)),
+    ]
+    vllm, kvc = cfg(groups)
+    lay = engine_layout(vllm, kvc)
+    assert lay.layers["l1"].kind == "sliding_window" and lay.layers["l0"].kind == "full"
+    p = plan(lay.layers, gpu_bytes=64 << 20, max_model_len=4096, block_size=BS,
+             max_num_batched_tokens=4096)  # fmt: skip
+    mapping = check_groups(p, lay)
+    assert {frozenset(p.groups[i].layer_names) for i in mapping} == {
+        frozenset({"l0", "l2"}),
+        frozenset({"l1", "l3"}),
+    }
+    name = model_name(vllm, lay)
+    assert name.startswith("vllm-tiny-") and name == model_name(vllm, lay)
+    vllm.model_config.dtype = torch.bfloat16  # other weights / dtype: another model
+    assert model_name(vllm, lay) != name
+
+
+def test_unsupported_layouts_and_settings_are_refused_with_the_fix() -> None:
+    vllm, kvc = cfg([KVCacheGroupSpec(["l0"], spec(head_size_v=32))])
+    with pytest.raises(ConfigError, match="V head size"):
+        engine_layout(vllm, kvc)
+    vllm, kvc = cfg([KVCacheGroupSpec(["l0"], spec())])
+    vllm.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(ConfigError, match="tensor_parallel_size=1"):
+        engine_layout(vllm, kvc)
+    with pytest.raises(ConfigError, match="unknown keys"):
+        RaykvVllmConfig.from_extra({"adress": "x"})
+    with pytest.raises(ConfigError, match="positive int"):
+        RaykvVllmConfig.from_extra({"cpu_bytes": -1})
+
+
+def test_vllm_cpu_block_outer_tensors_register_as_the_plans_pages() -> None:
+    from raykv.tiers.gpu_kv import GpuKV
+
+    layers = {f"l{i}": FullAttention(dtype="float32", num_kv_heads=2, head_dim=64) for i in (0, 1)}
+    p = plan(
+        layers, gpu_bytes=8 << 20, max_model_len=1024, block_size=BS, max_num_batched_tokens=1024
+    )
+    nb = p.num_gpu_blocks
+    backing = torch.zeros(2, nb, 2, BS, 128)  # one allocation, layer-outermost (LBHNC)
+    kv = GpuKV.register(p, {"l0": backing[0], "l1": backing[1]}, layout="block_outer")
+    assert kv.row_bytes(p.groups[0].group_id) == p.gpu_bytes_per_block
+    with pytest.raises(InvalidInput, match="kernel blocks of 32768 bytes"):
+        GpuKV.register(p, {"l0": backing[0, :, :1], "l1": backing[1]}, layout="block_outer")
+
+
+def test_counters_reach_vllms_stats_as_deltas() -> None:
+    from raykv.integrations.vllm.stats import RaykvStats, take
+
+    last: dict[str, int] = {}
+    first = take({"loaded_tokens": 96, "load_errors": 0}, last)
+    assert first is not None and first.reduce() == {"loaded_tokens": 96}
+    assert take({"loaded_tokens": 96}, last) is None  # nothing new
+    total = RaykvStats(data={"loaded_tokens": 1}).aggregate(first)
+    assert total.reduce() == {"loaded_tokens": 97} and not total.is_empty()

@@ -1,0 +1,119 @@
+"""Real vLLM (CPU) engines sharing prefixes through raykv: two engines in two processes on
+two Ray nodes of one raykv service (every node on 127.0.0.1). Engine A answers a prompt
+with a 2k-token prefix; engine B, given another prompt with the same prefix, takes the
+prefix from raykv (block-aligned) and answers token for token as it does without the
+connector; a corrupted tier entry is a reported load error that B recomputes; a full-prompt
+hit is N - 1 tokens; the same on a sliding-window + full model.
+
+Needs the optional extra ``vllm``; skipped without it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs 'vllm'")
+
+import ray
+import torch
+
+from raykv.integrations.vllm.engine import Engine
+from raykv.integrations.vllm.tiny import TinyLlama, build_tiny_llama
+
+pytestmark = pytest.mark.ray
+
+NODE = dict(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=80 << 20)
+PREFIX = 2048
+SHAPES = {"full": TinyLlama(), "hybrid": TinyLlama(sliding_window=256, seed=1)}
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, 1000, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray.cluster_utils import Cluster
+
+    import raykv
+
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={**NODE, "resources": {"node-a": 1}, "include_dashboard": False},
+    )
+    try:
+        c.add_node(**NODE, resources={"node-b": 1})
+        kv = raykv.connect(c.address)
+        yield kv
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def engines(request, cluster, tmp_path_factory):
+    """(A on node a, B on node b, the raykv model name) for one tiny model."""
+    kind = request.param
+    path = build_tiny_llama(tmp_path_factory.mktemp(kind), SHAPES[kind])
+    extra = {"model": f"vllm-test-{kind}", "cpu_bytes": 128 << 20}
+    actor = ray.remote(num_cpus=0)(Engine)
+    a = actor.options(resources={"node-a": 0.5}).remote(str(path), "raykv", extra)
+    b = actor.options(resources={"node-b": 0.5}).remote(str(path), "raykv", extra)
+    node_a, node_b = ray.get([a.node_id.remote(), b.node_id.remote()])
+    assert node_a != node_b
+    yield a, b, extra["model"], node_a
+    for e in (a, b):
+        ray.kill(e)
+
+
+def reference(b, tokens: list[int]) -> list[int]:
+    """B's answer computed entirely by B (its prefix cache emptied, raykv off)."""
+    assert ray.get(b.reset.remote())
+    return ray.get(b.generate.remote(tokens, use_raykv=False))["token_ids"]
+
+
+def test_b_takes_the_prefix_a_computed_and_answers_identically(engines) -> None:
+    a, b, _, _ = engines
+    shared = prompt(PREFIX, 1)
+    ra = ray.get(a.generate.remote(shared + prompt(7, 2)))
+    assert ra["raykv"]["saved_tokens"] == PREFIX
+    mine = shared + prompt(9, 3)
+    rb = ray.get(b.generate.remote(mine))
+    assert rb["raykv"]["external_tokens"] == PREFIX, rb  # block-aligned: the whole prefix
+    assert rb["raykv"]["load_error_blocks"] == 0, rb
+    assert rb["token_ids"] == reference(b, mine)
+
+
+def test_a_corrupt_tier_entry_is_a_load_error_that_b_recomputes(engines) -> None:
+    from raykv.service.spec import NAMESPACE, tier_name
+    from raykv.tiers import shm
+
+    a, b, model, node_a = engines
+    tier = ray.get_actor(tier_name(node_a), namespace=NAMESPACE)
+    arena = shm.attach(ray.get(tier.arena.remote(model)))
+    before = arena[0].clone()
+    shared = prompt(PREFIX, 11)
+    ray.get(a.generate.remote(shared + prompt(5, 12)))
+    changed = (arena[0] != before).any(dim=1).nonzero().flatten()
+    assert len(changed) >= PREFIX // 32
+    arena[0][changed[len(changed) // 2], :64] ^= 0x5A  # one entry of A's copy goes bad
+
+    mine = shared + prompt(6, 13)
+    rb = ray.get(b.generate.remote(mine))
+    assert rb["raykv"]["load_error_blocks"] > 0 or rb["raykv"]["external_tokens"] < PREFIX, rb
+    assert rb["token_ids"] == reference(b, mine)
+    del arena
+
+
+def test_a_full_prompt_hit_is_n_minus_one_tokens(engines) -> None:
+    a, b, _, _ = engines
+    whole = prompt(PREFIX, 21)  # a multiple of the block size: every block is a hit
+    ray.get(a.generate.remote(whole))
+    assert ray.get(b.reset.remote())
+    rb = ray.get(b.generate.remote(whole))
+    assert rb["raykv"]["external_tokens"] == PREFIX - 1, rb  # vLLM computes the last token
+    assert rb["token_ids"] == reference(b, whole)
