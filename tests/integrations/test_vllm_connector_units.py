@@ -106,6 +106,24 @@ def test_a_lookup_that_fails_is_a_miss_and_opt_out_skips_the_lookup() -> None:
     assert s2.kv.calls == 0
 
 
+def test_requests_whose_kv_is_not_keyed_by_their_tokens_are_neither_loaded_nor_saved() -> None:
+    """The same token ids under a LoRA adapter, a cache salt, images or prompt embeddings are
+    other KV: a raykv hit (keyed by token ids) would be wrong KV, so there is none."""
+    from vllm.lora.request import LoRARequest
+
+    plain = request("plain", 300)
+    salted = Request("salted", plain.prompt_token_ids, SamplingParams(max_tokens=4), None,
+                     cache_salt="tenant-a")  # fmt: skip
+    lora = Request("lora", plain.prompt_token_ids, SamplingParams(max_tokens=4), None,
+                   lora_request=LoRARequest("adapter", 1, "/nonexistent"))  # fmt: skip
+    s, _ = scheduler(hit=256)
+    assert s.num_new_matched_tokens(plain, 0) == (256, False)
+    for req in (salted, lora):
+        assert s.num_new_matched_tokens(req, 0) == (0, False)
+        assert not s.reqs[req.request_id].store  # never saved under the plain ids either
+    assert s.kv.calls == 1  # only the plain request was looked up
+
+
 def test_a_load_that_ends_mid_block_loads_the_block_whole() -> None:
     s, m = scheduler(hit=64 * BS)
     req = request("r", 64 * BS)

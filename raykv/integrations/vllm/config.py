@@ -58,9 +58,32 @@ class RaykvVllmConfig:
         return cls(**extra)
 
 
-def request_flags(params: Mapping[str, Any] | None, config: RaykvVllmConfig) -> tuple[bool, bool]:
+def not_keyed_by_tokens(request: Any) -> str | None:
+    """Why a request's KV is not a function of its token ids alone (then raykv, which keys
+    blocks by token ids, must neither load nor store it: the same ids under another LoRA
+    adapter, cache salt, image or prompt embedding are different KV, and a hit would be
+    wrong KV); None when it is."""
+    for attr, why in (
+        ("lora_request", "a LoRA adapter"),
+        ("cache_salt", "a cache salt"),
+        ("mm_features", "multimodal inputs"),
+        ("prompt_embeds", "prompt embeddings"),
+    ):
+        if getattr(request, attr, None) is not None and (
+            attr == "prompt_embeds" or getattr(request, attr)
+        ):
+            return why
+    return None
+
+
+def request_flags(
+    params: Mapping[str, Any] | None, config: RaykvVllmConfig, request: Any = None
+) -> tuple[bool, bool]:
     """(load, store) for one request: the engine's settings, narrowed by its
-    ``kv_transfer_params["raykv"]``."""
+    ``kv_transfer_params["raykv"]``; neither for a request whose KV is not keyed by its
+    token ids alone (``not_keyed_by_tokens``)."""
+    if request is not None and not_keyed_by_tokens(request):
+        return False, False
     mine = (params or {}).get("raykv") or {}
     return (
         config.load and bool(mine.get("load", True)),

@@ -85,7 +85,7 @@ class RaykvScheduler:
     def _state(self, request: Any) -> _Req:
         st = self.reqs.get(request.request_id)
         if st is None or st.request is not request:  # new, or an id reused after an abort
-            load, store = request_flags(request.kv_transfer_params, self.config)
+            load, store = request_flags(request.kv_transfer_params, self.config, request)
             st = self.reqs[request.request_id] = _Req(request, load, store)
         return st
 
