@@ -296,6 +296,29 @@ def bench_copy(
     )
 
 
+@bench.command("transport")
+@click.option(
+    "--nccl/--no-nccl",
+    default=None,
+    help="The NCCL section: scattered blocks GPU->GPU through raykv vs one contiguous NCCL "
+    "send vs one send per block (default: run it where there are 2 x tp GPUs).",
+)
+@click.option("--tp", type=int, default=1, show_default=True, help="Ranks per TP group.")
+@click.option("--blocks", type=int, default=512, show_default=True, help="Blocks per batch.")
+@click.option("--rounds", type=int, default=7, show_default=True, help="Timed rounds (median).")
+@click.option("--cpu-smoke", is_flag=True, help="The same processes over gloo on the CPU.")
+@click.option("--json", "json_path", default=None, help="Also write JSON to PATH ('-': only).")
+def bench_transport(
+    nccl: bool | None, tp: int, blocks: int, rounds: int, cpu_smoke: bool, json_path: str | None
+) -> None:
+    """Moving blocks between members: raykv's transports vs raw transfers of the same bytes."""
+    from raykv.bench.transport import main as run_transport
+
+    run_transport(
+        nccl=nccl, tp=tp, blocks=blocks, rounds=rounds, cpu_smoke=cpu_smoke, json_path=json_path
+    )
+
+
 @bench.command("blocks")
 @click.option("--requests", "num_requests", default=256, show_default=True)
 @click.option("--steps", "num_steps", default=256, show_default=True, help="decode steps")

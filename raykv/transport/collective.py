@@ -49,6 +49,8 @@ from raykv.transport.select import GLOO, NCCL
 
 TIMEOUT_S = float(os.environ.get("RAYKV_COLLECTIVE_TIMEOUT_S", "30"))
 _SUM_BYTES = 8  # one int64 wire sum per row
+_SUM_CHUNK = 256 << 20  # bytes of rows summed per step
+_SPIN_S, _POLL_S = 0.002, 0.0001  # poll NCCL completion: spin first, then sleep between polls
 log = logging.getLogger(__name__)
 
 
@@ -105,9 +107,14 @@ def _weights(n: int, device: torch.device) -> torch.Tensor:
 def wire_sums(rows: torch.Tensor) -> torch.Tensor:
     """Per row of uint8 ``[n, width]``: the position-weighted wrapping sum of its words
     (int64 ``[n]``, on the rows' device; no host round trip)."""
-    width = rows.shape[1]
-    words = rows.view(torch.int64) if width % 8 == 0 else rows.to(torch.int64)
-    return (words * _weights(words.shape[1], rows.device)).sum(dim=1)
+    n, width = rows.shape
+    out = torch.empty(n, dtype=torch.int64, device=rows.device)
+    step = max(1, _SUM_CHUNK // max(width, 1))  # bounded scratch memory (2 GiB batches)
+    for i in range(0, n, step):
+        part = rows[i : i + step]
+        words = part.view(torch.int64) if width % 8 == 0 else part.to(torch.int64)
+        torch.sum(words * _weights(words.shape[1], rows.device), dim=1, out=out[i : i + step])
+    return out
 
 
 def wire_bytes(n: int, width: int) -> int:
@@ -162,6 +169,7 @@ class Collective:
         self._threads: dict[Pair, ThreadPoolExecutor] = {}
         self._stores: dict[tuple[str, int], Any] = {}
         self._lock = threading.Lock()
+        self._warmed: set[Pair] = set()  # NCCL pairs whose communicator is up
         # tests: called with each wire buffer right before it is sent
         self.tamper: Callable[[torch.Tensor], None] | None = None
 
@@ -202,6 +210,7 @@ class Collective:
         return pg
 
     def _abort(self, pair: Pair) -> None:
+        self._warmed.discard(pair)
         pg = self._groups.pop(pair, None)
         if pg is None:
             return
@@ -233,10 +242,13 @@ class Collective:
         if self.backend == GLOO:
             work.wait(datetime.timedelta(seconds=self.timeout_s))
             return
+        spin = time.monotonic() + _SPIN_S
         while not work.is_completed():  # NCCL: wait() would only order streams
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"no completion within {self.timeout_s:.0f}s")
-            time.sleep(0.0002)
+            if now > spin:
+                time.sleep(_POLL_S)
         work.wait()
 
     def _op(self, pair: Pair, buf: torch.Tensor, send: bool) -> None:
@@ -280,11 +292,44 @@ class Collective:
                 f"{2 * self.timeout_s + 5:.0f}s; the batch is a miss"
             ) from None
 
+    async def _warm(self, pair: Pair, buf: torch.Tensor, send: bool) -> None:
+        """An op on a formed NCCL pair: issued from the event loop (it does not block), its
+        completion polled without blocking the loop, bounded like every other wait."""
+        try:
+            pg = self._groups[pair]
+            if send and self.tamper is not None:
+                self.tamper(buf)
+            work = pg.send([buf], 1, 0) if send else pg.recv([buf], 0, 0)
+            now = time.monotonic()
+            deadline, spin = now + self.timeout_s, now + _SPIN_S
+            while not work.is_completed():
+                now = time.monotonic()
+                if now > deadline:
+                    raise TimeoutError(f"no completion within {self.timeout_s:.0f}s")
+                await asyncio.sleep(0 if now < spin else _POLL_S)
+            work.wait()
+        except Exception as e:
+            self._warmed.discard(pair)
+            self._abort(pair)
+            raise TransportError(
+                f"nccl {'send to' if send else 'receive from'} "
+                f"{pair.dst if send else pair.src} failed ({type(e).__name__}: "
+                f"{str(e)[:200]}); the batch is a miss here, its pair is formed again next time"
+            ) from e
+
+    async def _move(self, pair: Pair, buf: torch.Tensor, send: bool) -> None:
+        if pair in self._warmed and pair in self._groups:
+            await self._warm(pair, buf, send)
+            return
+        await self._run(pair, lambda: self._op(pair, buf, send))
+        if self.backend == NCCL:  # formed, its communicator up: later ops go inline
+            self._warmed.add(pair)
+
     async def send(self, pair: Pair, buf: torch.Tensor) -> None:
-        await self._run(pair, lambda: self._op(pair, buf, True))
+        await self._move(pair, buf, True)
 
     async def recv(self, pair: Pair, buf: torch.Tensor) -> None:
-        await self._run(pair, lambda: self._op(pair, buf, False))
+        await self._move(pair, buf, False)
 
     def close(self) -> None:
         for p in list(self._groups):
