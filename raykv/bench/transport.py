@@ -187,9 +187,37 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
             owner = 0 if layout == "mla" else r
             want = _rows(_pool(cfg, device, 1000 + owner), src_ids, width)
             out[f"{layout}/equal"] = bool(torch.equal(_rows(entries, dst_ids, width), want))
+    # where one batch's time goes, each phase alone (after the checks: it writes B's blocks)
+    out.update(_phases(a, cfg, entries, src_ids if a else dst_ids, width, sync))
     barrier()
     coll.close()
     return out
+
+
+def _phases(sender: bool, cfg: NcclConfig, entries, ids, width: int, sync) -> dict:
+    """Milliseconds of each phase of raykv's batch alone (median of 20)."""
+    from raykv import ops
+    from raykv.transport.collective import check_wire, stage, wire_sums
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(20):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    if sender:
+        return {"phase/stage_ms": timed(lambda: stage(entries, ids, width))}
+    rows = torch.empty((len(ids), width), dtype=torch.uint8, device=entries[0].device)
+    sums = wire_sums(rows)
+    return {
+        "phase/sums_ms": timed(lambda: wire_sums(rows)),
+        "phase/check_ms": timed(lambda: check_wire(rows, sums, None)),
+        "phase/scatter_ms": timed(lambda: ops.scatter_blocks(rows, entries, torch.tensor(ids))),
+    }
 
 
 # --- the parent ------------------------------------------------------------------------------
@@ -268,7 +296,8 @@ def nccl_report(cfg: NcclConfig, results: dict) -> dict:
             "equal": all(b[f"{layout}/equal"] for b in readers),
             "all_blocks": all(g == cfg.blocks for b in readers for g in b[f"{layout}/good"]),
         })  # fmt: skip
-    return {"config": asdict(cfg), "device": readers[0]["device"], "rows": rows}
+    phases = {k: v for b in (results[("A", 0)], readers[0]) for k, v in b.items() if "phase/" in k}
+    return {"config": asdict(cfg), "device": readers[0]["device"], "rows": rows, "phases": phases}
 
 
 def nccl_format(report: dict) -> str:
@@ -292,6 +321,11 @@ def nccl_format(report: dict) -> str:
             f"| {r['layout']} | {r['tp']} | {r['mib_per_pair']:.0f} | {r['wire_mib']:.0f} | "
             f"{f(r['raykv'])} | {f(r['contiguous'])} | {f(r['per_block'])} | "
             f"{f(r['raykv_vs_contiguous'], 3)} | {f(r['raykv_vs_per_block'])} | {ok} |"
+        )
+    if report.get("phases"):
+        lines.append(
+            "phases of one batch alone (rank pair 0, ms): "
+            + ", ".join(f"{k[6:-3]} {v:.3f}" for k, v in sorted(report["phases"].items()))
         )
     return "\n".join(lines)
 

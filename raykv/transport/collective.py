@@ -16,9 +16,12 @@ A batch is ONE message: the sender gathers the blocks with the paged-copy kernel
 (``raykv.ops.gather_blocks``) into one staging buffer ``[rows | wire sums]`` (each row's
 position-weighted int64 word sum, computed where the rows are, on the GPU for NCCL), sends
 it, and the receiver checks every row's sum on arrival (plus, where the rows are in host
-memory, the xxh3 checksums the rows were stored with) before scattering the leading good
-rows into its blocks (``raykv.ops.scatter_blocks``). A corrupt row ends the batch there
-(the rest are misses, counted by the caller).
+memory, the xxh3 checksums the rows were stored with) and scatters the rows into its blocks
+(``raykv.ops.scatter_blocks``); only the leading intact ones become valid. A corrupt row
+ends the batch there (the rest are misses, counted by the caller). On a GPU the xxh3 of the
+stored bytes is not recomputed (it runs on the host: a 2 GiB batch would cross PCIe twice);
+the sender's sums are taken from the bytes it gathered, so the wire is checked end to end
+and the stored xxh3 checksums travel with the blocks (an offload re-checks them).
 
 Operations of one pair run in order on one thread of their own (NCCL and gloo point-to-point
 ops match in issue order, and both ends issue one op per batch), never on the actor's event
@@ -363,20 +366,26 @@ async def recv_blocks(
     forward: Sequence[Pair] = (),
 ) -> int:
     """Receive one message of ``len(block_ids)`` rows from ``pair.src``, check it
-    (``check_wire``), scatter the leading good rows into ``block_ids`` and pass the message
-    on to ``forward`` (replicas of the same copy, e.g. an MLA latent: it crossed once).
-    Returns how many leading blocks were written."""
+    (``check_wire``) and pass it on to ``forward`` (replicas of the same copy, e.g. an MLA
+    latent: it crossed once). Returns how many leading blocks hold intact rows; only those
+    may become valid (on a GPU every row is scattered while the check runs, so one host sync
+    covers both: the blocks are the reader's own and not valid yet; host rows are checked
+    first and only the good ones written)."""
     n = len(block_ids)
     buf = torch.empty(wire_bytes(n, width), dtype=torch.uint8, device=coll.device)
     await coll.recv(pair, buf)
     rows, sums = split_wire(buf, n, width)
-    good = check_wire(rows, sums, expected)
-    if good:
-        ops.scatter_blocks(rows[:good], entries, torch.tensor(list(block_ids[:good])))
+    if coll.device.type == "cuda":
+        # scatter while the check runs behind it on the stream: one host sync for both. The
+        # blocks are the reader's own, not valid yet: rows past a bad one are never validated
+        ops.scatter_blocks(rows, entries, torch.tensor(list(block_ids)))
+        good = check_wire(rows, sums, expected)
+    else:  # host rows: check first (the xxh3 of every row), write only the good ones
+        good = check_wire(rows, sums, expected)
+        if good:
+            ops.scatter_blocks(rows[:good], entries, torch.tensor(list(block_ids[:good])))
     for p in forward:
         await coll.send(p, buf)
-    if coll.device.type == "cuda":
-        torch.cuda.current_stream(coll.device).synchronize()
     return good
 
 
