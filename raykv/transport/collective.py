@@ -73,6 +73,18 @@ def serve_rendezvous(host: str) -> tuple[Any, str, int]:
     return store, host, int(store.port)
 
 
+def node_address() -> str:
+    """This node's address as Ray knows it (127.0.0.1 on a loopback cluster), else loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # no Ray here: a single-host use
+        pass
+    return "127.0.0.1"
+
+
 @dataclass(frozen=True)
 class Pair:
     """One direction between two endpoints: ``src`` sends, ``dst`` receives."""
@@ -161,8 +173,15 @@ def check_wire(rows: torch.Tensor, sums: torch.Tensor, expected: Sequence[int] |
 class Collective:
     """This process's pairwise groups, one ordered thread per pair, bounded waits."""
 
-    def __init__(self, ident: str, device: torch.device | str, timeout_s: float = TIMEOUT_S):
+    def __init__(
+        self,
+        ident: str,
+        device: torch.device | str,
+        timeout_s: float = TIMEOUT_S,
+        host: str | None = None,
+    ) -> None:
         self.ident = ident
+        self.host = host or node_address()  # gloo listens here
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -207,8 +226,11 @@ class Collective:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout * 4
             pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
-        else:
-            pg = dist.ProcessGroupGloo(store, rank, 2, timeout)
+        else:  # bound to this node's address (not whatever the hostname resolves to)
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+            pg = dist.ProcessGroupGloo(store, rank, 2, opts)
         self._groups[pair] = pg
         return pg
 

@@ -2,6 +2,7 @@
 its own pair thread) move blocks as one message, check them, and end a dead pair in time."""
 
 import asyncio
+import itertools
 import time
 
 import pytest
@@ -22,6 +23,7 @@ from raykv.transport.collective import (
 )
 
 W = 64  # row bytes: 2 entries of [4, 8] uint8 per block
+_EXAMPLE = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +55,15 @@ def move(a, b, pair, src, dst, ids, into, expected=None):
 @settings(max_examples=8, deadline=None)
 @given(st.lists(st.integers(1, 11), min_size=1, max_size=11, unique=True), st.randoms())
 def test_blocks_arrive_byte_equal_as_one_message(store, ids, rnd) -> None:
-    a, b = Collective("src#1", "cpu", timeout_s=5), Collective("dst#1", "cpu", timeout_s=5)
+    # a pair's rendezvous keys stay in the store: new endpoints (an actor's incarnation) or a
+    # new generation form a new pair
+    me = next(_EXAMPLE)
+    a, b = Collective(f"src#{me}", "cpu", timeout_s=5), Collective(f"dst#{me}", "cpu", timeout_s=5)
     try:
         src, dst = pool(seed=len(ids)), pool(seed=99)
         into = rnd.sample(range(1, 12), len(ids))
         want = rows_of(src, ids)
-        sent, got = move(a, b, Pair("src#1", "dst#1", 0, store), src, dst, ids, into,
+        sent, got = move(a, b, Pair(a.ident, b.ident, 0, store), src, dst, ids, into,
                          row_checksums(want))  # fmt: skip
         assert got == len(ids) and sent == len(ids) * (W + 8)  # rows + one sum each
         assert torch.equal(rows_of(dst, into), want)
