@@ -1,7 +1,7 @@
-"""NCCL pairs between two GPUs, each process seeing only its own GPU (as under Ray): scattered
-blocks arrive byte-equal as one message per rank pair (TP-1 and, with 4 GPUs, TP-2 and MLA
-passed on inside the reader's group), and a sender that dies leaves its receiver with a
-``TransportError`` within the timeout, never a hang."""
+"""NCCL pairs between GPUs, each process seeing only its own GPU (as under Ray): scattered
+blocks arrive byte-equal as one batch per rank pair (16 MiB: three messages), TP-1 and, with
+4 GPUs, TP-2 and MLA (passed on inside the reader's group); a sender that dies leaves its
+receiver with a ``TransportError`` within the timeout, never a hang."""
 
 import multiprocessing as mp
 import os
@@ -18,14 +18,14 @@ GPUS = nccl_gpus()
 
 @pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, found {GPUS}")
 def test_scattered_blocks_arrive_equal_between_two_gpus() -> None:
-    rep = nccl_run(NcclConfig(blocks=64, rounds=1, burst=2), timeout_s=240)
+    rep = nccl_run(NcclConfig(blocks=256, rounds=1, burst=2), timeout_s=240)
     (row,) = rep["rows"]
     assert row["equal"] and row["all_blocks"], row
 
 
 @pytest.mark.skipif(GPUS < 4, reason=f"needs 4 GPUs, found {GPUS}")
 def test_tp2_rank_pairs_and_mla_between_two_groups() -> None:
-    rep = nccl_run(NcclConfig(tp=2, blocks=64, rounds=1, burst=2), timeout_s=240)
+    rep = nccl_run(NcclConfig(tp=2, blocks=256, rounds=1, burst=2), timeout_s=240)
     assert [r["layout"] for r in rep["rows"]] == ["split", "mla"]
     assert all(r["equal"] and r["all_blocks"] for r in rep["rows"]), rep["rows"]
     assert rep["rows"][1]["wire_mib"] == rep["rows"][1]["mib_per_pair"]  # MLA: one copy
