@@ -66,8 +66,8 @@ class RankCollective:
         """Gather now (before any later call may write the blocks), send in the background;
         returns the send's coroutine."""
         coll = self.collective(name)
-        msgs, ready = stage(self.entries[gi], block_ids, self.widths[gi])
-        return coll.send(pair, msgs, ready)
+        buf = stage(self.entries[gi], block_ids, self.widths[gi])
+        return coll.send(pair, buf)
 
     async def recv(
         self, name: str, pair: Pair, gi: int, block_ids: list[int], expected, forward

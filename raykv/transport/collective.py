@@ -53,7 +53,6 @@ from raykv.transport.select import GLOO, NCCL
 TIMEOUT_S = float(os.environ.get("RAYKV_COLLECTIVE_TIMEOUT_S", "30"))
 _SUM_BYTES = 8  # one int64 wire sum per row
 _SUM_CHUNK = 256 << 20  # bytes of rows summed per step
-_FIRST_MESSAGE, _MAX_MESSAGE = 4 << 20, 64 << 20  # a batch's messages grow from 4 to 64 MiB
 _SPIN_S, _POLL_S = 0.002, 0.0001  # poll NCCL completion: spin first, then sleep between polls
 log = logging.getLogger(__name__)
 
@@ -104,7 +103,7 @@ class Pair:
         return self.src, self.dst
 
 
-# --- the wire format: per message [rows of width bytes | one int64 sum per row] ----------------
+# --- the wire format: [n rows of width bytes | n int64 sums] -------------------------------
 
 _WEIGHTS: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -133,61 +132,25 @@ def wire_sums(rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def chunk_rows(n: int, width: int) -> list[tuple[int, int]]:
-    """(first row, rows) of each message of a batch: ~4 MiB first, doubling up to 64 MiB, so
-    the holder's gather of message k+1 and the reader's scatter of message k overlap the
-    wire; a batch under 4 MiB is one message."""
-    out, start, target = [], 0, _FIRST_MESSAGE
-    while start < n:
-        count = max(1, min(n - start, target // max(width, 1)))
-        out.append((start, count))
-        start, target = start + count, min(2 * target, _MAX_MESSAGE)
-    return out
-
-
-def _message_bytes(count: int, width: int) -> int:
-    return -(-count * width // _SUM_BYTES) * _SUM_BYTES + count * _SUM_BYTES  # sums aligned
-
-
 def wire_bytes(n: int, width: int) -> int:
-    return sum(_message_bytes(c, width) for _, c in chunk_rows(n, width))
+    return n * (width + _SUM_BYTES)
 
 
-def split_wire(buf: torch.Tensor, n: int, width: int) -> list[tuple[int, int, Any, Any, Any]]:
-    """Per message of a batch's wire buffer: (first row, rows, the message, its rows uint8
-    ``[rows, width]``, its sums int64 ``[rows]``), all views of ``buf``."""
-    out, off = [], 0
-    for start, count in chunk_rows(n, width):
-        size = _message_bytes(count, width)
-        msg = buf[off : off + size]
-        rows = msg[: count * width].view(count, width)
-        out.append((start, count, msg, rows, msg[size - count * _SUM_BYTES :].view(torch.int64)))
-        off += size
-    return out
+def split_wire(buf: torch.Tensor, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows uint8 ``[n, width]``, sums int64 ``[n]``) views of a wire buffer."""
+    rows = buf[: n * width].view(n, width)
+    return rows, buf[n * width : wire_bytes(n, width)].view(torch.int64)
 
 
-def stage(
-    entries: Sequence[torch.Tensor], block_ids: Sequence[int], width: int
-) -> tuple[list[torch.Tensor], list[Any]]:
-    """The messages of ``block_ids``' rows (paged copies) with their sums, on the entries'
-    device, and per message a CUDA event marking it ready (None on the host). Runs before the
-    caller's next await, on the current stream: the rows are read before any later write."""
+def stage(entries: Sequence[torch.Tensor], block_ids: Sequence[int], width: int) -> torch.Tensor:
+    """One wire buffer of ``block_ids``' rows (one paged copy) and their sums, on the
+    entries' device. Runs before the caller's next await: the rows are read now."""
     device = entries[0].device
-    n = len(block_ids)
-    buf = torch.empty(wire_bytes(n, width), dtype=torch.uint8, device=device)
-    ids = torch.tensor(list(block_ids), dtype=torch.long)
-    msgs, ready = [], []
-    for start, count, msg, rows, sums in split_wire(buf, n, width):
-        ops.gather_blocks(entries, ids[start : start + count], rows)
-        sums.copy_(wire_sums(rows))
-        msgs.append(msg)
-        if device.type == "cuda":
-            ev = torch.cuda.Event()
-            ev.record()
-            ready.append(ev)
-        else:
-            ready.append(None)
-    return msgs, ready
+    buf = torch.empty(wire_bytes(len(block_ids), width), dtype=torch.uint8, device=device)
+    rows, sums = split_wire(buf, len(block_ids), width)
+    ops.gather_blocks(entries, torch.tensor(list(block_ids), dtype=torch.long), rows)
+    sums.copy_(wire_sums(rows))
+    return buf
 
 
 def check_wire(rows: torch.Tensor, sums: torch.Tensor, expected: Sequence[int] | None) -> int:
@@ -229,7 +192,6 @@ class Collective:
         self._stores: dict[tuple[str, int], Any] = {}
         self._lock = threading.Lock()
         self._warmed: set[Pair] = set()  # NCCL pairs whose communicator is up
-        self._side: Any = None  # the stream sends are issued from (CUDA)
         # tests: called with each wire buffer right before it is sent
         self.tamper: Callable[[torch.Tensor], None] | None = None
 
@@ -300,68 +262,41 @@ class Collective:
 
     # -- one op, on the pair's thread --
 
-    def _issue(
-        self, pg: Any, msgs: Sequence[torch.Tensor], send: bool, ready: Sequence[Any] | None
-    ) -> list[Any]:
-        """Every message's op, in order. A send waits (on the GPU) only for its own message's
-        ``ready`` event, so it leaves while the next one is still being gathered."""
-        works = []
-        for k, m in enumerate(msgs):
-            if not send:
-                works.append(pg.recv([m], 0, 0))
-                continue
-            if self.tamper is not None:
-                self.tamper(m)
-            ev = ready[k] if ready else None
-            if ev is None:
-                works.append(pg.send([m], 1, 0))
-                continue
-            if self._side is None:
-                self._side = torch.cuda.Stream(self.device)
-            self._side.wait_event(ev)
-            with torch.cuda.stream(self._side):
-                works.append(pg.send([m], 1, 0))
-        return works
+    def _wait(self, pair: Pair, work: Any) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        if self.backend == GLOO:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+            return
+        spin = time.monotonic() + _SPIN_S
+        while not work.is_completed():  # NCCL: wait() would only order streams
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(f"no completion within {self.timeout_s:.0f}s")
+            if now > spin:
+                time.sleep(_POLL_S)
+        work.wait()
 
-    def _error(self, pair: Pair, send: bool, e: Exception) -> TransportError:
-        self._abort(pair)
-        return TransportError(
-            f"{self.backend} {'send to' if send else 'receive from'} "
-            f"{pair.dst if send else pair.src} failed ({type(e).__name__}: "
-            f"{str(e)[:200]}); the batch is a miss here, its pair is formed again next time"
-        )
-
-    def _op(
-        self, pair: Pair, msgs: Sequence[torch.Tensor], send: bool, ready: Any, arrived: Any
-    ) -> None:
-        """A batch's ops on the pair's thread (forming the group first if new)."""
+    def _op(self, pair: Pair, buf: torch.Tensor, send: bool) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         try:
-            works = self._issue(self._group(pair), msgs, send, ready)
-            deadline = time.monotonic() + self.timeout_s
-            if self.backend == GLOO:
-                for k, w in enumerate(works):
-                    w.wait(datetime.timedelta(seconds=max(0.0, deadline - time.monotonic())))
-                    if arrived is not None:
-                        arrived(k)
-                return
-            if arrived is not None:  # NCCL: each message's scatter queued behind its arrival
-                for k, w in enumerate(works):
-                    w.wait()
-                    arrived(k)
-            spin = time.monotonic() + _SPIN_S
-            while not all(w.is_completed() for w in works):  # wait() only orders streams
-                now = time.monotonic()
-                if now > deadline:
-                    raise TimeoutError(f"no completion within {self.timeout_s:.0f}s")
-                if now > spin:
-                    time.sleep(_POLL_S)
-            for w in works:
-                w.wait()
-            torch.cuda.current_stream(self.device).synchronize()
+            pg = self._group(pair)
+            if send:
+                if self.tamper is not None:
+                    self.tamper(buf)
+                work = pg.send([buf], 1, 0)
+            else:
+                work = pg.recv([buf], 0, 0)
+            self._wait(pair, work)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
         except Exception as e:
-            raise self._error(pair, send, e) from e
+            self._abort(pair)
+            raise TransportError(
+                f"{self.backend} {'send to' if send else 'receive from'} "
+                f"{pair.dst if send else pair.src} failed ({type(e).__name__}: "
+                f"{str(e)[:200]}); the batch is a miss here, its pair is formed again next time"
+            ) from e
 
     async def _run(self, pair: Pair, fn: Callable[[], Any]) -> Any:
         """``fn`` on the pair's own thread (its ops in order), at most ``timeout_s`` (plus the
@@ -382,55 +317,44 @@ class Collective:
                 f"{2 * self.timeout_s + 5:.0f}s; the batch is a miss"
             ) from None
 
-    async def _warm(
-        self, pair: Pair, msgs: Sequence[torch.Tensor], send: bool, ready: Any, arrived: Any
-    ) -> None:
-        """A batch on a formed NCCL pair: issued from the event loop (nothing blocks), its
+    async def _warm(self, pair: Pair, buf: torch.Tensor, send: bool) -> None:
+        """An op on a formed NCCL pair: issued from the event loop (it does not block), its
         completion polled without blocking the loop, bounded like every other wait."""
         try:
-            works = self._issue(self._groups[pair], msgs, send, ready)
-            if arrived is not None:
-                for k, w in enumerate(works):
-                    w.wait()
-                    arrived(k)
+            pg = self._groups[pair]
+            if send and self.tamper is not None:
+                self.tamper(buf)
+            work = pg.send([buf], 1, 0) if send else pg.recv([buf], 0, 0)
             now = time.monotonic()
             deadline, spin = now + self.timeout_s, now + _SPIN_S
-            while not all(w.is_completed() for w in works):
+            while not work.is_completed():
                 now = time.monotonic()
                 if now > deadline:
                     raise TimeoutError(f"no completion within {self.timeout_s:.0f}s")
                 await asyncio.sleep(0 if now < spin else _POLL_S)
-            for w in works:
-                w.wait()
+            work.wait()
         except Exception as e:
-            raise self._error(pair, send, e) from e
+            self._warmed.discard(pair)
+            self._abort(pair)
+            raise TransportError(
+                f"nccl {'send to' if send else 'receive from'} "
+                f"{pair.dst if send else pair.src} failed ({type(e).__name__}: "
+                f"{str(e)[:200]}); the batch is a miss here, its pair is formed again next time"
+            ) from e
 
-    async def _move(
-        self, pair: Pair, msgs: Sequence[torch.Tensor], send: bool, ready: Any, arrived: Any
-    ) -> None:
+    async def _move(self, pair: Pair, buf: torch.Tensor, send: bool) -> None:
         if pair in self._warmed and pair in self._groups:
-            await self._warm(pair, msgs, send, ready, arrived)
+            await self._warm(pair, buf, send)
             return
-        await self._run(pair, lambda: self._op(pair, msgs, send, ready, arrived))
+        await self._run(pair, lambda: self._op(pair, buf, send))
         if self.backend == NCCL:  # formed, its communicator up: later ops go inline
             self._warmed.add(pair)
 
-    async def send(
-        self, pair: Pair, msgs: Sequence[torch.Tensor], ready: Sequence[Any] | None = None
-    ) -> None:
-        """Send a batch's messages in order (``ready``: per message, a CUDA event after
-        which it may leave)."""
-        await self._move(pair, msgs, True, ready, None)
+    async def send(self, pair: Pair, buf: torch.Tensor) -> None:
+        await self._move(pair, buf, True)
 
-    async def recv(
-        self,
-        pair: Pair,
-        msgs: Sequence[torch.Tensor],
-        arrived: Callable[[int], None] | None = None,
-    ) -> None:
-        """Receive a batch's messages in order; ``arrived(k)`` runs once message k may be
-        read in stream order (NCCL: queued behind its arrival; gloo: after it arrived)."""
-        await self._move(pair, msgs, False, None, arrived)
+    async def recv(self, pair: Pair, buf: torch.Tensor) -> None:
+        await self._move(pair, buf, False)
 
     def close(self) -> None:
         for p in list(self._groups):
@@ -447,11 +371,11 @@ async def send_blocks(
     coll: Collective, pair: Pair, entries: Sequence[torch.Tensor], block_ids: Sequence[int],
     width: int,
 ) -> int:  # fmt: skip
-    """Gather ``block_ids`` (now, before the first await) and send them as one batch (a few
-    large messages). Returns the bytes sent."""
-    msgs, ready = stage(entries, block_ids, width)
-    await coll.send(pair, msgs, ready)
-    return sum(int(m.numel()) for m in msgs)
+    """Gather ``block_ids`` (now, before the first await) and send them as one message.
+    Returns the bytes sent."""
+    buf = stage(entries, block_ids, width)
+    await coll.send(pair, buf)
+    return int(buf.numel())
 
 
 async def recv_blocks(
@@ -463,41 +387,27 @@ async def recv_blocks(
     expected: Sequence[int] | None = None,
     forward: Sequence[Pair] = (),
 ) -> int:
-    """Receive one batch of ``len(block_ids)`` rows from ``pair.src``, check it
+    """Receive one message of ``len(block_ids)`` rows from ``pair.src``, check it
     (``check_wire``) and pass it on to ``forward`` (replicas of the same copy, e.g. an MLA
     latent: it crossed once). Returns how many leading blocks hold intact rows; only those
-    may become valid. On a GPU each message is scattered as it lands, its check queued behind
-    it, and one host sync covers all (the blocks are the reader's own and not valid yet);
-    host rows are checked first and only the good ones written."""
+    may become valid (on a GPU every row is scattered while the check runs, so one host sync
+    covers both: the blocks are the reader's own and not valid yet; host rows are checked
+    first and only the good ones written)."""
     n = len(block_ids)
     buf = torch.empty(wire_bytes(n, width), dtype=torch.uint8, device=coll.device)
-    parts = split_wire(buf, n, width)
-    ids = torch.tensor(list(block_ids), dtype=torch.long)
-    msgs = [p[2] for p in parts]
+    await coll.recv(pair, buf)
+    rows, sums = split_wire(buf, n, width)
     if coll.device.type == "cuda":
-        oks: list[torch.Tensor] = []
-
-        def arrived(k: int) -> None:
-            start, count, _, rows, sums = parts[k]
-            ops.scatter_blocks(rows, entries, ids[start : start + count])
-            oks.append(wire_sums(rows) == sums)
-
-        await coll.recv(pair, msgs, arrived)
-        ok = torch.cat(oks).cpu().tolist() if oks else []
-        good = next((i for i, x in enumerate(ok) if not x), n)
-    else:
-        await coll.recv(pair, msgs)
-        good = 0
-        for start, count, _, rows, sums in parts:
-            want = None if expected is None else expected[start : start + count]
-            g = check_wire(rows, sums, want)
-            if g:
-                ops.scatter_blocks(rows[:g], entries, ids[start : start + g])
-            good = start + g
-            if g < count:
-                break
+        # scatter while the check runs behind it on the stream: one host sync for both. The
+        # blocks are the reader's own, not valid yet: rows past a bad one are never validated
+        ops.scatter_blocks(rows, entries, torch.tensor(list(block_ids)))
+        good = check_wire(rows, sums, expected)
+    else:  # host rows: check first (the xxh3 of every row), write only the good ones
+        good = check_wire(rows, sums, expected)
+        if good:
+            ops.scatter_blocks(rows[:good], entries, torch.tensor(list(block_ids[:good])))
     for p in forward:
-        await coll.send(p, msgs)
+        await coll.send(p, buf)
     return good
 
 

@@ -108,37 +108,3 @@ def test_wire_check_needs_both_the_sum_and_the_stored_checksum() -> None:
     swapped = rows.clone()
     swapped[1, :8], swapped[1, 8:16] = rows[1, 8:16], rows[1, :8]  # same words, other places
     assert check_wire(swapped, sums, None) == 1
-
-
-def test_a_large_batch_travels_as_a_few_messages_checked_each(store) -> None:
-    from raykv.transport.collective import chunk_rows
-
-    width = 1 << 20  # 1 MiB rows: 10 of them are messages of 4 and 6 rows
-    assert chunk_rows(10, width) == [(0, 4), (4, 6)]
-    assert chunk_rows(3, 64) == [(0, 3)]  # small batches stay one message
-    a, b = Collective("s#3", "cpu", timeout_s=5), Collective("d#3", "cpu", timeout_s=5)
-    g = torch.Generator().manual_seed(3)
-    src = [torch.randint(0, 256, (12, width), generator=g, dtype=torch.uint8)]
-    dst = [torch.zeros(12, width, dtype=torch.uint8)]
-    ids, into = [3, 1, 4, 11, 5, 9, 2, 6, 8, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
-    seen = []
-
-    def flip_second(msg: torch.Tensor) -> None:
-        seen.append(msg.numel())
-        if len(seen) == 2:
-            msg[width + 3] ^= 1  # message 2, its row 1: batch row 5
-
-    a.tamper = flip_second
-
-    async def both():
-        return await asyncio.gather(
-            send_blocks(a, Pair("s#3", "d#3", 0, store), src, ids, width),
-            recv_blocks(b, Pair("s#3", "d#3", 0, store), dst, into, width),
-        )
-
-    _, got = asyncio.run(both())
-    assert seen == [4 * (width + 8), 6 * (width + 8)]  # two messages, not ten
-    assert got == 5 and torch.equal(dst[0][into[:5]], src[0][ids[:5]])
-    assert not dst[0][into[5:]].any()  # past the bad row nothing was written
-    a.close()
-    b.close()
