@@ -1,5 +1,5 @@
 """NCCL pairs between GPUs, each process seeing only its own GPU (as under Ray): scattered
-blocks arrive byte-equal as one batch per rank pair (16 MiB: three messages), TP-1 and, with
+blocks arrive byte-equal as one message per rank pair (16 MiB), TP-1 and, with
 4 GPUs, TP-2 and MLA (passed on inside the reader's group); a sender that dies leaves its
 receiver with a ``TransportError`` within the timeout, never a hang."""
 
