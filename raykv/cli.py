@@ -296,6 +296,39 @@ def bench_copy(
     )
 
 
+@bench.command("transport")
+@click.option(
+    "--nccl/--no-nccl",
+    default=None,
+    help="The NCCL section: scattered blocks GPU->GPU through raykv vs one contiguous NCCL "
+    "send vs one send per block (default: run it where there are 2 x tp GPUs).",
+)
+@click.option(
+    "--ucx/--no-ucx",
+    default=None,
+    help="The UCX section: CPU tier -> CPU tier through raykv vs raw ucxx vs a raw Ray "
+    "put/get (default: run it where ucxx is installed).",
+)
+@click.option("--tp", type=int, default=1, show_default=True, help="Ranks per TP group (NCCL).")
+@click.option("--blocks", type=int, default=512, show_default=True, help="Blocks per batch.")
+@click.option("--rounds", type=int, default=7, show_default=True, help="Timed rounds (median).")
+@click.option("--cpu-smoke", is_flag=True, help="The NCCL section's processes over gloo on CPU.")
+@click.option("--quick", is_flag=True, help="A smaller UCX section (a smoke run).")
+@click.option("--ucx-tls", default="tcp", show_default=True, help="UCX_TLS for the UCX section.")
+@click.option("--json", "json_path", default=None, help="Also write JSON to PATH ('-': only).")
+def bench_transport(
+    nccl: bool | None, ucx: bool | None, tp: int, blocks: int, rounds: int, cpu_smoke: bool,
+    quick: bool, ucx_tls: str, json_path: str | None,
+) -> None:  # fmt: skip
+    """Moving blocks between members: raykv's transports vs raw transfers of the same bytes."""
+    from raykv.bench.transport import main as run_transport
+
+    run_transport(
+        nccl=nccl, ucx=ucx, tp=tp, blocks=blocks, rounds=rounds, cpu_smoke=cpu_smoke,
+        quick=quick, ucx_tls=ucx_tls, json_path=json_path,
+    )  # fmt: skip
+
+
 @bench.command("blocks")
 @click.option("--requests", "num_requests", default=256, show_default=True)
 @click.option("--steps", "num_steps", default=256, show_default=True, help="decode steps")
@@ -345,22 +378,6 @@ def bench_service(quick: bool, as_json: bool) -> None:
     from raykv.bench.service import main as run_service
 
     run_service(quick=quick, as_json=as_json)
-
-
-@bench.command("transport")
-@click.option("--quick", is_flag=True, help="Fewer repetitions and blocks (a smoke run).")
-@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-@click.option("--ucx-tls", default="tcp", show_default=True, help="UCX_TLS for the UCX section.")
-def bench_transport(quick: bool, as_json: bool, ucx_tls: str) -> None:
-    """Blocks between nodes: UCX (CPU tier -> CPU tier, 512 scattered blocks through raykv,
-    1 and 4 endpoints) next to raw ucxx sending one contiguous buffer of the same bytes and a
-    raw Ray put/get, in one run. Needs raykv[ucx]."""
-    from raykv.bench.transport import ucx_main
-    from raykv.transport.ucx_runtime import available
-
-    if not available():
-        raise click.ClickException("the UCX section needs ucxx: pip install 'raykv[ucx]'")
-    ucx_main(quick=quick, as_json=as_json, tls=ucx_tls)
 
 
 @bench.command("vllm")

@@ -3,7 +3,7 @@
 
 ``python -m raykv.bench.ucx_peer --blocks 512 --block-bytes 262144`` prints one JSON line
 (``{"raykv": [host, port], "raw": [host, port], "checksums": [...]}``) and serves until its
-stdin closes. Used by ``raykv bench transport`` (``raykv.bench.transport.ucx_pair``), by the
+stdin closes. Used by ``raykv bench transport`` (``raykv.bench.transport_ucx.ucx_pair``), by the
 two-host test in network namespaces, and by the peer-dies-mid-transfer test
 (``--die-after-ms``: the process exits that long after it starts sending a batch).
 Block ``i`` (key: ``i`` as 8 bytes, little endian) is row ``perm[i]`` of an arena twice as

@@ -40,7 +40,7 @@ from raykv.service.groups import (
 from raykv.service.index import CPU, GPU, Location, key_events, rank, split_key
 from raykv.service.metrics import ServiceMetrics
 from raykv.service.spec import COORDINATOR, NAMESPACE, ServedModel
-from raykv.transport.select import OBJECT_STORE, choose
+from raykv.transport.select import COLLECTIVE, OBJECT_STORE, choose
 
 HEARTBEAT_S = 1.0
 WATCH_S = 30.0  # how long one watch call stays open before the next replaces it
@@ -102,6 +102,7 @@ class Coordinator:
         self._managers: dict[str, Any] = {}  # model -> its group managers (hit rules)
         self._watches: dict[str, tuple[str, asyncio.Task]] = {}  # name -> (actor id, watch)
         self.routes: dict[tuple[str, str], str] = {}  # (holder, reader) -> transport used
+        self._rendezvous: tuple[Any, str, int] | None = None  # NCCL / gloo pairs' TCPStore
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -422,7 +423,14 @@ class Coordinator:
         name = choose(holder.transports, r.transports if r else {OBJECT_STORE: None})
         if reader:
             self.routes[(holder.name, reader)] = name
-        return name, holder.transports.get(name)
+        ep = holder.transports.get(name)
+        if name in COLLECTIVE:  # pairs of registered pools meet at our store
+            if self._rendezvous is None:
+                from raykv.transport.collective import serve_rendezvous
+
+                self._rendezvous = serve_rendezvous(ray.util.get_node_ip_address())
+            ep = {**(ep or {}), "store": self._rendezvous[1:]}
+        return name, ep
 
     async def locate(
         self, model: str, block_hashes: list[Hashable], node_id: str, reader: str | None = None

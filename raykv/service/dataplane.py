@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Hashable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -53,10 +54,19 @@ class PoolDataPlane:
         from raykv.tiers.fence import StoreFence
 
         self.transports = reader_transports()  # the object store, and UCX where it runs
+        self._init_collective()  # nccl (GPU KV) or gloo (host KV): ``service.pairs``
         # invariant 9: a fenced block keeps a block-manager reference until its store is done
         self.fence = StoreFence(hold=self.bm.hold_blocks, release=self.bm.release_blocks)
         self.sums: dict[int, tuple[int, ...]] = {}  # valid block -> checksum per TP copy
         self._fences = 0
+
+    def endpoints(self) -> dict[str, Any]:
+        """Every transport this pool serves, with what a reader needs to reach it."""
+        out = dict(super().endpoints())
+        for name, t in self.transports.items():
+            if hasattr(t, "endpoint"):
+                out[name] = t.endpoint()
+        return out
 
     def _tier(self) -> Any:
         return ray.get_actor(tier_name(self.node_id), namespace=NAMESPACE)
@@ -283,6 +293,14 @@ class PoolDataPlane:
     ) -> tuple[int, int]:
         """One batch from another member: verified, then scattered to every rank."""
         source = loc.member
+        if getattr(self.transports.get(loc.transport), "direct", False):
+            try:  # rank to rank into our blocks (``raykv.service.pairs``)
+                return await self._collective_fetch(loc, gi, want, filled, live)
+            except TransportError as e:
+                log.warning("pool %s: %s from %s failed (%s); retrying over %s",
+                            self.name, loc.transport, source, e, FALLBACK)  # fmt: skip
+                self.metrics.failed(f"transport_{loc.transport}")
+                loc = replace(loc, transport=FALLBACK)
         batch = await self._fetch_batch(loc, [k for k, _ in want])
         if not live():  # freed while the rows travelled: our blocks may be someone else's
             return 0, 0
@@ -317,7 +335,23 @@ class PoolDataPlane:
         buffer uint8 [distinct copies, count, row_bytes] plus their checksums per copy."""
         from raykv.service.groups import key_group
 
-        blocks = []
+        blocks = self._exportable(model, keys)
+        gid = key_group(keys[0]) if keys else None
+        self.metrics.miss(model, GPU, len(keys) - len(blocks))
+        if not blocks:
+            return 0, np.empty((len(self.writers), 0, 0), np.uint8), []
+        # the checksums of the bytes the gather reads now, before anything may yield
+        sums = [[self.sums[b][c] for b in blocks] for c in range(len(self.writers))]
+        rows = await self._gather(self.gindex[gid], blocks, self.writers)
+        self.metrics.hit(model, GPU, len(blocks))
+        self.metrics.moved(model, GPU, rows.numel())
+        return len(blocks), export_rows(rows), sums
+
+    def _exportable(self, model: str, keys: list[bytes]) -> list[int]:
+        """Our blocks holding the leading ``keys`` (one group) that are still valid here."""
+        from raykv.service.groups import key_group
+
+        blocks: list[int] = []
         gid = key_group(keys[0]) if keys else None
         for key in keys:
             b = self.valid.get(key)
@@ -328,15 +362,7 @@ class PoolDataPlane:
             if not self._cached_as(b, key) or b not in self.sums:
                 break
             blocks.append(b)
-        self.metrics.miss(model, GPU, len(keys) - len(blocks))
-        if not blocks:
-            return 0, np.empty((len(self.writers), 0, 0), np.uint8), []
-        # the checksums of the bytes the gather reads now, before anything may yield
-        sums = [[self.sums[b][c] for b in blocks] for c in range(len(self.writers))]
-        rows = await self._gather(self.gindex[gid], blocks, self.writers)
-        self.metrics.hit(model, GPU, len(blocks))
-        self.metrics.moved(model, GPU, rows.numel())
-        return len(blocks), export_rows(rows), sums
+        return blocks
 
     async def drop_keys(self, model: str, keys: list[bytes]) -> None:
         """A reader found these blocks' bytes corrupt: unpublish them (misses from now)."""

@@ -54,6 +54,7 @@ from raykv.service.groups import (
 from raykv.service.index import GPU
 from raykv.service.member import Member
 from raykv.service.metrics import ServiceMetrics
+from raykv.service.pairs import CollectivePlane
 from raykv.service.rank import RankKV
 from raykv.service.rows import RankRows, as_rank_rows
 from raykv.service.spec import (
@@ -72,7 +73,7 @@ from raykv.tiers.jobs import NULL_BLOCK
 WRITE_WAIT_S = 30.0  # the longest a store or read waits for another call writing its blocks
 
 
-class GpuPool(TpFanOut, PoolDataPlane, Member):
+class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
     kind = "pool"
 
     def __init__(

@@ -25,12 +25,13 @@ import torch
 
 from raykv import ops
 from raykv.service.groups import row_widths
+from raykv.service.pairs import RankCollective
 from raykv.tiers.checksum import row_checksums
 
 log = logging.getLogger(__name__)
 
 
-class RankKV:
+class RankKV(RankCollective):
     """The paged KV tensors of one rank, addressed by group index and logical block id.
     On CPU they live in shared memory (``GpuKV.allocate(shared=True)``)."""
 
@@ -128,6 +129,19 @@ class RankPool:
 
     def copy(self, gi: int, src: list[int], dst: list[int], expected=None) -> int:
         return self.kv.copy(gi, src, dst, expected)
+
+    # --- NCCL / gloo batches (``raykv.service.pairs``) ---
+
+    async def coll_ident(self) -> str:
+        return self.kv.collective(self.name).ident
+
+    async def coll_send(self, pair: Any, gi: int, block_ids: list[int]) -> None:
+        await self.kv.start_send(self.name, pair, gi, block_ids)
+
+    async def coll_recv(
+        self, pair: Any, gi: int, block_ids: list[int], expected: Any, forward: Any
+    ) -> int:
+        return await self.kv.recv(self.name, pair, gi, block_ids, expected, forward)
 
     def checksums(self, gi: int, block_ids: list[int]) -> tuple[int, ...]:
         return row_checksums(self.kv.gather(gi, block_ids))

@@ -18,6 +18,7 @@ NCCL, UCX, GLOO, OBJECT_STORE = "nccl", "ucx", "gloo", "object-store"
 # fastest first: NCCL between GPUs, UCX between hosts (CPU tiers), torch.distributed's gloo
 # between CPU pools, Ray's object store last
 PREFERENCE = (NCCL, UCX, GLOO, OBJECT_STORE)
+COLLECTIVE = (NCCL, GLOO)  # torch.distributed pairs (``raykv.transport.collective``)
 FALLBACK = OBJECT_STORE
 
 

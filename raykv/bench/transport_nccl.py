@@ -1,0 +1,353 @@
+"""The NCCL section of ``raykv bench transport`` (``raykv.bench.transport``).
+
+* NCCL (``nccl_*``): ``2 x tp`` processes, one GPU each, every one seeing only its own GPU
+  (``CUDA_VISIBLE_DEVICES``, as under Ray). Group A (GPUs 0..tp-1) holds a paged KV (4 layers,
+  K and V, 16 tokens, 2 KV heads of 128, bf16: 64 KiB per block and rank), group B reads. Rank
+  r of A sends ``--blocks`` scattered blocks to rank r of B through raykv's transport
+  (``raykv.transport.collective``: the paged gather into one staging buffer with its wire
+  sums, one NCCL send, the check on arrival, the paged scatter into scattered blocks),
+  against one contiguous NCCL send of the same bytes per rank pair and (tp 1) one NCCL
+  send/recv per block. With ``--tp N`` also an MLA-like layout (one copy per TP group): it
+  crosses once, rank 0 to rank 0, and B's rank 0 passes it on to its other ranks; the wire
+  bytes are one copy. Timed on the receivers: ``rounds`` of ``burst`` back-to-back batches
+  after a barrier, median round; GB/s of payload (the rows) per rank pair. The reader's one
+  control round trip (a Ray actor call, ~1 ms) is not in these numbers. ``--cpu-smoke``
+  runs the same processes with gloo on the CPU (a check of the bench, not a measurement).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import multiprocessing as mp
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+NCCL_TARGET = 0.8  # raykv >= 0.8 x one contiguous NCCL send of the same bytes
+
+
+@dataclass(frozen=True)
+class NcclConfig:
+    tp: int = 1
+    blocks: int = 512
+    layers: int = 4
+    kv_heads: int = 2
+    head_dim: int = 128
+    block_size: int = 16
+    rounds: int = 7
+    burst: int = 10
+    cuda: bool = True
+
+    @property
+    def row_bytes(self) -> int:  # K and V of every layer, bf16
+        return self.layers * 2 * self.block_size * self.kv_heads * self.head_dim * 2
+
+    @property
+    def num_blocks(self) -> int:
+        return 2 * self.blocks + 8
+
+
+def nccl_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# --- one process -----------------------------------------------------------------------------
+
+
+def _pool(cfg: NcclConfig, device: torch.device, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, cfg.num_blocks, cfg.block_size, cfg.kv_heads, cfg.head_dim)
+    out = []
+    for _ in range(cfg.layers):
+        raw = torch.randint(0, 256, (*shape[:-1], 2 * cfg.head_dim), generator=g, dtype=torch.uint8)
+        t = raw.to(device).view(torch.bfloat16)
+        out += [t[0], t[1]]
+    return out
+
+
+def _ids(cfg: NcclConfig, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randperm(cfg.num_blocks - 1, generator=g)[: cfg.blocks] + 1).tolist()
+
+
+def _rows(entries: list[torch.Tensor], ids: list[int], width: int) -> torch.Tensor:
+    from raykv import ops
+
+    dst = torch.empty((len(ids), width), dtype=torch.uint8, device=entries[0].device)
+    ops.gather_blocks(entries, torch.tensor(ids), dst)
+    return dst
+
+
+def _group(store, prefix: str, rank: int, size: int, cuda: bool):
+    import torch.distributed as dist
+
+    ps = dist.PrefixStore(prefix, store)
+    if cuda:
+        return dist.ProcessGroupNCCL(ps, rank, size, dist.ProcessGroupNCCL.Options())
+    return dist.ProcessGroupGloo(ps, rank, size, datetime.timedelta(seconds=120))
+
+
+def _nccl_worker(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int], q) -> None:
+    try:
+        q.put((side, r, _nccl_measure(side, r, cfg, addr)))
+    except Exception as e:  # the parent reports it
+        q.put((side, r, {"error": f"{type(e).__name__}: {e}"}))
+
+
+def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> dict:
+    import torch.distributed as dist
+
+    from raykv.transport.collective import Collective, Pair, recv_blocks, send_blocks
+
+    device = torch.device("cuda", 0) if cfg.cuda else torch.device("cpu")
+    if cfg.cuda:
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(addr[0], addr[1], is_master=False)
+    a, me = side == "A", f"{side}{r}"
+    world = _group(store, "world/", r if a else cfg.tp + r, 2 * cfg.tp, False)  # barriers
+    base = _group(store, f"base/{r}/", 0 if a else 1, 2, cfg.cuda)
+    coll = Collective(me, device, timeout_s=120)
+    entries = _pool(cfg, device, 1000 + r if a else 2000 + r)
+    src_ids, dst_ids = _ids(cfg, 1), _ids(cfg, 2)
+    width, n = cfg.row_bytes, cfg.blocks
+    loop = asyncio.new_event_loop()
+    flat = torch.empty(n * width, dtype=torch.uint8, device=device)
+    if a:
+        flat.copy_(_rows(entries, src_ids, width).view(-1))
+
+    def pair(src: str, dst: str) -> Pair:
+        return Pair(src, dst, 0, addr)
+
+    def raykv(layout: str) -> int:
+        if layout == "mla" and a and r:
+            return 0  # one copy per TP group: only rank 0 sends
+        if a:
+            return loop.run_until_complete(
+                send_blocks(coll, pair(me, f"B{r}"), entries, src_ids, width)
+            )
+        if layout == "mla":
+            feed = pair("A0", "B0") if r == 0 else pair("B0", me)
+            fwd = [pair("B0", f"B{x}") for x in range(1, cfg.tp)] if r == 0 else []
+        else:
+            feed, fwd = pair(f"A{r}", me), []
+        return loop.run_until_complete(recv_blocks(coll, feed, entries, dst_ids, width, None, fwd))
+
+    def contiguous(layout: str) -> None:
+        if layout == "mla" and r:
+            return
+        (base.send([flat], 1, 0) if a else base.recv([flat], 0, 0)).wait()
+
+    def per_block(layout: str) -> None:
+        views = flat.view(n, width)
+        works = [
+            base.send([views[i]], 1, 0) if a else base.recv([views[i]], 0, 0) for i in range(n)
+        ]
+        for w in works:
+            w.wait()
+
+    def sync() -> None:
+        if cfg.cuda:
+            torch.cuda.synchronize(device)
+
+    def barrier() -> None:
+        sync()
+        world.allreduce([torch.zeros(1)]).wait()
+
+    layouts = ["split", "mla"] if cfg.tp > 1 else ["split"]
+    methods = {"raykv": raykv, "contiguous": contiguous}
+    if cfg.tp == 1:
+        methods["per_block"] = per_block
+    out: dict = {"device": torch.cuda.get_device_name(device) if cfg.cuda else "cpu"}
+    for layout in layouts:
+        for name, fn in methods.items():
+            burst = 2 if name == "per_block" else cfg.burst
+            barrier()
+            fn(layout)  # warm: forms the pair's communicator
+            sync()
+            times = []
+            for _ in range(cfg.rounds):
+                barrier()
+                t0 = time.perf_counter()
+                for _ in range(burst):
+                    got = fn(layout)
+                sync()
+                times.append((time.perf_counter() - t0) / burst)
+                if name == "raykv" and not a:
+                    out.setdefault(f"{layout}/good", []).append(got)
+            out[f"{layout}/{name}"] = statistics.median(times)
+        if not a:  # every byte B holds now equals A's (its rank's copy, rank 0's for MLA)
+            owner = 0 if layout == "mla" else r
+            want = _rows(_pool(cfg, device, 1000 + owner), src_ids, width)
+            out[f"{layout}/equal"] = bool(torch.equal(_rows(entries, dst_ids, width), want))
+    # where one batch's time goes, each phase alone (after the checks: it writes B's blocks)
+    out.update(_phases(a, cfg, entries, src_ids if a else dst_ids, width, sync))
+    barrier()
+    coll.close()
+    return out
+
+
+def _phases(sender: bool, cfg: NcclConfig, entries, ids, width: int, sync) -> dict:
+    """Milliseconds of each phase of raykv's batch alone (median of 20)."""
+    from raykv import ops
+    from raykv.transport.collective import check_wire, stage, wire_sums
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(20):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    if sender:
+        return {"phase/stage_ms": timed(lambda: stage(entries, ids, width))}
+    rows = torch.empty((len(ids), width), dtype=torch.uint8, device=entries[0].device)
+    sums = wire_sums(rows)
+    return {
+        "phase/sums_ms": timed(lambda: wire_sums(rows)),
+        "phase/check_ms": timed(lambda: check_wire(rows, sums, None)),
+        "phase/scatter_ms": timed(lambda: ops.scatter_blocks(rows, entries, torch.tensor(ids))),
+    }
+
+
+# --- the parent ------------------------------------------------------------------------------
+
+
+def nccl_run(cfg: NcclConfig, timeout_s: float = 480.0) -> dict:
+    """Start the ``2 x tp`` processes (each seeing one GPU), gather their timings."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    addr = ("127.0.0.1", int(store.port))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(max(nccl_gpus(), 1))]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = []
+    for i, (side, r) in enumerate(
+        [("A", r) for r in range(cfg.tp)] + [("B", r) for r in range(cfg.tp)]
+    ):
+        env = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if cfg.cuda:
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpus[i]  # the child sees its GPU as cuda:0
+        p = ctx.Process(target=_nccl_worker, args=(side, r, cfg, addr, q), daemon=True)
+        p.start()
+        procs.append(p)
+        if env is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = env
+    results: dict = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < len(procs):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the NCCL bench did not finish within {timeout_s:.0f}s")
+            side, r, res = q.get(timeout=left)
+            if "error" in res:
+                raise RuntimeError(f"NCCL bench process {side}{r}: {res['error']}")
+            results[(side, r)] = res
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return nccl_report(cfg, results)
+
+
+def nccl_report(cfg: NcclConfig, results: dict) -> dict:
+    """GB/s of payload per rank pair (the receivers' medians) and the ratios."""
+    readers = [results[("B", r)] for r in range(cfg.tp)]
+    payload = cfg.blocks * cfg.row_bytes
+    rows = []
+    for layout in ["split", "mla"] if cfg.tp > 1 else ["split"]:
+        crossing = 1 if layout == "mla" else cfg.tp  # rank pairs whose rows cross groups
+
+        def rate(method: str, layout: str = layout) -> float | None:
+            key = f"{layout}/{method}"
+            if key not in readers[0]:
+                return None
+            return payload / max(b[key] for b in readers) / 1e9  # the slowest receiver
+
+        raykv, contig, per_block = rate("raykv"), rate("contiguous"), rate("per_block")
+        rows.append({
+            "layout": layout,
+            "tp": cfg.tp,
+            "blocks": cfg.blocks,
+            "block_kib": cfg.row_bytes // 1024,
+            "mib_per_pair": payload / 2**20,
+            "wire_mib": crossing * payload / 2**20,
+            "raykv": raykv,
+            "contiguous": contig,
+            "per_block": per_block,
+            "raykv_vs_contiguous": raykv / contig if contig else None,
+            "raykv_vs_per_block": raykv / per_block if per_block else None,
+            "equal": all(b[f"{layout}/equal"] for b in readers),
+            "all_blocks": all(g == cfg.blocks for b in readers for g in b[f"{layout}/good"]),
+        })  # fmt: skip
+    phases = {k: v for b in (results[("A", 0)], readers[0]) for k, v in b.items() if "phase/" in k}
+    return {"config": asdict(cfg), "device": readers[0]["device"], "rows": rows, "phases": phases}
+
+
+def nccl_format(report: dict) -> str:
+    cfg = report["config"]
+    lines = [
+        f"NCCL: {report['device']}, tp {cfg['tp']}, {cfg['blocks']} scattered blocks of "
+        f"{report['rows'][0]['block_kib']} KiB per rank pair, GB/s of payload (median of "
+        f"{cfg['rounds']} rounds of {cfg['burst']} batches); target raykv >= "
+        f"{NCCL_TARGET} x contiguous",
+        "| layout | tp | MiB per pair | MiB on the wire | raykv | contiguous | per-block | "
+        "raykv / contiguous | raykv / per-block | bytes equal |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def f(x: float | None, d: int = 2) -> str:
+        return "-" if x is None else f"{x:.{d}f}"
+
+    for r in report["rows"]:
+        ok = "yes" if r["equal"] and r["all_blocks"] else "NO"
+        lines.append(
+            f"| {r['layout']} | {r['tp']} | {r['mib_per_pair']:.0f} | {r['wire_mib']:.0f} | "
+            f"{f(r['raykv'])} | {f(r['contiguous'])} | {f(r['per_block'])} | "
+            f"{f(r['raykv_vs_contiguous'], 3)} | {f(r['raykv_vs_per_block'])} | {ok} |"
+        )
+    if report.get("phases"):
+        lines.append(
+            "phases of one batch alone (rank pair 0, ms): "
+            + ", ".join(f"{k[6:-3]} {v:.3f}" for k, v in sorted(report["phases"].items()))
+        )
+    return "\n".join(lines)
+
+
+def nccl_main(
+    nccl: bool | None = None,
+    tp: int = 1,
+    blocks: int = 512,
+    rounds: int = 7,
+    cpu_smoke: bool = False,
+    echo=print,
+) -> dict | None:
+    """The NCCL section if asked for (None: where this machine has 2 x tp GPUs); its report,
+    or None when skipped (said through ``echo``)."""
+    cuda = not cpu_smoke
+    if nccl is None:
+        nccl = cpu_smoke or nccl_gpus() >= 2 * tp
+    if not nccl:
+        echo(f"NCCL: skipped ({nccl_gpus()} GPUs; --tp {tp} needs {2 * tp})")
+        return None
+    if cuda and nccl_gpus() < 2 * tp:
+        raise SystemExit(
+            f"the NCCL section with --tp {tp} needs {2 * tp} GPUs, this machine has "
+            f"{nccl_gpus()}; lower --tp, or --no-nccl"
+        )
+    cfg = NcclConfig(tp=tp, blocks=blocks, rounds=rounds, cuda=cuda)
+    if cpu_smoke:
+        cfg = NcclConfig(tp=tp, blocks=min(blocks, 32), rounds=2, burst=2, cuda=False)
+    return nccl_run(cfg)

@@ -1,0 +1,160 @@
+"""Pools on two Ray nodes fetch over torch.distributed pairs (gloo here, NCCL on GPUs): the
+route is ``gloo``, bytes arrive equal (TP-1, TP-2 rank to rank, MLA moved once), a batch
+corrupted in flight is a counted miss, and a holder killed mid-transfer is a miss in
+bounded time, then placed again."""
+
+import os
+import time
+
+import pytest
+import ray
+import torch
+from kvdata import ROW, rows, tokens
+
+from raykv.layout import MLA, FullAttention
+from raykv.service.spec import NAMESPACE, pool_name
+
+pytestmark = pytest.mark.ray
+RAY_WORKERS = 1
+BS = 16
+LAYERS = {f"l{i}": FullAttention(dtype="float32", num_kv_heads=1, head_dim=16) for i in range(2)}
+TP_LAYERS = {f"l{i}": FullAttention("float32", num_kv_heads=2, head_dim=16) for i in range(2)}
+MLA_LAYERS = {f"l{i}": MLA("float32", kv_lora_rank=24, qk_rope_head_dim=8) for i in range(2)}
+MLA_ROW = 2 * BS * 32 * 4  # 2 layers x 16 tokens x (24 + 8) x 4 bytes, on every rank
+
+
+@pytest.fixture(scope="module", autouse=True)
+def short_timeout():
+    old = os.environ.get("RAYKV_COLLECTIVE_TIMEOUT_S")
+    os.environ["RAYKV_COLLECTIVE_TIMEOUT_S"] = "4"  # the actors inherit it
+    yield
+    if old is None:
+        del os.environ["RAYKV_COLLECTIVE_TIMEOUT_S"]
+    else:
+        os.environ["RAYKV_COLLECTIVE_TIMEOUT_S"] = old
+
+
+def pools(ray_cluster, model):
+    kv = ray_cluster.kv
+    return kv.on(ray_cluster.ids[0]), kv.on(ray_cluster.head)
+
+
+def publish(client, rid, ids, data, n):
+    assert client.admit(rid, len(ids), ids)
+    table = client.allocate(rid, len(ids), ids)[0]
+    assert client.store(rid, table[:n], data) == n
+    client.free(rid)
+
+
+def load(client, rid, ids, n):
+    assert client.admit(rid, len(ids), ids)
+    table = client.allocate(rid, len(ids), ids)[0]
+    return client.load(rid, ids, into=table[:n]), table
+
+
+def holder(model: str, node: str):
+    return ray.get_actor(pool_name(model, node, 0), namespace=NAMESPACE)
+
+
+def test_tp1_pair_moves_equal_bytes_over_gloo(ray_cluster) -> None:
+    kv = ray_cluster.kv
+    kv.add_model("c1", LAYERS, max_model_len=512, pool_bytes=40 * ROW, cpu_bytes=40 * ROW)
+    a, b = pools(ray_cluster, "c1")
+    ids, data = tokens(8 * BS + 1, 1), rows(8, 2)
+    publish(a, "w", ids, data, 8)
+    res, table = load(b, "r", ids, 8)
+    assert (res.num_tokens, res.bytes) == (8 * BS, 8 * ROW)
+    assert torch.equal(b.read(table[:8]), data)
+    b.free("r")
+    routes = {(r["from"], r["to"]): r["transport"] for r in kv.stats()["routes"]}
+    pa, pb = pool_name("c1", ray_cluster.ids[0], 0), pool_name("c1", ray_cluster.head, 0)
+    assert routes[(pa, pb)] == "gloo"
+    stats = ray.get(holder("c1", ray_cluster.head).snapshot.remote())["stats"]
+    assert not stats.get("failed_transport_gloo") and not stats.get("checksum_errors")
+
+
+def test_tp2_moves_rank_to_rank_and_mla_crosses_once(ray_cluster) -> None:
+    kv = ray_cluster.kv
+    kv.add_model("c2", TP_LAYERS, max_model_len=256, tp_size=2, pool_bytes=17 * ROW,
+                 cpu_bytes=20 * ROW)  # fmt: skip
+    a, b = pools(ray_cluster, "c2")
+    ids = tokens(6 * BS + 3, 3)
+    per_rank = [rows(6, 10 + r) for r in range(2)]
+    publish(a, "w", ids, per_rank, 6)
+    res, table = load(b, "r", ids, 6)
+    assert (res.num_tokens, res.bytes) == (6 * BS, 6 * 2 * ROW)  # both distinct copies
+    for r in range(2):
+        assert torch.equal(b.read(table[:6], rank=r), per_rank[r])
+    b.free("r")
+
+    kv.add_model("c3", MLA_LAYERS, max_model_len=256, tp_size=2, pool_bytes=17 * MLA_ROW,
+                 cpu_bytes=20 * MLA_ROW)  # fmt: skip
+    a, b = pools(ray_cluster, "c3")
+    latent = rows(5, 20, MLA_ROW)
+    publish(a, "w", ids, [latent, latent], 5)
+    res, table = load(b, "r", ids, 5)
+    assert (res.num_tokens, res.bytes) == (5 * BS, 5 * MLA_ROW)  # one copy on the wire
+    for r in range(2):  # replicated on arrival
+        assert torch.equal(b.read(table[:5], rank=r), latent)
+    b.free("r")
+
+
+def test_corrupt_in_flight_is_a_counted_miss(ray_cluster) -> None:
+    kv = ray_cluster.kv
+    kv.add_model("c4", LAYERS, max_model_len=512, pool_bytes=40 * ROW, cpu_bytes=40 * ROW)
+    a, b = pools(ray_cluster, "c4")
+    ids, data = tokens(6 * BS + 1, 4), rows(6, 5)
+    publish(a, "w", ids, data, 6)
+
+    def arm(pool, what):
+        def flip(buf):
+            buf[3 * ROW + 1] ^= 0x40  # row 3, after the sender took its sum
+
+        def hook(self):
+            self.transports["gloo"].collective.tamper = flip if what else None
+
+        ray.get(pool.__ray_call__.remote(hook))
+
+    src = holder("c4", ray_cluster.ids[0])
+    arm(src, True)
+    res, table = load(b, "r", ids, 6)
+    arm(src, False)
+    assert res.num_tokens == 3 * BS  # rows 0..2 landed; 3 and after are misses
+    assert torch.equal(b.read(table[:3]), data[:3])
+    sb = ray.get(holder("c4", ray_cluster.head).snapshot.remote())["stats"]
+    assert sb.get("checksum_errors", 0) >= 1, sb
+    b.free("r")
+
+
+def test_holder_killed_mid_transfer_is_a_miss_in_bounded_time(ray_cluster) -> None:
+    kv = ray_cluster.kv
+    kv.add_model("c5", LAYERS, max_model_len=512, pool_bytes=40 * ROW, cpu_bytes=40 * ROW)
+    a, b = pools(ray_cluster, "c5")
+    ids, data = tokens(6 * BS + 1, 6), rows(6, 7)
+    publish(a, "w", ids, data, 6)
+    src = holder("c5", ray_cluster.ids[0])
+    old = ray.get(src.snapshot.remote())["actor_id"]
+
+    def die_on_send(self):
+        self.transports["gloo"].collective.tamper = lambda buf: os._exit(1)
+
+    ray.get(src.__ray_call__.remote(die_on_send))
+    t0 = time.monotonic()
+    res, table = load(b, "r", ids, 6)
+    assert res.num_tokens == 0 and time.monotonic() - t0 < 30
+    b.free("r")
+    deadline = time.monotonic() + 60  # the coordinator places the pool again
+    while time.monotonic() < deadline:
+        try:
+            fresh = holder("c5", ray_cluster.ids[0])
+            if ray.get(fresh.snapshot.remote(), timeout=5)["actor_id"] != old:
+                break
+        except (ValueError, ray.exceptions.RayError):
+            pass
+        time.sleep(0.5)
+    else:
+        pytest.fail("the killed pool was not placed again within 60 s")
+    a = kv.on(ray_cluster.ids[0])  # a handle on the fresh pool
+    publish(a, "w2", ids, data, 6)  # it serves over a fresh pair
+    res, table = load(b, "r2", ids, 6)
+    assert res.num_tokens == 6 * BS and torch.equal(b.read(table[:6]), data)

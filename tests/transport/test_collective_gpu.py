@@ -1,0 +1,82 @@
+"""NCCL pairs between GPUs, each process seeing only its own GPU (as under Ray): scattered
+blocks arrive byte-equal as one message per rank pair (16 MiB), TP-1 and, with
+4 GPUs, TP-2 and MLA (passed on inside the reader's group); a sender that dies leaves its
+receiver with a ``TransportError`` within the timeout, never a hang."""
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+
+from raykv.bench.transport_nccl import NcclConfig, nccl_gpus, nccl_run
+
+pytestmark = pytest.mark.gpu
+GPUS = nccl_gpus()
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, found {GPUS}")
+def test_scattered_blocks_arrive_equal_between_two_gpus() -> None:
+    rep = nccl_run(NcclConfig(blocks=256, rounds=1, burst=2), timeout_s=240)
+    (row,) = rep["rows"]
+    assert row["equal"] and row["all_blocks"], row
+
+
+@pytest.mark.skipif(GPUS < 4, reason=f"needs 4 GPUs, found {GPUS}")
+def test_tp2_rank_pairs_and_mla_between_two_groups() -> None:
+    rep = nccl_run(NcclConfig(tp=2, blocks=256, rounds=1, burst=2), timeout_s=240)
+    assert [r["layout"] for r in rep["rows"]] == ["split", "mla"]
+    assert all(r["equal"] and r["all_blocks"] for r in rep["rows"]), rep["rows"]
+    assert rep["rows"][1]["wire_mib"] == rep["rows"][1]["mib_per_pair"]  # MLA: one copy
+
+
+def _peer(side: str, addr, q) -> None:
+    import asyncio
+
+    from raykv.errors import TransportError
+    from raykv.transport.collective import Collective, Pair, recv_blocks, send_blocks
+
+    torch.cuda.set_device(0)
+    coll = Collective(side, "cuda", timeout_s=5)
+    entries = [torch.randint(0, 255, (16, 4096), dtype=torch.uint8, device="cuda")]
+    pair = Pair("s", "r", 0, addr)
+    loop = asyncio.new_event_loop()
+    if side == "s":
+        loop.run_until_complete(send_blocks(coll, pair, entries, [1, 2, 3], 4096))
+        time.sleep(1)
+        os._exit(0)  # dies before the second batch
+    got = loop.run_until_complete(recv_blocks(coll, pair, entries, [4, 5, 6], 4096))
+    t0 = time.monotonic()
+    try:
+        loop.run_until_complete(recv_blocks(coll, pair, entries, [7, 8, 9], 4096))
+        q.put((got, "no error", time.monotonic() - t0))
+    except TransportError as e:
+        q.put((got, str(e)[:80], time.monotonic() - t0))
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, found {GPUS}")
+def test_a_dead_sender_is_a_transport_error_within_the_timeout() -> None:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    addr = ("127.0.0.1", int(store.port))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = []
+    for i, side in enumerate(("s", "r")):
+        old = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(i)
+        procs.append(ctx.Process(target=_peer, args=(side, addr, q), daemon=True))
+        procs[-1].start()
+        if old is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+    got, err, waited = q.get(timeout=120)
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    assert got == 3
+    assert "receive from s failed" in err and waited < 5 + 3, (err, waited)
