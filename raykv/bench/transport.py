@@ -129,20 +129,35 @@ def _interleaved(calls: dict[str, Callable[[], Any]], reps: int) -> dict[str, li
 
 
 class _RawUcxx:
-    """The baseline: ask for ``nbytes``, get them as one message on one raw endpoint."""
+    """The baseline: ask for ``nbytes``, get them as one message on one raw endpoint (by
+    worker address: a hello with ours and our tag, as raykv's, then no auth, no header)."""
 
     def __init__(self, runtime: Any, where: list, nbytes: int) -> None:
         import numpy as np
-        import ucxx
 
-        self.runtime, self.nbytes = runtime, nbytes
+        from raykv.transport.ucx_wire import new_tag
+
+        self.runtime, self.nbytes, self.tag = runtime, nbytes, new_tag()
         self.buf = np.empty(nbytes, np.uint8)
         self.size = np.array([nbytes], np.uint64)
-        self.ep = runtime.submit(ucxx.create_endpoint(where[0], int(where[1]))).result(60)
+        self.ep = runtime.submit(self._connect(bytes.fromhex(where[1]), int(where[2]))).result(60)
+
+    async def _connect(self, address: bytes, tag: int) -> Any:
+        import numpy as np
+        import ucxx
+
+        from raykv.transport.ucx_wire import hello_frame
+
+        ep = await ucxx.create_endpoint_from_worker_address(
+            ucxx.get_ucx_address_from_buffer(address)
+        )
+        mine = await self.runtime.worker_address()
+        await ep.send(np.frombuffer(hello_frame(mine, self.tag), np.uint8), tag=tag, force_tag=True)
+        return ep
 
     async def _one(self) -> None:
-        await self.ep.send(self.size)
-        await self.ep.recv(self.buf)
+        await self.ep.send(self.size, tag=self.tag ^ 1, force_tag=True)
+        await self.ep.recv(self.buf, tag=self.tag, force_tag=True)
 
     def one(self) -> None:
         self.runtime.submit(self._one()).result(300)
