@@ -70,6 +70,10 @@ def ucx_pair(
            "--blocks", str(blocks), "--block-bytes", str(block_bytes)]  # fmt: skip
     if tls:
         cmd += ["--tls", tls]
+    # UCX's sockets on the peer's device only: loopback for a peer on 127.0.0.1
+    devs = os.environ.get("RAYKV_UCX_NET_DEVICES") or ("lo" if host == "127.0.0.1" else None)
+    if devs and not prefix:
+        cmd += ["--net-devices", devs]
     peer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         line = " "
@@ -83,8 +87,9 @@ def ucx_pair(
         keys = [i.to_bytes(8, "little") for i in range(blocks)]
         local = torch.zeros((2 * blocks, block_bytes), dtype=torch.uint8)
         dest = torch.randperm(2 * blocks)[:blocks]  # scattered, as in a tier's arena
-        runtime = UcxRuntime.get(tls)
-        ts = {k: UcxTransport(secret.encode(), UcxConfig(tls=tls, stripes=k, stripe_min_bytes=1))
+        runtime = UcxRuntime.get(tls, devs)
+        ts = {k: UcxTransport(secret.encode(), UcxConfig(tls=tls, net_devices=devs, stripes=k,
+                                                         stripe_min_bytes=1))
               for k in stripes}  # fmt: skip
         raw = _RawUcxx(runtime, where["raw"], nbytes)
 
@@ -173,6 +178,7 @@ def ucx_cluster(blocks: int = 512, reps: int = 3, tls: str = "tcp", stripes: int
     _secret()
     os.environ.update(RAYKV_UCX_TLS=tls, RAYKV_UCX_STRIPES=str(stripes),
                       UCX_WARN_UNUSED_ENV_VARS="n")  # fmt: skip
+    os.environ.setdefault("RAYKV_UCX_NET_DEVICES", "lo")  # the nodes are on 127.0.0.1
     import ray
     from ray.cluster_utils import Cluster
 

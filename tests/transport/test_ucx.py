@@ -206,6 +206,12 @@ def test_tp_copies_in_chunks_arrive_copy_major() -> None:
         assert b.count == 30 and verify(b) == 30 and torch.equal(b.rows, rows[:, :30])
         assert server.stats()["batches"] > 3  # it came in chunks
         assert asyncio.iscoroutinefunction(export)
+        assert server.stats()["connections"] == 2
+        t.close()  # says bye: the server drops both stripes' connections
+        deadline = time.monotonic() + 10
+        while server.stats()["connections"]:
+            assert time.monotonic() < deadline, server.stats()
+            time.sleep(0.1)
     finally:
         t.close()
         server.stop()
