@@ -234,7 +234,7 @@ class UcxTransport:
         server's receive tag back, the handshake, then this connection's stripe."""
         import ucxx
 
-        t = self.config.timeout_s
+        t, ep = self.config.timeout_s, None
         try:
             address = ucxx.get_ucx_address_from_buffer(where.address)
             ep = await asyncio.wait_for(ucxx.create_endpoint_from_worker_address(address), t)
@@ -242,7 +242,7 @@ class UcxTransport:
             await asyncio.wait_for(send_frame(conn, hello_frame(self._address, conn.recv_tag)), t)
             conn.send_tag = int.from_bytes(await asyncio.wait_for(recv_frame(conn, 8), t), "little")
         except Exception as e:
-            if "ep" in locals():
+            if ep is not None:
                 ep.abort()
             raise TransportError(
                 f"cannot connect to {source}'s UCX worker on {where.host} ({type(e).__name__}:"

@@ -6,7 +6,9 @@ message on the hello tag (``hello_frame``: its own worker address and the tag it
 on). The server creates the reply endpoint from the client's address and picks the tag it
 receives this connection on; its first frame (8 bytes, on the client's tag) names it. From
 then on each side sends on the other's tag (``Conn``): tags are chosen by their receiver,
-fresh and random per connection, and every receive is matched on its full tag.
+fresh and random per connection, and every receive is matched on its full tag. A hello
+costs the server one endpoint to the address it names (how else to answer it) and nothing
+more until the handshake passes; one that fails within ``timeout_s`` is aborted and counted.
 
 Then, before anything else, the auth handshake (``raykv.transport.auth``: three fixed-size
 frames, received into buffers of exactly that size, so a peer that sends anything else
