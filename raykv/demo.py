@@ -103,7 +103,8 @@ class DemoEngine:
 
 def _ucx_env() -> bool:
     """Before the nodes start: give them a transport secret (UCX endpoints authenticate
-    with it) and tcp on loopback, when ucxx is installed. True if UCX will run."""
+    with it) and tcp on loopback only (``lo``: every UCX socket on 127.0.0.1), when ucxx is
+    installed. True if UCX will run."""
     import secrets
 
     from raykv.transport.ucx_runtime import available
@@ -112,6 +113,7 @@ def _ucx_env() -> bool:
         return False
     os.environ.setdefault("RAYKV_TRANSPORT_SECRET", secrets.token_hex(32))
     os.environ.setdefault("RAYKV_UCX_TLS", "tcp")
+    os.environ.setdefault("RAYKV_UCX_NET_DEVICES", "lo")
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     return True
 
@@ -154,7 +156,7 @@ def run_demo(
         cluster.add_node(**node, resources={"node-b": 1})
         echo(
             "[2/6] starting raykv (coordinator, a pool and a CPU tier per node"
-            + (", UCX listeners)" if ucx else ")")
+            + (", UCX servers)" if ucx else ")")
             + " ..."
         )
         kv = raykv.connect(cluster.address)

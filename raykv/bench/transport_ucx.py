@@ -70,6 +70,10 @@ def ucx_pair(
            "--blocks", str(blocks), "--block-bytes", str(block_bytes)]  # fmt: skip
     if tls:
         cmd += ["--tls", tls]
+    # UCX's sockets on the peer's device only: loopback for a peer on 127.0.0.1
+    devs = os.environ.get("RAYKV_UCX_NET_DEVICES") or ("lo" if host == "127.0.0.1" else None)
+    if devs and not prefix:
+        cmd += ["--net-devices", devs]
     peer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         line = " "
@@ -83,8 +87,9 @@ def ucx_pair(
         keys = [i.to_bytes(8, "little") for i in range(blocks)]
         local = torch.zeros((2 * blocks, block_bytes), dtype=torch.uint8)
         dest = torch.randperm(2 * blocks)[:blocks]  # scattered, as in a tier's arena
-        runtime = UcxRuntime.get(tls)
-        ts = {k: UcxTransport(secret.encode(), UcxConfig(tls=tls, stripes=k, stripe_min_bytes=1))
+        runtime = UcxRuntime.get(tls, devs)
+        ts = {k: UcxTransport(secret.encode(), UcxConfig(tls=tls, net_devices=devs, stripes=k,
+                                                         stripe_min_bytes=1))
               for k in stripes}  # fmt: skip
         raw = _RawUcxx(runtime, where["raw"], nbytes)
 
@@ -129,20 +134,35 @@ def _interleaved(calls: dict[str, Callable[[], Any]], reps: int) -> dict[str, li
 
 
 class _RawUcxx:
-    """The baseline: ask for ``nbytes``, get them as one message on one raw endpoint."""
+    """The baseline: ask for ``nbytes``, get them as one message on one raw endpoint (by
+    worker address: a hello with ours and our tag, as raykv's, then no auth, no header)."""
 
     def __init__(self, runtime: Any, where: list, nbytes: int) -> None:
         import numpy as np
-        import ucxx
 
-        self.runtime, self.nbytes = runtime, nbytes
+        from raykv.transport.ucx_wire import new_tag
+
+        self.runtime, self.nbytes, self.tag = runtime, nbytes, new_tag()
         self.buf = np.empty(nbytes, np.uint8)
         self.size = np.array([nbytes], np.uint64)
-        self.ep = runtime.submit(ucxx.create_endpoint(where[0], int(where[1]))).result(60)
+        self.ep = runtime.submit(self._connect(bytes.fromhex(where[1]), int(where[2]))).result(60)
+
+    async def _connect(self, address: bytes, tag: int) -> Any:
+        import numpy as np
+        import ucxx
+
+        from raykv.transport.ucx_wire import hello_frame
+
+        ep = await ucxx.create_endpoint_from_worker_address(
+            ucxx.get_ucx_address_from_buffer(address)
+        )
+        mine = await self.runtime.worker_address()
+        await ep.send(np.frombuffer(hello_frame(mine, self.tag), np.uint8), tag=tag, force_tag=True)
+        return ep
 
     async def _one(self) -> None:
-        await self.ep.send(self.size)
-        await self.ep.recv(self.buf)
+        await self.ep.send(self.size, tag=self.tag ^ 1, force_tag=True)
+        await self.ep.recv(self.buf, tag=self.tag, force_tag=True)
 
     def one(self) -> None:
         self.runtime.submit(self._one()).result(300)
@@ -158,6 +178,7 @@ def ucx_cluster(blocks: int = 512, reps: int = 3, tls: str = "tcp", stripes: int
     _secret()
     os.environ.update(RAYKV_UCX_TLS=tls, RAYKV_UCX_STRIPES=str(stripes),
                       UCX_WARN_UNUSED_ENV_VARS="n")  # fmt: skip
+    os.environ.setdefault("RAYKV_UCX_NET_DEVICES", "lo")  # the nodes are on 127.0.0.1
     import ray
     from ray.cluster_utils import Cluster
 

@@ -1,8 +1,9 @@
 """A UCX peer process without Ray: a CPU-tier arena of scattered blocks served by raykv's
-``UcxServer``, beside a raw ucxx listener that sends one contiguous buffer of the same bytes.
+``UcxServer``, beside a raw ucxx endpoint that sends one contiguous buffer of the same bytes.
 
 ``python -m raykv.bench.ucx_peer --blocks 512 --block-bytes 262144`` prints one JSON line
-(``{"raykv": [host, port], "raw": [host, port], "checksums": [...]}``) and serves until its
+(``{"raykv": [host, address, tag], "raw": [host, address, tag]}``: worker-address endpoints,
+no sockaddr listener; ``raykv.transport.ucx_wire``) and serves until its
 stdin closes. Used by ``raykv bench transport`` (``raykv.bench.transport_ucx.ucx_pair``), by the
 two-host test in network namespaces, and by the peer-dies-mid-transfer test
 (``--die-after-ms``: the process exits that long after it starts sending a batch).
@@ -45,12 +46,13 @@ async def serve(args: argparse.Namespace) -> None:
     from raykv.transport.ucx_config import UcxConfig
     from raykv.transport.ucx_runtime import UcxRuntime
     from raykv.transport.ucx_server import UcxServer
+    from raykv.transport.ucx_wire import MAX_HELLO, new_tag, parse_hello
 
     rows, perm = arena(args.blocks, args.block_bytes, args.seed)
     sums = list(row_checksums(rows[0, perm]))
     contiguous = rows[0, perm].contiguous().view(-1).numpy()
-    config = UcxConfig(tls=args.tls, timeout_s=args.timeout_s)
-    runtime = UcxRuntime.get(args.tls)
+    config = UcxConfig(tls=args.tls, net_devices=args.net_devices, timeout_s=args.timeout_s)
+    runtime = UcxRuntime.get(args.tls, args.net_devices)
 
     async def export(model: str, keys: list[bytes]) -> tuple[int, np.ndarray, list[list[int]]]:
         idx = [int.from_bytes(k, "little") for k in keys]
@@ -65,21 +67,29 @@ async def serve(args: argparse.Namespace) -> None:
     server = UcxServer(secret, export, host=args.host, config=config)
     server.start()
 
-    async def raw(ep: object) -> None:  # the baseline: ask for n bytes, get one message
+    raw_tag = new_tag()
+
+    async def raw() -> None:  # the baseline: a hello, then ask for n bytes, get one message
+        hello = np.empty(MAX_HELLO, np.uint8)
+        await ucxx.recv(hello, raw_tag)
+        tag, address = parse_hello(hello.tobytes())
+        ep = await ucxx.create_endpoint_from_worker_address(
+            ucxx.get_ucx_address_from_buffer(address)
+        )
         try:
-            while True:
+            while True:  # requests on tag ^ 1, the bytes on tag
                 n = np.empty(1, np.uint64)
-                await ep.recv(n)
-                await ep.send(contiguous[: int(n[0])])
+                await ep.recv(n, tag=tag ^ 1, force_tag=True)
+                await ep.send(contiguous[: int(n[0])], tag=tag, force_tag=True)
         except Exception:
             return
 
-    async def listen() -> int:
-        serve.raw_listener = ucxx.create_listener(raw, port=0)  # kept alive
-        return int(serve.raw_listener.port)
+    async def accept() -> None:
+        serve.raw_task = asyncio.ensure_future(raw())  # kept alive
 
-    raw_port = await asyncio.wrap_future(runtime.submit(listen()))
-    print(json.dumps({"raykv": list(server.endpoint), "raw": [args.host, raw_port]}), flush=True)
+    await asyncio.wrap_future(runtime.submit(accept()))
+    raw_where = [args.host, server.address.hex(), raw_tag]
+    print(json.dumps({"raykv": list(server.endpoint), "raw": raw_where}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until closed
 
 
@@ -97,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-bytes", type=int, default=256 << 10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tls", default=None)
+    p.add_argument("--net-devices", default=None, help="UCX_NET_DEVICES (default: UCX's)")
     p.add_argument("--timeout-s", type=float, default=10.0)
     p.add_argument("--die-after-ms", type=float, default=0.0)
     asyncio.run(serve(p.parse_args(argv)))

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 class Member:
     kind = "member"
     metrics: Any = None  # pools and tiers set their ServiceMetrics
-    ucx: Any = None  # its UCX listener (``raykv.service.transports.serve_ucx``), if any
+    ucx: Any = None  # its UCX server (``raykv.service.transports.serve_ucx``), if any
 
     def __init__(self, name: str, node_id: str) -> None:
         self.name = name

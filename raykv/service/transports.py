@@ -2,9 +2,10 @@
 
 Every member (GPU pool, CPU tier) reads through the object store and, where this node can
 (``raykv[ucx]`` installed, ``RAYKV_TRANSPORT_SECRET`` set, ``RAYKV_UCX`` not 0), over UCX;
-and where it can, it also runs a UCX listener serving its ``export_blocks`` and advertises it
-(``Member.endpoints``: ``{"ucx": (host, port)}``), so the coordinator routes the pair over
-UCX when both ends have it. Without ucxx or the secret nothing advertises UCX and every
+and where it can, it also runs a UCX server for its ``export_blocks`` and advertises it
+(``Member.endpoints``: ``{"ucx": (host, worker address hex, hello tag)}``: readers connect
+by worker address, nothing listens on a port), so the coordinator routes the pair over UCX
+when both ends have it. Without ucxx or the secret nothing advertises UCX and every
 fetch takes the object store.
 """
 
@@ -39,7 +40,7 @@ def reader_transports() -> dict[str, Transport]:
 
 
 def serve_ucx(member: Any) -> Any:
-    """Start ``member``'s UCX listener (on its actor's running loop), or None. Refused
+    """Start ``member``'s UCX server (on its actor's running loop), or None. Refused
     peers are counted in ``member.metrics`` (``failures_transport_auth``)."""
     from raykv.transport.ucx_server import ucx_server
 

@@ -1,9 +1,11 @@
-"""``UcxTransport``: fetch a batch of blocks from another member's UCX listener (ucxx).
+"""``UcxTransport``: fetch a batch of blocks from another member's UCX server (ucxx).
 
 A member that serves UCX runs a ``UcxServer`` (``raykv.transport.ucx_server``) and advertises
-``{"ucx": (host, port)}`` in ``Member.endpoints``; a reader fetches from it here. Per peer the
-reader keeps ``stripes`` authenticated endpoints (connected and authenticated once, reused
-by every later fetch; ``raykv.transport.auth``). A fetch is one request and one header on
+``{"ucx": (host, worker address hex, hello tag)}`` in ``Member.endpoints``; a reader fetches
+from it here, connecting by worker address (no sockaddr listener anywhere:
+``raykv.transport.ucx_wire``). Per peer the reader keeps ``stripes`` authenticated
+connections (connected and authenticated once, reused by every later fetch;
+``raykv.transport.auth``). A fetch is one request and one header on
 stripe 0 (keys, then count, shape and stored checksums), then the rows: one gathered buffer,
 cut into a few large byte ranges sent on the stripes in parallel and received straight into
 one staging buffer (``raykv.transport.ucx_wire``). No message per block, no round trip per
@@ -11,8 +13,9 @@ block. The caller ``verify``s the batch before any byte reaches a block (invaria
 
 Every step is bounded (``UcxConfig``: connect, handshake and control messages by
 ``timeout_s``, the rows by ``transfer_timeout(bytes)``). A peer that dies, stalls or answers
-nonsense ends the fetch with ``TransportError`` and its endpoints are dropped (the next fetch
-reconnects); the staging buffer is never handed out, so nothing half-written is ever read.
+nonsense ends the fetch with ``TransportError`` and its connections are dropped (the server
+is told ``bye``; the next fetch reconnects); the staging buffer is never handed out, so
+nothing half-written is ever read.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import secrets
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,7 +37,10 @@ from raykv.transport.select import UCX
 from raykv.transport.ucx_config import UcxConfig
 from raykv.transport.ucx_runtime import UcxRuntime
 from raykv.transport.ucx_wire import (
+    Conn,
     check_header,
+    hello_frame,
+    new_tag,
     ranges,
     recv_frame,
     recv_msg,
@@ -43,13 +49,22 @@ from raykv.transport.ucx_wire import (
 )
 
 log = logging.getLogger(__name__)
+BYE_TIMEOUT_S = 0.5
+
+
+class Where(NamedTuple):
+    """A UCX server: its host (for logs), worker address and hello tag."""
+
+    host: str
+    address: bytes
+    tag: int
 
 
 @dataclass
 class _Peer:
-    """The endpoints to one listener (stripe 0 carries the control messages)."""
+    """The connections to one server (stripe 0 carries the control messages)."""
 
-    eps: list[Any]
+    eps: list[Conn]
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     staging: Any = None  # kept alive until the endpoints are gone (a receive may be posted)
     buf: torch.Tensor | None = None  # the last staging buffer, reused once nobody reads it
@@ -84,44 +99,49 @@ class UcxTransport:
     def __init__(self, secret: bytes, config: UcxConfig | None = None) -> None:
         self._secret = check_secret(secret)
         self.config = config or UcxConfig.from_env()
-        self.runtime = UcxRuntime.get(self.config.tls)
+        self.runtime = UcxRuntime.get(self.config.tls, self.config.net_devices)
         self.counts: Counter[str] = Counter()  # refused (servers that failed auth), batches
-        self._peers: dict[tuple[str, int], _Peer] = {}
-        self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
+        self._peers: dict[Where, _Peer] = {}
+        self._connecting: dict[Where, asyncio.Lock] = {}
+        self._address = b""  # this process's worker address (sent in every hello)
 
     async def fetch(
         self, source: str, model: str, keys: Sequence[bytes], endpoint: Any = None
     ) -> BlockBatch:
-        """The leading ``keys`` that ``source`` (listening at ``endpoint`` = (host, port))
-        holds; TransportError if it cannot be reached, refuses us or fails mid-transfer."""
+        """The leading ``keys`` that ``source`` (serving at ``endpoint`` = (host, worker
+        address hex, hello tag)) holds; TransportError if it cannot be reached, refuses us or
+        fails mid-transfer."""
         if not endpoint:
             raise TransportError(f"{source} advertised no UCX endpoint; it serves no UCX")
-        host, port = str(endpoint[0]), int(endpoint[1])
-        return await self.runtime.call(self._fetch(source, host, port, model, list(keys)))
+        try:
+            where = Where(str(endpoint[0]), bytes.fromhex(str(endpoint[1])), int(endpoint[2]))
+        except (IndexError, TypeError, ValueError):
+            raise TransportError(
+                f"{source} advertised a UCX endpoint raykv cannot read ({str(endpoint)[:80]}); "
+                "is it an older raykv (host, port)? upgrade every node"
+            ) from None
+        return await self.runtime.call(self._fetch(source, where, model, list(keys)))
 
     def close(self) -> None:
         async def close() -> None:
-            for peer in self._peers.values():
-                peer.abort()
-            self._peers.clear()
+            peers, self._peers = list(self._peers.values()), {}
+            await asyncio.gather(*(self._bye(peer) for peer in peers))
 
         self.runtime.submit(close()).result(self.config.timeout_s)
 
     # --- on the UCX loop -------------------------------------------------------------------
 
-    async def _fetch(
-        self, source: str, host: str, port: int, model: str, keys: list[bytes]
-    ) -> BlockBatch:
-        peer = await self._peer(source, host, port)
+    async def _fetch(self, source: str, where: Where, model: str, keys: list[bytes]) -> BlockBatch:
+        peer = await self._peer(source, where)
         async with peer.lock:
             try:
                 batch = await self._request(peer, model, keys)
             except Exception as e:
-                self._drop((host, port), peer)
+                await self._drop(where, peer)
                 if isinstance(e, TransportError):
                     raise
                 raise TransportError(
-                    f"UCX fetch from {source} at {host}:{port} failed ({type(e).__name__}: "
+                    f"UCX fetch from {source} on {where.host} failed ({type(e).__name__}: "
                     f"{e}); its blocks are fetched elsewhere or missed"
                 ) from None
         self.counts["batches"] += 1
@@ -184,19 +204,20 @@ class UcxTransport:
                 "s; the peer stalled or died (RAYKV_UCX_MIN_GBPS sets the slowest rate allowed)"
             ) from None
 
-    async def _peer(self, source: str, host: str, port: int) -> _Peer:
-        key = (host, port)
+    async def _peer(self, source: str, key: Where) -> _Peer:
         async with self._connecting.setdefault(key, asyncio.Lock()):
             peer = self._peers.get(key)
             if peer is not None and peer.alive():
                 return peer
             if peer is not None:
-                self._drop(key, peer)
+                await self._drop(key, peer)
+            if not self._address:
+                self._address = await self.runtime.worker_address()
             client = secrets.token_hex(8)
             # stripe 0 first: a peer that refuses us is asked (and counts us) once
-            first = await self._open(source, host, port, client, 0)
+            first = await self._open(source, key, client, 0)
             opened = [first] + await asyncio.gather(
-                *(self._open(source, host, port, client, i) for i in range(1, self.config.stripes)),
+                *(self._open(source, key, client, i) for i in range(1, self.config.stripes)),
                 return_exceptions=True,
             )
             errors = [e for e in opened if isinstance(e, BaseException)]
@@ -208,52 +229,65 @@ class UcxTransport:
             peer = self._peers[key] = _Peer(list(opened))
             return peer
 
-    async def _open(self, source: str, host: str, port: int, client: str, stripe: int) -> Any:
+    async def _open(self, source: str, where: Where, client: str, stripe: int) -> Conn:
+        """One authenticated connection: hello (our worker address, our receive tag), the
+        server's receive tag back, the handshake, then this connection's stripe."""
         import ucxx
 
-        t = self.config.timeout_s
+        t, ep = self.config.timeout_s, None
         try:
-            ep = await asyncio.wait_for(ucxx.create_endpoint(host, port), t)
+            address = ucxx.get_ucx_address_from_buffer(where.address)
+            ep = await asyncio.wait_for(ucxx.create_endpoint_from_worker_address(address), t)
+            conn = Conn(ep, send_tag=where.tag, recv_tag=new_tag())
+            await asyncio.wait_for(send_frame(conn, hello_frame(self._address, conn.recv_tag)), t)
+            conn.send_tag = int.from_bytes(await asyncio.wait_for(recv_frame(conn, 8), t), "little")
         except Exception as e:
+            if ep is not None:
+                ep.abort()
             raise TransportError(
-                f"cannot connect to {source}'s UCX listener at {host}:{port} ({type(e).__name__}:"
-                f" {e}); is the node reachable on that address and port?"
+                f"cannot connect to {source}'s UCX worker on {where.host} ({type(e).__name__}:"
+                f" {e}); is the node reachable over RAYKV_UCX_NET_DEVICES / RAYKV_UCX_TLS?"
             ) from None
 
         async def send(frame: bytes) -> None:
-            await send_frame(ep, frame)
+            await send_frame(conn, frame)
 
         async def recv(n: int) -> bytes:
-            return await recv_frame(ep, n)
+            return await recv_frame(conn, n)
 
         try:
             await asyncio.wait_for(client_handshake(self._secret, send, recv), t)
-            await asyncio.wait_for(send_msg(ep, {"client": client, "stripe": stripe}), t)
-            if (await asyncio.wait_for(recv_msg(ep), t)).get("ok") is not True:
+            await asyncio.wait_for(send_msg(conn, {"client": client, "stripe": stripe}), t)
+            if (await asyncio.wait_for(recv_msg(conn), t)).get("ok") is not True:
                 raise TransportError(f"{source} did not accept UCX stripe {stripe}")
         except AuthError as e:
-            ep.abort()
+            conn.abort()
             if stripe == 0:
                 self.counts["refused"] += 1
-                log.warning(
-                    "UCX peer %s at %s:%d refused or failed auth: %s", source, host, port, e
-                )
+                log.warning("UCX peer %s on %s refused or failed auth: %s", source, where.host, e)
             raise
         except Exception as e:
-            ep.abort()
+            conn.abort()
             if isinstance(e, TransportError):
                 raise
             raise TransportError(
-                f"{source}'s UCX listener at {host}:{port} closed the connection during the "
+                f"{source}'s UCX server on {where.host} closed the connection during the "
                 f"handshake ({type(e).__name__}: {e}); it does not hold this node's transport "
                 "secret or is not a raykv listener"
             ) from None
-        return ep
+        return conn
 
-    def _drop(self, key: tuple[str, int], peer: _Peer) -> None:
-        peer.abort()
+    async def _drop(self, key: Where, peer: _Peer) -> None:
         if self._peers.get(key) is peer:
             del self._peers[key]
+        await self._bye(peer)
+
+    async def _bye(self, peer: _Peer) -> None:
+        """Tell the server (best effort, briefly) to drop ``peer``'s connections; abort them."""
+        byes = [send_msg(c, {"op": "bye"}) for c in peer.eps if not c.closed]
+        await asyncio.gather(*(asyncio.wait_for(b, BYE_TIMEOUT_S) for b in byes),
+                             return_exceptions=True)  # fmt: skip
+        peer.abort()
 
 
 def ucx_reader(config: UcxConfig | None = None) -> UcxTransport | None:

@@ -4,6 +4,10 @@ chart and ``raykv up`` hand to every Ray node).
 * ``RAYKV_UCX`` (default 1): 0 runs no UCX listener and fetches nothing over UCX.
 * ``RAYKV_UCX_TLS`` (default: UCX's own choice): ``UCX_TLS`` of raykv's UCX context, e.g.
   ``tcp`` (tests), ``rc,sm,self`` (InfiniBand / RoCE), ``tcp,cuda_copy,cuda_ipc``.
+* ``RAYKV_UCX_NET_DEVICES`` (default: UCX's own, every device): ``UCX_NET_DEVICES`` of
+  raykv's UCX context, e.g. ``lo`` (tests: every UCX socket binds 127.0.0.1), ``eth0``,
+  ``mlx5_0:1``. UCX binds its sockets to these devices' addresses only (raykv runs no
+  sockaddr listener, so nothing binds the wildcard address).
 * ``RAYKV_UCX_STRIPES`` (4): endpoints per peer; a large batch is striped over them.
 * ``RAYKV_UCX_STRIPE_MIN_BYTES`` (4 MiB): batches smaller than this use one endpoint.
 * ``RAYKV_UCX_CHUNK_BYTES`` (16 MiB): a batch is exported and sent in chunks of about this
@@ -11,7 +15,8 @@ chart and ``raykv up`` hand to every Ray node).
 * ``RAYKV_UCX_TIMEOUT_S`` (10): bound on connecting, the handshake, each control message.
 * ``RAYKV_UCX_MIN_GBPS`` (0.05): a batch's rows must arrive at least this fast (a batch's
   timeout is ``timeout_s + bytes / rate``).
-* ``RAYKV_UCX_HOST`` (the node's IP, from Ray): the address the listener is advertised on.
+* ``RAYKV_UCX_HOST`` (the node's IP, from Ray): the host shown next to a member's UCX
+  endpoint (its worker address) in logs and errors.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from raykv.errors import ConfigError
 class UcxConfig:
     enabled: bool = True
     tls: str | None = None
+    net_devices: str | None = None
     stripes: int = 4
     stripe_min_bytes: int = 4 << 20
     chunk_bytes: int = 16 << 20
@@ -61,6 +67,7 @@ class UcxConfig:
         return cls(
             enabled=e.get("RAYKV_UCX", "1") not in ("0", "false", "no", "off"),
             tls=e.get("RAYKV_UCX_TLS") or None,
+            net_devices=e.get("RAYKV_UCX_NET_DEVICES") or None,
             host=e.get("RAYKV_UCX_HOST") or None,
             **numbers,
         )

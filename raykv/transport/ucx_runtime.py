@@ -14,8 +14,9 @@ ucxx coroutine there (``call``, from any loop; ``submit``, from plain threads). 
 ``polling`` and ``blocking`` modes need the owning loop to spin or wake for progress; the
 ``thread`` mode needs nothing from it, which is why it is the one used.
 
-``UCX_TLS`` comes from ``UcxConfig.tls`` (passed to ``ucxx.init`` as the context's ``TLS``
-option, so it wins over the environment); the first caller in a process fixes it.
+``UCX_TLS`` and ``UCX_NET_DEVICES`` come from ``UcxConfig.tls`` / ``net_devices`` (passed to
+``ucxx.init`` as the context's ``TLS`` / ``NET_DEVICES`` options, so they win over the
+environment; unset, UCX reads its own variables); the first caller in a process fixes them.
 """
 
 from __future__ import annotations
@@ -47,39 +48,50 @@ class UcxRuntime:
     _instance: UcxRuntime | None = None
     _lock = threading.Lock()
 
-    def __init__(self, tls: str | None) -> None:
-        self.tls = tls
+    def __init__(self, tls: str | None, net_devices: str | None = None) -> None:
+        self.tls, self.net_devices = tls, net_devices
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="raykv-ucx", daemon=True)
         self._thread.start()
         try:
-            self.submit(self._init(tls)).result(INIT_TIMEOUT_S)
+            self.submit(self._init(tls, net_devices)).result(INIT_TIMEOUT_S)
         except Exception as e:
             self.loop.call_soon_threadsafe(self.loop.stop)
             raise TransportError(
-                f"UCX did not start (UCX_TLS={tls or 'default'}): {e!r}; check RAYKV_UCX_TLS "
-                "names transports this host has (ucx_info -d), or set RAYKV_UCX=0"
+                f"UCX did not start (UCX_TLS={tls or 'default'}, UCX_NET_DEVICES="
+                f"{net_devices or 'default'}): {e!r}; check RAYKV_UCX_TLS / RAYKV_UCX_NET_DEVICES "
+                "name transports and devices this host has (ucx_info -d), or set RAYKV_UCX=0"
             ) from e
 
     @classmethod
-    def get(cls, tls: str | None = None) -> UcxRuntime:
-        """The process's runtime, started on first use with ``tls``."""
+    def get(cls, tls: str | None = None, net_devices: str | None = None) -> UcxRuntime:
+        """The process's runtime, started on first use with ``tls`` and ``net_devices``."""
         with cls._lock:
             if cls._instance is None:
-                cls._instance = cls(tls)
-            elif tls and tls != cls._instance.tls:
-                log.warning(
-                    "UCX already runs here with UCX_TLS=%s; %s ignored", cls._instance.tls, tls
-                )
+                cls._instance = cls(tls, net_devices)
+            else:
+                for name, want, have in (("UCX_TLS", tls, cls._instance.tls),
+                                         ("UCX_NET_DEVICES", net_devices,
+                                          cls._instance.net_devices)):  # fmt: skip
+                    if want and want != have:
+                        log.warning("UCX already runs here with %s=%s; %s ignored",
+                                    name, have, want)  # fmt: skip
             return cls._instance
 
     @staticmethod
-    async def _init(tls: str | None) -> None:
+    async def _init(tls: str | None, net_devices: str | None) -> None:
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
         import ucxx
 
+        options = {k: v for k, v in (("TLS", tls), ("NET_DEVICES", net_devices)) if v}
         # on this (running) loop: ucxx binds its notifier thread to the current loop
-        ucxx.init(options={"TLS": tls} if tls else {}, progress_mode="thread")
+        ucxx.init(options=options, progress_mode="thread")
+
+    async def worker_address(self) -> bytes:
+        """This process's UCX worker address (what a peer creates an endpoint from)."""
+        import ucxx
+
+        return bytes(ucxx.get_worker_address().tobytes())
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run ``coro`` on the UCX loop (from any thread)."""

@@ -1,16 +1,19 @@
-"""``UcxServer``: a member's UCX listener, serving fetches of the blocks it holds.
+"""``UcxServer``: a member's UCX endpoint, serving fetches of the blocks it holds.
 
 The member hands in its ``export(model, keys)`` coroutine (the same one the object store
 transport calls: the leading keys it holds as one gathered buffer plus their stored
 checksums); the server runs it on the member's own event loop (``owner_loop``, a Ray actor's)
 and moves the buffer over UCX as ``raykv.transport.ucx_wire`` describes. Every connection is
 authenticated first (``raykv.transport.auth``, bounded by ``timeout_s``); a peer that fails
-reads nothing, writes nothing, is logged and counted (``refused``, and ``on_refused`` on the
-owner's loop for its metrics).
+(or whose hello is not raykv's) reads nothing, writes nothing, is logged and counted
+(``refused``, and ``on_refused`` on the owner's loop for its metrics).
 
-ucxx 0.52's listener takes a port but no address: it listens on every interface of the
-host (UCX binds the wildcard address). The member advertises one address (the node's IP,
-``UcxConfig.host``), and the handshake, not the bind, is what keeps other peers out.
+No listener. ucxx 0.52's sockaddr listener takes a port but no address and binds the
+wildcard address (every interface of the host). So the server listens on nothing: it
+advertises its UCX worker address and a hello tag (``endpoint``: ``(host, address hex,
+tag)``, ``host`` only for logs), and receives hellos on its worker (``ucxx.recv`` on that
+tag); a reader connects by worker address. The only sockets are UCX's transport sockets,
+which bind the addresses of ``UCX_NET_DEVICES`` (``RAYKV_UCX_NET_DEVICES``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ from raykv.transport.auth import check_secret, serve_handshake
 from raykv.transport.ucx_config import UcxConfig
 from raykv.transport.ucx_runtime import UcxRuntime
 from raykv.transport.ucx_wire import (
+    MAX_HELLO,
+    Conn,
+    new_tag,
+    parse_hello,
     ranges,
     recv_frame,
     recv_msg,
@@ -59,88 +66,129 @@ class UcxServer:
         self.config = config or UcxConfig.from_env()
         self.owner_loop = owner_loop
         self.on_refused = on_refused
-        self.runtime = UcxRuntime.get(self.config.tls)
-        self.port = 0
+        self.runtime = UcxRuntime.get(self.config.tls, self.config.net_devices)
+        self.address = b""  # this process's UCX worker address
+        self.tag = 0  # the tag hellos arrive on
         self.counts: Counter[str] = Counter()
-        self._listener: Any = None
-        self._eps: dict[tuple[str, int], Any] = {}  # (client id, stripe) -> endpoint
+        self._accepting: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._eps: dict[tuple[str, int], Conn] = {}  # (client id, stripe) -> connection
         self._ids = itertools.count()
 
     @property
-    def endpoint(self) -> tuple[str, int]:
-        return (self.host, self.port)
+    def endpoint(self) -> tuple[str, str, int]:
+        """What a reader needs: (host, for logs; worker address, hex; hello tag)."""
+        return (self.host, self.address.hex(), self.tag)
 
-    def start(self) -> tuple[str, int]:
-        """Listen (on a free port); returns the endpoint to advertise."""
-        if self._listener is None:
-            self.port = self.runtime.submit(self._listen()).result(START_TIMEOUT_S)
+    def start(self) -> tuple[str, str, int]:
+        """Accept hellos (on the worker); returns the endpoint to advertise."""
+        if self._accepting is None:
+            self.runtime.submit(self._listen()).result(START_TIMEOUT_S)
         return self.endpoint
 
-    async def _listen(self) -> int:
-        import ucxx
-
-        self._listener = ucxx.create_listener(self._handle, port=0)
-        return int(self._listener.port)
+    async def _listen(self) -> None:
+        self.address, self.tag = await self.runtime.worker_address(), new_tag()
+        self._accepting = asyncio.ensure_future(self._accept())
 
     def stop(self) -> None:
         async def close() -> None:
-            for ep in list(self._eps.values()):
-                ep.abort()
+            if self._accepting is not None:
+                self._accepting.cancel()
+                self._accepting = None
+            for task in list(self._tasks):
+                task.cancel()
+            for conn in list(self._eps.values()):
+                conn.abort()
             self._eps.clear()
-            if self._listener is not None:
-                self._listener.close()
-                self._listener = None
 
         self.runtime.submit(close()).result(START_TIMEOUT_S)
 
     def stats(self) -> dict[str, int]:
         """``refused``: peers that failed the handshake; ``batches`` / ``bytes`` served;
-        ``connections``: endpoints open now."""
+        ``connections``: connections open now."""
         return {**{k: self.counts[k] for k in ("refused", "batches", "bytes")},
                 "connections": len(self._eps)}  # fmt: skip
 
     # --- one connection -------------------------------------------------------------------
 
-    async def _handle(self, ep: Any) -> None:
-        conn = next(self._ids)
+    async def _accept(self) -> None:
+        """Receive hellos on the worker, one connection each, until stopped."""
+        import ucxx
+
+        while True:
+            buf = np.empty(MAX_HELLO, np.uint8)
+            try:
+                await ucxx.recv(buf, self.tag)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a message larger than any hello: not a raykv peer
+                self._refuse(next(self._ids), e)
+                await asyncio.sleep(0.01)  # never a busy loop, whatever arrives
+                continue
+            task = asyncio.ensure_future(self._handle(buf.tobytes()))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _connect(self, hello: bytes) -> Conn:
+        """The reply connection to the client that sent ``hello``."""
+        import ucxx
+
+        client_tag, address = parse_hello(hello)
+        ep = await asyncio.wait_for(
+            ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(address)),
+            self.config.timeout_s,
+        )
+        recv_tag = new_tag()
+        while any(c.recv_tag == recv_tag for c in self._eps.values()):
+            recv_tag = new_tag()
+        return Conn(ep, send_tag=client_tag, recv_tag=recv_tag)
+
+    async def _handle(self, hello: bytes) -> None:
+        conn_id = next(self._ids)
         t = self.config.timeout_s
+        conn: Conn | None = None
 
         async def send(frame: bytes) -> None:
-            await send_frame(ep, frame)
+            await send_frame(conn, frame)
 
         async def recv(n: int) -> bytes:
-            return await recv_frame(ep, n)
+            return await recv_frame(conn, n)
 
         try:
+            conn = await self._connect(hello)
+            await asyncio.wait_for(send_frame(conn, conn.recv_tag.to_bytes(8, "little")), t)
             await asyncio.wait_for(serve_handshake(self._secret, send, recv), t)
         except Exception as e:  # wrong secret, no secret (silence, garbage), a dead peer
-            self._refuse(conn, e)
-            ep.abort()
+            self._refuse(conn_id, e)
+            if conn is not None:
+                conn.abort()
             return
         me: tuple[str, int] | None = None
         try:
-            hello = await asyncio.wait_for(recv_msg(ep), t)
-            me = (str(hello["client"]), int(hello["stripe"]))
-            self._eps[me] = ep
-            await asyncio.wait_for(send_msg(ep, {"ok": True}), t)
-            while True:  # idle connections wait here until their peer closes them
-                req = await recv_msg(ep)
+            hello_msg = await asyncio.wait_for(recv_msg(conn), t)
+            me = (str(hello_msg["client"]), int(hello_msg["stripe"]))
+            self._eps[me] = conn
+            await asyncio.wait_for(send_msg(conn, {"ok": True}), t)
+            while True:  # idle connections wait here until their peer says bye or dies
+                req = await recv_msg(conn)
+                if req.get("op") == "bye":
+                    return
                 if req.get("op") != "fetch":
                     raise ValueError(f"unknown request {str(req.get('op'))[:40]!r}")
-                await self._fetch(ep, me[0], req)
+                await self._fetch(conn, me[0], req)
         except Exception as e:  # the peer closed, died, or spoke nonsense: drop it
-            log.debug("ucx connection %d from %s closed: %r", conn, me, e)
+            log.debug("ucx connection %d from %s closed: %r", conn_id, me, e)
         finally:
-            if me is not None and self._eps.get(me) is ep:
+            if me is not None and self._eps.get(me) is conn:
                 del self._eps[me]
-            ep.abort()
+            conn.abort()
 
     def _refuse(self, conn: int, error: BaseException) -> None:
         self.counts["refused"] += 1
         reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         log.warning(
-            "refused UCX connection %d on %s:%d: it did not authenticate (%s)",
-            conn, self.host, self.port, reason,
+            "refused UCX connection %d on %s (tag %x): it did not authenticate (%s)",
+            conn, self.host, self.tag, reason,
         )  # fmt: skip
         if self.on_refused is not None:
             if self.owner_loop is not None:

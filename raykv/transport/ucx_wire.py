@@ -1,9 +1,20 @@
-"""What crosses a raykv UCX connection, message by message (tag send/recv on one endpoint).
+"""What crosses a raykv UCX connection, message by message (tag send/recv, worker-address mode).
 
-On every new endpoint: the auth handshake (``raykv.transport.auth``: three fixed-size
+No sockaddr listener (ucxx's binds the wildcard address): a server advertises its UCX worker
+address and a hello tag; a client creates an endpoint from that address and sends one hello
+message on the hello tag (``hello_frame``: its own worker address and the tag it will receive
+on). The server creates the reply endpoint from the client's address and picks the tag it
+receives this connection on; its first frame (8 bytes, on the client's tag) names it. From
+then on each side sends on the other's tag (``Conn``): tags are chosen by their receiver,
+fresh and random per connection, and every receive is matched on its full tag. A hello
+costs the server one endpoint to the address it names (how else to answer it) and nothing
+more until the handshake passes; one that fails within ``timeout_s`` is aborted and counted.
+
+Then, before anything else, the auth handshake (``raykv.transport.auth``: three fixed-size
 frames, received into buffers of exactly that size, so a peer that sends anything else
 fails the receive), then ``{"client": id, "stripe": i}`` from the client, acknowledged by
-``{"ok": true}`` once the server has filed the endpoint as stripe ``i`` of that client.
+``{"ok": true}`` once the server has filed the connection as stripe ``i`` of that client.
+``{"op": "bye"}`` from the client ends a connection (the server drops its endpoint).
 
 A fetch, always on the client's stripe 0: the request ``{"op": "fetch", "model", "keys"
 (hex), "stripes": k, "min_part": bytes}``; the header ``{"count": n, "shape": [copies, n,
@@ -17,6 +28,8 @@ the bytes, the size checked before anything is allocated); nothing received is u
 from __future__ import annotations
 
 import json
+import secrets
+import struct
 from typing import Any
 
 import numpy as np
@@ -25,6 +38,54 @@ from raykv.errors import TransportError
 
 MAX_CONTROL_BYTES = 64 << 20  # a header of 512 keys x 8 copies is ~100 KiB
 ALIGN = 4096
+HELLO_MAGIC = b"RKVH"
+_HELLO = struct.Struct("<4sQI")  # magic, the client's receive tag, its address's length
+MAX_HELLO = 64 << 10  # a worker address is ~50 bytes over tcp, a few KiB with every transport
+TAG_BYTES = 8
+
+
+def new_tag() -> int:
+    """A fresh random 64-bit tag (never 0)."""
+    return secrets.randbits(64) or 1
+
+
+class Conn:
+    """One raykv UCX connection: an endpoint to the peer's worker, the tag the peer receives
+    on (``send_tag``) and the tag this side receives on (``recv_tag``). ``send`` / ``recv``
+    are what ``send_msg`` / ``recv_msg`` call; receives post on the endpoint, so a peer
+    that dies cancels them."""
+
+    def __init__(self, ep: Any, send_tag: int, recv_tag: int) -> None:
+        self.ep, self.send_tag, self.recv_tag = ep, send_tag, recv_tag
+
+    async def send(self, buf: Any) -> None:
+        await self.ep.send(buf, tag=self.send_tag, force_tag=True)
+
+    async def recv(self, buf: Any) -> None:
+        await self.ep.recv(buf, tag=self.recv_tag, force_tag=True)
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.ep.closed)
+
+    def abort(self) -> None:
+        self.ep.abort()
+
+
+def hello_frame(address: bytes, recv_tag: int) -> bytes:
+    """The client's first message: its worker address and the tag it receives on."""
+    return _HELLO.pack(HELLO_MAGIC, recv_tag, len(address)) + address
+
+
+def parse_hello(raw: bytes) -> tuple[int, bytes]:
+    """(the client's receive tag, its worker address) of a hello; TransportError if it is
+    not one (``raw`` may be longer than the message: the rest is ignored)."""
+    if len(raw) < _HELLO.size:
+        raise TransportError("a UCX hello too short to be raykv's")
+    magic, tag, n = _HELLO.unpack_from(raw)
+    if magic != HELLO_MAGIC or not 0 < n <= len(raw) - _HELLO.size or not tag:
+        raise TransportError("not a raykv UCX hello (bad magic, tag or address length)")
+    return tag, bytes(raw[_HELLO.size : _HELLO.size + n])
 
 
 async def send_frame(ep: Any, frame: bytes) -> None:

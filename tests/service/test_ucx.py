@@ -30,6 +30,9 @@ SECRET = "ucx-test-secret-" + "0123456789abcdef"
 ENV = {
     "RAYKV_TRANSPORT_SECRET": SECRET,
     "RAYKV_UCX_TLS": "tcp",
+    "RAYKV_UCX_NET_DEVICES": "lo",  # every UCX socket on 127.0.0.1 (no sockaddr listener)
+    "UCX_NET_DEVICES": "lo",
+    "UCX_TLS": "tcp",
     "RAYKV_UCX_TIMEOUT_S": "3",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
 }
@@ -87,7 +90,8 @@ def stored(ray_cluster, n: int, seed: int):
 def test_members_advertise_ucx_and_a_load_routes_over_it(ray_cluster) -> None:
     _, ids, data, _ = stored(ray_cluster, 6, 1)
     eps = snap(ray_cluster.head)["transports"]
-    assert eps["ucx"][0] == "127.0.0.1" and eps["ucx"][1] > 0, eps
+    host, address, tag = eps["ucx"]  # a worker address and hello tag, not a port
+    assert host == "127.0.0.1" and bytes.fromhex(address) and tag > 0, eps
     b = ray_cluster.kv.on(ray_cluster.ids[0])
     assert b.admit("q", len(ids), ids)
     tq = b.allocate("q", len(ids), ids)[0]
@@ -136,11 +140,13 @@ def test_a_tier_pulls_another_tiers_blocks_verified(ray_cluster) -> None:
 
 
 def test_peers_without_the_secret_are_refused_and_counted(ray_cluster) -> None:
+    import numpy as np
     import ucxx
 
     from raykv.transport.ucx import UcxTransport
     from raykv.transport.ucx_config import UcxConfig
     from raykv.transport.ucx_runtime import UcxRuntime
+    from raykv.transport.ucx_wire import hello_frame, new_tag
 
     _, _, _, keys = stored(ray_cluster, 2, 5)
     ep = tuple(snap(ray_cluster.head)["transports"]["ucx"])
@@ -149,8 +155,12 @@ def test_peers_without_the_secret_are_refused_and_counted(ray_cluster) -> None:
     with pytest.raises(TransportError, match="secret"):
         asyncio.run(wrong.fetch("tier", MODEL, keys, ep))
 
-    async def silent() -> None:  # connects, says nothing: the handshake times out
-        e = await ucxx.create_endpoint(*ep)
+    async def silent() -> None:  # says hello, then nothing: the handshake times out
+        e = await ucxx.create_endpoint_from_worker_address(
+            ucxx.get_ucx_address_from_buffer(bytes.fromhex(ep[1]))
+        )
+        hello = hello_frame(ucxx.get_worker_address().tobytes(), new_tag())
+        await e.send(np.frombuffer(hello, np.uint8), tag=ep[2], force_tag=True)
         await asyncio.sleep(4)
         e.abort()
 

@@ -1,8 +1,10 @@
 """``raykv.transport.ucx`` between two processes without Ray (``raykv.bench.ucx_peer`` serves
 a CPU-tier arena of scattered blocks): bytes equal and verified, striped or not; a peer that
 dies mid-transfer is a ``TransportError`` within the bounded timeout (never a hang, nothing
-handed out); two hosts in network namespaces joined by a veth pair."""
+handed out); two hosts in network namespaces joined by a veth pair; nothing listens on a
+non-loopback address (no sockaddr listener: worker-address endpoints, ``UCX_NET_DEVICES=lo``)."""
 
+import asyncio
 import json
 import os
 import shutil
@@ -24,15 +26,22 @@ from raykv.transport.ucx_config import UcxConfig
 from raykv.transport.ucx_runtime import UcxRuntime
 
 SECRET = "transport-test-secret-0123456789"
+LO = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp"}  # every UCX socket binds 127.0.0.1
+os.environ.update(LO)  # this process's UCX (the runtime starts once per process)
 BLOCKS, WIDTH = 64, 16 << 10
 KEYS = [i.to_bytes(8, "little") for i in range(BLOCKS)]
 
 
-def peer(*args: str, prefix: tuple[str, ...] = (), host: str = "127.0.0.1"):
-    """A ``ucx_peer`` process; returns (process, its endpoints)."""
-    env = {**os.environ, "RAYKV_TRANSPORT_SECRET": SECRET, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+def cfg(**kw) -> UcxConfig:
+    return UcxConfig(tls="tcp", net_devices="lo", **kw)
+
+
+def peer(*args: str, prefix: tuple[str, ...] = (), host: str = "127.0.0.1", dev: str = "lo"):
+    """A ``ucx_peer`` process (UCX on ``dev`` only); returns (process, its endpoints)."""
+    env = {**os.environ, "RAYKV_TRANSPORT_SECRET": SECRET, "UCX_WARN_UNUSED_ENV_VARS": "n",
+           "UCX_NET_DEVICES": dev}  # fmt: skip
     cmd = [*prefix, sys.executable, "-m", "raykv.bench.ucx_peer", "--tls", "tcp",
-           "--host", host, *args]  # fmt: skip
+           "--net-devices", dev, "--host", host, *args]  # fmt: skip
     p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     line = " "
     while line and not line.startswith("{"):
@@ -57,7 +66,7 @@ def fetch(t: UcxTransport, where, keys=KEYS, timeout: float = 60):
 def test_scattered_blocks_arrive_whole_and_verified(stripes) -> None:
     p, where = peer("--blocks", str(BLOCKS), "--block-bytes", str(WIDTH))
     try:
-        t = UcxTransport(SECRET.encode(), UcxConfig(tls="tcp", stripes=stripes, stripe_min_bytes=1))
+        t = UcxTransport(SECRET.encode(), cfg(stripes=stripes, stripe_min_bytes=1))
         want = block_rows(BLOCKS, WIDTH, 0)
         for n in (BLOCKS, 5, 0):  # the endpoints are reused; an empty batch is fine too
             b = fetch(t, where, KEYS[:n])
@@ -83,19 +92,19 @@ def test_a_peer_dying_mid_transfer_is_a_transport_error_in_bounded_time() -> Non
     # 64 MiB at >= 0.05 GB/s: the transfer may take ~2 s; the peer dies 50 ms into it
     p, where = peer("--blocks", "256", "--block-bytes", str(256 << 10), "--die-after-ms", "50")
     try:
-        cfg = UcxConfig(tls="tcp", stripes=2, stripe_min_bytes=1, timeout_s=3)
-        t = UcxTransport(SECRET.encode(), cfg)
+        c = cfg(stripes=2, stripe_min_bytes=1, timeout_s=3)
+        t = UcxTransport(SECRET.encode(), c)
         keys = [i.to_bytes(8, "little") for i in range(256)]
         t0 = time.monotonic()
         with pytest.raises(TransportError):
             fetch(t, where, keys, timeout=120)
-        assert time.monotonic() - t0 < cfg.transfer_timeout(256 * (256 << 10)) + 5
+        assert time.monotonic() - t0 < c.transfer_timeout(256 * (256 << 10)) + 5
         assert p.wait(10) == 3  # it did die (in the middle of sending)
         # the next fetch to the dead peer fails fast too (its endpoints were dropped)
         t0 = time.monotonic()
         with pytest.raises(TransportError):
             fetch(t, where, keys[:1], timeout=60)
-        assert time.monotonic() - t0 < 3 * cfg.timeout_s
+        assert time.monotonic() - t0 < 3 * c.timeout_s
         assert t.counts["batches"] == 0
     finally:
         if p.poll() is None:
@@ -114,7 +123,8 @@ def _netns_ok() -> bool:
 
 @pytest.fixture
 def two_hosts():
-    """Namespaces a (10.231.0.1) and b (10.231.0.2), joined by a veth pair."""
+    """Namespaces a (10.231.0.1) and b (10.231.0.2), joined by a veth pair; yields the
+    namespaces and their veth devices (each side's ``UCX_NET_DEVICES``)."""
     if not _netns_ok():
         pytest.skip("network namespaces need root and `ip netns` (not permitted here)")
     tag = uuid.uuid4().hex[:6]
@@ -134,16 +144,16 @@ def two_hosts():
             ip("addr", "add", addr, "dev", dev, ns=ns)
             ip("link", "set", dev, "up", ns=ns)
             ip("link", "set", "lo", "up", ns=ns)
-        yield a, b
+        yield a, b, va, vb
     finally:
         for ns in (a, b):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def test_two_hosts_in_network_namespaces(two_hosts) -> None:
-    a, b = two_hosts
+    a, b, va, vb = two_hosts
     p, where = peer("--blocks", "32", "--block-bytes", str(WIDTH),
-                    prefix=("ip", "netns", "exec", a), host="10.231.0.1")  # fmt: skip
+                    prefix=("ip", "netns", "exec", a), host="10.231.0.1", dev=va)  # fmt: skip
     try:
         assert where["raykv"][0] == "10.231.0.1"
         # the reader runs in namespace b: the only way to a is the veth pair
@@ -154,16 +164,17 @@ def test_two_hosts_in_network_namespaces(two_hosts) -> None:
             "from raykv.transport.ucx_runtime import UcxRuntime;"
             "from raykv.transport import verify;"
             "from raykv.bench.ucx_peer import block_rows;"
-            "t=UcxTransport(sys.argv[1].encode(),UcxConfig(tls='tcp',stripes=2,stripe_min_bytes=1));"
+            "t=UcxTransport(sys.argv[1].encode(),UcxConfig(tls='tcp',net_devices=sys.argv[3],"
+            "stripes=2,stripe_min_bytes=1));"
             "k=[i.to_bytes(8,'little') for i in range(32)];"
             "b=UcxRuntime.get('tcp').submit(t.fetch('a','m',k,json.loads(sys.argv[2]))).result(60);"
             f"assert verify(b)==32 and torch.equal(b.rows,block_rows(32,{WIDTH},0));"
             "print('ok',b.nbytes)"
         )
-        env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+        env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_NET_DEVICES": vb}
         out = subprocess.run(
             ["ip", "netns", "exec", b, sys.executable, "-c", code, SECRET,
-             json.dumps(where["raykv"])],
+             json.dumps(where["raykv"]), vb],
             capture_output=True, text=True, timeout=120, env=env,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr[-2000:]
@@ -174,8 +185,6 @@ def test_two_hosts_in_network_namespaces(two_hosts) -> None:
 
 def test_tp_copies_in_chunks_arrive_copy_major() -> None:
     """A batch of 2 TP copies sent in several chunks is one [copies, n, width] buffer."""
-    import asyncio
-
     from raykv.tiers.checksum import row_checksums
     from raykv.transport.ucx_server import UcxServer
 
@@ -188,15 +197,82 @@ def test_tp_copies_in_chunks_arrive_copy_major() -> None:
         n = next((i for i, b in enumerate(idx) if b >= 30), len(idx))  # holds 0..29
         return n, rows[:, idx[:n]].numpy(), [[s[i] for i in idx[:n]] for s in sums]
 
-    cfg = UcxConfig(tls="tcp", stripes=2, stripe_min_bytes=1, chunk_bytes=3 * 2 * 4096)
-    server = UcxServer(SECRET.encode(), export, host="127.0.0.1", config=cfg)
+    c = cfg(stripes=2, stripe_min_bytes=1, chunk_bytes=3 * 2 * 4096)
+    server = UcxServer(SECRET.encode(), export, host="127.0.0.1", config=c)
     ep = server.start()
-    t = UcxTransport(SECRET.encode(), cfg)
+    t = UcxTransport(SECRET.encode(), c)
     try:
         b = UcxRuntime.get("tcp").submit(t.fetch("s", "m", KEYS[:40], ep)).result(60)
         assert b.count == 30 and verify(b) == 30 and torch.equal(b.rows, rows[:, :30])
         assert server.stats()["batches"] > 3  # it came in chunks
         assert asyncio.iscoroutinefunction(export)
+        assert server.stats()["connections"] == 2
+        t.close()  # says bye: the server drops both stripes' connections
+        deadline = time.monotonic() + 10
+        while server.stats()["connections"]:
+            assert time.monotonic() < deadline, server.stats()
+            time.sleep(0.1)
     finally:
         t.close()
+        server.stop()
+
+
+def _listening(pid: int) -> list[tuple[str, int]]:
+    import psutil
+
+    conns = psutil.Process(pid).net_connections(kind="inet")
+    return [(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+
+
+def test_nothing_listens_on_a_non_loopback_address() -> None:
+    """While a server serves (and after a striped fetch), every listening socket of the
+    serving process and of the reader is on 127.0.0.1 (UCX's tcp transport on ``lo``);
+    none on 0.0.0.0, ::, or any other address."""
+    p, where = peer("--blocks", "16", "--block-bytes", str(WIDTH))
+    try:
+        t = UcxTransport(SECRET.encode(), cfg(stripes=2, stripe_min_bytes=1))
+        assert verify(fetch(t, where, KEYS[:16])) == 16
+        for pid in (p.pid, os.getpid()):
+            socks = _listening(pid)
+            assert socks, f"process {pid} listens on nothing: UCX's tcp transport should"
+            assert all(ip == "127.0.0.1" for ip, _ in socks), (pid, socks)
+        t.close()
+    finally:
+        stop(p)
+
+
+def test_wrong_secret_and_garbage_hellos_are_refused_and_counted() -> None:
+    import numpy as np
+    import ucxx
+
+    from raykv.transport.ucx_server import UcxServer
+
+    async def export(model: str, keys: list[bytes]):
+        raise AssertionError("a refused peer reads nothing")
+
+    server = UcxServer(SECRET.encode(), export, host="127.0.0.1", config=cfg(timeout_s=2))
+    ep = server.start()
+    wrong = UcxTransport(b"not-the-secret-at-all-0000", cfg(timeout_s=2))
+    rt = UcxRuntime.get("tcp")
+    try:
+        with pytest.raises(TransportError, match="secret"):
+            rt.submit(wrong.fetch("s", "m", KEYS[:2], ep)).result(30)
+        assert wrong.counts["refused"] == 1
+
+        async def garbage() -> None:  # not a raykv hello: refused before any reply
+            addr = ucxx.get_ucx_address_from_buffer(bytes.fromhex(ep[1]))
+            e = await ucxx.create_endpoint_from_worker_address(addr)
+            await e.send(np.frombuffer(b"GET / HTTP/1.1\r\n" * 4, np.uint8), tag=ep[2],
+                         force_tag=True)  # fmt: skip
+            await asyncio.sleep(0.5)
+            e.abort()
+
+        rt.submit(garbage()).result(30)
+        deadline = time.monotonic() + 10
+        while server.stats()["refused"] < 2:
+            assert time.monotonic() < deadline, server.stats()
+            time.sleep(0.1)
+        assert server.stats()["batches"] == 0 and server.stats()["connections"] == 0
+    finally:
+        wrong.close()
         server.stop()

@@ -41,8 +41,10 @@ def test_ucx_is_chosen_when_both_ends_run_it() -> None:
 
 def test_settings_come_from_the_environment() -> None:
     c = UcxConfig.from_env({"RAYKV_UCX_TLS": "tcp", "RAYKV_UCX_STRIPES": "8",
-                            "RAYKV_UCX_TIMEOUT_S": "2.5"})  # fmt: skip
+                            "RAYKV_UCX_TIMEOUT_S": "2.5",
+                            "RAYKV_UCX_NET_DEVICES": "lo"})  # fmt: skip
     assert (c.tls, c.stripes, c.timeout_s, c.enabled) == ("tcp", 8, 2.5, True)
+    assert c.net_devices == "lo" and UcxConfig.from_env({}).net_devices is None
     assert c.transfer_timeout(10**9) == pytest.approx(2.5 + 1 / 0.05)
     with pytest.raises(ConfigError, match="RAYKV_UCX"):
         UcxConfig.from_env({"RAYKV_UCX_STRIPES": "many"})
