@@ -152,6 +152,14 @@ _timeout = click.option(
 @click.option("--block-size", default=16, show_default=True)
 @click.option("--max-model-len", type=int, help="default: the preset's")
 @click.option("--num-cpus", type=int, help="CPUs of a head started here (default: all)")
+@click.option(
+    "--tp",
+    "tp_size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="TP ranks per engine: each pool group spans this many GPUs of one node",
+)
 @_timeout
 def up(
     address,
@@ -162,6 +170,7 @@ def up(
     block_size,
     max_model_len,
     num_cpus,
+    tp_size,
     timeout_s,
 ) -> None:
     """Start (or join) the raykv service and print where it runs."""
@@ -187,6 +196,7 @@ def up(
             max_model_len=max_model_len,
             pool_bytes=pool_bytes,
             num_cpus=num_cpus,
+            tp_size=tp_size,
         )
     except RaykvError as e:
         raise click.ClickException(str(e)) from e

@@ -273,13 +273,6 @@ def ucx_format(r: dict[str, Any], machine: str = "") -> str:
     return "\n".join(lines)
 
 
-def ucx_main(quick: bool = False, as_json: bool = False, tls: str = "tcp") -> None:
-    import click
-
-    r = ucx_run(quick=quick, echo=lambda s: click.echo(s, err=True), tls=tls)
-    click.echo(json.dumps(r, indent=2) if as_json else ucx_format(r))
-
-
 def ucx_pairs_main(argv: list[str] | None = None) -> None:
     """``python -m raykv.bench.transport_ucx --tls tcp --tls sm,self``: the Ray-less section
     (``ucx_pair``) for each transport, as JSON lines (hosts without Ray: the device)."""
@@ -291,7 +284,13 @@ def ucx_pairs_main(argv: list[str] | None = None) -> None:
     p.add_argument("--stripes", default="1,4")
     p.add_argument("--reps", type=int, default=5)
     a = p.parse_args(argv)
-    for tls in a.tls or ["tcp"]:
+    tlss = a.tls or ["tcp"]
+    if len(tlss) > 1:  # UCX's transports are fixed per process: one process per UCX_TLS
+        for tls in tlss:
+            rest = ["--blocks", str(a.blocks), "--stripes", a.stripes, "--reps", str(a.reps)]
+            subprocess.run([sys.executable, "-m", __spec__.name, "--tls", tls, *rest], check=False)
+        return
+    for tls in tlss:
         stripes = tuple(int(x) for x in a.stripes.split(","))
         try:
             r = ucx_pair(tls, a.blocks, stripes=stripes, reps=a.reps)

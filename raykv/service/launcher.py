@@ -120,8 +120,10 @@ def up(
     max_model_len: int | None,
     pool_bytes: int,
     num_cpus: int | None = None,
+    tp_size: int = 1,
 ) -> dict[str, Any]:
-    """Start or join the service and serve ``preset``; returns where it runs."""
+    """Start or join the service and serve ``preset`` (``tp_size`` GPUs per pool group, one
+    TP rank each); returns where it runs."""
     from raykv.layout.presets import get_preset
 
     p = get_preset(preset)
@@ -147,6 +149,7 @@ def up(
             gpu_mem_fraction=gpu_mem_fraction,
             cpu_bytes=cpu_bytes,
             pool_bytes=pool_bytes,
+            tp_size=tp_size,
         )
         plan = control.call(coord, "add_model", model, timeout_s=control.ADD_MODEL_TIMEOUT_S)
     except RaykvError as e:

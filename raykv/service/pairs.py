@@ -43,10 +43,9 @@ def actor_ident(name: str) -> str:
     pairs), or the process's when not in an actor."""
     import os
 
-    try:
+    aid = None
+    if ray.is_initialized():  # get_runtime_context() would start a local Ray otherwise
         aid = ray.get_runtime_context().get_actor_id()
-    except Exception:  # not connected to Ray (unit tests)
-        aid = None
     return f"{name}#{(aid or str(os.getpid()))[-12:]}"
 
 

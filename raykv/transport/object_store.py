@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import ray
 import torch
 
 from raykv.transport.base import BlockBatch
@@ -36,6 +35,8 @@ class ObjectStoreTransport:
         self._handles: dict[str, object] = {}
 
     def _actor(self, source: str):
+        import ray  # here, not at import: the transports load on hosts without Ray too
+
         h = self._handles.get(source)
         if h is None:
             h = self._handles[source] = ray.get_actor(source, namespace=self.namespace)
@@ -44,6 +45,8 @@ class ObjectStoreTransport:
     async def fetch(
         self, source: str, model: str, keys: Sequence[bytes], endpoint: Any = None
     ) -> BlockBatch:
+        import ray
+
         try:
             n, rows, sums = await self._actor(source).export_blocks.remote(model, list(keys))
         except ray.exceptions.RayActorError:

@@ -15,7 +15,7 @@ from raykv.service.gpu_pool import GpuPool
 from raykv.service.index import GPU, Location
 from raykv.service.spec import ServedModel
 from raykv.tiers.checksum import row_checksums
-from raykv.transport import BlockBatch
+from raykv.transport import OBJECT_STORE, BlockBatch
 
 BS, ROW = 16, 2 * 16 * 1 * 16 * 4  # one layer: K,V x 16 tokens x 1 head x 16 x 4 bytes
 ENGINE = "engine"  # the client id every call of these in-process pools comes from
@@ -44,7 +44,7 @@ class FakeCoordinator:
     async def _full(self, *args):
         return None, None  # (arena, no reservation)
 
-    async def _locate(self, model, hashes, node_id):
+    async def _locate(self, model, hashes, node_id, reader=None):
         return [[Location("raykv-pool-elsewhere", "other-node", GPU)] for _ in hashes]
 
     async def _events(self, name, seq, model, stored, removed):
@@ -73,7 +73,9 @@ def test_a_load_whose_request_is_freed_and_readmitted_writes_and_publishes_nothi
     fetched = torch.full((1, 4, ROW), 7, dtype=torch.uint8)  # the first prompt's KV
 
     class RacingTransport:
-        async def fetch(self, source, model, keys):
+        name = OBJECT_STORE
+
+        async def fetch(self, source, model, keys, endpoint=None):
             # while the rows travel, the engine aborts "r" and reuses its id for a new prompt
             await pool.free(ENGINE, "r")
             assert await pool.admit(ENGINE, "r", len(second), second)
@@ -89,7 +91,7 @@ def test_a_load_whose_request_is_freed_and_readmitted_writes_and_publishes_nothi
         return table, res
 
     race: list = []
-    pool.transport = RacingTransport()
+    pool.transports = {OBJECT_STORE: RacingTransport()}
     table, res = asyncio.run(run())
     assert res["num_tokens"] == 0 and res["loaded_blocks"] == 0
     assert set(race[0]) & set(table[:4]), "the new request must have reused the freed blocks"
