@@ -23,6 +23,7 @@ from typing import Any
 import ray
 import torch
 
+from raykv import ops
 from raykv.errors import InvalidInput, TransportError
 from raykv.service.groups import key_group
 from raykv.service.index import CPU
@@ -59,8 +60,9 @@ async def pull(tier: Any, model: str, keys: list[bytes]) -> int:
 
 
 async def _fetch(tier: Any, model: str, want: list[bytes]) -> tuple[list, list]:
-    """Verified rows (per key: ``[copies, width]``) and their checksums (per key: per copy)
-    of the leading ``want`` other members hold, source by source."""
+    """Verified rows (per key: its batch's ``[copies, count, width]`` buffer and its index
+    there) and their checksums (per key: per copy) of the leading ``want`` other members
+    hold, source by source."""
     try:
         coord = ray.get_actor(COORDINATOR, namespace=NAMESPACE)
         where = await coord.locate.remote(model, want, tier.node_id, tier.name)
@@ -91,7 +93,7 @@ async def _fetch(tier: Any, model: str, want: list[bytes]) -> tuple[list, list]:
             continue
         good = _good(tier, model, loc.member, batch, want[i:run])
         for j in range(good):
-            rows.append(batch.rows[:, j])
+            rows.append((batch.rows, j))  # the batch's buffer and the row in it (no copy)
             sums.append(tuple(c[j] for c in batch.checksums))
         tier.metrics.moved(model, CPU, int(batch.rows[:, :good].numel()))
         if good < run - i:
@@ -140,15 +142,32 @@ async def _store(tier: Any, mt: Any, model: str, keys: list[bytes], rows: list, 
         for s in range(f):
             idx.append(mt.tier.row(block[k], s))
             src.append(at[k] * f + s)
-    if idx:
-        data = torch.stack([rows[j] for j in src], dim=1)  # [copies, n, width]
-        where = torch.tensor(idx, dtype=torch.long)
+    # each run of consecutive rows of one batch is one paged copy straight from the batch's
+    # buffer into the arena (``raykv.ops``: word copies, no temporary)
+    for buf, first, dests in _runs(rows, src, idx):
+        dest_ids = torch.tensor(dests, dtype=torch.long)
         for c in range(copies):
-            mt.tier.rows(c)[:, :width].index_copy_(0, where, data[c])
+            arena = mt.tier.rows(c)[:, :width]
+            ops.scatter_blocks(buf[c, first : first + len(dests)], [arena], dest_ids)
     valid = [(True,) * f for _ in res.keys]
-    ops = [
+    finish = [
         ("finish_store", res, True, valid,
          [tuple(sums[at[k] * f + s][c] for s in range(f)) for k in res.keys], c)
         for c in range(copies)
     ]  # fmt: skip
-    await tier.apply(model, ops)
+    await tier.apply(model, finish)
+
+
+def _runs(rows: list, src: list[int], idx: list[int]) -> list[tuple[Any, int, list[int]]]:
+    """``(buffer, first row, destinations)`` for each run of ``src`` rows that lie one after
+    another in one batch buffer (``rows[j]``: (buffer, row)), in order."""
+    out: list[tuple[Any, int, list[int]]] = []
+    prev = None
+    for j, dest in zip(src, idx, strict=True):
+        buf, r = rows[j]
+        if prev is not None and prev[0] is buf and prev[1] + len(prev[2]) == r:
+            prev[2].append(dest)
+            continue
+        prev = (buf, r, [dest])
+        out.append(prev)
+    return out
