@@ -34,9 +34,22 @@ def short_timeout():
         os.environ["RAYKV_COLLECTIVE_TIMEOUT_S"] = old
 
 
-def pools(ray_cluster, model):
+def pools(ray_cluster):
+    """(holder on the worker node, reader on the head)."""
     kv = ray_cluster.kv
     return kv.on(ray_cluster.ids[0]), kv.on(ray_cluster.head)
+
+
+def published(ray_cluster, model: str, n: int, seed: int):
+    """A full-attention model whose worker-node pool holds ``n`` known blocks of a prompt:
+    (holder, reader, the prompt's ids, the blocks' rows)."""
+    ray_cluster.kv.add_model(
+        model, LAYERS, max_model_len=512, pool_bytes=40 * ROW, cpu_bytes=40 * ROW
+    )
+    a, b = pools(ray_cluster)
+    ids, data = tokens(n * BS + 1, seed), rows(n, seed + 1)
+    publish(a, "w", ids, data, n)
+    return a, b, ids, data
 
 
 def publish(client, rid, ids, data, n):
@@ -58,10 +71,7 @@ def holder(model: str, node: str):
 
 def test_tp1_pair_moves_equal_bytes_over_gloo(ray_cluster) -> None:
     kv = ray_cluster.kv
-    kv.add_model("c1", LAYERS, max_model_len=512, pool_bytes=40 * ROW, cpu_bytes=40 * ROW)
-    a, b = pools(ray_cluster, "c1")
-    ids, data = tokens(8 * BS + 1, 1), rows(8, 2)
-    publish(a, "w", ids, data, 8)
+    _, b, ids, data = published(ray_cluster, "c1", 8, 1)
     res, table = load(b, "r", ids, 8)
     assert (res.num_tokens, res.bytes) == (8 * BS, 8 * ROW)
     assert torch.equal(b.read(table[:8]), data)
@@ -77,7 +87,7 @@ def test_tp2_moves_rank_to_rank_and_mla_crosses_once(ray_cluster) -> None:
     kv = ray_cluster.kv
     kv.add_model("c2", TP_LAYERS, max_model_len=256, tp_size=2, pool_bytes=17 * ROW,
                  cpu_bytes=20 * ROW)  # fmt: skip
-    a, b = pools(ray_cluster, "c2")
+    a, b = pools(ray_cluster)
     ids = tokens(6 * BS + 3, 3)
     per_rank = [rows(6, 10 + r) for r in range(2)]
     publish(a, "w", ids, per_rank, 6)
@@ -89,7 +99,7 @@ def test_tp2_moves_rank_to_rank_and_mla_crosses_once(ray_cluster) -> None:
 
     kv.add_model("c3", MLA_LAYERS, max_model_len=256, tp_size=2, pool_bytes=17 * MLA_ROW,
                  cpu_bytes=20 * MLA_ROW)  # fmt: skip
-    a, b = pools(ray_cluster, "c3")
+    a, b = pools(ray_cluster)
     latent = rows(5, 20, MLA_ROW)
     publish(a, "w", ids, [latent, latent], 5)
     res, table = load(b, "r", ids, 5)
@@ -100,11 +110,7 @@ def test_tp2_moves_rank_to_rank_and_mla_crosses_once(ray_cluster) -> None:
 
 
 def test_corrupt_in_flight_is_a_counted_miss(ray_cluster) -> None:
-    kv = ray_cluster.kv
-    kv.add_model("c4", LAYERS, max_model_len=512, pool_bytes=40 * ROW, cpu_bytes=40 * ROW)
-    a, b = pools(ray_cluster, "c4")
-    ids, data = tokens(6 * BS + 1, 4), rows(6, 5)
-    publish(a, "w", ids, data, 6)
+    _, b, ids, data = published(ray_cluster, "c4", 6, 4)
 
     def arm(pool, what):
         def flip(buf):
@@ -128,10 +134,7 @@ def test_corrupt_in_flight_is_a_counted_miss(ray_cluster) -> None:
 
 def test_holder_killed_mid_transfer_is_a_miss_in_bounded_time(ray_cluster) -> None:
     kv = ray_cluster.kv
-    kv.add_model("c5", LAYERS, max_model_len=512, pool_bytes=40 * ROW, cpu_bytes=40 * ROW)
-    a, b = pools(ray_cluster, "c5")
-    ids, data = tokens(6 * BS + 1, 6), rows(6, 7)
-    publish(a, "w", ids, data, 6)
+    a, b, ids, data = published(ray_cluster, "c5", 6, 6)
     src = holder("c5", ray_cluster.ids[0])
     old = ray.get(src.snapshot.remote())["actor_id"]
 
