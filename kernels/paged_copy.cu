@@ -10,11 +10,36 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;  // loads in flight per thread: 4 x 16 B, 16 KiB per CTA
 
+// The wire sum of a row (raykv.ops_reference.row_sums): the wrapping sum over its 64-bit
+// little-endian words x_j of x_j * word_weight(j). Weights are odd, so a change of any one word
+// changes the sum; they differ per position, so moved words do too (mod 2^64, with near certainty).
+__device__ __forceinline__ uint64_t word_weight(uint64_t j) {
+  return (j * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull) | 1ull;
+}
+
 template <typename T>
-__device__ __forceinline__ void copy_span(char* __restrict__ dst, const char* __restrict__ src,
-                                          int64_t bytes) {
+__device__ __forceinline__ uint64_t weighted(const T& v, uint64_t word) {
+  if constexpr (sizeof(T) == 16) {
+    const uint4 u = reinterpret_cast<const uint4&>(v);
+    const uint64_t lo = (static_cast<uint64_t>(u.y) << 32) | u.x;
+    const uint64_t hi = (static_cast<uint64_t>(u.w) << 32) | u.z;
+    return lo * word_weight(word) + hi * word_weight(word + 1);
+  } else {
+    static_assert(sizeof(T) == 8, "sums need whole 64-bit words");
+    const uint2 u = reinterpret_cast<const uint2&>(v);
+    return ((static_cast<uint64_t>(u.y) << 32) | u.x) * word_weight(word);
+  }
+}
+
+// Copies `bytes`; with kSum also returns this thread's part of the wire sum of the bytes moved
+// (the span's first word is word `word0` of its row).
+template <typename T, bool kSum>
+__device__ __forceinline__ uint64_t copy_span(char* __restrict__ dst, const char* __restrict__ src,
+                                              int64_t bytes, uint64_t word0) {
+  constexpr int kWords = sizeof(T) / 8;  // 64-bit words per element (sums only)
   const T* __restrict__ s = reinterpret_cast<const T*>(src);
   T* __restrict__ d = reinterpret_cast<T*>(dst);
+  uint64_t acc = 0;
   // Segments are split on the host to at most RAYKV_MAX_SEGMENT_BYTES, so 32-bit indices suffice.
   const int n = static_cast<int>(bytes / static_cast<int64_t>(sizeof(T)));
   int k = threadIdx.x;
@@ -26,16 +51,42 @@ __device__ __forceinline__ void copy_span(char* __restrict__ dst, const char* __
     for (int u = 0; u < kUnroll; ++u) r[u] = s[k + u * kThreads];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) d[k + u * kThreads] = r[u];
+    if constexpr (kSum) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        acc += weighted(r[u], word0 + static_cast<uint64_t>(k + u * kThreads) * kWords);
+    }
   }
 #pragma unroll 1
-  for (; k < n; k += kThreads) d[k] = s[k];
+  for (; k < n; k += kThreads) {
+    const T v = s[k];
+    d[k] = v;
+    if constexpr (kSum) acc += weighted(v, word0 + static_cast<uint64_t>(k) * kWords);
+  }
+  return acc;
 }
 
-template <bool kGather>
+// The CTA's total of `acc` added to *out (wrapping, any order: the sum is commutative).
+__device__ __forceinline__ void add_block_total(uint64_t acc, unsigned long long* out) {
+  __shared__ uint64_t warp_total[kThreads / 32];
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+  if ((threadIdx.x & 31) == 0) warp_total[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint64_t total = 0;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) total += warp_total[w];
+    atomicAdd(out, static_cast<unsigned long long>(total));
+  }
+  __syncthreads();  // warp_total is reused by the next item
+}
+
+template <bool kGather, bool kSum>
 __global__ void __launch_bounds__(kThreads)
     paged_copy_kernel(const RaykvSegment* __restrict__ segs, int num_segs,
                       const int64_t* __restrict__ block_ids, int64_t num_rows, char* rows,
-                      int64_t row_bytes) {
+                      int64_t row_bytes, unsigned long long* __restrict__ sums) {
   const int total = static_cast<int>(num_rows) * num_segs;  // < 2^31: checked by the launcher
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     const int i = w / num_segs;
@@ -47,60 +98,78 @@ __global__ void __launch_bounds__(kThreads)
     // The width is uniform across the CTA (one item per CTA at a time): no divergence.
     const uint64_t misalign = reinterpret_cast<uint64_t>(dst) | reinterpret_cast<uint64_t>(src) |
                               static_cast<uint64_t>(seg.bytes);
-    if ((misalign & 15) == 0) {
-      copy_span<uint4>(dst, src, seg.bytes);
+    if constexpr (kSum) {  // the launcher checked 8-byte alignment of every span and row
+      const uint64_t word0 = static_cast<uint64_t>(seg.row_offset) / 8;
+      const uint64_t acc = (misalign & 15) == 0
+                               ? copy_span<uint4, true>(dst, src, seg.bytes, word0)
+                               : copy_span<uint2, true>(dst, src, seg.bytes, word0);
+      add_block_total(acc, sums + i);
+    } else if ((misalign & 15) == 0) {
+      copy_span<uint4, false>(dst, src, seg.bytes, 0);
     } else if ((misalign & 7) == 0) {
-      copy_span<uint2>(dst, src, seg.bytes);
+      copy_span<uint2, false>(dst, src, seg.bytes, 0);
     } else if ((misalign & 3) == 0) {
-      copy_span<uint32_t>(dst, src, seg.bytes);
+      copy_span<uint32_t, false>(dst, src, seg.bytes, 0);
     } else if ((misalign & 1) == 0) {
-      copy_span<uint16_t>(dst, src, seg.bytes);
+      copy_span<uint16_t, false>(dst, src, seg.bytes, 0);
     } else {
-      copy_span<uint8_t>(dst, src, seg.bytes);
+      copy_span<uint8_t, false>(dst, src, seg.bytes, 0);
     }
   }
 }
 
-// Resident CTAs per SM x SMs, per device, computed once (device attributes cost a driver call).
-int full_grid(int device, bool gather) {
-  static int cached[2][64] = {};
+// Resident CTAs per SM x SMs, per device and kernel variant, computed once (device attributes
+// cost a driver call).
+template <bool kGather, bool kSum>
+int full_grid(int device) {
+  static int cached[64] = {};
   if (device < 0 || device >= 64) return 1024;
-  int& slot = cached[gather ? 1 : 0][device];
+  int& slot = cached[device];
   if (slot == 0) {
     int sms = 0, per_sm = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (gather) {
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, paged_copy_kernel<true>, kThreads, 0);
-    } else {
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, paged_copy_kernel<false>, kThreads, 0);
-    }
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, paged_copy_kernel<kGather, kSum>,
+                                                  kThreads, 0);
     slot = (sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
   }
   return slot;
+}
+
+template <bool kGather, bool kSum>
+cudaError_t launch(int num_ctas, cudaStream_t stream, const RaykvSegment* segs, int num_segs,
+                   const int64_t* block_ids, int64_t num_rows, char* rows, int64_t row_bytes,
+                   unsigned long long* sums) {
+  if (num_ctas <= 0) {
+    int device = 0;
+    const cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    num_ctas = full_grid<kGather, kSum>(device);
+  }
+  const int64_t total = num_rows * num_segs;
+  const unsigned grid = static_cast<unsigned>(total < num_ctas ? total : num_ctas);
+  paged_copy_kernel<kGather, kSum>
+      <<<grid, kThreads, 0, stream>>>(segs, num_segs, block_ids, num_rows, rows, row_bytes, sums);
+  return cudaGetLastError();
 }
 
 }  // namespace
 
 extern "C" int raykv_paged_copy(const RaykvSegment* segs, int num_segs, const int64_t* block_ids,
                                 int64_t num_rows, void* rows, int64_t row_bytes, int gather,
-                                int num_ctas, cudaStream_t stream) {
+                                int num_ctas, unsigned long long* sums, cudaStream_t stream) {
   const int64_t total = num_rows * num_segs;
   if (total <= 0) return cudaSuccess;
   if (total > INT32_MAX) return cudaErrorInvalidValue;
-  if (num_ctas <= 0) {
-    int device = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err != cudaSuccess) return err;
-    num_ctas = full_grid(device, gather != 0);
+  if (sums != nullptr && (row_bytes & 7) != 0) return cudaErrorInvalidValue;
+  char* base = static_cast<char*>(rows);
+  if (sums != nullptr) {
+    return gather ? launch<true, true>(num_ctas, stream, segs, num_segs, block_ids, num_rows, base,
+                                       row_bytes, sums)
+                  : launch<false, true>(num_ctas, stream, segs, num_segs, block_ids, num_rows,
+                                        base, row_bytes, sums);
   }
-  const unsigned grid = static_cast<unsigned>(total < num_ctas ? total : num_ctas);
-  char* row_base = static_cast<char*>(rows);
-  if (gather) {
-    paged_copy_kernel<true><<<grid, kThreads, 0, stream>>>(segs, num_segs, block_ids, num_rows,
-                                                            row_base, row_bytes);
-  } else {
-    paged_copy_kernel<false><<<grid, kThreads, 0, stream>>>(segs, num_segs, block_ids, num_rows,
-                                                             row_base, row_bytes);
-  }
-  return cudaGetLastError();
+  return gather ? launch<true, false>(num_ctas, stream, segs, num_segs, block_ids, num_rows, base,
+                                      row_bytes, nullptr)
+                : launch<false, false>(num_ctas, stream, segs, num_segs, block_ids, num_rows,
+                                       base, row_bytes, nullptr);
 }

@@ -1,6 +1,7 @@
 // Torch binding over raykv_paged_copy: stream, device guard, the staged (pipelined) copy
 // between host rows and the paged tensors, and the two CUDA runtime queries the Python side
-// needs (the UVA pointer of pinned host memory, peer access).
+// needs (the UVA pointer of pinned host memory, peer access). The collective batch pipeline
+// over NCCL (wire_pipeline.cpp) registers itself here too.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -18,20 +19,30 @@ namespace {
 
 // segs: int64 [S, 4] (RaykvSegment rows) and block_ids: int64 [N], both on the copy's device.
 // rows_ptr: device-usable address of the contiguous rows (device, peer or mapped host memory).
+// sums_ptr: 0, or an int64 [N] on the device each row's wire sum is added to (zeroed first).
+// first, count: copy only block_ids[first .. first + count) (count < 0: to the end); rows_ptr
+// and sums_ptr then point at that slice's first row and sum. One call per chunk of a pipelined
+// batch, no tensor views on the host.
 void paged_copy(const torch::Tensor& segs, const torch::Tensor& block_ids, int64_t rows_ptr,
-                int64_t row_bytes, bool gather, int64_t num_ctas) {
+                int64_t row_bytes, bool gather, int64_t num_ctas, int64_t sums_ptr,
+                int64_t first, int64_t count) {
   TORCH_CHECK(segs.is_cuda() && segs.scalar_type() == torch::kInt64 && segs.is_contiguous() &&
                   segs.dim() == 2 && segs.size(1) == 4,
               "raykv paged_copy: segs must be a contiguous CUDA int64 [S, 4] tensor");
   TORCH_CHECK(block_ids.is_cuda() && block_ids.scalar_type() == torch::kInt64 &&
                   block_ids.is_contiguous() && block_ids.get_device() == segs.get_device(),
               "raykv paged_copy: block_ids must be contiguous int64 on the segments' device");
+  const int64_t total = block_ids.numel();
+  if (count < 0) count = total - first;
+  TORCH_CHECK(first >= 0 && count >= 0 && first + count <= total,
+              "raykv paged_copy: rows [", first, ", ", first + count, ") outside the ", total,
+              " block ids");
   const c10::cuda::CUDAGuard guard(segs.device());
   const cudaError_t err = static_cast<cudaError_t>(raykv_paged_copy(
       reinterpret_cast<const RaykvSegment*>(segs.data_ptr<int64_t>()),
-      static_cast<int>(segs.size(0)), block_ids.data_ptr<int64_t>(), block_ids.numel(),
-      reinterpret_cast<void*>(rows_ptr), row_bytes, gather ? 1 : 0,
-      static_cast<int>(num_ctas), c10::cuda::getCurrentCUDAStream().stream()));
+      static_cast<int>(segs.size(0)), block_ids.data_ptr<int64_t>() + first, count,
+      reinterpret_cast<void*>(rows_ptr), row_bytes, gather ? 1 : 0, static_cast<int>(num_ctas),
+      reinterpret_cast<unsigned long long*>(sums_ptr), c10::cuda::getCurrentCUDAStream().stream()));
   TORCH_CHECK(err == cudaSuccess, "raykv paged_copy launch failed: ", cudaGetErrorString(err));
 }
 
@@ -302,7 +313,7 @@ class StagedCopy {
     void* chunk = chunks_[slot].data_ptr();
     const cudaError_t err = static_cast<cudaError_t>(
         raykv_paged_copy(table, num_segs, ids, count, chunk, rows_.size(1), gather_ ? 1 : 0,
-                         static_cast<int>(num_ctas), compute_.stream()));
+                         static_cast<int>(num_ctas), nullptr, compute_.stream()));
     TORCH_CHECK(err == cudaSuccess, "raykv paged_copy launch failed: ", cudaGetErrorString(err));
   }
 
@@ -338,8 +349,14 @@ class StagedCopy {
 
 }  // namespace
 
+void register_wire_pipeline(pybind11::module& m);  // wire_pipeline.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_copy", &paged_copy, "gather (rows <- paged) or scatter (paged <- rows)");
+  register_wire_pipeline(m);
+  m.def("paged_copy", &paged_copy, "gather (rows <- paged) or scatter (paged <- rows)",
+        py::arg("segs"), py::arg("block_ids"), py::arg("rows_ptr"), py::arg("row_bytes"),
+        py::arg("gather"), py::arg("num_ctas"), py::arg("sums_ptr") = 0, py::arg("first") = 0,
+        py::arg("count") = -1);
   m.def("mapped_pointer", &mapped_pointer, "UVA device pointer of pinned host memory, or 0");
   m.def("enable_peer_access", &enable_peer_access, "enable peer access device -> peer");
   m.def("memcpy_loop", &memcpy_loop, "one cudaMemcpyAsync per span (benchmark baseline)");

@@ -24,7 +24,8 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -37,6 +38,7 @@ from raykv.ops_reference import (  # the torch reference path, bit-exact with th
     _block_bytes,
     _gather_reference,
     _scatter_reference,
+    row_sums,
 )
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,9 @@ log = logging.getLogger(__name__)
 __all__ = [
     "MAX_SEGMENT_BYTES",
     "MODES",
+    "KernelArgs",
     "gather_blocks",
+    "kernel_args",
     "kernel_available",
     "kernel_block_ids",
     "kernel_module",
@@ -53,6 +57,7 @@ __all__ = [
     "logical_view",
     "row_bytes",
     "row_segments",
+    "row_sums",
     "scatter_blocks",
 ]
 
@@ -199,6 +204,35 @@ def _check(
     return entries, key
 
 
+def _check_sums(
+    sums: torch.Tensor | None, rows: torch.Tensor, entries: list[torch.Tensor], what: str
+) -> None:
+    if sums is None:
+        return
+    n = rows.shape[0]
+    if (
+        not isinstance(sums, torch.Tensor)
+        or sums.dtype != torch.int64
+        or tuple(sums.shape) != (n,)
+        or not sums.is_contiguous()
+    ):
+        got = (sums.dtype, tuple(sums.shape)) if isinstance(sums, torch.Tensor) else type(sums)
+        raise InvalidInput(f"{what}: sums must be a contiguous int64 [{n}] tensor, got {got}")
+    if rows.device != entries[0].device or sums.device != rows.device:
+        raise InvalidInput(
+            f"{what}: wire sums need the rows ({rows.device}) and sums ({sums.device}) on the "
+            f"entries' device ({entries[0].device})"
+        )
+
+
+def _check_chunks(chunks: Sequence[int] | None, n: int, what: str) -> None:
+    if chunks is not None and (sum(chunks) != n or any(c <= 0 for c in chunks)):
+        raise InvalidInput(
+            f"{what}: chunks {list(chunks)[:8]} must be positive row counts summing to the "
+            f"{n} block ids"
+        )
+
+
 def _block_contiguous(e: torch.Tensor) -> bool:
     expected = 1
     for size, stride in zip(reversed(e.shape[1:]), reversed(e.stride()[1:]), strict=True):
@@ -214,7 +248,7 @@ def _block_contiguous(e: torch.Tensor) -> bool:
 # (pyproject.toml maps it); a source checkout or editable install reads kernels/ itself.
 _PACKAGED_KERNELS = "_kernels"
 _SOURCE_KERNELS = Path(__file__).resolve().parents[1] / "kernels"
-_KERNEL_SOURCES = ("paged_copy_binding.cpp", "paged_copy.cu")
+_KERNEL_SOURCES = ("paged_copy_binding.cpp", "paged_copy.cu", "wire_pipeline.cpp")
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _status: str | None = None  # why the kernel is (not) in use, once decided
@@ -222,6 +256,7 @@ _tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # segment tables per 
 _shapes: OrderedDict[tuple, tuple[int, int]] = OrderedDict()  # entries that passed the checks
 _chunk_counts_cache: dict[tuple, list[int]] = {}  # staged plans per (rows, width, direction...)
 _upload_streams: dict[int, torch.cuda.Stream] = {}  # per device: segment table uploads
+_aligned: dict[tuple, bool] = {}  # entries key -> every span 8-byte aligned (fused sums)
 
 
 def _load() -> ModuleType | None:
@@ -378,15 +413,31 @@ def _rows_pointer(module: ModuleType, device: torch.device, rows: torch.Tensor) 
     return 0
 
 
+def _summable(entries: list[torch.Tensor], key: tuple, rows: torch.Tensor) -> bool:
+    """Whether the kernel can take the wire sums while it copies: every span, row and the
+    row width 8-byte aligned (64-bit words), the rows on the entries' own device."""
+    ok = _aligned.get(key)
+    if ok is None:
+        ok = _aligned[key] = all(
+            v % 8 == 0 for seg in row_segments(entries) for v in (seg[0], seg[1], seg[2], seg[3])
+        )
+    return ok and rows.device == entries[0].device and rows.data_ptr() % 8 == 0
+
+
 def _launch(
     entries: list[torch.Tensor],
     key: tuple,
     ids: torch.Tensor,
     rows: torch.Tensor,
     gather: bool,
+    sums: torch.Tensor | None = None,
+    chunks: Sequence[int] | None = None,
+    each: Callable[[int, int], None] | None = None,
 ) -> bool:
-    """Runs the CUDA kernel in one launch (rows on a GPU, or pinned host memory through UVA);
-    False where it cannot serve this call (the caller falls back to the reference)."""
+    """Runs the CUDA kernel, one launch per chunk of rows (rows on a GPU, or pinned host memory
+    through UVA); False, before anything ran, where it cannot serve this call (the caller falls
+    back to the reference). With ``sums`` the kernel takes the rows' wire sums as it copies,
+    where it can (else the reference sums each chunk after its copy)."""
     device = entries[0].device
     if device.type != "cuda" or rows.shape[1] == 0:
         return False
@@ -396,11 +447,96 @@ def _launch(
     pointer = _rows_pointer(module, device, rows)
     if not pointer:
         return False
+    fused, width = sums is not None and _summable(entries, key, rows), rows.shape[1]
+    ctas = _CTAS if chunks is None else _pipeline_ctas(device)
     with torch.cuda.device(device):
         table = _segment_table(entries, key)
         ids = ids.to(device, non_blocking=True).contiguous()
-        module.paged_copy(table, ids, pointer, rows.shape[1], gather, _CTAS)
+        if fused:
+            sums.zero_()
+        start = 0
+        for count in chunks or (ids.numel(),):
+            if each is not None and not gather:
+                each(start, count)
+            at = sums.data_ptr() + 8 * start if fused else 0
+            module.paged_copy(table, ids, pointer + start * width, width, gather, ctas, at,
+                              start, count)  # fmt: skip
+            if sums is not None and not fused:
+                sums[start : start + count].copy_(row_sums(rows[start : start + count]))
+            if each is not None and gather:
+                each(start, count)
+            start += count
     return True
+
+
+@dataclass(frozen=True)
+class KernelArgs:
+    """A checked paged copy for a pipeline that enqueues the kernel from C++ itself
+    (``kernels/wire_pipeline.cpp``): the extension, the segment table, the ids on the
+    device, and the grid of a copy that runs next to other kernels."""
+
+    module: ModuleType
+    table: torch.Tensor
+    ids: torch.Tensor
+    ctas: int
+
+
+def kernel_args(
+    entries: Sequence[torch.Tensor], block_ids: torch.Tensor, rows: torch.Tensor, *, scatter: bool
+) -> KernelArgs | None:
+    """The kernel's arguments for copying ``block_ids`` between ``entries`` and ``rows`` with
+    fused wire sums, checked as ``gather_blocks`` / ``scatter_blocks`` check them (pass pinned
+    host ids: they go to the device without a host wait); None where only ``raykv.ops``' own
+    paths can copy them (no kernel, rows off the entries' device, spans not 8-byte aligned)."""
+    what = "scatter_blocks" if scatter else "gather_blocks"
+    entries, key = _check(entries, block_ids, rows, what)
+    if scatter:
+        _check_distinct(block_ids, what)
+    device = entries[0].device
+    module = _load() if device.type == "cuda" and block_ids.numel() else None
+    if module is None or not _summable(entries, key, rows):
+        return None
+    with torch.cuda.device(device):
+        table = _segment_table(entries, key)
+        ids = block_ids.to(device, non_blocking=True)
+    return KernelArgs(module, table, ids, _pipeline_ctas(device))
+
+
+def _pipeline_ctas(device: torch.device) -> int:
+    """The grid of a chunked copy: a pipeline runs it next to other kernels (NCCL's), and a full
+    persistent grid would hold every SM until it ends, so it takes a few CTAs per SM."""
+    sms = _sm_counts.get(device.index)
+    if sms is None:
+        sms = _sm_counts[device.index] = torch.cuda.get_device_properties(
+            device
+        ).multi_processor_count
+    return sms * _PIPELINE_CTAS_PER_SM
+
+
+def _reference(
+    entries: list[torch.Tensor],
+    ids: torch.Tensor,
+    rows: torch.Tensor,
+    gather: bool,
+    sums: torch.Tensor | None,
+    chunks: Sequence[int] | None,
+    each: Callable[[int, int], None] | None,
+) -> None:
+    """The torch reference of ``_launch``, chunk by chunk in the same order."""
+    start = 0
+    for count in chunks or (ids.numel(),):
+        part = slice(start, start + count)
+        if each is not None and not gather:
+            each(start, count)
+        if gather:
+            _gather_reference(entries, ids[part], rows[part])
+        else:
+            _scatter_reference(rows[part], entries, ids[part])
+        if sums is not None:
+            sums[part].copy_(row_sums(rows[part]))
+        if each is not None and gather:
+            each(start, count)
+        start += count
 
 
 def _chunk_plan(num_rows: int, width: int, gather: bool) -> list[tuple[int, int]]:
@@ -467,6 +603,8 @@ def _start_staged(rows: object, entries: list, gather: bool, mode: str):
 
 
 _CTAS = int(os.environ.get("RAYKV_COPY_CTAS", "0"))  # 0: one full persistent grid
+_PIPELINE_CTAS_PER_SM = int(os.environ.get("RAYKV_PIPELINE_CTAS_PER_SM", "2"))  # chunked copies
+_sm_counts: dict[int | None, int] = {}
 # staged mode: device memory of its two chunk buffers together (the allocator reuses them), and
 # the size the first chunk aims at (the pipeline fills within a few microseconds). On H200 the
 # copy engine idles ~1.3 us between chunks; 2 x 64 MiB measured 0.5-1.5 % faster than 2 x 32.
@@ -483,6 +621,14 @@ def _mode(mode: str | None, what: str) -> str:
     if mode not in MODES:
         raise InvalidInput(f"{what}: mode {mode!r} is not one of {MODES} (RAYKV_COPY_MODE)")
     return mode
+
+
+def _check_distinct(ids: torch.Tensor, what: str) -> None:
+    if _has_duplicates(ids):
+        raise InvalidInput(
+            f"{what}: block_ids hold duplicates ({ids.numel()} ids, "
+            f"{torch.unique(ids).numel()} distinct); each block may be written once"
+        )
 
 
 def _has_duplicates(ids: torch.Tensor) -> bool:
@@ -502,6 +648,9 @@ def gather_blocks(
     dst: torch.Tensor,
     *,
     mode: str | None = None,
+    sums: torch.Tensor | None = None,
+    chunks: Sequence[int] | None = None,
+    each: Callable[[int, int], None] | None = None,
 ) -> None:
     """dst[i] = concat over entries e of the bytes of e[block_ids[i]] (row-major, block-major).
 
@@ -513,18 +662,25 @@ def gather_blocks(
     memory (the kernel writes it through its mapped UVA pointer), or plain CPU memory.
     mode (pinned host dst only): "staged" (the kernel gathers into device chunks while the copy
     engine moves the previous one) or "direct" (the kernel writes host memory through UVA);
-    default $RAYKV_COPY_MODE or "staged". Raises InvalidInput, before touching anything, on
-    any mismatch.
+    default $RAYKV_COPY_MODE or "staged". sums (int64 [len(block_ids)], dst on the entries'
+    device): receives each row's wire sum (``row_sums``), taken by the kernel while it copies.
+    chunks (row counts summing to len(block_ids)): one launch per chunk, in order, and
+    ``each(start, count)`` called after each chunk's copy is queued (a pipeline sends it
+    while the next is gathered); pinned host ids keep the host from waiting on the device.
+    Raises InvalidInput, before touching anything, on any mismatch.
     """
     mode = _mode(mode, "gather_blocks")
     entries, key = _check(entries, block_ids, dst, "gather_blocks")
+    _check_sums(sums, dst, entries, "gather_blocks")
+    _check_chunks(chunks, block_ids.numel(), "gather_blocks")
     if not block_ids.numel():
         return
-    staged = _start_staged(dst, entries, True, mode)  # after the checks: a gather reads the pool
-    if staged is not None:
+    plain = sums is None and chunks is None
+    staged = _start_staged(dst, entries, True, mode) if plain else None
+    if staged is not None:  # after the checks: a gather reads the pool
         staged.run(_segment_table(entries, key), block_ids, _CTAS)
-    elif not _launch(entries, key, block_ids, dst, True):
-        _gather_reference(entries, block_ids, dst)
+    elif not _launch(entries, key, block_ids, dst, True, sums, chunks, each):
+        _reference(entries, block_ids, dst, True, sums, chunks, each)
 
 
 def scatter_blocks(
@@ -533,29 +689,34 @@ def scatter_blocks(
     block_ids: torch.Tensor,
     *,
     mode: str | None = None,
+    sums: torch.Tensor | None = None,
+    chunks: Sequence[int] | None = None,
+    each: Callable[[int, int], None] | None = None,
 ) -> None:
     """Inverse of gather_blocks: e[block_ids[i]] = the matching bytes of src[i].
 
     Same rules as gather_blocks for src (in the role of dst); block ids must also be distinct,
-    since two rows written to one block would race.
+    since two rows written to one block would race. sums: the wire sums of the rows as they
+    were read (a receiver compares them with the sender's). With chunks, ``each(start,
+    count)`` is called BEFORE each chunk's copy is queued (a pipeline makes the copy wait for
+    that chunk's arrival there).
     """
     mode = _mode(mode, "scatter_blocks")
     entries = list(entries)
     # Host rows start towards the device before the checks (they overlap the first DMA): only
     # device chunks are written until run(), so bad input still leaves the pool untouched.
-    staged = _start_staged(src, entries, False, mode)
+    plain = sums is None and chunks is None
+    staged = _start_staged(src, entries, False, mode) if plain else None
     try:
         entries, key = _check(entries, block_ids, src, "scatter_blocks")
-        if _has_duplicates(block_ids):
-            raise InvalidInput(
-                f"scatter_blocks: block_ids hold duplicates ({block_ids.numel()} ids, "
-                f"{torch.unique(block_ids).numel()} distinct); each block may be written once"
-            )
+        _check_sums(sums, src, entries, "scatter_blocks")
+        _check_chunks(chunks, block_ids.numel(), "scatter_blocks")
+        _check_distinct(block_ids, "scatter_blocks")
     except BaseException:
         if staged is not None:
             staged.cancel()
         raise
     if staged is not None:
         staged.run(_segment_table(entries, key), block_ids, _CTAS)
-    elif block_ids.numel() and not _launch(entries, key, block_ids, src, False):
-        _scatter_reference(src, entries, block_ids)
+    elif block_ids.numel() and not _launch(entries, key, block_ids, src, False, sums, chunks, each):
+        _reference(entries, block_ids, src, False, sums, chunks, each)

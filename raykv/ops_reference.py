@@ -102,3 +102,42 @@ def _scatter_reference(src: torch.Tensor, entries: list[torch.Tensor], ids: torc
             values = raw.view(-1).view(target.dtype).view(n, *e.shape[1:])
             target.index_copy_(0, ids.to(e.device), values)
         offset += width
+
+
+# --- wire sums -----------------------------------------------------------------------------
+
+# word_weight in kernels/paged_copy.cu: (j * _WORD_MUL + _WORD_ADD) | 1, wrapping 64-bit
+_WORD_MUL = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
+_WORD_ADD = 0x632BE59BD9B4E019
+_SUM_CHUNK_BYTES = 256 << 20  # rows summed per step: bounded scratch for 2 GiB batches
+_weights: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def word_weights(n: int, device: torch.device) -> torch.Tensor:
+    """int64 ``[n]``: the odd weight of each 64-bit word position of a row."""
+    key = (n, str(device))
+    w = _weights.get(key)
+    if w is None:
+        j = torch.arange(n, dtype=torch.int64, device=device)
+        w = _weights[key] = (j * _WORD_MUL + _WORD_ADD) | 1
+        if len(_weights) > 64:
+            _weights.pop(next(iter(_weights)))
+    return w
+
+
+def row_sums(rows: torch.Tensor) -> torch.Tensor:
+    """Each uint8 row's wire sum (int64 ``[n]`` on the rows' device): the wrapping sum of its
+    little-endian 64-bit words times their position's odd weight (a row whose width is not a
+    multiple of 8 counts as zero-padded). A change of any one word changes the sum; the
+    paged-copy kernel computes the same sums while it copies (``sums=`` of ``raykv.ops``)."""
+    n, width = rows.shape
+    if width % 8:
+        rows = torch.nn.functional.pad(rows, (0, 8 - width % 8))
+    out = torch.empty(n, dtype=torch.int64, device=rows.device)
+    words = rows.shape[1] // 8
+    weights = word_weights(words, rows.device)
+    step = max(1, _SUM_CHUNK_BYTES // max(rows.shape[1], 1))
+    for i in range(0, n, step):
+        part = rows[i : i + step].contiguous().view(torch.int64)
+        torch.sum(part * weights, dim=1, out=out[i : i + step])
+    return out

@@ -4,8 +4,10 @@
   (``CUDA_VISIBLE_DEVICES``, as under Ray). Group A (GPUs 0..tp-1) holds a paged KV (4 layers,
   K and V, 16 tokens, 2 KV heads of 128, bf16: 64 KiB per block and rank), group B reads. Rank
   r of A sends ``--blocks`` scattered blocks to rank r of B through raykv's transport
-  (``raykv.transport.collective``: the paged gather into one staging buffer with its wire
-  sums, one NCCL send, the check on arrival, the paged scatter into scattered blocks),
+  (``raykv.transport.collective``: a few ``raykv.transport.wire`` chunks, pipelined: the
+  paged gather takes each chunk's wire sums as it copies and the chunk leaves while the next
+  is gathered; the receiver scatters each chunk, recomputing its sums, while the next one
+  arrives),
   against one contiguous NCCL send of the same bytes per rank pair and (tp 1) one NCCL
   send/recv per block. With ``--tp N`` also an MLA-like layout (one copy per TP group): it
   crosses once, rank 0 to rank 0, and B's rank 0 passes it on to its other ranks; the wire
@@ -191,9 +193,9 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
 
 
 def _phases(sender: bool, cfg: NcclConfig, entries, ids, width: int, sync) -> dict:
-    """Milliseconds of each phase of raykv's batch alone (median of 20)."""
+    """Milliseconds of each copy of raykv's batch alone, whole batch (median of 20): the
+    paged copy with the wire sums taken as it copies, and without them."""
     from raykv import ops
-    from raykv.transport.collective import check_wire, stage, wire_sums
 
     def timed(fn) -> float:
         times = []
@@ -205,14 +207,20 @@ def _phases(sender: bool, cfg: NcclConfig, entries, ids, width: int, sync) -> di
             times.append(time.perf_counter() - t0)
         return statistics.median(times) * 1e3
 
+    device = entries[0].device
+    rows = torch.empty((len(ids), width), dtype=torch.uint8, device=device)
+    sums = torch.empty(len(ids), dtype=torch.int64, device=device)
+    ids_t = torch.tensor(ids)
     if sender:
-        return {"phase/stage_ms": timed(lambda: stage(entries, ids, width))}
-    rows = torch.empty((len(ids), width), dtype=torch.uint8, device=entries[0].device)
-    sums = wire_sums(rows)
+        return {
+            "phase/gather_ms": timed(lambda: ops.gather_blocks(entries, ids_t, rows)),
+            "phase/gather+sums_ms": timed(
+                lambda: ops.gather_blocks(entries, ids_t, rows, sums=sums)
+            ),
+        }
     return {
-        "phase/sums_ms": timed(lambda: wire_sums(rows)),
-        "phase/check_ms": timed(lambda: check_wire(rows, sums, None)),
-        "phase/scatter_ms": timed(lambda: ops.scatter_blocks(rows, entries, torch.tensor(ids))),
+        "phase/scatter_ms": timed(lambda: ops.scatter_blocks(rows, entries, ids_t)),
+        "phase/scatter+sums_ms": timed(lambda: ops.scatter_blocks(rows, entries, ids_t, sums=sums)),
     }
 
 

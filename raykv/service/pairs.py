@@ -32,7 +32,6 @@ from raykv.transport.collective import (
     CollectiveTransport,
     Pair,
     recv_blocks,
-    stage,
 )
 
 log = logging.getLogger(__name__)
@@ -63,10 +62,8 @@ class RankCollective:
 
     def start_send(self, name: str, pair: Pair, gi: int, block_ids: list[int]) -> Any:
         """Gather now (before any later call may write the blocks), send in the background;
-        returns the send's coroutine."""
-        coll = self.collective(name)
-        buf = stage(self.entries[gi], block_ids, self.widths[gi])
-        return coll.send(pair, buf)
+        returns the send's awaitable."""
+        return self.collective(name).start_send(pair, self.entries[gi], block_ids, self.widths[gi])
 
     async def recv(
         self, name: str, pair: Pair, gi: int, block_ids: list[int], expected, forward

@@ -12,47 +12,49 @@ the KV lives on a GPU (advertised as ``nccl``), gloo where it lives in host memo
 Under Ray each GPU actor sees its own GPU as the current CUDA device (``cuda:0`` after
 ``CUDA_VISIBLE_DEVICES``); nothing here assumes a global index.
 
-A batch is ONE message: the sender gathers the blocks with the paged-copy kernel
-(``raykv.ops.gather_blocks``) into one staging buffer ``[rows | wire sums]`` (each row's
-position-weighted int64 word sum, computed where the rows are, on the GPU for NCCL), sends
-it, and the receiver checks every row's sum on arrival (plus, where the rows are in host
-memory, the xxh3 checksums the rows were stored with) and scatters the rows into its blocks
-(``raykv.ops.scatter_blocks``); only the leading intact ones become valid. A corrupt row
-ends the batch there (the rest are misses, counted by the caller). On a GPU the xxh3 of the
-stored bytes is not recomputed (it runs on the host: a 2 GiB batch would cross PCIe twice);
-the sender's sums are taken from the bytes it gathered, so the wire is checked end to end
-and the stored xxh3 checksums travel with the blocks (an offload re-checks them).
+A batch crosses as a few large messages (``raykv.transport.wire``: chunks of
+``[rows | wire sums]`` that double in size, never one per block), pipelined: the sender's
+paged-copy kernel gathers chunk k+1 (taking each row's wire sum as it copies) while chunk k
+is on the wire, and the receiver scatters chunk k into its blocks (recomputing the sums as
+it copies) while chunk k+1 arrives. On a GPU every step is queued on CUDA streams in one go
+(the receiver's on a side stream of its own, so a peer that never sends cannot stall the
+pool's stream) and the host waits once per batch. Only the leading rows whose sums match
+become valid (a corrupt row ends the batch there; the rest are misses, counted by the
+caller). Where the rows are in host memory (gloo) the xxh3 checksums they were stored with
+are checked too; on a GPU they travel with the blocks and are not recomputed (xxh3 runs on
+the host: a 2 GiB batch would cross PCIe twice).
 
 Operations of one pair run in order on one thread of their own (NCCL and gloo point-to-point
 ops match in issue order, and both ends issue one op per batch), never on the actor's event
 loop, and every wait is bounded (``timeout_s``): a peer that dies or never answers ends as
 ``TransportError`` and the pair's group is aborted; the caller bumps the generation, so the
-next batch forms a fresh group instead of reusing a broken one.
+next batch forms a fresh group instead of reusing a broken one. A pair's first batch runs on
+its thread (forming the group blocks until both ends join); once its NCCL communicator is up
+later batches are issued straight from the event loop and their completion is polled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from raykv import ops
 from raykv.errors import TransportError
-from raykv.tiers.checksum import row_checksums
 from raykv.transport.select import GLOO, NCCL
+from raykv.transport.wire import WirePlan, count_intact, leading_matches
 
 TIMEOUT_S = float(os.environ.get("RAYKV_COLLECTIVE_TIMEOUT_S", "30"))
-_SUM_BYTES = 8  # one int64 wire sum per row
-_SUM_CHUNK = 256 << 20  # bytes of rows summed per step
 _SPIN_S, _POLL_S = 0.002, 0.0001  # poll NCCL completion: spin first, then sleep between polls
 log = logging.getLogger(__name__)
 
@@ -103,68 +105,14 @@ class Pair:
         return self.src, self.dst
 
 
-# --- the wire format: [n rows of width bytes | n int64 sums] -------------------------------
+@dataclass
+class _Pending:
+    """What one issued batch waits for: its ops, the receiver's last CUDA event, and the
+    tensors that must live until then."""
 
-_WEIGHTS: dict[tuple[int, str], torch.Tensor] = {}
-
-
-def _weights(n: int, device: torch.device) -> torch.Tensor:
-    """Odd int64 weights, fixed: a change of any word changes the weighted sum (mod 2**64)."""
-    key = (n, str(device))
-    w = _WEIGHTS.get(key)
-    if w is None:
-        g = torch.Generator().manual_seed(0x5EED)
-        w = torch.randint(-(2**62), 2**62, (n,), generator=g, dtype=torch.int64) * 2 + 1
-        w = _WEIGHTS[key] = w.to(device)
-    return w
-
-
-def wire_sums(rows: torch.Tensor) -> torch.Tensor:
-    """Per row of uint8 ``[n, width]``: the position-weighted wrapping sum of its words
-    (int64 ``[n]``, on the rows' device; no host round trip)."""
-    n, width = rows.shape
-    out = torch.empty(n, dtype=torch.int64, device=rows.device)
-    step = max(1, _SUM_CHUNK // max(width, 1))  # bounded scratch memory (2 GiB batches)
-    for i in range(0, n, step):
-        part = rows[i : i + step]
-        words = part.view(torch.int64) if width % 8 == 0 else part.to(torch.int64)
-        torch.sum(words * _weights(words.shape[1], rows.device), dim=1, out=out[i : i + step])
-    return out
-
-
-def wire_bytes(n: int, width: int) -> int:
-    return n * (width + _SUM_BYTES)
-
-
-def split_wire(buf: torch.Tensor, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows uint8 ``[n, width]``, sums int64 ``[n]``) views of a wire buffer."""
-    rows = buf[: n * width].view(n, width)
-    return rows, buf[n * width : wire_bytes(n, width)].view(torch.int64)
-
-
-def stage(entries: Sequence[torch.Tensor], block_ids: Sequence[int], width: int) -> torch.Tensor:
-    """One wire buffer of ``block_ids``' rows (one paged copy) and their sums, on the
-    entries' device. Runs before the caller's next await: the rows are read now."""
-    device = entries[0].device
-    buf = torch.empty(wire_bytes(len(block_ids), width), dtype=torch.uint8, device=device)
-    rows, sums = split_wire(buf, len(block_ids), width)
-    ops.gather_blocks(entries, torch.tensor(list(block_ids), dtype=torch.long), rows)
-    sums.copy_(wire_sums(rows))
-    return buf
-
-
-def check_wire(rows: torch.Tensor, sums: torch.Tensor, expected: Sequence[int] | None) -> int:
-    """How many leading rows arrived intact: their wire sums match, and where the rows are
-    in host memory their xxh3 checksums equal ``expected`` (the ones they were stored with;
-    None: unchecked)."""
-    ok = (wire_sums(rows) == sums).cpu().tolist()
-    good = next((i for i, x in enumerate(ok) if not x), len(ok))
-    if expected is not None and rows.device.type == "cpu" and good:
-        got = row_checksums(rows[:good])
-        good = next(
-            (i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), good
-        )
-    return good
+    works: list[Any]
+    event: Any = None
+    keep: list[Any] = field(default_factory=list)
 
 
 # --- one process's end of its pairs --------------------------------------------------------
@@ -192,7 +140,10 @@ class Collective:
         self._stores: dict[tuple[str, int], Any] = {}
         self._lock = threading.Lock()
         self._warmed: set[Pair] = set()  # NCCL pairs whose communicator is up
-        # tests: called with each wire buffer right before it is sent
+        self._stream: Any = None  # the receiver's side stream (GPU)
+        self._wire: Any = None  # the C++ pipeline's streams (GPU)
+        self._comms: dict[Pair, int] = {}  # NCCL communicators of formed pairs (0: none)
+        # tests: called with each message right before it is sent
         self.tamper: Callable[[torch.Tensor], None] | None = None
 
     # -- groups --
@@ -234,7 +185,39 @@ class Collective:
         self._groups[pair] = pg
         return pg
 
+    def _form_comm(self, pair: Pair, pg: Any) -> None:
+        """The group's NCCL communicator for the C++ pipeline (it exists after the group's
+        first collective); both ends call this together, in the pair's first batch."""
+        if pair in self._comms:
+            return
+        comm = 0
+        if hasattr(pg, "_comm_ptr"):
+            pg.allreduce([torch.zeros(1, device=self.device)])
+            torch.cuda.current_stream(self.device).synchronize()
+            comm = int(pg._comm_ptr())
+        self._comms[pair] = comm
+
+    def _native(
+        self, entries: Sequence[torch.Tensor], ids: torch.Tensor, rows: torch.Tensor, scatter: bool
+    ) -> ops.KernelArgs | None:
+        """The C++ pipeline's arguments where this process can run it (NCCL, the kernel built
+        with it, spans aligned for fused sums), else None: the Python pipeline runs. Every
+        end of a pair decides alike (same build, same layout), so both use the same path."""
+        if self.backend != NCCL:
+            return None
+        args = ops.kernel_args(entries, ids, rows, scatter=scatter)
+        if args is None or not hasattr(args.module, "wire_available"):
+            return None
+        return args if args.module.wire_available() else None
+
+    def _streams(self) -> tuple[Any, Any]:
+        """(wire, forward): the streams the C++ pipeline's NCCL calls run on."""
+        if self._wire is None:
+            self._wire = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+        return self._wire
+
     def _abort(self, pair: Pair) -> None:
+        self._comms.pop(pair, None)
         self._warmed.discard(pair)
         pg = self._groups.pop(pair, None)
         if pg is None:
@@ -260,48 +243,117 @@ class Collective:
             else:
                 self._abort(p)
 
-    # -- one op, on the pair's thread --
+    # -- waiting for an issued batch, bounded --
 
-    def _wait(self, pair: Pair, work: Any) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        if self.backend == GLOO:
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
-            return
-        spin = time.monotonic() + _SPIN_S
-        while not work.is_completed():  # NCCL: wait() would only order streams
+    def _done(self, pending: _Pending) -> bool:
+        return all(w.is_completed() for w in pending.works) and (
+            pending.event is None or pending.event.query()
+        )
+
+    def _settle(self, pending: _Pending) -> None:
+        for w in pending.works:  # surfaces an op's error (NCCL: completed, so no stall)
+            if self.backend == GLOO:
+                w.wait(datetime.timedelta(seconds=self.timeout_s))
+            else:
+                w.wait()
+
+    def _wait_here(self, pending: _Pending) -> None:
+        """Block this (pair) thread until ``pending`` is done, at most ``timeout_s``."""
+        if self.backend == NCCL:  # NCCL: wait() would only order streams; poll
+            now = time.monotonic()
+            deadline, spin = now + self.timeout_s, now + _SPIN_S
+            while not self._done(pending):
+                now = time.monotonic()
+                if now > deadline:
+                    raise TimeoutError(f"no completion within {self.timeout_s:.0f}s")
+                if now > spin:
+                    time.sleep(_POLL_S)
+        self._settle(pending)
+
+    async def _wait_loop(self, pending: _Pending) -> None:
+        """The same from the event loop, without blocking it (NCCL only)."""
+        now = time.monotonic()
+        deadline, spin = now + self.timeout_s, now + _SPIN_S
+        while not self._done(pending):
             now = time.monotonic()
             if now > deadline:
                 raise TimeoutError(f"no completion within {self.timeout_s:.0f}s")
-            if now > spin:
-                time.sleep(_POLL_S)
-        work.wait()
+            await asyncio.sleep(0 if now < spin else _POLL_S)
+        self._settle(pending)
 
-    def _op(self, pair: Pair, buf: torch.Tensor, send: bool) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        try:
-            pg = self._group(pair)
-            if send:
-                if self.tamper is not None:
-                    self.tamper(buf)
-                work = pg.send([buf], 1, 0)
-            else:
-                work = pg.recv([buf], 0, 0)
-            self._wait(pair, work)
+    # -- running a batch's ops over its pairs --
+
+    def _warm(self, pairs: Sequence[Pair]) -> bool:
+        return all(p in self._warmed and p in self._groups for p in pairs)
+
+    def _failure(self, pairs: Sequence[Pair], send: bool, e: BaseException) -> TransportError:
+        for p in pairs:
+            self._abort(p)
+        peer = pairs[0].dst if send else pairs[0].src
+        return TransportError(
+            f"{self.backend} {'send to' if send else 'receive from'} {peer} failed "
+            f"({type(e).__name__}: {str(e)[:200]}); the batch is a miss here, its pair is "
+            "formed again next time"
+        )
+
+    def _issue(
+        self,
+        pairs: Sequence[Pair],
+        program: Callable[[list[Any]], _Pending],
+        send: bool,
+        native: bool = False,
+    ) -> Awaitable[_Pending]:
+        """Runs ``program`` with the pairs' groups: on formed NCCL pairs now, from the caller
+        (it only queues work), else on the first pair's thread, forming the groups there
+        (both ends form them together; with ``native`` also their NCCL communicators, for
+        the C++ pipeline). Returns what completes the batch, bounded."""
+        for p in pairs:
+            self.forget(p)
+        if self._warm(pairs):
+            try:
+                pending = program([self._groups[p] for p in pairs])
+            except Exception as e:
+                err = self._failure(pairs, send, e)
+
+                async def failed() -> _Pending:
+                    raise err
+
+                return failed()
+
+            async def finish() -> _Pending:
+                try:
+                    await self._wait_loop(pending)
+                except Exception as e:
+                    raise self._failure(pairs, send, e) from e
+                return pending
+
+            return finish()
+
+        def cold() -> _Pending:
             if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-        except Exception as e:
-            self._abort(pair)
-            raise TransportError(
-                f"{self.backend} {'send to' if send else 'receive from'} "
-                f"{pair.dst if send else pair.src} failed ({type(e).__name__}: "
-                f"{str(e)[:200]}); the batch is a miss here, its pair is formed again next time"
-            ) from e
+                torch.cuda.set_device(self.device)
+            try:
+                pgs = [self._group(p) for p in pairs]
+                if native:
+                    for p, pg in zip(pairs, pgs, strict=True):
+                        self._form_comm(p, pg)
+                pending = program(pgs)
+                self._wait_here(pending)
+            except Exception as e:
+                raise self._failure(pairs, send, e) from e
+            return pending
+
+        async def run() -> _Pending:
+            pending = await self._run(pairs[0], cold)
+            if self.backend == NCCL:  # communicators up: later batches are issued inline
+                self._warmed.update(pairs)
+            return pending
+
+        return run()
 
     async def _run(self, pair: Pair, fn: Callable[[], Any]) -> Any:
         """``fn`` on the pair's own thread (its ops in order), at most ``timeout_s`` (plus the
         rendezvous) without blocking the event loop."""
-        self.forget(pair)
         ex = self._threads.get(pair)
         if ex is None:
             ex = self._threads[pair] = ThreadPoolExecutor(1, thread_name_prefix="raykv-pair")
@@ -317,44 +369,148 @@ class Collective:
                 f"{2 * self.timeout_s + 5:.0f}s; the batch is a miss"
             ) from None
 
-    async def _warm(self, pair: Pair, buf: torch.Tensor, send: bool) -> None:
-        """An op on a formed NCCL pair: issued from the event loop (it does not block), its
-        completion polled without blocking the loop, bounded like every other wait."""
-        try:
-            pg = self._groups[pair]
-            if send and self.tamper is not None:
+    # -- batches of blocks --
+
+    def _host_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The ids as int64, pinned on a GPU host: each chunk's copy reads them on the device
+        without the host waiting for the device."""
+        cuda = self.device.type == "cuda"
+        ids = torch.empty(len(block_ids), dtype=torch.long, pin_memory=cuda)
+        ids.numpy()[:] = block_ids
+        return ids
+
+    def _side(self) -> contextlib.AbstractContextManager:
+        """The receiver's stream: its own (after what the pool queued so far) on a GPU."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self._stream)
+
+    def start_send(
+        self, pair: Pair, entries: Sequence[torch.Tensor], block_ids: Sequence[int], width: int
+    ) -> Awaitable[int]:
+        """Gathers every row of ``block_ids`` now, in stream order (a later write to those
+        blocks cannot reach this batch), and sends the batch; the awaitable ends with the
+        bytes sent. On a formed NCCL pair each message is queued right behind its gather."""
+        plan = WirePlan.of(len(block_ids), width)
+        ids = self._host_ids(block_ids)
+        buf = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
+        rows, sums = plan.split(buf)
+        messages = plan.messages(buf)
+        native = self._native(entries, ids, rows, scatter=False)
+
+        def send(pg: Any, msg: torch.Tensor) -> Any:
+            if self.tamper is not None:
+                self.tamper(msg)
+            return pg.send([msg], 1, 0)
+
+        def enqueue(comm: int, gather: bool) -> _Pending:  # the C++ pipeline
+            if self.tamper is not None:
                 self.tamper(buf)
-            work = pg.send([buf], 1, 0) if send else pg.recv([buf], 0, 0)
-            now = time.monotonic()
-            deadline, spin = now + self.timeout_s, now + _SPIN_S
-            while not work.is_completed():
-                now = time.monotonic()
-                if now > deadline:
-                    raise TimeoutError(f"no completion within {self.timeout_s:.0f}s")
-                await asyncio.sleep(0 if now < spin else _POLL_S)
-            work.wait()
-        except Exception as e:
-            self._warmed.discard(pair)
-            self._abort(pair)
-            raise TransportError(
-                f"nccl {'send to' if send else 'receive from'} "
-                f"{pair.dst if send else pair.src} failed ({type(e).__name__}: "
-                f"{str(e)[:200]}); the batch is a miss here, its pair is formed again next time"
-            ) from e
+            wire = self._streams()[0]
+            native.module.wire_send(
+                comm, 1, native.table, native.ids, buf.data_ptr(), width, list(plan.counts),
+                gather, native.ctas, wire.cuda_stream,
+            )  # fmt: skip
+            done = torch.cuda.Event()
+            done.record(wire)
+            return _Pending([], done, [buf, ids, native])
 
-    async def _move(self, pair: Pair, buf: torch.Tensor, send: bool) -> None:
-        if pair in self._warmed and pair in self._groups:
-            await self._warm(pair, buf, send)
-            return
-        await self._run(pair, lambda: self._op(pair, buf, send))
-        if self.backend == NCCL:  # formed, its communicator up: later ops go inline
-            self._warmed.add(pair)
+        def pipelined(pgs: list[Any]) -> _Pending:
+            if native is not None and self._comms.get(pair):
+                return enqueue(self._comms[pair], True)
+            works: list[Any] = []
 
-    async def send(self, pair: Pair, buf: torch.Tensor) -> None:
-        await self._move(pair, buf, True)
+            def each(start: int, count: int) -> None:
+                works.append(send(pgs[0], messages[len(works)]))
 
-    async def recv(self, pair: Pair, buf: torch.Tensor) -> None:
-        await self._move(pair, buf, False)
+            ops.gather_blocks(entries, ids, rows, sums=sums, chunks=plan.counts, each=each)
+            works.append(send(pgs[0], messages[-1]))
+            return _Pending(works, None, [buf, ids])
+
+        def sends(pgs: list[Any]) -> _Pending:
+            if native is not None and self._comms.get(pair):
+                return enqueue(self._comms[pair], False)
+            return _Pending([send(pgs[0], m) for m in messages], None, [buf, ids])
+
+        if self._warm([pair]):
+            done = self._issue([pair], pipelined, True)
+        else:  # the group forms on the pair's thread later: gather everything now
+            ops.gather_blocks(entries, ids, rows, sums=sums)
+            done = self._issue([pair], sends, True, native=native is not None)
+
+        async def sent() -> int:
+            await done
+            return int(buf.numel())
+
+        return sent()
+
+    async def recv_batch(
+        self,
+        pair: Pair,
+        entries: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        width: int,
+        expected: Sequence[int] | None = None,
+        forward: Sequence[Pair] = (),
+    ) -> int:
+        """Receive ``len(block_ids)`` rows from ``pair.src`` into ``block_ids``, passing each
+        message on to ``forward`` (replicas of the same copy, e.g. an MLA latent: it crossed
+        once) as it arrives. Returns how many leading blocks hold intact rows; only those may
+        become valid (every row is scattered, the check follows: the blocks are the reader's
+        own and not valid yet)."""
+        plan, cuda = WirePlan.of(len(block_ids), width), self.device.type == "cuda"
+        ids = self._host_ids(block_ids)
+        buf = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
+        rows, wire_sums = plan.split(buf)
+        messages = plan.messages(buf)
+        got = torch.empty(plan.n, dtype=torch.int64, device=self.device)
+        good = torch.empty(1, dtype=torch.int64, pin_memory=cuda)
+
+        native = self._native(entries, ids, rows, scatter=True)
+
+        def enqueue(comm: int, forwards: list[int]) -> _Pending:  # the C++ pipeline
+            wire, fwd_stream = self._streams()
+            with self._side():
+                native.module.wire_recv(
+                    comm, 0, native.table, native.ids, buf.data_ptr(), width, got.data_ptr(),
+                    list(plan.counts), native.ctas, wire.cuda_stream, forwards,
+                    fwd_stream.cuda_stream,
+                )  # fmt: skip
+                good.copy_(leading_matches(got, wire_sums), non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            return _Pending([], done, [buf, ids, got, native])
+
+        def program(pgs: list[Any]) -> _Pending:
+            comms = [self._comms.get(p, 0) for p in (pair, *forward)]
+            if native is not None and all(comms):
+                return enqueue(comms[0], comms[1:])
+            feed, fwd = pgs[0], pgs[1:]
+            with self._side():
+                recvs = [feed.recv([m], 0, 0) for m in messages]  # all posted at once
+                works = list(recvs) if cuda else []  # gloo: waited below (a second wait hangs)
+                arrived = iter(zip(recvs, messages, strict=True))
+
+                def take() -> None:  # the next message is in (on a GPU: for the side stream)
+                    r, m = next(arrived)
+                    r.wait() if cuda else r.wait(datetime.timedelta(seconds=self.timeout_s))
+                    works.extend(f.send([m], 1, 0) for f in fwd)
+
+                ops.scatter_blocks(
+                    rows, entries, ids, sums=got, chunks=plan.counts, each=lambda s, c: take()
+                )
+                take()  # the sums
+                good.copy_(leading_matches(got, wire_sums), non_blocking=cuda)
+                event = torch.cuda.Event() if cuda else None
+                if event is not None:
+                    event.record()
+            return _Pending(works, event, [buf, ids, got])
+
+        await self._issue([pair, *forward], program, False, native=native is not None)
+        return count_intact(int(good[0]), rows, expected)
 
     def close(self) -> None:
         for p in list(self._groups):
@@ -371,11 +527,8 @@ async def send_blocks(
     coll: Collective, pair: Pair, entries: Sequence[torch.Tensor], block_ids: Sequence[int],
     width: int,
 ) -> int:  # fmt: skip
-    """Gather ``block_ids`` (now, before the first await) and send them as one message.
-    Returns the bytes sent."""
-    buf = stage(entries, block_ids, width)
-    await coll.send(pair, buf)
-    return int(buf.numel())
+    """Gather ``block_ids`` (now, before the first await) and send them; the bytes sent."""
+    return await coll.start_send(pair, entries, block_ids, width)
 
 
 async def recv_blocks(
@@ -387,28 +540,8 @@ async def recv_blocks(
     expected: Sequence[int] | None = None,
     forward: Sequence[Pair] = (),
 ) -> int:
-    """Receive one message of ``len(block_ids)`` rows from ``pair.src``, check it
-    (``check_wire``) and pass it on to ``forward`` (replicas of the same copy, e.g. an MLA
-    latent: it crossed once). Returns how many leading blocks hold intact rows; only those
-    may become valid (on a GPU every row is scattered while the check runs, so one host sync
-    covers both: the blocks are the reader's own and not valid yet; host rows are checked
-    first and only the good ones written)."""
-    n = len(block_ids)
-    buf = torch.empty(wire_bytes(n, width), dtype=torch.uint8, device=coll.device)
-    await coll.recv(pair, buf)
-    rows, sums = split_wire(buf, n, width)
-    if coll.device.type == "cuda":
-        # scatter while the check runs behind it on the stream: one host sync for both. The
-        # blocks are the reader's own, not valid yet: rows past a bad one are never validated
-        ops.scatter_blocks(rows, entries, torch.tensor(list(block_ids)))
-        good = check_wire(rows, sums, expected)
-    else:  # host rows: check first (the xxh3 of every row), write only the good ones
-        good = check_wire(rows, sums, expected)
-        if good:
-            ops.scatter_blocks(rows[:good], entries, torch.tensor(list(block_ids[:good])))
-    for p in forward:
-        await coll.send(p, buf)
-    return good
+    """``Collective.recv_batch``: how many leading blocks hold intact rows."""
+    return await coll.recv_batch(pair, entries, block_ids, width, expected, forward)
 
 
 class CollectiveTransport:

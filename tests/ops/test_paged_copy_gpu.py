@@ -300,3 +300,39 @@ def test_staged_scatter_rejects_bad_ids_before_touching_the_pool(kernel, monkeyp
     scatter_blocks(src, entries, ids, mode="staged")
     torch.cuda.synchronize()
     assert torch.equal(reference_rows(entries, ids), src)
+
+
+@pytest.mark.parametrize("kind, block_size, dtype, layers, pool, n", CASES)
+def test_wire_sums_taken_while_copying_match_the_reference(
+    kernel, kind, block_size, dtype, layers, pool, n
+):
+    """The kernel's fused wire sums (gather and scatter) equal ``ops.row_sums`` exactly."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(("sums", kind, dtype, n)).encode()))
+    entries, _backing = kv_entries(kind, pool, block_size, DTYPES[dtype], layers, gen, "cuda:0")
+    ids = random_ids(pool, n, gen)
+    expected = reference_rows(entries, ids)
+    want = ops.row_sums(expected)
+    rows = poisoned(n, row_bytes(entries), "device")
+    sums = torch.full((n,), 12345, dtype=torch.int64, device="cuda:0")  # must be overwritten
+    gather_blocks(entries, ids, rows, sums=sums)
+    assert torch.equal(rows.cpu(), expected) and torch.equal(sums.cpu(), want)
+    fresh = torch.randint(0, 256, expected.shape, dtype=torch.uint8, generator=gen)
+    back = torch.full((n,), -1, dtype=torch.int64, device="cuda:0")
+    scatter_blocks(fresh.cuda(), entries, ids, sums=back)
+    assert torch.equal(reference_rows(entries, ids), fresh)
+    assert torch.equal(back.cpu(), ops.row_sums(fresh))
+
+
+@pytest.mark.parametrize("width, offset", [(3, 1), (12, 4), (24, 8), (40, 16)])
+def test_wire_sums_of_misaligned_spans_fall_back_to_the_same_values(kernel, width, offset):
+    gen = torch.Generator().manual_seed(100 + width)
+    n = 64
+    flat = random_bits((n * (width + offset) + offset,), torch.uint8, gen, "cuda:0")
+    entry = flat.as_strided((n, width), (width + offset, 1), storage_offset=offset)
+    entries = [entry, random_bits((n, 3, 4), torch.bfloat16, gen, "cuda:0")]
+    ids = random_ids(n, 37, gen)
+    expected = reference_rows(entries, ids)
+    rows = poisoned(37, row_bytes(entries), "device")
+    sums = torch.empty(37, dtype=torch.int64, device="cuda:0")
+    gather_blocks(entries, ids, rows, sums=sums)
+    assert torch.equal(sums.cpu(), ops.row_sums(expected))

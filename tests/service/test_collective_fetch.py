@@ -113,8 +113,9 @@ def test_corrupt_in_flight_is_a_counted_miss(ray_cluster) -> None:
     _, b, ids, data = published(ray_cluster, "c4", 6, 4)
 
     def arm(pool, what):
-        def flip(buf):
-            buf[3 * ROW + 1] ^= 0x40  # row 3, after the sender took its sum
+        def flip(msg):
+            if msg.numel() > 3 * ROW + 1:  # the rows' message (the sums follow in their own)
+                msg[3 * ROW + 1] ^= 0x40  # row 3, after the sender took its sum
 
         def hook(self):
             self.transports["gloo"].collective.tamper = flip if what else None

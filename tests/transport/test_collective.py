@@ -1,5 +1,6 @@
 """``raykv.transport.collective`` without Ray: two endpoints in one process (gloo, each on
-its own pair thread) move blocks as one message, check them, and end a dead pair in time."""
+its own pair thread) move blocks as a few chunked messages, check them, and end a dead pair
+in time."""
 
 import asyncio
 import itertools
@@ -10,16 +11,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from raykv import ops
 from raykv.errors import TransportError
 from raykv.tiers.checksum import row_checksums
 from raykv.transport.collective import (
     Collective,
     Pair,
-    check_wire,
     recv_blocks,
     send_blocks,
     serve_rendezvous,
-    wire_sums,
+)
+from raykv.transport.wire import (
+    FIRST_CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    WirePlan,
+    count_intact,
+    leading_matches,
+    wire_bytes,
 )
 
 W = 64  # row bytes: 2 entries of [4, 8] uint8 per block
@@ -77,14 +85,15 @@ def test_corrupt_in_flight_cuts_the_batch_and_the_next_generation_recovers(store
     src, dst = pool(), pool(seed=7)
     before = dst[0].clone()
 
-    def flip(buf: torch.Tensor) -> None:
-        buf[2 * W + 5] ^= 0x10  # row 2, after its sum was taken
+    def flip(msg: torch.Tensor) -> None:
+        if msg.numel() == 4 * W:  # the rows' message (the sums follow in their own)
+            msg[2 * W + 5] ^= 0x10  # row 2, after its sum was taken
 
     a.tamper = flip
     _, got = move(a, b, Pair("s#2", "d#2", 0, store), src, dst, [1, 2, 3, 4], [5, 6, 7, 8])
     assert got == 2  # rows 0 and 1 landed, row 2 and after are misses
     assert torch.equal(rows_of(dst, [5, 6]), rows_of(src, [1, 2]))
-    assert torch.equal(dst[0][[7, 8]], before[[7, 8]])  # never written
+    assert torch.equal(dst[0][:5], before[:5])  # blocks outside the batch untouched
     # a receiver with no sender ends in bounded time, as TransportError
     t0 = time.monotonic()
     with pytest.raises(TransportError, match="receive from s#2"):
@@ -99,12 +108,131 @@ def test_corrupt_in_flight_cuts_the_batch_and_the_next_generation_recovers(store
 
 def test_wire_check_needs_both_the_sum_and_the_stored_checksum() -> None:
     rows = torch.randint(0, 256, (5, W), dtype=torch.uint8, generator=torch.Generator())
-    sums = wire_sums(rows)
     stored = row_checksums(rows)
-    assert check_wire(rows, sums, stored) == 5
+    assert count_intact(5, rows, stored) == 5
     bad = list(stored)
     bad[3] ^= 1  # bytes that changed at rest, before the sender took its sum
-    assert check_wire(rows, sums, bad) == 3
+    assert count_intact(5, rows, bad) == 3
+    assert count_intact(2, rows, stored) == 2  # the sums matched only so far
+    sums = ops.row_sums(rows)
+    assert int(leading_matches(sums, sums)) == 5
+    off = sums.clone()
+    off[2] += 1
+    assert int(leading_matches(sums, off)) == 2
     swapped = rows.clone()
     swapped[1, :8], swapped[1, 8:16] = rows[1, 8:16], rows[1, :8]  # same words, other places
-    assert check_wire(swapped, sums, None) == 1
+    assert (ops.row_sums(swapped) == ops.row_sums(rows)).tolist() == [1, 0, 1, 1, 1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5000), st.sampled_from([8, 64, 4096, 65536, 1 << 20]))
+def test_wire_plan_covers_every_row_in_few_growing_messages(n, width) -> None:
+    plan = WirePlan.of(n, width)
+    assert plan.n == n and all(c > 0 for c in plan.counts)
+    buf = torch.empty(plan.nbytes, dtype=torch.uint8)
+    messages = plan.messages(buf)
+    assert [m.numel() for m in messages] == [c * width for c in plan.counts] + [8 * n]
+    assert sum(m.numel() for m in messages) == wire_bytes(n, width) == plan.nbytes
+    rows, sums = plan.split(buf)
+    assert rows.shape == (n, width) and sums.shape == (n,)
+    assert plan.counts[0] == min(n, max(1, FIRST_CHUNK_BYTES // width))  # leaves early
+    # doubling up to MAX_CHUNK_BYTES, then full chunks: never one message per block
+    doublings = (MAX_CHUNK_BYTES // FIRST_CHUNK_BYTES).bit_length()
+    assert len(plan.counts) <= doublings + -(-n * width // MAX_CHUNK_BYTES)
+
+
+def test_a_multi_chunk_batch_arrives_equal_and_a_bad_row_in_a_later_chunk_cuts_it(store) -> None:
+    width, n = 64 << 10, 300  # 18.75 MiB: row messages of 128 and 172 rows, then the sums
+    assert WirePlan.of(n, width).counts == (128, 172)
+    g = torch.Generator().manual_seed(5)
+    src = [torch.randint(0, 256, (n + 4, width), generator=g, dtype=torch.uint8)]
+    dst = [torch.zeros(n + 4, width, dtype=torch.uint8)]
+    ids, into = list(range(2, n + 2)), list(range(n + 3, 3, -1))[:n]
+    a, b = Collective("s#mc", "cpu", timeout_s=10), Collective("d#mc", "cpu", timeout_s=10)
+    try:
+        pair = Pair(a.ident, b.ident, 0, store)
+
+        def run() -> int:
+            async def both():
+                return await asyncio.gather(
+                    send_blocks(a, pair, src, ids, width), recv_blocks(b, pair, dst, into, width)
+                )
+
+            return asyncio.run(both())[1]
+
+        assert run() == n and torch.equal(dst[0][into], src[0][ids])
+        seen = []
+
+        def flip(msg: torch.Tensor) -> None:
+            seen.append(msg.numel())
+            if len(seen) == 2:
+                msg[10 * width + 7] ^= 1  # row 128 + 10 of the batch
+
+        a.tamper = flip
+        assert run() == 138
+        assert seen == [128 * width, 172 * width, 8 * n]
+    finally:
+        a.close()
+        b.close()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 40), st.randoms(use_true_random=False))
+def test_a_change_of_any_word_changes_its_row_sum_and_no_other(n, words, rnd) -> None:
+    g = torch.Generator().manual_seed(rnd.randrange(1 << 30))
+    rows = torch.randint(0, 256, (n, 8 * words), generator=g, dtype=torch.uint8)
+    i, byte = rnd.randrange(n), rnd.randrange(8 * words)
+    bad = rows.clone()
+    bad[i, byte] ^= 1 << rnd.randrange(8)
+    before, after = ops.row_sums(rows), ops.row_sums(bad)
+    assert [int(x) for x in (before != after)] == [int(r == i) for r in range(n)]
+
+
+def test_chunked_copies_call_back_in_order_around_each_chunk() -> None:
+    g = torch.Generator().manual_seed(4)
+    t = torch.randint(0, 256, (2, 12, 4, 8), generator=g, dtype=torch.uint8)
+    entries, ids = [t[0], t[1]], torch.tensor([3, 1, 7, 0, 11])
+    rows = torch.zeros(5, W, dtype=torch.uint8)
+    sums = torch.empty(5, dtype=torch.int64)
+    seen = []
+
+    def after(start: int, count: int) -> None:  # a gather's chunk is complete here
+        seen.append(
+            (
+                start,
+                count,
+                torch.equal(
+                    rows[start : start + count],
+                    rows_of(entries, ids[start : start + count].tolist()),
+                ),
+            )
+        )
+
+    ops.gather_blocks(entries, ids, rows, sums=sums, chunks=[2, 1, 2], each=after)
+    assert seen == [(0, 2, True), (2, 1, True), (3, 2, True)]
+    assert torch.equal(sums, ops.row_sums(rows))
+    into, fresh = torch.tensor([2, 4, 5, 6, 8]), torch.zeros(5, W, dtype=torch.uint8)
+
+    def before(start: int, count: int) -> None:  # a scatter's chunk arrives here
+        fresh[start : start + count] = rows[start : start + count]
+
+    back = torch.empty(5, dtype=torch.int64)
+    ops.scatter_blocks(fresh, entries, into, sums=back, chunks=[1, 4], each=before)
+    assert torch.equal(rows_of(entries, into.tolist()), rows) and torch.equal(back, sums)
+    with pytest.raises(Exception, match="must be positive row counts summing to the 5"):
+        ops.gather_blocks(entries, ids, rows, chunks=[2, 2])
+
+
+def test_copies_take_the_wire_sums_of_the_rows_they_move() -> None:
+    g = torch.Generator().manual_seed(3)
+    t = torch.randint(0, 256, (2, 12, 4, 8), generator=g, dtype=torch.uint8)
+    entries, ids = [t[0], t[1]], torch.tensor([3, 1, 7])
+    rows = torch.empty(3, W, dtype=torch.uint8)
+    sums = torch.empty(3, dtype=torch.int64)
+    ops.gather_blocks(entries, ids, rows, sums=sums)
+    assert torch.equal(sums, ops.row_sums(rows)) and torch.equal(rows, rows_of(entries, [3, 1, 7]))
+    back = torch.empty(3, dtype=torch.int64)
+    ops.scatter_blocks(rows, entries, torch.tensor([9, 10, 11]), sums=back)
+    assert torch.equal(back, sums)
+    with pytest.raises(Exception, match="sums must be a contiguous int64"):
+        ops.gather_blocks(entries, ids, rows, sums=torch.empty(2, dtype=torch.int64))

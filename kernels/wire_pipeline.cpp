@@ -1,0 +1,172 @@
+// A collective batch's pipeline (raykv.transport.collective) enqueued in one host call: the
+// paged gather of each chunk with its wire sums, then that chunk's ncclSend, while the next
+// chunk is gathered; on the receiver every chunk's ncclRecv posted at once and each chunk
+// scattered (its sums recomputed) as soon as it is in. From Python every chunk cost the host
+// a kernel launch and an NCCL call through torch (~100 us each on a busy host, longer than a
+// chunk's time on NVLink); here a whole batch costs one call.
+//
+// NCCL itself is the library torch already loaded: ncclSend / ncclRecv are looked up in it at
+// run time, so building raykv needs no NCCL headers and links nothing new. The communicator is
+// the one torch's ProcessGroupNCCL made for the pair (its _comm_ptr()); aborting that group
+// aborts anything enqueued here.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <dlfcn.h>
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "paged_copy.h"
+
+namespace {
+
+// ncclResult_t nccl{Send,Recv}(void* buff, size_t count, ncclDataType_t type, int peer,
+//                              ncclComm_t comm, cudaStream_t stream)
+using P2p = int (*)(void*, size_t, int, int, void*, cudaStream_t);
+constexpr int kNcclUint8 = 1;  // ncclUint8 in nccl.h's ncclDataType_t
+
+struct Nccl {
+  P2p send = nullptr;
+  P2p recv = nullptr;
+};
+
+const Nccl& nccl() {
+  static const Nccl lib = [] {
+    Nccl n;
+    for (const char* name : {"libnccl.so.2", "libnccl.so"}) {
+      void* handle = dlopen(name, RTLD_LAZY | RTLD_NOLOAD);  // only the one already loaded
+      if (handle == nullptr) continue;
+      n.send = reinterpret_cast<P2p>(dlsym(handle, "ncclSend"));
+      n.recv = reinterpret_cast<P2p>(dlsym(handle, "ncclRecv"));
+      if (n.send != nullptr && n.recv != nullptr) break;
+    }
+    return n;
+  }();
+  return lib;
+}
+
+void check_nccl(int result, const char* what) {
+  TORCH_CHECK(result == 0, "raykv wire pipeline: ", what, " failed with ncclResult_t ", result);
+}
+
+cudaStream_t as_stream(int64_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
+
+// `waiter` waits for everything enqueued on `done` so far.
+void order(cudaStream_t done, cudaStream_t waiter) {
+  cudaEvent_t ev;
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaEventRecord(ev, done));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(waiter, ev, 0));
+  C10_CUDA_CHECK(cudaEventDestroy(ev));  // released once it completes
+}
+
+void copy(const torch::Tensor& segs, const int64_t* ids, int64_t count, char* rows,
+          int64_t width, bool gather, int64_t ctas, int64_t* sums, cudaStream_t stream) {
+  const cudaError_t err = static_cast<cudaError_t>(raykv_paged_copy(
+      reinterpret_cast<const RaykvSegment*>(segs.data_ptr<int64_t>()),
+      static_cast<int>(segs.size(0)), ids, count, rows, width, gather ? 1 : 0,
+      static_cast<int>(ctas), reinterpret_cast<unsigned long long*>(sums), stream));
+  TORCH_CHECK(err == cudaSuccess, "raykv paged_copy launch failed: ", cudaGetErrorString(err));
+}
+
+bool available() { return nccl().send != nullptr && nccl().recv != nullptr; }
+
+// Sender. The batch buffer is [rows: n x width | sums: n x int64] at rows_ptr. gather: gather
+// each chunk on the current stream (taking its sums), else the rows are already there. Every
+// message goes out on `wire` (rows chunks in order, then the sums), each behind its gather.
+void send(int64_t comm, int64_t peer, const torch::Tensor& segs, const torch::Tensor& ids,
+          int64_t rows_ptr, int64_t width, std::vector<int64_t> counts, bool gather,
+          int64_t ctas, int64_t wire_handle) {
+  TORCH_CHECK(available(), "raykv wire pipeline: ncclSend/ncclRecv not found in this process");
+  const c10::cuda::CUDAGuard guard(segs.device());
+  const cudaStream_t compute = c10::cuda::getCurrentCUDAStream().stream();
+  const cudaStream_t wire = as_stream(wire_handle);
+  char* rows = reinterpret_cast<char*>(rows_ptr);
+  const int64_t n = ids.numel();
+  int64_t* sums = reinterpret_cast<int64_t*>(rows + n * width);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  if (gather) C10_CUDA_CHECK(cudaMemsetAsync(sums, 0, n * sizeof(int64_t), compute));
+  order(compute, wire);
+  int64_t start = 0;
+  for (const int64_t c : counts) {
+    if (gather) {
+      copy(segs, id + start, c, rows + start * width, width, true, ctas, sums + start, compute);
+      order(compute, wire);
+    }
+    check_nccl(nccl().send(rows + start * width, c * width, kNcclUint8, static_cast<int>(peer),
+                           reinterpret_cast<void*>(comm), wire),
+               "ncclSend");
+    start += c;
+  }
+  TORCH_CHECK(start == n, "raykv wire pipeline: chunks cover ", start, " of ", n, " rows");
+  check_nccl(nccl().send(sums, n * sizeof(int64_t), kNcclUint8, static_cast<int>(peer),
+                         reinterpret_cast<void*>(comm), wire),
+             "ncclSend");
+}
+
+// Receiver, into the same buffer layout: every message posted on `wire` at once; each chunk
+// scattered on the current stream (its sums recomputed into got_ptr) once it is in, and passed
+// on to each forward communicator (rank 1 there) on `forward` as it arrives. The current stream
+// ends after the sums arrived and every chunk was scattered.
+void recv(int64_t comm, int64_t peer, const torch::Tensor& segs, const torch::Tensor& ids,
+          int64_t rows_ptr, int64_t width, int64_t got_ptr, std::vector<int64_t> counts,
+          int64_t ctas, int64_t wire_handle, std::vector<int64_t> forward_comms,
+          int64_t forward_handle) {
+  TORCH_CHECK(available(), "raykv wire pipeline: ncclSend/ncclRecv not found in this process");
+  const c10::cuda::CUDAGuard guard(segs.device());
+  const cudaStream_t compute = c10::cuda::getCurrentCUDAStream().stream();
+  const cudaStream_t wire = as_stream(wire_handle);
+  const cudaStream_t forward = as_stream(forward_handle);
+  char* rows = reinterpret_cast<char*>(rows_ptr);
+  const int64_t n = ids.numel();
+  char* sums = rows + n * width;
+  int64_t* got = reinterpret_cast<int64_t*>(got_ptr);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  C10_CUDA_CHECK(cudaMemsetAsync(got, 0, n * sizeof(int64_t), compute));
+  order(compute, wire);  // the buffer is free to land in
+  std::vector<cudaEvent_t> arrived;
+  auto post = [&](char* at, int64_t bytes) {
+    check_nccl(nccl().recv(at, bytes, kNcclUint8, static_cast<int>(peer),
+                           reinterpret_cast<void*>(comm), wire),
+               "ncclRecv");
+    cudaEvent_t ev;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(ev, wire));
+    arrived.push_back(ev);
+  };
+  int64_t start = 0;
+  for (const int64_t c : counts) {
+    post(rows + start * width, c * width);
+    start += c;
+  }
+  TORCH_CHECK(start == n, "raykv wire pipeline: chunks cover ", start, " of ", n, " rows");
+  post(sums, n * sizeof(int64_t));
+  auto pass_on = [&](size_t k, char* at, int64_t bytes) {
+    if (forward_comms.empty()) return;
+    C10_CUDA_CHECK(cudaStreamWaitEvent(forward, arrived[k], 0));
+    for (const int64_t f : forward_comms) {
+      check_nccl(nccl().send(at, bytes, kNcclUint8, 1, reinterpret_cast<void*>(f), forward),
+                 "ncclSend (forward)");
+    }
+  };
+  start = 0;
+  for (size_t k = 0; k < counts.size(); ++k) {
+    C10_CUDA_CHECK(cudaStreamWaitEvent(compute, arrived[k], 0));
+    pass_on(k, rows + start * width, counts[k] * width);
+    copy(segs, id + start, counts[k], rows + start * width, width, false, ctas, got + start,
+         compute);
+    start += counts[k];
+  }
+  C10_CUDA_CHECK(cudaStreamWaitEvent(compute, arrived.back(), 0));
+  pass_on(arrived.size() - 1, sums, n * sizeof(int64_t));
+  if (!forward_comms.empty()) order(forward, compute);  // done once the copies went on too
+  for (cudaEvent_t ev : arrived) C10_CUDA_CHECK(cudaEventDestroy(ev));
+}
+
+}  // namespace
+
+void register_wire_pipeline(pybind11::module& m) {
+  m.def("wire_available", &available, "ncclSend/ncclRecv found in this process");
+  m.def("wire_send", &send, "enqueue a collective batch's gather + sends (one host call)");
+  m.def("wire_recv", &recv, "enqueue a collective batch's receives + scatters (one host call)");
+}

@@ -1,0 +1,90 @@
+"""One collective batch on the wire: ``[rows | one int64 wire sum per row]``, as a few messages.
+
+A batch of ``n`` rows of ``width`` bytes crosses as a few large messages of consecutive
+rows, then one message of their wire sums (``raykv.ops.row_sums``: taken by the paged-copy
+kernel while it gathers, recomputed by the kernel while the receiver scatters, compared
+once the last message is in). Row messages start small and double (``FIRST_CHUNK_BYTES``
+up to ``MAX_CHUNK_BYTES``): the sender's first gather and the receiver's last scatter are
+the only copies the wire cannot hide, and every message costs each host one NCCL call and
+one kernel launch (~40 us on a busy host), so a batch is a handful of messages, never one
+per block. Both ends derive the same plan from ``(n, width)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from raykv.tiers.checksum import row_checksums
+
+SUM_BYTES = 8  # one int64 wire sum per row
+FIRST_CHUNK_BYTES = 8 << 20
+MAX_CHUNK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class WirePlan:
+    """How ``n`` rows of ``width`` bytes are cut into row messages (counts, in order)."""
+
+    width: int
+    counts: tuple[int, ...]
+
+    @classmethod
+    def of(
+        cls, n: int, width: int, first: int = FIRST_CHUNK_BYTES, cap: int = MAX_CHUNK_BYTES
+    ) -> WirePlan:
+        size, top, counts, left = max(1, first // width), max(1, cap // width), [], n
+        while left > 0:
+            counts.append(min(size, left))
+            left -= counts[-1]
+            size = min(top, 2 * size)
+        return cls(width, tuple(counts))
+
+    @property
+    def n(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def nbytes(self) -> int:
+        return wire_bytes(self.n, self.width)
+
+    def split(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows uint8 ``[n, width]``, sums int64 ``[n]``) views of a ``nbytes`` buffer."""
+        size = self.n * self.width
+        return buf[:size].view(self.n, self.width), buf[size : self.nbytes].view(torch.int64)
+
+    def messages(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """The buffer's messages, in order: each row chunk, then the sums (1-D views)."""
+        out, at = [], 0
+        for count in self.counts:
+            out.append(buf[at : at + count * self.width])
+            at += count * self.width
+        out.append(buf[at : self.nbytes])
+        return out
+
+
+def wire_bytes(n: int, width: int) -> int:
+    return n * (width + SUM_BYTES)
+
+
+def leading_matches(got: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+    """How many leading rows' recomputed sums ``got`` equal the ``sent`` ones: an int64
+    ``[1]`` on their device (no host sync, no per-row Python)."""
+    ok = got == sent
+    first_bad = (~ok).to(torch.uint8).argmax()
+    return torch.where(ok.all(), torch.full_like(first_bad, ok.numel()), first_bad).view(1)
+
+
+def count_intact(good: int, rows: torch.Tensor, expected: Sequence[int] | None) -> int:
+    """How many leading rows arrived intact: the first ``good`` rows' wire sums matched
+    (``leading_matches``) and, where the rows are in host memory, their xxh3 checksums equal
+    ``expected`` (the ones they were stored with; None: unchecked). On a GPU the xxh3 is not
+    recomputed (it runs on the host: a 2 GiB batch would cross PCIe twice); the stored
+    checksums travel with the blocks."""
+    if expected is None or not good or rows.device.type != "cpu":
+        return good
+    got = row_checksums(rows[:good])
+    pairs = zip(got, expected[:good], strict=True)
+    return next((i for i, (a, b) in enumerate(pairs) if a != b), good)
