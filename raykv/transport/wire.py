@@ -20,7 +20,7 @@ import torch
 from raykv.tiers.checksum import row_checksums
 
 SUM_BYTES = 8  # one int64 wire sum per row
-FIRST_CHUNK_BYTES = 8 << 20
+FIRST_CHUNK_BYTES = 4 << 20
 MAX_CHUNK_BYTES = 64 << 20
 
 
