@@ -203,10 +203,10 @@ class UcxServer:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.owner_loop))
 
     async def _fetch(self, ep: Any, client: str, req: dict[str, Any]) -> None:
-        """Export and send the batch in chunks (``chunk_bytes``): the next chunk is gathered
-        (on the owner's loop) while the previous one is on the wire; each chunk is one
-        header plus its rows, striped. A chunk that comes back short ends the batch (the
-        holder's prefix ends there)."""
+        """Export and send the batch in chunks (``chunk_bytes``): once a chunk's header is out
+        and its rows are posted on the wire, the next chunk is gathered (on the owner's loop)
+        while they travel; each chunk is one header plus its rows, striped. A chunk that
+        comes back short ends the batch (the holder's prefix ends there)."""
         t = self.config.timeout_s
         try:
             model, keys = str(req["model"]), [bytes.fromhex(k) for k in req["keys"]]
@@ -216,8 +216,8 @@ class UcxServer:
             await asyncio.wait_for(send_msg(ep, {"error": f"bad request: {e}"}), t)
             return
         start, size = 0, min(len(keys), FIRST_CHUNK_KEYS)
-        pending = asyncio.ensure_future(self._export(model, keys[:size]))
-        while True:
+        pending: asyncio.Future | None = asyncio.ensure_future(self._export(model, keys[:size]))
+        while pending is not None:
             try:
                 n, rows, sums = await pending
             except Exception as e:  # the member refused: the reader misses the rest
@@ -225,21 +225,23 @@ class UcxServer:
                 return
             end = start + size
             more = n == size and end < len(keys)
-            if more:  # gather the next chunk while this one travels
-                size = max(1, min(len(keys) - end, chunk_bytes // max(1, rows.nbytes // n)))
-                pending = asyncio.ensure_future(self._export(model, keys[end : end + size]))
+            pending = None
             try:
-                await self._send(ep, client, rows, n, sums, more, stripes, min_part)
+                sent = await self._send(ep, client, rows, n, sums, more, stripes, min_part)
+                if more:  # gather the next chunk while this one travels
+                    size = max(1, min(len(keys) - end, chunk_bytes // max(1, rows.nbytes // n)))
+                    pending = asyncio.ensure_future(self._export(model, keys[end : end + size]))
+                await sent
             except BaseException:
-                if more:
+                if pending is not None:
                     pending.cancel()
                 raise
-            if not more:
-                return
             start = end
 
     async def _send(self, ep: Any, client: str, rows: np.ndarray, n: int, sums: list,
-                    more: bool, stripes: int, min_part: int) -> None:  # fmt: skip
+                    more: bool, stripes: int, min_part: int) -> Awaitable[None]:  # fmt: skip
+        """Send a chunk's header, post its rows on the stripes; returns what completes once
+        the rows are out (bounded by ``transfer_timeout``)."""
         rows = np.ascontiguousarray(rows)
         flat = rows.reshape(-1)
         want = stripes_for(flat.nbytes, stripes, min_part)
@@ -255,10 +257,22 @@ class UcxServer:
             "more": more,
         }
         await asyncio.wait_for(send_msg(ep, head), self.config.timeout_s)
-        sends = [e.send(flat[a:b]) for e, (a, b) in zip(eps, cuts, strict=False)]
-        await asyncio.wait_for(asyncio.gather(*sends), self.config.transfer_timeout(flat.nbytes))
-        self.counts["batches"] += 1
-        self.counts["bytes"] += flat.nbytes
+        # each send is posted (its first step runs) before anything else the loop does next
+        sends = [asyncio.ensure_future(e.send(flat[a:b])) for e, (a, b) in
+                 zip(eps, cuts, strict=False)]  # fmt: skip
+
+        async def sent() -> None:
+            try:
+                await asyncio.wait_for(asyncio.gather(*sends),
+                                       self.config.transfer_timeout(flat.nbytes))  # fmt: skip
+            except BaseException:
+                for s in sends:
+                    s.cancel()
+                raise
+            self.counts["batches"] += 1
+            self.counts["bytes"] += flat.nbytes
+
+        return sent()
 
 
 def ucx_server(
