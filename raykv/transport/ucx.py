@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -192,7 +192,13 @@ class UcxTransport:
 
     async def _request(self, peer: _Peer, model: str, keys: list[bytes], hand: Callable) -> int:
         """One fetch on ``peer``: the request, then per chunk its header and rows (in key
-        order), each chunk handed on as soon as its rows are in; returns the bytes moved."""
+        order), each chunk handed on as soon as its rows are in; returns the bytes moved.
+
+        Pipelined: as soon as a chunk's header is in, its rows are posted and so is the next
+        header's receive, so the next chunk's rows are posted while this one's still land
+        (the server sends a header once that chunk is gathered). Receives on stripe 0 are
+        posted in the order the server sends (rows k, header k + 1, rows k + 1: UCX matches
+        one endpoint's messages of one tag in order)."""
         cfg, ep = self.config, peer.eps[0]
         req = {
             "op": "fetch",
@@ -203,43 +209,71 @@ class UcxTransport:
             "chunk_bytes": cfg.chunk_bytes,
         }
         await asyncio.wait_for(send_msg(ep, req), cfg.timeout_s)
-        staging, at, got, more = None, 0, 0, True
-        while more:  # one header + its rows per chunk, in key order
-            head = await asyncio.wait_for(recv_msg(ep), cfg.timeout_s)
-            n, shape, sums, parts = check_header(head, len(keys) - got)
-            more = bool(head.get("more")) and n > 0
-            if not n:
-                break
-            if staging is None:  # room for every key asked, at this batch's row size
-                staging = peer.take(len(keys) * shape[0] * shape[2])
-            size = shape[0] * n * shape[2]
-            if at + size > staging.numel():
-                raise TransportError("the UCX peer changed its row size mid-batch")
-            rows = staging[at : at + size]
-            # kept alive until the endpoints are gone (on a failure a receive may be posted)
-            peer.staging = rows.numpy()
-            await self._rows(peer, peer.staging, parts)
-            hand(BlockBatch(n, rows.view(shape), tuple(tuple(c) for c in sums)))
-            at, got = at + size, got + n
+        staging, at, got = None, 0, 0
+        flight: deque[tuple[asyncio.Future, BlockBatch]] = deque()  # rows posted, in order
+        head: asyncio.Future | None = asyncio.ensure_future(recv_msg(ep))
+        try:
+            while head is not None or flight:
+                if head is not None and (head.done() or not flight):
+                    msg = await asyncio.wait_for(head, cfg.timeout_s)
+                    n, shape, sums, parts = check_header(msg, len(keys) - got)
+                    head = None
+                    if not n:
+                        continue
+                    if staging is None:  # room for every key asked, at this row size
+                        staging = peer.take(len(keys) * shape[0] * shape[2])
+                        # alive until the endpoints are gone (a receive may be posted)
+                        peer.staging = staging.numpy()
+                    size = shape[0] * n * shape[2]
+                    if at + size > staging.numel():
+                        raise TransportError("the UCX peer changed its row size mid-batch")
+                    rows = self._post_rows(peer, peer.staging[at : at + size], parts)
+                    chunk = staging[at : at + size].view(shape)
+                    flight.append((rows, BlockBatch(n, chunk, tuple(tuple(c) for c in sums))))
+                    at, got = at + size, got + n
+                    if msg.get("more"):  # posted after this chunk's rows (matched in order)
+                        head = asyncio.ensure_future(recv_msg(ep))
+                    continue
+                rows, chunk = flight[0]  # the oldest chunk's rows, or the next header
+                await asyncio.wait([rows] if head is None else [rows, head],
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                if rows.done():
+                    rows.result()  # TransportError if they did not all arrive in time
+                    flight.popleft()
+                    hand(chunk)
+        finally:
+            for f in [r for r, _ in flight] + ([head] if head is not None else []):
+                f.cancel()
         peer.staging = None
         return at
 
-    async def _rows(self, peer: _Peer, dest: Any, parts: int) -> None:
-        """One chunk's rows, ``parts`` byte ranges on as many stripes, into ``dest``."""
+    def _post_rows(self, peer: _Peer, dest: Any, parts: int) -> asyncio.Future:
+        """Post the receives of one chunk's rows (``parts`` byte ranges on as many stripes,
+        into ``dest``) now, in order; returns what completes once they all arrived."""
         cfg = self.config
         cuts = ranges(dest.nbytes, parts)
         if len(cuts) > len(peer.eps) or (dest.nbytes and len(cuts) != parts):
             raise TransportError(
                 f"the UCX peer striped over {parts} endpoints, we have {len(peer.eps)}"
             )
-        recvs = [e.recv(dest[a:b]) for e, (a, b) in zip(peer.eps, cuts, strict=False)]
-        try:
-            await asyncio.wait_for(asyncio.gather(*recvs), cfg.transfer_timeout(dest.nbytes))
-        except TimeoutError:
-            raise TransportError(
-                f"{dest.nbytes} bytes did not arrive within {cfg.transfer_timeout(dest.nbytes):.1f}"
-                "s; the peer stalled or died (RAYKV_UCX_MIN_GBPS sets the slowest rate allowed)"
-            ) from None
+        # a task's first step posts its receive; tasks start in the order they are created
+        recvs = [asyncio.ensure_future(e.recv(dest[a:b]))
+                 for e, (a, b) in zip(peer.eps, cuts, strict=False)]  # fmt: skip
+
+        async def landed() -> None:
+            limit = cfg.transfer_timeout(dest.nbytes)
+            try:
+                await asyncio.wait_for(asyncio.gather(*recvs), limit)
+            except TimeoutError:
+                raise TransportError(
+                    f"{dest.nbytes} bytes did not arrive within {limit:.1f}s; the peer "
+                    "stalled or died (RAYKV_UCX_MIN_GBPS sets the slowest rate allowed)"
+                ) from None
+            finally:
+                for r in recvs:
+                    r.cancel()
+
+        return asyncio.ensure_future(landed())
 
     async def _peer(self, source: str, key: Where) -> _Peer:
         async with self._connecting.setdefault(key, asyncio.Lock()):
