@@ -24,6 +24,7 @@ out, so nothing half-received is ever read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from collections import Counter, deque
@@ -150,7 +151,8 @@ class UcxTransport:
         handed: asyncio.Queue[Any] = asyncio.Queue()
 
         def hand(item: Any) -> None:
-            loop.call_soon_threadsafe(handed.put_nowait, item)
+            with contextlib.suppress(RuntimeError):  # the reader's loop is gone: nobody reads
+                loop.call_soon_threadsafe(handed.put_nowait, item)
 
         task = self.runtime.submit(self._fetch(source, where, model, keys, hand))
         try:
@@ -159,7 +161,10 @@ class UcxTransport:
                     raise item
                 yield item
         finally:
-            task.cancel()  # a no-op once it finished
+            if not task.done():  # the reader left early: cut the transfer, wait (briefly) for it
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.wrap_future(task), 2 * BYE_TIMEOUT_S)
 
     # --- on the UCX loop -------------------------------------------------------------------
 
@@ -169,18 +174,19 @@ class UcxTransport:
         """Receive the batch's chunks into one staging buffer, ``hand`` each on (then
         ``_END``, or the error that ended the fetch)."""
         try:
-            peer = await self._peer(source, where)
-            async with peer.lock:
-                try:
-                    nbytes = await self._request(peer, model, keys, hand)
-                except BaseException as e:  # failed, or the reader left: the stream is cut
-                    await asyncio.shield(self._drop(where, peer))
-                    if isinstance(e, TransportError | asyncio.CancelledError):
-                        raise
-                    raise TransportError(
-                        f"UCX fetch from {source} on {where.host} failed ({type(e).__name__}: "
-                        f"{e}); its blocks are fetched elsewhere or missed"
-                    ) from None
+            peer = await self._locked(source, where)
+            try:
+                nbytes = await self._request(peer, model, keys, hand)
+            except BaseException as e:  # failed, or the reader left: the stream is cut
+                await asyncio.shield(self._drop(where, peer))
+                if isinstance(e, TransportError | asyncio.CancelledError):
+                    raise
+                raise TransportError(
+                    f"UCX fetch from {source} on {where.host} failed ({type(e).__name__}: "
+                    f"{e}); its blocks are fetched elsewhere or missed"
+                ) from None
+            finally:
+                peer.lock.release()
             self.counts["batches"] += 1
             self.counts["bytes"] += nbytes
             hand(_END)
@@ -189,6 +195,16 @@ class UcxTransport:
             raise
         except BaseException as e:
             hand(e)
+
+    async def _locked(self, source: str, where: Where) -> _Peer:
+        """The connections to ``where``, locked for one fetch (one at a time per peer), made
+        again if the fetch before dropped them while this one waited."""
+        while True:
+            peer = await self._peer(source, where)
+            await peer.lock.acquire()
+            if self._peers.get(where) is peer:
+                return peer
+            peer.lock.release()
 
     async def _request(self, peer: _Peer, model: str, keys: list[bytes], hand: Callable) -> int:
         """One fetch on ``peer``: the request, then per chunk its header and rows (in key
