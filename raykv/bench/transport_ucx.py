@@ -3,9 +3,11 @@ nodes over UCX, next to the raw baselines of the same bytes, in one run (``ucx_*
 
 * ``ucx_pair`` (no Ray, runs anywhere ucxx does): a peer process serves a CPU-tier arena of
   scattered blocks (``raykv.bench.ucx_peer``); this process fetches 512 of them through
-  raykv (``UcxTransport``: request, header, rows striped over 1 or N endpoints into one
-  staging buffer, ``verify``, scatter into a local arena) and, on the same transport
-  (``UCX_TLS``), the same bytes as one contiguous buffer over one raw ucxx endpoint.
+  raykv as a tier's pull does (``UcxTransport.stream`` read through ``receive``: request, then
+  per chunk a header and rows striped over 1 or N endpoints into one staging buffer, each
+  chunk verified and scattered into a local arena by one paged copy on the reader's own
+  loop while the next one is on the wire) and, on the same transport (``UCX_TLS``), the same
+  bytes as one contiguous buffer over one raw ucxx endpoint.
 * ``ucx_cluster`` (2-node local Ray cluster on 127.0.0.1): a CPU tier pulls the blocks
   another node's tier holds (``CpuTierActor.pull``: locate, fetch over UCX, verify, store
   with checksums, publish), next to a raw Ray put/get of the same bytes across the nodes.
@@ -58,8 +60,11 @@ def ucx_pair(
 ) -> dict[str, Any]:
     """raykv's UCX fetch (per stripe count) vs raw ucxx, two processes, same bytes and TLS.
     ``prefix``: run the peer under it (``ip netns exec NS``); ``host``: its address."""
+    import asyncio
+
+    from raykv import ops
     from raykv.bench.ucx_peer import block_rows, threads
-    from raykv.transport.base import verify
+    from raykv.transport.base import receive
     from raykv.transport.ucx import UcxTransport
     from raykv.transport.ucx_config import UcxConfig
     from raykv.transport.ucx_runtime import UcxRuntime
@@ -93,11 +98,15 @@ def ucx_pair(
               for k in stripes}  # fmt: skip
         raw = _RawUcxx(runtime, where["raw"], nbytes)
 
+        loop = asyncio.new_event_loop()  # the reader's loop (a tier actor's), not UCX's
+
+        async def scatter(at: int, rows: Any) -> None:
+            ops.scatter_blocks(rows.rows[0], [local], dest[at : at + rows.count])
+
         def through_raykv(t: UcxTransport) -> None:
-            b = runtime.submit(t.fetch("peer", "m", keys, where["raykv"])).result(300)
-            good = verify(b)
-            assert good == blocks, f"{blocks - good} blocks failed their checksums"
-            local.index_copy_(0, dest, b.rows[0, :good])
+            got = loop.run_until_complete(receive(t.stream("peer", "m", keys, where["raykv"]),
+                                                  scatter))  # fmt: skip
+            assert got.count == blocks, f"{blocks - got.count} blocks failed their checksums"
 
         calls: dict[str, Callable[[], Any]] = {f"raykv_{k}": (lambda t=t: through_raykv(t))
                                                for k, t in ts.items()}  # fmt: skip
@@ -109,6 +118,7 @@ def ucx_pair(
         for t in ts.values():
             t.close()
         raw.close()
+        loop.close()
         return out
     finally:
         if peer.stdin:

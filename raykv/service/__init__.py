@@ -14,7 +14,7 @@ checksums). Between members that do not share memory, blocks move through
 ``raykv.transport`` (Ray's object store today; NCCL / UCX next), one buffer per batch.
 Invariant 9 is kept in ``dataplane`` (the pool's ``StoreFence`` on the block manager) and
 ``raykv.tiers.offload``; invariant 12 (checksum before a block is readable) in ``dataplane``,
-``raykv.tiers.offload`` and ``raykv.transport.verify``.
+``raykv.tiers.offload`` and ``raykv.transport.receive``.
 
 Modules import Ray; ``import raykv`` does not (``raykv.connect`` loads it on first use).
 """

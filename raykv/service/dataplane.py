@@ -13,12 +13,13 @@ Where the invariants are kept:
   has the xxh3 checksum of each distinct TP copy (``sums``), taken from the rows ``store``
   wrote, or carried over from the copy a load verified. A load from the node's CPU tier runs
   a ``LoadJob`` (the engine verifies each entry against the checksums its ``StoreJob``
-  computed); a fetch from another member verifies the batch (``raykv.transport.verify``); a
-  copy between two blocks of this pool verifies the source rows; an offload compares the
-  arena rows' checksums with ``sums`` (a GPU block corrupted since it was published is never
-  offloaded). A mismatch drops the bad copy where it lives (pool block invalidated, tier
-  entry dropped), counts ``checksum_errors`` (stats, ``raykv status``, the
-  ``raykv_checksum_errors`` metric) and is a miss: the caller recomputes, never reads wrong KV.
+  computed); a fetch from another member verifies each chunk as it arrives, before a byte
+  of it is scattered (``raykv.transport.receive``); a copy between two blocks of this pool
+  verifies the source rows; an offload compares the arena rows' checksums with ``sums`` (a
+  GPU block corrupted since it was published is never offloaded). A mismatch drops the bad
+  copy where it lives (pool block invalidated, tier entry dropped), counts
+  ``checksum_errors`` (stats, ``raykv status``, the ``raykv_checksum_errors`` metric) and is
+  a miss: the caller recomputes, never reads wrong KV.
 """
 
 from __future__ import annotations
@@ -36,9 +37,13 @@ from raykv.service.groups import Chunk
 from raykv.service.index import CPU, GPU, Location
 from raykv.service.spec import COORDINATOR, NAMESPACE, tier_name
 from raykv.tiers.jobs import LoadJob, StoreJob
-from raykv.transport import FALLBACK, BlockBatch, Transport, export_rows, fetch_over, verify
+from raykv.transport import FALLBACK, BlockBatch, Transport, export_rows, fetch_over
 
 log = logging.getLogger(__name__)
+
+
+class _Freed(Exception):
+    """A load's request was freed while its rows travelled: the fetch stops."""
 
 
 class PoolDataPlane:
@@ -276,22 +281,12 @@ class PoolDataPlane:
             i += n
         return moved
 
-    async def _fetch_batch(self, loc: Location, keys: list[bytes]) -> BlockBatch:
-        """The batch over the transport chosen for this pair; if that one fails, once more
-        over the fallback (the object store) before the source counts as failed."""
-
-        def fell_back(name: str, e: TransportError) -> None:
-            log.warning("pool %s: %s from %s failed (%s); retrying over %s",
-                        self.name, name, loc.member, e, FALLBACK)  # fmt: skip
-            self.metrics.failed(f"transport_{name}")
-
-        return await fetch_over(self.transports, loc.transport, loc.member, self.model.name,
-                                keys, loc.endpoint, fell_back)  # fmt: skip
-
     async def _fetch_remote(
         self, loc: Location, gi: int, want: list[tuple[bytes, int]], filled: set[int], live: Any
     ) -> tuple[int, int]:
-        """One batch from another member: verified, then scattered to every rank."""
+        """One batch from another member, chunk by chunk: each chunk verified, then
+        scattered to every rank while the next one travels; ``live()`` is checked before
+        every chunk is written (a freed request's blocks may be someone else's)."""
         source = loc.member
         if getattr(self.transports.get(loc.transport), "direct", False):
             try:  # rank to rank into our blocks (``raykv.service.pairs``)
@@ -301,30 +296,41 @@ class PoolDataPlane:
                             self.name, loc.transport, source, e, FALLBACK)  # fmt: skip
                 self.metrics.failed(f"transport_{loc.transport}")
                 loc = replace(loc, transport=FALLBACK)
-        batch = await self._fetch_batch(loc, [k for k, _ in want])
-        if not live():  # freed while the rows travelled: our blocks may be someone else's
-            return 0, 0
-        good = verify(batch)
-        if good < batch.count:  # the source's copy is corrupt: a miss, dropped there
+
+        def fell_back(name: str, e: TransportError) -> None:
+            log.warning("pool %s: %s from %s failed (%s); retrying over %s",
+                        self.name, name, source, e, FALLBACK)  # fmt: skip
+            self.metrics.failed(f"transport_{name}")
+
+        written = [0, 0]  # blocks, bytes
+
+        async def sink(at: int, chunk: BlockBatch) -> None:
+            if not live():  # freed while the rows travelled: stop, write nothing more
+                raise _Freed
+            blocks = [b for _, b in want[at : at + chunk.count]]
+            await self._scatter_copies(gi, chunk.rows, blocks)
+            for j, b in enumerate(blocks):
+                self._pending_sums[b] = tuple(c[j] for c in chunk.checksums)
+            filled.update(blocks)
+            written[0], written[1] = written[0] + chunk.count, written[1] + chunk.nbytes
+
+        try:
+            got = await fetch_over(self.transports, loc.transport, source, self.model.name,
+                                   [k for k, _ in want], sink, loc.endpoint, fell_back)  # fmt: skip
+        except _Freed:
+            return written[0], written[1]
+        if got.corrupt:  # the source's copy is corrupt: a miss, dropped there
             self.metrics.checksum_errors(self.model.name, "remote", 1)
             log.warning("pool %s: block from %s failed its checksum; a miss", self.name, source)
             try:
                 await (
                     self.transports[FALLBACK]
                     ._actor(source)
-                    .drop_keys.remote(self.model.name, [want[good][0]])
+                    .drop_keys.remote(self.model.name, [want[got.count][0]])
                 )
             except ray.exceptions.RayError as e:
                 log.warning("pool %s: cannot tell %s to drop (%s)", self.name, source, e)
-        if not good:
-            return 0, 0
-        blocks = [b for _, b in want[:good]]
-        rows = batch.rows[:, :good]
-        await self._scatter_copies(gi, rows, blocks)
-        for j, b in enumerate(blocks):
-            self._pending_sums[b] = tuple(c[j] for c in batch.checksums)
-        filled.update(blocks)
-        return good, int(rows.numel())
+        return written[0], written[1]
 
     # --- serving other members ------------------------------------------------------------
 

@@ -12,7 +12,7 @@ ranks of its copy (``recv_blocks(forward=...)``), in its own group. Each receivi
 checks the message and scatters the leading intact rows into its blocks; the batch is what
 every rank wrote (the least). One collective fetch at a time per reader pool keeps the
 order of every pair's messages the same at both ends; a failure anywhere bumps the reader's
-generation (fresh groups next time) and is a ``TransportError`` (``_fetch_batch`` retries
+generation (fresh groups next time) and is a ``TransportError`` (``_fetch_remote`` retries
 the batch over the object store, then the source counts as failed: misses).
 """
 

@@ -3,12 +3,17 @@
 ``CpuTierActor.pull(model, keys)``: for the leading ``keys`` of one group that this tier does
 not hold yet, the coordinator names who does (``locate``, with this tier as the reader, so
 the pair's transport is chosen as for any reader: UCX between two nodes' tiers where both run
-it); the blocks are fetched through the same ``raykv.transport.fetch_over`` a GPU pool's load
-uses (the chosen transport, then the object store), verified (``verify``: a batch is cut at
-its first bad row, dropped at the source and counted), and only then written into entries
-reserved in this tier's arena, stored with the checksums they were verified against, and
-published. Nothing is reserved before every byte arrived and passed, so a source that dies
-mid-transfer leaves no entry behind: the keys stay misses.
+it). Entries for the keys somebody holds are reserved up front in this tier's arena (WRITING:
+nobody reads them, nothing evicts them); the blocks are then fetched through the same
+``raykv.transport.fetch_over`` a GPU pool's load uses (the chosen transport, then the object
+store), chunk by chunk: each chunk is verified as it arrives (``raykv.transport.receive``:
+the fetch is cut at its first bad row, which is dropped at the source and counted) and its
+verified rows are written straight into their reserved rows (``_ArenaWriter``: one paged copy
+per run of rows, from the received buffer) while the next chunk is on the wire. After the
+last chunk, the entries whose every row was written are stored with the checksums they were
+verified against and published; every other reserved entry is released, so a source that
+dies or lies mid-transfer leaves no entry behind, never a half-written one readable: those
+keys stay misses. The release runs whatever ends the pull (an error, a cancellation).
 
 Entries are whole chunks (``raykv.service.groups``): ``keys`` start at a chunk boundary (the
 request's first block, as the vLLM connector passes them) and a trailing partial chunk is
@@ -28,7 +33,7 @@ from raykv.errors import InvalidInput, TransportError
 from raykv.service.groups import key_group
 from raykv.service.index import CPU
 from raykv.service.spec import COORDINATOR, NAMESPACE
-from raykv.transport import FALLBACK, BlockBatch, fetch_over, verify
+from raykv.transport import FALLBACK, BlockBatch, fetch_over
 
 log = logging.getLogger(__name__)
 
@@ -52,53 +57,139 @@ async def pull(tier: Any, model: str, keys: list[bytes]) -> int:
     start, end = have // f * f, len(keys) // f * f  # whole chunks only
     if start >= end:
         return have
-    rows, sums = await _fetch(tier, model, keys[start:end])
-    n = len(rows) // f * f
-    if n:
-        await _store(tier, mt, model, keys[start : start + n], rows[:n], sums[:n])
+    want = keys[start:end]
+    where = await _locate(tier, model, want)
+    held = next((i for i, locs in enumerate(where) if not locs), len(want)) // f * f
+    if held:
+        await _pull(tier, mt, model, want[:held], where[:held])
     return held_prefix(mt, keys)
 
 
-async def _fetch(tier: Any, model: str, want: list[bytes]) -> tuple[list, list]:
-    """Verified rows (per key: its batch's ``[copies, count, width]`` buffer and its index
-    there) and their checksums (per key: per copy) of the leading ``want`` other members
-    hold, source by source."""
+async def _locate(tier: Any, model: str, want: list[bytes]) -> list[list[Any]]:
+    """Per key, the other members that hold it, other tiers first (stable: nearest first
+    within each: a pull stays off the GPUs); nobody if the coordinator cannot say."""
     try:
         coord = ray.get_actor(COORDINATOR, namespace=NAMESPACE)
         where = await coord.locate.remote(model, want, tier.node_id, tier.name)
-        # other tiers first (stable: nearest first within each): a pull stays off the GPUs
-        where = [sorted(locs, key=lambda c: c.tier != CPU) for locs in where]
     except (ray.exceptions.RayError, ValueError) as e:  # coordinator restarting: misses
         log.warning("tier %s: cannot locate copies (%s); pulling nothing", tier.name, e)
         tier.metrics.copy_failed(model, CPU, "locate")
-        return [], []
-    failed, rows, sums = {tier.name}, [], []
-    while len(rows) < len(want):
-        i = len(rows)
+        return [[] for _ in want]
+    return [[c for c in sorted(locs, key=lambda c: c.tier != CPU) if c.member != tier.name]
+            for locs in where]  # fmt: skip
+
+
+async def _pull(tier: Any, mt: Any, model: str, want: list[bytes], where: list) -> None:
+    """Reserve entries for ``want`` (whole chunks), fill them from the sources, then store
+    the filled ones and release the rest (whatever happens in between)."""
+    f = mt.tier.factor
+    entries = [tuple(want[e : e + f]) for e in range(0, len(want), f)]
+    _, res = await tier.reserve(model, tuple(e[-1] for e in entries), tuple(entries),
+                                mt.tier.copies)  # fmt: skip
+    if res is None:  # no room (everything is being read): misses, nothing changed
+        return
+    writer = _ArenaWriter(mt, want, res)
+    try:
+        if writer.todo:
+            await _fill(tier, model, want, where, writer)
+    finally:
+        await tier.apply(model, writer.finish())
+
+
+async def _fill(tier: Any, model: str, want: list[bytes], where: list, writer: Any) -> None:
+    """Stream the leading ``want`` into ``writer``, source by source, until one is missing."""
+    failed = {tier.name}
+    while writer.filled < len(want):
+        i = writer.filled
         loc = next((c for c in where[i] if c.member not in failed), None)
         if loc is None:
-            break  # nobody (else) holds it: the prefix ends here
+            return  # nobody (else) holds it: the prefix ends here
         run = i
         while run < len(want) and any(c.member == loc.member for c in where[run]):
             run += 1
+
+        async def sink(at: int, rows: BlockBatch, i: int = i, source: str = loc.member) -> None:
+            writer.write(i + at, rows, source)
+
         try:
-            batch = await fetch_over(
-                tier.transports, loc.transport, loc.member, model, want[i:run], loc.endpoint,
-                _fell_back(tier, loc.member),
+            got = await fetch_over(
+                tier.transports, loc.transport, loc.member, model, want[i:run], sink,
+                loc.endpoint, _fell_back(tier, loc.member),
             )  # fmt: skip
         except (ray.exceptions.RayActorError, TransportError, ValueError) as e:
+            # what arrived before it failed stays (verified); the rest from the next copy
             log.warning("tier %s: copy source %s failed (%s)", tier.name, loc.member, e)
             tier.metrics.copy_failed(model, CPU, "pull")
             failed.add(loc.member)
             continue
-        good = _good(tier, model, loc.member, batch, want[i:run])
-        for j in range(good):
-            rows.append((batch.rows, j))  # the batch's buffer and the row in it (no copy)
-            sums.append(tuple(c[j] for c in batch.checksums))
-        tier.metrics.moved(model, CPU, int(batch.rows[:, :good].numel()))
-        if good < run - i:
+        finally:
+            tier.metrics.moved(model, CPU, writer.take_moved())
+        if got.corrupt:  # the source's copy is corrupt: a miss, dropped there
+            tier.metrics.checksum_errors(model, "remote", 1)
+            log.warning("tier %s: block from %s failed its checksum; a miss", tier.name, loc.member)
+            actor = tier.transports[FALLBACK]._actor(loc.member)
+            actor.drop_keys.remote(model, [want[i + got.count]])  # fire and forget
+        if writer.filled < run:
             failed.add(loc.member)  # it lost (or corrupted) the rest: try the next copy
-    return rows, sums
+
+
+class _ArenaWriter:
+    """The sink of a pull: verified rows, in key order, into the rows reserved for them
+    (``res``; keys of entries stored already are skipped), and the ``finish_store`` calls
+    that store the entries it filled and release the rest."""
+
+    def __init__(self, mt: Any, want: list[bytes], res: Any) -> None:
+        self.mt, self.res = mt, res
+        self.factor, self.copies = mt.tier.factor, mt.tier.copies
+        self.width = mt.widths[key_group(want[0])]
+        block = res.block_of()
+        self.entry_of = {e: i // self.factor for i, e in enumerate(want) if i % self.factor ==
+                         self.factor - 1}  # fmt: skip
+        last = [want[(i // self.factor + 1) * self.factor - 1] for i in range(len(want))]
+        # per key: its arena row, or -1 (its entry is stored already: nothing to write)
+        self.dest = [mt.tier.row(block[e], i % self.factor) if e in block else -1
+                     for i, e in enumerate(last)]  # fmt: skip
+        self.todo = any(d >= 0 for d in self.dest)
+        self.sums: list[tuple[int, ...]] = []
+        self.filled = 0  # leading keys written (or skipped)
+        self._moved = 0
+
+    def write(self, at: int, rows: BlockBatch, source: str) -> None:
+        """Rows ``at .. at + rows.count`` of the pull, verified: into their arena rows."""
+        if at != self.filled:
+            raise TransportError(f"{source} sent rows from {at}, expected {self.filled}")
+        shape = tuple(rows.rows.shape[::2])
+        if shape != (self.copies, self.width):
+            raise ValueError(f"{source} sent rows {list(rows.rows.shape)}, this plan's are "
+                             f"[{self.copies}, n, {self.width}]")  # fmt: skip
+        for first, dests in _runs(self.dest[at : at + rows.count]):
+            ids = torch.tensor(dests, dtype=torch.long)
+            for c in range(self.copies):
+                arena = self.mt.tier.rows(c)[:, : self.width]
+                ops.scatter_blocks(rows.rows[c, first : first + len(dests)], [arena], ids)
+        self.sums += [tuple(c[j] for c in rows.checksums) for j in range(rows.count)]
+        self.filled += rows.count
+        self._moved += rows.nbytes
+
+    def take_moved(self) -> int:
+        moved, self._moved = self._moved, 0
+        return moved
+
+    def finish(self) -> list[tuple]:
+        """``finish_store`` ops (one per TP copy): entries whose every row was written are
+        stored with their verified checksums; the others are released (never readable)."""
+        f, whole = self.factor, self.filled // self.factor
+        done, rest = self.res.split(lambda k: self.entry_of[k] < whole)
+        out: list[tuple] = []
+        if done.keys:
+            valid = [(True,) * f for _ in done.keys]
+            for c in range(self.copies):
+                sums = [tuple(self.sums[self.entry_of[k] * f + s][c] for s in range(f))
+                        for k in done.keys]  # fmt: skip
+                out.append(("finish_store", done, True, valid, sums, c))
+        if rest.keys:
+            out += [("finish_store", rest, False, None, None, c) for c in range(self.copies)]
+        return out
 
 
 def _fell_back(tier: Any, source: str) -> Any:
@@ -110,64 +201,17 @@ def _fell_back(tier: Any, source: str) -> Any:
     return fell_back
 
 
-def _good(tier: Any, model: str, source: str, batch: BlockBatch, keys: list[bytes]) -> int:
-    """Leading blocks of ``batch`` that pass their checksums and fit this tier's arena."""
-    mt = tier._tier(model)
-    width = mt.widths[key_group(keys[0])]
-    if batch.count and tuple(batch.rows.shape[::2]) != (mt.tier.copies, width):
-        log.warning("tier %s: %s sent rows %s, this plan's are [%d, n, %d]; a miss",
-                    tier.name, source, list(batch.rows.shape), mt.tier.copies, width)  # fmt: skip
-        return 0
-    good = verify(batch)
-    if good < batch.count:  # the source's copy is corrupt: a miss, dropped there
-        tier.metrics.checksum_errors(model, "remote", 1)
-        log.warning("tier %s: block from %s failed its checksum; a miss", tier.name, source)
-        actor = tier.transports[FALLBACK]._actor(source)
-        actor.drop_keys.remote(model, [keys[good]])  # fire and forget: it may be gone
-    return good
-
-
-async def _store(tier: Any, mt: Any, model: str, keys: list[bytes], rows: list, sums: list) -> None:
-    """Write verified rows as whole entries of this tier's arena and publish them."""
-    f, copies = mt.tier.factor, mt.tier.copies
-    entries = [tuple(keys[e : e + f]) for e in range(0, len(keys), f)]
-    _, res = await tier.reserve(model, tuple(e[-1] for e in entries), tuple(entries), copies)
-    if res is None:  # no room (everything is being read): misses, nothing changed
-        return
-    at = {e[-1]: i for i, e in enumerate(entries)}
-    block = res.block_of()
-    width = mt.widths[key_group(keys[0])]
-    idx, src = [], []
-    for k in res.keys:  # keys stored already (present) are skipped
-        for s in range(f):
-            idx.append(mt.tier.row(block[k], s))
-            src.append(at[k] * f + s)
-    # each run of consecutive rows of one batch is one paged copy straight from the batch's
-    # buffer into the arena (``raykv.ops``: word copies, no temporary)
-    for buf, first, dests in _runs(rows, src, idx):
-        dest_ids = torch.tensor(dests, dtype=torch.long)
-        for c in range(copies):
-            arena = mt.tier.rows(c)[:, :width]
-            ops.scatter_blocks(buf[c, first : first + len(dests)], [arena], dest_ids)
-    valid = [(True,) * f for _ in res.keys]
-    finish = [
-        ("finish_store", res, True, valid,
-         [tuple(sums[at[k] * f + s][c] for s in range(f)) for k in res.keys], c)
-        for c in range(copies)
-    ]  # fmt: skip
-    await tier.apply(model, finish)
-
-
-def _runs(rows: list, src: list[int], idx: list[int]) -> list[tuple[Any, int, list[int]]]:
-    """``(buffer, first row, destinations)`` for each run of ``src`` rows that lie one after
-    another in one batch buffer (``rows[j]``: (buffer, row)), in order."""
-    out: list[tuple[Any, int, list[int]]] = []
-    prev = None
-    for j, dest in zip(src, idx, strict=True):
-        buf, r = rows[j]
-        if prev is not None and prev[0] is buf and prev[1] + len(prev[2]) == r:
-            prev[2].append(dest)
-            continue
-        prev = (buf, r, [dest])
-        out.append(prev)
+def _runs(dests: list[int]) -> list[tuple[int, list[int]]]:
+    """``(first row, destinations)`` for each run of consecutive rows to write (``dests[j]``:
+    row j's arena row, -1 for a row to skip), in order: one paged copy each."""
+    out: list[tuple[int, list[int]]] = []
+    prev: list[int] | None = None
+    for j, d in enumerate(dests):
+        if d < 0:
+            prev = None
+        elif prev is None:
+            prev = [d]
+            out.append((j, prev))
+        else:
+            prev.append(d)
     return out

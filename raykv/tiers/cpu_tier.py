@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import heapq
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +70,21 @@ class StoreReservation:
 
     def block_of(self) -> dict[Key, int]:
         return dict(zip(self.keys, self.blocks, strict=True))
+
+    def split(self, keep: Callable[[Key], bool]) -> tuple[StoreReservation, StoreReservation]:
+        """(the reserved keys ``keep`` takes, the rest): two reservations finished apart, e.g.
+        the entries a pull filled (stored) and those it did not (released)."""
+        picked = [keep(k) for k in self.keys]
+        parts = tuple(
+            StoreReservation(
+                tuple(k for k, p in zip(self.keys, picked, strict=True) if p is want),
+                tuple(b for b, p in zip(self.blocks, picked, strict=True) if p is want),
+                (),
+                (),
+            )
+            for want in (True, False)
+        )
+        return parts[0], parts[1]
 
 
 @dataclass(frozen=True)

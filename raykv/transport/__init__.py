@@ -7,7 +7,16 @@ secret) plug in behind the same interface; every reader fetches through ``fetch_
 ``raykv.transport.base``.
 """
 
-from raykv.transport.base import BlockBatch, Transport, export_rows, verify
+from raykv.transport.base import (
+    BlockBatch,
+    Fetched,
+    Sink,
+    Transport,
+    collect,
+    export_rows,
+    receive,
+    verify,
+)
 from raykv.transport.fallback import fetch_over
 from raykv.transport.object_store import ObjectStoreTransport
 from raykv.transport.select import FALLBACK, OBJECT_STORE, PREFERENCE, choose
@@ -17,10 +26,14 @@ __all__ = [
     "OBJECT_STORE",
     "PREFERENCE",
     "BlockBatch",
+    "Fetched",
     "ObjectStoreTransport",
+    "Sink",
     "Transport",
     "choose",
+    "collect",
     "export_rows",
     "fetch_over",
+    "receive",
     "verify",
 ]

@@ -1,25 +1,32 @@
-"""The transport interface: a batch of blocks, gathered into one buffer, checked on arrival.
+"""The transport interface: a batch of blocks streamed in a few large chunks, each checked as
+it arrives.
 
 A fetch names a source member (a pool or a CPU tier, on any node) and the keys of one KV
-group's blocks, in prefix order. The source answers with the leading blocks it still holds
-as one ``BlockBatch``: every block's bytes for every distinct TP copy in ONE contiguous
-uint8 buffer ``[copies, count, row_bytes]`` (never one message per block) plus the
-checksum each row had when it was stored (xxh3-64, ``raykv.tiers.checksum``). The receiver
-verifies the rows against those checksums before a byte is scattered into a block
-(``verify``, invariant 12): a batch is cut at its first bad row, which is then a miss and a
-counted error, never wrong KV.
+group's blocks, in prefix order. The source answers with the leading blocks it still holds,
+in order, as one or more chunks (``Transport.stream``): each chunk is a ``BlockBatch`` of the
+next blocks, every block's bytes for every distinct TP copy in ONE contiguous uint8 buffer
+``[copies, count, row_bytes]`` (never one message per block) plus the checksum each row had
+when it was stored (xxh3-64, ``raykv.tiers.checksum``). The chunks are not verified yet.
 
-How the buffer travels is the transport's business: ``ObjectStoreTransport`` returns it from
-the source's actor call (plasma on the source node, one pull to the receiver's node, read
-in place). An NCCL or UCX transport implements the same ``fetch``: the source exports the
-same gathered buffer (``export_rows``), the control call carries only keys, counts and
-checksums, and the buffer goes over the transport's own channel (one ``send``/``recv`` per
-batch, straight into the receiver's staging buffer).
+A reader takes them through ``receive``: each chunk is verified (``verify``, invariant 12)
+while the transport brings in the next one, and only its verified leading rows reach the
+reader's ``sink`` (``sink(position of its first row, rows)``), which writes them where they
+belong (a tier's reserved arena entries, a pool's blocks). The first bad row ends the fetch:
+it and everything after it are misses, counted as an error by the reader, never wrong KV.
+``collect`` is the buffer-returning fetch (the whole batch as one ``BlockBatch``, not
+verified) built on the same stream.
+
+How the chunks travel is the transport's business: ``ObjectStoreTransport`` returns one
+chunk from the source's actor call (plasma on the source node, one pull to the receiver's
+node, read in place); ``UcxTransport`` streams the chunks the source gathers one after the
+other over its own channel (``raykv.transport.ucx``), the control messages carrying only
+keys, counts and checksums. The source exports gathered buffers with ``export_rows``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,7 +38,7 @@ from raykv.tiers.checksum import row_checksums
 
 @dataclass(frozen=True)
 class BlockBatch:
-    """``count`` leading blocks of a fetch: ``rows`` uint8 ``[copies, count, row_bytes]``
+    """``count`` consecutive blocks of a fetch: ``rows`` uint8 ``[copies, count, row_bytes]``
     (one buffer) and ``checksums`` uint64-valued ``[copies][count]`` as stored."""
 
     count: int
@@ -46,17 +53,92 @@ class BlockBatch:
         return BlockBatch(n, self.rows[:, :n], tuple(c[:n] for c in self.checksums))
 
 
+Sink = Callable[[int, BlockBatch], Awaitable[None]]
+
+
 class Transport(Protocol):
     name: str
 
-    async def fetch(
+    def stream(
         self, source: str, model: str, keys: Sequence[bytes], endpoint: Any = None
-    ) -> BlockBatch:
+    ) -> AsyncIterator[BlockBatch]:
         """The leading ``keys`` (one group, prefix order) that member ``source`` holds, as
-        stored (not yet verified: call ``verify``); ``endpoint`` is what the source
-        advertised for this transport (``Member.endpoints``). Raises ``TransportError``
-        (or Ray's actor error) if the source is gone or the transfer fails."""
+        stored (not verified: read them through ``receive``), in one or more chunks in key
+        order; ``endpoint`` is what the source advertised for this transport
+        (``Member.endpoints``). Raises ``TransportError`` (or Ray's actor error) if the
+        source is gone or the transfer fails; closing the iterator early ends the transfer."""
         ...
+
+
+@dataclass
+class Fetched:
+    """How a fetch went: ``count`` leading blocks reached the sink (verified), ``nbytes``
+    their bytes; ``corrupt``: the block after them failed its checksum."""
+
+    count: int = 0
+    nbytes: int = 0
+    corrupt: bool = False
+
+
+async def receive(
+    chunks: AsyncIterator[BlockBatch], sink: Sink, done: Fetched | None = None
+) -> Fetched:
+    """Verify each chunk of ``chunks`` as it arrives and hand its verified leading rows to
+    ``sink(position, rows)`` (positions count from ``done.count``); stop at the first bad row
+    (``corrupt``). ``done`` is updated as rows reach the sink, so a caller that sees this
+    raise knows how far it got. The stream is closed on the way out, whatever happens."""
+    done = done if done is not None else Fetched()
+    async with contextlib.aclosing(chunks) as it:  # type: ignore[type-var]
+        async for chunk in it:
+            good = verify(chunk)
+            if good:
+                part = chunk if good == chunk.count else chunk.head(good)
+                await sink(done.count, part)
+                done.count += good
+                done.nbytes += part.nbytes
+            if good < chunk.count:
+                done.corrupt = True
+                break
+    return done
+
+
+async def collect(chunks: AsyncIterator[BlockBatch]) -> BlockBatch:
+    """Every chunk of ``chunks`` as one ``BlockBatch`` (not verified: call ``verify``).
+    Chunks of one TP copy that lie one after another in one buffer are joined without a
+    copy; TP copies arrive chunk-major and are joined copy-major."""
+    parts: list[BlockBatch] = [c async for c in chunks if c.count]
+    if not parts:
+        return BlockBatch(0, torch.empty((1, 0, 0), dtype=torch.uint8), ())
+    count = sum(p.count for p in parts)
+    copies = range(len(parts[0].checksums))
+    sums = tuple(tuple(x for p in parts for x in p.checksums[c]) for c in copies)
+    if len(parts) == 1:
+        return BlockBatch(count, parts[0].rows, sums)
+    return BlockBatch(count, _join(parts), sums)
+
+
+def _join(parts: list[BlockBatch]) -> torch.Tensor:
+    first = parts[0].rows
+    copies, width = first.shape[0], first.shape[2]
+    adjacent = copies == 1 and all(
+        p.rows.is_contiguous()
+        and p.rows.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and p.rows.shape[2] == width
+        for p in parts
+    )
+    if adjacent:
+        at = first.storage_offset()
+        for p in parts:
+            if p.rows.storage_offset() != at:
+                adjacent = False
+                break
+            at += p.nbytes
+    if not adjacent:
+        return torch.cat([p.rows for p in parts], dim=1)
+    count = sum(p.count for p in parts)
+    out = torch.empty(0, dtype=torch.uint8)
+    out.set_(first.untyped_storage(), first.storage_offset(), (1, count, width))
+    return out
 
 
 def export_rows(rows: torch.Tensor) -> np.ndarray:

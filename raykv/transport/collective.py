@@ -42,7 +42,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -558,10 +558,11 @@ class CollectiveTransport:
     def endpoint(self) -> dict[str, Any]:
         return {"ident": self.collective.ident, "device": str(self.collective.device)}
 
-    async def fetch(
+    async def stream(
         self, source: str, model: str, keys: Sequence[bytes], endpoint: Any = None
-    ) -> Any:
+    ) -> AsyncIterator[Any]:
         raise TransportError(
             f"{self.name} moves batches rank to rank into the reader's blocks (the pool's "
-            "collective fetch); use the object store for a buffer-returning fetch"
+            "collective fetch); use the object store for a streamed fetch"
         )
+        yield  # an async generator, like every transport's stream

@@ -2,9 +2,10 @@
 
 Every reader (a GPU pool loading blocks, a CPU tier pulling them into its arena) fetches
 through ``fetch_over``: the transport the coordinator chose for the (holder, reader) pair
-(``Location.transport``, ``raykv.transport.select``); if that one fails with
-``TransportError``, the same batch once more over the object store (``FALLBACK``). What
-comes back is not verified yet: the caller runs ``verify`` before a byte is used.
+(``Location.transport``, ``raykv.transport.select``), its chunks verified as they arrive and
+handed to the reader's sink (``raykv.transport.base.receive``); if that transport fails with
+``TransportError``, the keys that had not reached the sink yet are fetched once more over
+the object store (``FALLBACK``), the sink taking up where it stopped.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from raykv.errors import TransportError
-from raykv.transport.base import BlockBatch, Transport
+from raykv.transport.base import Fetched, Sink, Transport, receive
 from raykv.transport.select import FALLBACK
 
 
@@ -23,19 +24,23 @@ async def fetch_over(
     source: str,
     model: str,
     keys: Sequence[bytes],
+    sink: Sink,
     endpoint: Any = None,
     on_fallback: Callable[[str, TransportError], None] | None = None,
-) -> BlockBatch:
-    """The leading ``keys`` ``source`` holds, over ``transports[name]`` (the fallback if
-    this reader has no such transport), retried once over the fallback if it fails;
-    ``on_fallback(name, error)`` is told (to log and count it)."""
+) -> Fetched:
+    """The leading ``keys`` ``source`` holds, verified chunk by chunk into ``sink(position in
+    keys, rows)``, over ``transports[name]`` (the fallback if this reader has no such
+    transport); if it fails, the rest once more over the fallback (``on_fallback(name,
+    error)`` is told, to log and count it). Raises what the last try raised; rows that
+    reached the sink before stay there (verified)."""
     fallback = transports[FALLBACK]
     t = transports.get(name, fallback)
+    done = Fetched()
     try:
-        return await t.fetch(source, model, keys, endpoint)
+        return await receive(t.stream(source, model, keys, endpoint), sink, done)
     except TransportError as e:
         if t is fallback:
             raise
         if on_fallback is not None:
             on_fallback(t.name, e)
-    return await fallback.fetch(source, model, keys)
+    return await receive(fallback.stream(source, model, keys[done.count :]), sink, done)

@@ -1,6 +1,7 @@
 """``ObjectStoreTransport``: blocks travel through Ray's object store (the fallback).
 
-One actor call to the source (``export_blocks``) returns ``(count, rows, checksums)``:
+One actor call to the source (``export_blocks``) returns ``(count, rows, checksums)``, the
+stream's one chunk:
 ``rows`` is one contiguous numpy array, which Ray stores once in the source node's plasma
 and the receiver's raylet pulls in large chunks; the receiver reads it in place
 (``torch.from_numpy`` of the read-only buffer, no copy) and scatters it into its blocks
@@ -10,13 +11,13 @@ with one paged copy. Nothing per block crosses the wire except the checksums.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from raykv.transport.base import BlockBatch
+from raykv.transport.base import BlockBatch, collect
 from raykv.transport.select import OBJECT_STORE
 
 
@@ -42,9 +43,9 @@ class ObjectStoreTransport:
             h = self._handles[source] = ray.get_actor(source, namespace=self.namespace)
         return h
 
-    async def fetch(
+    async def stream(
         self, source: str, model: str, keys: Sequence[bytes], endpoint: Any = None
-    ) -> BlockBatch:
+    ) -> AsyncIterator[BlockBatch]:
         import ray
 
         try:
@@ -52,4 +53,11 @@ class ObjectStoreTransport:
         except ray.exceptions.RayActorError:
             self._handles.pop(source, None)  # a re-placed member is a new actor
             raise
-        return BlockBatch(n, as_tensor(rows), tuple(tuple(c) for c in sums))
+        if n:
+            yield BlockBatch(n, as_tensor(rows), tuple(tuple(c) for c in sums))
+
+    async def fetch(
+        self, source: str, model: str, keys: Sequence[bytes], endpoint: Any = None
+    ) -> BlockBatch:
+        """The whole batch as one buffer (``collect``; not verified)."""
+        return await collect(self.stream(source, model, keys, endpoint))

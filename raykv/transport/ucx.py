@@ -5,26 +5,30 @@ A member that serves UCX runs a ``UcxServer`` (``raykv.transport.ucx_server``) a
 from it here, connecting by worker address (no sockaddr listener anywhere:
 ``raykv.transport.ucx_wire``). Per peer the reader keeps ``stripes`` authenticated
 connections (connected and authenticated once, reused by every later fetch;
-``raykv.transport.auth``). A fetch is one request and one header on
-stripe 0 (keys, then count, shape and stored checksums), then the rows: one gathered buffer,
-cut into a few large byte ranges sent on the stripes in parallel and received straight into
-one staging buffer (``raykv.transport.ucx_wire``). No message per block, no round trip per
-block. The caller ``verify``s the batch before any byte reaches a block (invariant 12).
+``raykv.transport.auth``). A fetch is one request on stripe 0, then the batch in chunks
+(``chunk_bytes``, the source gathering the next while this one travels): per chunk one header
+on stripe 0 (count, shape and stored checksums), then its rows, cut into a few large byte
+ranges sent on the stripes in parallel and received straight into the chunk's slice of one
+staging buffer (``raykv.transport.ucx_wire``). No message per block, no round trip per
+block. The UCX loop receives (``_fetch``) and hands each chunk to the reader's loop as soon as
+it is in (``stream``), where the reader verifies it and writes it into its blocks
+(``raykv.transport.base.receive``, invariant 12) while the next chunk is on the wire.
 
 Every step is bounded (``UcxConfig``: connect, handshake and control messages by
 ``timeout_s``, the rows by ``transfer_timeout(bytes)``). A peer that dies, stalls or answers
 nonsense ends the fetch with ``TransportError`` and its connections are dropped (the server
-is told ``bye``; the next fetch reconnects); the staging buffer is never handed out, so
-nothing half-written is ever read.
+is told ``bye``; the next fetch reconnects); only chunks whose rows all arrived are handed
+out, so nothing half-received is ever read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -32,7 +36,7 @@ import torch
 
 from raykv.errors import TransportError
 from raykv.transport.auth import AuthError, check_secret, client_handshake
-from raykv.transport.base import BlockBatch
+from raykv.transport.base import BlockBatch, collect
 from raykv.transport.select import UCX
 from raykv.transport.ucx_config import UcxConfig
 from raykv.transport.ucx_runtime import UcxRuntime
@@ -50,6 +54,7 @@ from raykv.transport.ucx_wire import (
 
 log = logging.getLogger(__name__)
 BYE_TIMEOUT_S = 0.5
+_END = object()  # the last item a fetch hands its reader
 
 
 class Where(NamedTuple):
@@ -105,12 +110,13 @@ class UcxTransport:
         self._connecting: dict[Where, asyncio.Lock] = {}
         self._address = b""  # this process's worker address (sent in every hello)
 
-    async def fetch(
+    def stream(
         self, source: str, model: str, keys: Sequence[bytes], endpoint: Any = None
-    ) -> BlockBatch:
+    ) -> AsyncIterator[BlockBatch]:
         """The leading ``keys`` that ``source`` (serving at ``endpoint`` = (host, worker
-        address hex, hello tag)) holds; TransportError if it cannot be reached, refuses us or
-        fails mid-transfer."""
+        address hex, hello tag)) holds, chunk by chunk as they arrive (not verified); the next
+        chunk is received (on the UCX loop) while the caller handles this one.
+        TransportError if it cannot be reached, refuses us or fails mid-transfer."""
         if not endpoint:
             raise TransportError(f"{source} advertised no UCX endpoint; it serves no UCX")
         try:
@@ -120,7 +126,13 @@ class UcxTransport:
                 f"{source} advertised a UCX endpoint raykv cannot read ({str(endpoint)[:80]}); "
                 "is it an older raykv (host, port)? upgrade every node"
             ) from None
-        return await self.runtime.call(self._fetch(source, where, model, list(keys)))
+        return self._stream(source, where, model, list(keys))
+
+    async def fetch(
+        self, source: str, model: str, keys: Sequence[bytes], endpoint: Any = None
+    ) -> BlockBatch:
+        """The whole batch as one buffer (``collect`` of ``stream``; not verified)."""
+        return await collect(self.stream(source, model, keys, endpoint))
 
     def close(self) -> None:
         async def close() -> None:
@@ -129,26 +141,80 @@ class UcxTransport:
 
         self.runtime.submit(close()).result(self.config.timeout_s)
 
+    async def _stream(
+        self, source: str, where: Where, model: str, keys: list[bytes]
+    ) -> AsyncIterator[BlockBatch]:
+        """The caller's side: chunks the UCX loop hands over, in order. Leaving early (the
+        caller stopped, or was cancelled) cancels the transfer there, which drops the
+        connections (the server is mid-batch); the next fetch reconnects."""
+        loop = asyncio.get_running_loop()
+        handed: asyncio.Queue[Any] = asyncio.Queue()
+
+        def hand(item: Any) -> None:
+            with contextlib.suppress(RuntimeError):  # the reader's loop is gone: nobody reads
+                loop.call_soon_threadsafe(handed.put_nowait, item)
+
+        task = self.runtime.submit(self._fetch(source, where, model, keys, hand))
+        try:
+            while (item := await handed.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not task.done():  # the reader left early: cut the transfer, wait (briefly) for it
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.wrap_future(task), 2 * BYE_TIMEOUT_S)
+
     # --- on the UCX loop -------------------------------------------------------------------
 
-    async def _fetch(self, source: str, where: Where, model: str, keys: list[bytes]) -> BlockBatch:
-        peer = await self._peer(source, where)
-        async with peer.lock:
+    async def _fetch(
+        self, source: str, where: Where, model: str, keys: list[bytes], hand: Callable
+    ) -> None:
+        """Receive the batch's chunks into one staging buffer, ``hand`` each on (then
+        ``_END``, or the error that ended the fetch)."""
+        try:
+            peer = await self._locked(source, where)
             try:
-                batch = await self._request(peer, model, keys)
-            except Exception as e:
-                await self._drop(where, peer)
-                if isinstance(e, TransportError):
+                nbytes = await self._request(peer, model, keys, hand)
+            except BaseException as e:  # failed, or the reader left: the stream is cut
+                await asyncio.shield(self._drop(where, peer))
+                if isinstance(e, TransportError | asyncio.CancelledError):
                     raise
                 raise TransportError(
                     f"UCX fetch from {source} on {where.host} failed ({type(e).__name__}: "
                     f"{e}); its blocks are fetched elsewhere or missed"
                 ) from None
-        self.counts["batches"] += 1
-        self.counts["bytes"] += batch.nbytes
-        return batch
+            finally:
+                peer.lock.release()
+            self.counts["batches"] += 1
+            self.counts["bytes"] += nbytes
+            hand(_END)
+        except asyncio.CancelledError:
+            hand(_END)
+            raise
+        except BaseException as e:
+            hand(e)
 
-    async def _request(self, peer: _Peer, model: str, keys: list[bytes]) -> BlockBatch:
+    async def _locked(self, source: str, where: Where) -> _Peer:
+        """The connections to ``where``, locked for one fetch (one at a time per peer), made
+        again if the fetch before dropped them while this one waited."""
+        while True:
+            peer = await self._peer(source, where)
+            await peer.lock.acquire()
+            if self._peers.get(where) is peer:
+                return peer
+            peer.lock.release()
+
+    async def _request(self, peer: _Peer, model: str, keys: list[bytes], hand: Callable) -> int:
+        """One fetch on ``peer``: the request, then per chunk its header and rows (in key
+        order), each chunk handed on as soon as its rows are in; returns the bytes moved.
+
+        Pipelined: as soon as a chunk's header is in, its rows are posted and so is the next
+        header's receive, so the next chunk's rows are posted while this one's still land
+        (the server sends a header once that chunk is gathered). Receives on stripe 0 are
+        posted in the order the server sends (rows k, header k + 1, rows k + 1: UCX matches
+        one endpoint's messages of one tag in order)."""
         cfg, ep = self.config, peer.eps[0]
         req = {
             "op": "fetch",
@@ -159,50 +225,71 @@ class UcxTransport:
             "chunk_bytes": cfg.chunk_bytes,
         }
         await asyncio.wait_for(send_msg(ep, req), cfg.timeout_s)
-        flat, chunks, sums, got, more = None, [], [], 0, True
-        while more:  # one header + its rows per chunk, in key order
-            head = await asyncio.wait_for(recv_msg(ep), cfg.timeout_s)
-            n, shape, csums, parts = check_header(head, len(keys) - got)
-            more = bool(head.get("more")) and n > 0
-            if not n:
-                break
-            if flat is None:  # room for every key asked, at this batch's row size
-                flat = peer.take(len(keys) * shape[0] * shape[2]).numpy()
-                peer.staging = flat
-            start = sum(c.numel() for c in chunks)
-            size = shape[0] * n * shape[2]
-            await self._rows(peer, flat[start : start + size], parts)
-            chunks.append(torch.from_numpy(flat[start : start + size]).view(shape))
-            sums = [a + b for a, b in zip(sums, csums, strict=True)] if sums else csums
-            got += n
+        staging, at, got = None, 0, 0
+        flight: deque[tuple[asyncio.Future, BlockBatch]] = deque()  # rows posted, in order
+        head: asyncio.Future | None = asyncio.ensure_future(recv_msg(ep))
+        try:
+            while head is not None or flight:
+                if head is not None and (head.done() or not flight):
+                    msg = await asyncio.wait_for(head, cfg.timeout_s)
+                    n, shape, sums, parts = check_header(msg, len(keys) - got)
+                    head = None
+                    if not n:
+                        continue
+                    if staging is None:  # room for every key asked, at this row size
+                        staging = peer.take(len(keys) * shape[0] * shape[2])
+                        # alive until the endpoints are gone (a receive may be posted)
+                        peer.staging = staging.numpy()
+                    size = shape[0] * n * shape[2]
+                    if at + size > staging.numel():
+                        raise TransportError("the UCX peer changed its row size mid-batch")
+                    rows = self._post_rows(peer, peer.staging[at : at + size], parts)
+                    chunk = staging[at : at + size].view(shape)
+                    flight.append((rows, BlockBatch(n, chunk, tuple(tuple(c) for c in sums))))
+                    at, got = at + size, got + n
+                    if msg.get("more"):  # posted after this chunk's rows (matched in order)
+                        head = asyncio.ensure_future(recv_msg(ep))
+                    continue
+                rows, chunk = flight[0]  # the oldest chunk's rows, or the next header
+                await asyncio.wait([rows] if head is None else [rows, head],
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                if rows.done():
+                    rows.result()  # TransportError if they did not all arrive in time
+                    flight.popleft()
+                    hand(chunk)
+        finally:
+            for f in [r for r, _ in flight] + ([head] if head is not None else []):
+                f.cancel()
         peer.staging = None
-        if not chunks:
-            return BlockBatch(0, torch.empty((1, 0, 0), dtype=torch.uint8), ())
-        rows = chunks[0] if len(chunks) == 1 or chunks[0].shape[0] == 1 else None
-        if rows is None:  # TP copies: chunk-major on the wire, copy-major in a batch
-            rows = torch.cat(chunks, dim=1)
-        else:
-            rows = torch.from_numpy(flat[: sum(c.numel() for c in chunks)]).view(
-                chunks[0].shape[0], got, chunks[0].shape[2]
-            )
-        return BlockBatch(got, rows, tuple(tuple(c) for c in sums))
+        return at
 
-    async def _rows(self, peer: _Peer, dest: Any, parts: int) -> None:
-        """One chunk's rows, ``parts`` byte ranges on as many stripes, into ``dest``."""
+    def _post_rows(self, peer: _Peer, dest: Any, parts: int) -> asyncio.Future:
+        """Post the receives of one chunk's rows (``parts`` byte ranges on as many stripes,
+        into ``dest``) now, in order; returns what completes once they all arrived."""
         cfg = self.config
         cuts = ranges(dest.nbytes, parts)
         if len(cuts) > len(peer.eps) or (dest.nbytes and len(cuts) != parts):
             raise TransportError(
                 f"the UCX peer striped over {parts} endpoints, we have {len(peer.eps)}"
             )
-        recvs = [e.recv(dest[a:b]) for e, (a, b) in zip(peer.eps, cuts, strict=False)]
-        try:
-            await asyncio.wait_for(asyncio.gather(*recvs), cfg.transfer_timeout(dest.nbytes))
-        except TimeoutError:
-            raise TransportError(
-                f"{dest.nbytes} bytes did not arrive within {cfg.transfer_timeout(dest.nbytes):.1f}"
-                "s; the peer stalled or died (RAYKV_UCX_MIN_GBPS sets the slowest rate allowed)"
-            ) from None
+        # a task's first step posts its receive; tasks start in the order they are created
+        recvs = [asyncio.ensure_future(e.recv(dest[a:b]))
+                 for e, (a, b) in zip(peer.eps, cuts, strict=False)]  # fmt: skip
+
+        async def landed() -> None:
+            limit = cfg.transfer_timeout(dest.nbytes)
+            try:
+                await asyncio.wait_for(asyncio.gather(*recvs), limit)
+            except TimeoutError:
+                raise TransportError(
+                    f"{dest.nbytes} bytes did not arrive within {limit:.1f}s; the peer "
+                    "stalled or died (RAYKV_UCX_MIN_GBPS sets the slowest rate allowed)"
+                ) from None
+            finally:
+                for r in recvs:
+                    r.cancel()
+
+        return asyncio.ensure_future(landed())
 
     async def _peer(self, source: str, key: Where) -> _Peer:
         async with self._connecting.setdefault(key, asyncio.Lock()):

@@ -49,6 +49,17 @@ START_TIMEOUT_S = 30.0
 FIRST_CHUNK_KEYS = 8  # the first chunk is small: it tells the row size, and starts the wire
 
 
+def next_chunk(remaining: int, prev: int, most: int) -> int:
+    """Keys in a batch's next chunk, after one of ``prev`` keys, ``remaining`` keys to go,
+    at most ``most`` a chunk (``chunk_bytes``). Chunks double from the first (the wire starts
+    early, and each gather overlaps a chunk half its size on the wire) and halve towards the
+    end (the reader verifies and writes the last chunk after its last byte: the smaller it
+    is, the less of that is left when the wire stops)."""
+    if remaining <= 2 * FIRST_CHUNK_KEYS:
+        return max(0, remaining)
+    return max(1, min(2 * prev, most, -(-remaining // 2)))
+
+
 class UcxServer:
     def __init__(
         self,
@@ -203,10 +214,12 @@ class UcxServer:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.owner_loop))
 
     async def _fetch(self, ep: Any, client: str, req: dict[str, Any]) -> None:
-        """Export and send the batch in chunks (``chunk_bytes``): the next chunk is gathered
-        (on the owner's loop) while the previous one is on the wire; each chunk is one
-        header plus its rows, striped. A chunk that comes back short ends the batch (the
-        holder's prefix ends there)."""
+        """Export and send the batch in chunks (``next_chunk``), each one header plus its
+        rows, striped. Once a chunk's header is out and its rows are posted on the wire, the
+        next chunk is gathered (on the owner's loop) while they travel, and its header and
+        rows follow as soon as it is (two chunks on the wire at most): the reader posts the
+        next chunk's receives before the last one's rows are in. A chunk that comes back
+        short ends the batch (the holder's prefix ends there)."""
         t = self.config.timeout_s
         try:
             model, keys = str(req["model"]), [bytes.fromhex(k) for k in req["keys"]]
@@ -216,30 +229,41 @@ class UcxServer:
             await asyncio.wait_for(send_msg(ep, {"error": f"bad request: {e}"}), t)
             return
         start, size = 0, min(len(keys), FIRST_CHUNK_KEYS)
-        pending = asyncio.ensure_future(self._export(model, keys[:size]))
-        while True:
-            try:
-                n, rows, sums = await pending
-            except Exception as e:  # the member refused: the reader misses the rest
-                await asyncio.wait_for(send_msg(ep, {"error": f"{type(e).__name__}: {e}"}), t)
-                return
-            end = start + size
-            more = n == size and end < len(keys)
-            if more:  # gather the next chunk while this one travels
-                size = max(1, min(len(keys) - end, chunk_bytes // max(1, rows.nbytes // n)))
-                pending = asyncio.ensure_future(self._export(model, keys[end : end + size]))
-            try:
-                await self._send(ep, client, rows, n, sums, more, stripes, min_part)
-            except BaseException:
-                if more:
-                    pending.cancel()
-                raise
-            if not more:
-                return
-            start = end
+        pending: asyncio.Future | None = asyncio.ensure_future(self._export(model, keys[:size]))
+        flight: asyncio.Future | None = None  # the previous chunk's rows, still going out
+        try:
+            while pending is not None:
+                try:
+                    n, rows, sums = await pending
+                except Exception as e:  # the member refused: the reader misses the rest
+                    pending = None
+                    await asyncio.wait_for(send_msg(ep, {"error": f"{type(e).__name__}: {e}"}), t)
+                    break
+                end = start + size
+                more = n == size and end < len(keys)
+                pending = None
+                sent = asyncio.ensure_future(
+                    await self._send(ep, client, rows, n, sums, more, stripes, min_part)
+                )
+                if more:  # gather the next chunk while this one travels
+                    most = max(1, chunk_bytes // max(1, rows.nbytes // n))
+                    size = next_chunk(len(keys) - end, size, most)
+                    pending = asyncio.ensure_future(self._export(model, keys[end : end + size]))
+                prev, flight, start = flight, sent, end
+                if prev is not None:  # at most two chunks' rows on the wire
+                    await prev
+            if flight is not None:
+                await flight
+        except BaseException:
+            for f in (pending, flight):
+                if f is not None:
+                    f.cancel()
+            raise
 
     async def _send(self, ep: Any, client: str, rows: np.ndarray, n: int, sums: list,
-                    more: bool, stripes: int, min_part: int) -> None:  # fmt: skip
+                    more: bool, stripes: int, min_part: int) -> Awaitable[None]:  # fmt: skip
+        """Send a chunk's header, post its rows on the stripes; returns what completes once
+        the rows are out (bounded by ``transfer_timeout``)."""
         rows = np.ascontiguousarray(rows)
         flat = rows.reshape(-1)
         want = stripes_for(flat.nbytes, stripes, min_part)
@@ -255,10 +279,22 @@ class UcxServer:
             "more": more,
         }
         await asyncio.wait_for(send_msg(ep, head), self.config.timeout_s)
-        sends = [e.send(flat[a:b]) for e, (a, b) in zip(eps, cuts, strict=False)]
-        await asyncio.wait_for(asyncio.gather(*sends), self.config.transfer_timeout(flat.nbytes))
-        self.counts["batches"] += 1
-        self.counts["bytes"] += flat.nbytes
+        # each send is posted (its first step runs) before anything else the loop does next
+        sends = [asyncio.ensure_future(e.send(flat[a:b])) for e, (a, b) in
+                 zip(eps, cuts, strict=False)]  # fmt: skip
+
+        async def sent() -> None:
+            try:
+                await asyncio.wait_for(asyncio.gather(*sends),
+                                       self.config.transfer_timeout(flat.nbytes))  # fmt: skip
+            except BaseException:
+                for s in sends:
+                    s.cancel()
+                raise
+            self.counts["batches"] += 1
+            self.counts["bytes"] += flat.nbytes
+
+        return sent()
 
 
 def ucx_server(

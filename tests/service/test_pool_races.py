@@ -75,14 +75,14 @@ def test_a_load_whose_request_is_freed_and_readmitted_writes_and_publishes_nothi
     class RacingTransport:
         name = OBJECT_STORE
 
-        async def fetch(self, source, model, keys, endpoint=None):
+        async def stream(self, source, model, keys, endpoint=None):
             # while the rows travel, the engine aborts "r" and reuses its id for a new prompt
             await pool.free(ENGINE, "r")
             assert await pool.admit(ENGINE, "r", len(second), second)
             table = (await pool.allocate(ENGINE, "r", len(second), second))[0]
             race.append(table)
             sums = [list(row_checksums(fetched[0]))]
-            return BlockBatch(len(keys), fetched, tuple(tuple(c) for c in sums))
+            yield BlockBatch(len(keys), fetched, tuple(tuple(c) for c in sums))
 
     async def run():
         assert await pool.admit(ENGINE, "r", len(first), first)

@@ -1,6 +1,6 @@
-"""The tier pull writes runs of consecutive rows of one batch buffer as one copy each
-(``raykv.service.tier_pull._runs``): every (source row, destination) pair exactly once, in
-order, and a run never spans two buffers or a gap."""
+"""The tier pull writes each run of consecutive rows of a received chunk as one paged copy
+(``raykv.service.tier_pull._runs``): every row to write exactly once, in order, and a run
+never spans a row that is skipped (its entry is stored already)."""
 
 import itertools
 
@@ -10,26 +10,15 @@ from hypothesis import strategies as st
 from raykv.service.tier_pull import _runs
 
 
-@st.composite
-def pulls(draw):
-    bufs = [object() for _ in range(draw(st.integers(1, 3)))]
-    sizes = [draw(st.integers(1, 6)) for _ in bufs]
-    rows = [(b, r) for b, n in zip(bufs, sizes, strict=True) for r in range(n)]
-    src = sorted(draw(st.sets(st.sampled_from(range(len(rows))), min_size=1)))  # skips: present
-    idx = draw(st.permutations(range(100, 100 + len(src))))
-    return rows, src, list(idx)
-
-
-@given(pulls())
-def test_runs_cover_each_row_once_in_order_within_one_buffer(case) -> None:
-    rows, src, idx = case
-    out = _runs(rows, src, idx)
-    flat = [((buf, first + i), d) for buf, first, dests in out for i, d in enumerate(dests)]
-    assert flat == [(rows[j], d) for j, d in zip(src, idx, strict=True)]
-    for buf, first, dests in out:  # each run is consecutive rows of one buffer
-        assert all((buf, first + i) in rows for i in range(len(dests)))
-    # a skipped row or a new buffer starts a new run; nothing else does
-    breaks = sum(
-        1 for a, b in itertools.pairwise(src) if b != a + 1 or rows[a][0] is not rows[b][0]
-    )
-    assert len(out) == breaks + 1
+@given(st.lists(st.one_of(st.just(-1), st.integers(0, 10_000)), max_size=40))
+def test_runs_cover_each_row_to_write_once_in_order(dests) -> None:
+    out = _runs(dests)
+    flat = [(first + i, d) for first, ds in out for i, d in enumerate(ds)]
+    assert flat == [(j, d) for j, d in enumerate(dests) if d >= 0]
+    # a skipped row starts a new run; nothing else does
+    starts = [j for j, d in enumerate(dests) if d >= 0 and (j == 0 or dests[j - 1] < 0)]
+    assert [first for first, _ in out] == starts
+    assert all(ds for _, ds in out)
+    assert sum(1 for a, b in itertools.pairwise(dests) if a < 0 <= b) + (
+        1 if dests and dests[0] >= 0 else 0
+    ) == len(out)

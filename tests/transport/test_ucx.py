@@ -5,6 +5,7 @@ handed out); two hosts in network namespaces joined by a veth pair; nothing list
 non-loopback address (no sockaddr listener: worker-address endpoints, ``UCX_NET_DEVICES=lo``)."""
 
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -273,6 +274,113 @@ def test_wrong_secret_and_garbage_hellos_are_refused_and_counted() -> None:
             assert time.monotonic() < deadline, server.stats()
             time.sleep(0.1)
         assert server.stats()["batches"] == 0 and server.stats()["connections"] == 0
+    finally:
+        wrong.close()
+        server.stop()
+
+
+def _receive(t: UcxTransport, where, keys, timeout: float = 60):
+    """``receive`` of ``t.stream`` on a loop of its own (a reader's, not UCX's), as a tier's
+    pull reads: (the result or the error, [(position, rows)] the sink got, in order)."""
+    from raykv.transport import receive
+
+    got: list = []
+
+    async def sink(at: int, rows) -> None:
+        got.append((at, rows.rows.clone()))
+
+    async def run():
+        return await asyncio.wait_for(receive(t.stream("peer", "m", keys, where), sink), timeout)
+
+    try:
+        return asyncio.run(run()), got
+    except TransportError as e:
+        return e, got
+
+
+def test_a_corrupt_row_mid_batch_ends_the_stream_after_the_intact_rows() -> None:
+    """Chunks are verified as they arrive: the sink gets the rows before the bad one (several
+    chunks, in order, each before the fetch ended), never the bad row or anything after; the
+    connection is dropped (the server was mid-batch) and the next fetch reconnects."""
+    from raykv.tiers.checksum import row_checksums
+    from raykv.transport.ucx_server import UcxServer
+
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randint(0, 256, (1, 64, 4096), generator=g, dtype=torch.uint8)
+    sums = list(row_checksums(rows[0]))
+    bad = 41
+
+    async def export(model: str, keys: list[bytes]):
+        idx = [int.from_bytes(k, "little") for k in keys]
+        out = rows[:, idx].clone()
+        if bad in idx:
+            out[0, idx.index(bad), 100] ^= 0x01  # one bit, after it was stored
+        return len(idx), out.numpy(), [[sums[i] for i in idx]]
+
+    c = cfg(stripes=2, stripe_min_bytes=1, chunk_bytes=8 * 4096)
+    server = UcxServer(SECRET.encode(), export, host="127.0.0.1", config=c)
+    ep = server.start()
+    t = UcxTransport(SECRET.encode(), c)
+    try:
+        res, got = _receive(t, ep, KEYS[:64])
+        assert res.count == bad and res.corrupt and res.nbytes == bad * 4096
+        assert [at for at, _ in got] == list(
+            itertools.accumulate([0] + [r.shape[1] for _, r in got[:-1]])
+        )
+        assert len(got) > 3  # in chunks, as they came
+        assert torch.equal(torch.cat([r for _, r in got], dim=1), rows[:, :bad])
+        res, got = _receive(t, ep, KEYS[:20])  # reconnects; an intact batch arrives whole
+        assert res.count == 20 and not res.corrupt
+        assert torch.equal(torch.cat([r for _, r in got], dim=1), rows[:, :20])
+    finally:
+        t.close()
+        server.stop()
+
+
+def test_a_peer_dying_mid_stream_leaves_only_whole_verified_chunks() -> None:
+    """The peer dies while it streams: the reader's stream ends with ``TransportError``
+    within the bounded timeout, and its sink got only chunks that arrived whole and passed
+    their checksums (a prefix of the batch), nothing half-received."""
+    p, where = peer("--blocks", "256", "--block-bytes", str(256 << 10), "--die-after-ms", "30")
+    try:
+        c = cfg(stripes=2, stripe_min_bytes=1, timeout_s=3, chunk_bytes=4 << 20)
+        t = UcxTransport(SECRET.encode(), c)
+        keys = [i.to_bytes(8, "little") for i in range(256)]
+        t0 = time.monotonic()
+        res, got = _receive(t, where["raykv"], keys, timeout=120)
+        assert isinstance(res, TransportError), res
+        assert time.monotonic() - t0 < c.transfer_timeout(256 * (256 << 10)) + 5
+        assert p.wait(10) == 3
+        want = block_rows(256, 256 << 10, 0)
+        n = sum(r.shape[1] for _, r in got)
+        assert n < 256
+        if got:
+            assert torch.equal(torch.cat([r for _, r in got], dim=1), want[:, :n])
+        t.close()
+    finally:
+        if p.poll() is None:
+            stop(p)
+
+
+def test_a_stream_from_a_peer_with_another_secret_moves_nothing() -> None:
+    """Auth comes first on a streamed fetch too: a reader with the wrong secret is refused
+    before any chunk (its sink is never called), and the server counts it."""
+    from raykv.transport.ucx_server import UcxServer
+
+    async def export(model: str, keys: list[bytes]):
+        raise AssertionError("a refused peer reads nothing")
+
+    server = UcxServer(SECRET.encode(), export, host="127.0.0.1", config=cfg(timeout_s=2))
+    ep = server.start()
+    wrong = UcxTransport(b"not-the-secret-at-all-0000", cfg(timeout_s=2))
+    try:
+        res, got = _receive(wrong, ep, KEYS[:4])
+        assert isinstance(res, TransportError) and "secret" in str(res) and got == []
+        deadline = time.monotonic() + 10
+        while server.stats()["refused"] < 1:
+            assert time.monotonic() < deadline, server.stats()
+            time.sleep(0.1)
+        assert server.stats()["batches"] == 0
     finally:
         wrong.close()
         server.stop()

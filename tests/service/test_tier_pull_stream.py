@@ -1,0 +1,194 @@
+"""``CpuTierActor.pull`` driven in-process (no Ray) over a stand-in transport that streams
+chunks: entries are reserved up front and each verified chunk is written as it arrives; after
+the last, the entries whose every row arrived are stored (with their checksums) and
+published, every other reserved entry is released. A row that fails its checksum mid-batch
+ends the pull there (the leading intact entries only, the source told to drop the bad one); a
+source that dies mid-transfer leaves no half-written entry readable and nothing reserved."""
+
+import asyncio
+
+import pytest
+import ray
+import torch
+
+from raykv.errors import TransportError
+from raykv.layout import FullAttention
+from raykv.service.cpu_tier import CpuTierActor
+from raykv.service.index import CPU, Location
+from raykv.service.spec import ServedModel
+from raykv.tiers.checksum import row_checksums
+from raykv.transport import OBJECT_STORE, BlockBatch
+
+BS, ROW = 16, 2 * 16 * 1 * 16 * 4  # one layer: K,V x 16 tokens x 1 head x 16 x 4 bytes
+LAYERS = {"l0": FullAttention(dtype="float32", num_kv_heads=1, head_dim=16)}
+SOURCE = "raykv-tier-elsewhere"
+N = 12  # blocks pulled: 6 entries of 2 blocks
+
+
+class _Method:
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class Coordinator:
+    """``locate``: every key on the other tier; records what the tier publishes."""
+
+    def __init__(self) -> None:
+        self.stored: list = []
+        self.locate = _Method(self._locate)
+        self.events = _Method(self._events)
+
+    async def _locate(self, model, keys, node_id, reader=None):
+        return [[Location(SOURCE, "other-node", CPU)] for _ in keys]
+
+    async def _events(self, name, seq, model, stored, removed):
+        self.stored += [k for k, _ in stored]
+        return True
+
+
+class Source:
+    """The other tier, as the fallback transport reaches it (``drop_keys``)."""
+
+    def __init__(self) -> None:
+        self.dropped: list = []
+        self.drop_keys = _Method(lambda model, keys: self.dropped.extend(keys))
+
+
+class Streaming:
+    """Streams ``rows`` in chunks of ``chunk`` rows; ``corrupt``: a row index whose bytes
+    differ from what its checksum says; ``die_after``: chunks sent before the source dies."""
+
+    name = OBJECT_STORE
+
+    def __init__(self, rows, chunk, corrupt=None, die_after=None) -> None:
+        self.rows, self.chunk, self.corrupt, self.die_after = rows, chunk, corrupt, die_after
+        self.source, self.sent, self.closed = Source(), 0, False
+
+    def _actor(self, name):
+        return self.source
+
+    async def stream(self, source, model, keys, endpoint=None):
+        try:
+            idx = [int.from_bytes(k[4:], "little") for k in keys]  # key i: row i
+            for at in range(0, len(idx), self.chunk):
+                if self.die_after is not None and self.sent >= self.die_after:
+                    raise TransportError("the source died mid-transfer")
+                part = self.rows[idx[at : at + self.chunk]].clone()
+                sums = row_checksums(part)
+                for j, i in enumerate(idx[at : at + self.chunk]):
+                    if i == self.corrupt:
+                        part[j, 5] ^= 0xFF
+                self.sent += 1
+                yield BlockBatch(len(part), part.unsqueeze(0), (tuple(sums),))
+                await asyncio.sleep(0)
+        finally:
+            self.closed = True
+
+
+@pytest.fixture
+def tier(monkeypatch):
+    model = ServedModel("p", LAYERS, max_model_len=14 * BS, pool_bytes=16 * ROW,
+                        cpu_bytes=16 * ROW, offload_block_size=2 * BS)  # fmt: skip
+    plan = model.plan(model.pool_bytes)
+    assert plan.block_size_factor == 2
+    t = CpuTierActor("this-node", {"p": plan})
+    t.coord = Coordinator()
+    monkeypatch.setattr(ray, "get_actor", lambda *a, **k: t.coord)
+    return t
+
+
+def keys(n: int = N) -> list[bytes]:
+    return [bytes([0, 0, 0, 0]) + i.to_bytes(28, "little") for i in range(n)]
+
+
+def data(n: int = N) -> torch.Tensor:
+    return torch.randint(0, 256, (n, ROW), generator=torch.Generator().manual_seed(1),
+                         dtype=torch.uint8)  # fmt: skip
+
+
+def held(t, ks) -> list[bytes]:
+    return [k for k in ks if k in t.tiers["p"].where]
+
+
+def used(t) -> int:
+    tier = t.tiers["p"].tier
+    return tier.num_blocks - tier.num_free
+
+
+def arena_rows(t, ks) -> torch.Tensor:
+    mt = t.tiers["p"]
+    lease = mt.tier.prepare_load(list(dict.fromkeys(e for e, _ in mt.choose(ks))))
+    try:
+        at = {e: i for i, e in enumerate(lease.keys)}
+        return torch.stack([mt.tier.rows(0)[mt.tier.row(lease.blocks[at[e]], s)]
+                            for e, s in mt.choose(ks)])  # fmt: skip
+    finally:
+        mt.tier.finish_load(lease)
+
+
+def test_a_streamed_pull_stores_every_chunk_verified(tier) -> None:
+    rows, ks = data(), keys()
+    tier.transports = {OBJECT_STORE: Streaming(rows, chunk=5)}  # chunks straddle entries
+    assert asyncio.run(tier.pull("p", ks)) == N
+    assert held(tier, ks) == ks and sorted(tier.coord.stored) == sorted(ks)
+    assert torch.equal(arena_rows(tier, ks), rows)
+    assert tier.transports[OBJECT_STORE].sent == 3 and used(tier) == N // 2
+    mt = tier.tiers["p"]
+    lease = mt.tier.prepare_load([ks[1]])
+    assert lease.checksums[0][0] == tuple(row_checksums(rows[:2]))  # stored with its sums
+    mt.tier.finish_load(lease)
+
+
+def test_a_corrupt_row_mid_batch_keeps_the_leading_intact_entries_only(tier) -> None:
+    rows, ks = data(), keys()
+    t = Streaming(rows, chunk=4, corrupt=7)  # chunk 2 (rows 4..7): 4..6 good, 7 bad
+    tier.transports = {OBJECT_STORE: t}
+    assert asyncio.run(tier.pull("p", ks)) == 6  # entries 0..2; entry 3 (rows 6, 7) is not
+    assert held(tier, ks) == ks[:6] and sorted(tier.coord.stored) == sorted(ks[:6])
+    assert torch.equal(arena_rows(tier, ks[:6]), rows[:6])
+    assert t.closed and t.sent == 2  # the stream was closed at the bad row, nothing after
+    assert t.source.dropped == [ks[7]]  # the source drops its bad copy
+    assert used(tier) == 3  # entry 3 (row 6 written, 7 not) and the rest were released
+    assert tier.metrics.tally["checksum_errors"] == 1
+
+
+def test_a_source_dying_mid_transfer_publishes_no_half_written_entry(tier) -> None:
+    rows, ks = data(), keys()
+    t = Streaming(rows, chunk=3, die_after=1)  # rows 0..2 arrive: entry 0 whole, entry 1 half
+    tier.transports = {OBJECT_STORE: t}
+    assert asyncio.run(tier.pull("p", ks)) == 2
+    assert held(tier, ks) == ks[:2] and sorted(tier.coord.stored) == sorted(ks[:2])
+    assert torch.equal(arena_rows(tier, ks[:2]), rows[:2])
+    assert used(tier) == 1  # entry 1 (row 2 of rows 2, 3) and the rest were released
+    mt = tier.tiers["p"]
+    assert not mt.pending and all(mt.tier.state(k) is None for k in ks[3::2])
+    # the keys are misses, not stuck: a later pull from a healthy source takes them
+    tier.transports = {OBJECT_STORE: Streaming(rows, chunk=4)}
+    assert asyncio.run(tier.pull("p", ks)) == N
+    assert torch.equal(arena_rows(tier, ks), rows)
+
+
+def test_a_pull_cancelled_mid_transfer_releases_what_it_reserved(tier) -> None:
+    rows, ks = data(), keys()
+
+    class Stalling(Streaming):
+        async def stream(self, source, model, keys, endpoint=None):
+            yield BlockBatch(2, rows[:2].unsqueeze(0), (tuple(row_checksums(rows[:2])),))
+            await asyncio.sleep(3600)  # the source stalls; the caller gives up
+
+    tier.transports = {OBJECT_STORE: Stalling(rows, chunk=2)}
+
+    async def run():
+        task = asyncio.ensure_future(tier.pull("p", ks))
+        await asyncio.sleep(0.2)
+        assert used(tier) == N // 2  # reserved up front, none readable yet
+        assert held(tier, ks) == []
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    assert used(tier) == 1 and held(tier, ks) == ks[:2]  # the whole entry it got; the rest freed
