@@ -10,7 +10,7 @@ import pytest
 import torch
 from paged_copy_cases import kv_entries, oracle_rows, random_bits
 
-from raykv import ops
+from raykv import ops, ops_checks
 from raykv.ops import gather_blocks, kernel_available, kernel_status, row_bytes, scatter_blocks
 
 pytestmark = pytest.mark.gpu
@@ -128,7 +128,7 @@ def test_one_direction_does_not_wait_for_the_other(
     }
     if first_use:  # no segment table cached for these entries (nor for a same-address reuse)
         monkeypatch.setattr(ops, "_tables", OrderedDict())
-        monkeypatch.setattr(ops, "_shapes", OrderedDict())
+        monkeypatch.setattr(ops_checks, "_shapes", OrderedDict())
     else:
         for stream, job in jobs.values():
             with torch.cuda.stream(stream):
