@@ -19,6 +19,7 @@ BELOW_SERVICE = {
     "layout",
     "blocks",
     "ops",
+    "ops_checks",
     "ops_reference",
     "tiers",
     "transport",
@@ -28,7 +29,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "errors": set(),
     "layout": BASE,
     "blocks": BASE | {"layout"},
-    "ops": BASE | {"layout", "ops_reference"},
+    "ops": BASE | {"layout", "ops_checks", "ops_reference"},
+    "ops_checks": BASE | {"ops_reference"},  # ops' argument validation, in a file of its own
     "ops_reference": set(),  # the torch half of ops, in a file of its own
     "tiers": BASE | {"layout", "blocks", "ops"},
     "transport": BASE | {"layout", "tiers", "ops"},
