@@ -103,7 +103,7 @@ def _nccl_worker(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int], q) -
 def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> dict:
     import torch.distributed as dist
 
-    from raykv.transport.collective import Collective, Pair, recv_blocks, send_blocks
+    from raykv.transport.collective import Collective, Pair
 
     device = torch.device("cuda", 0) if cfg.cuda else torch.device("cpu")
     if cfg.cuda:
@@ -129,14 +129,14 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
             return 0  # one copy per TP group: only rank 0 sends
         if a:
             return loop.run_until_complete(
-                send_blocks(coll, pair(me, f"B{r}"), entries, src_ids, width)
+                coll.start_send(pair(me, f"B{r}"), entries, src_ids, width)
             )
         if layout == "mla":
             feed = pair("A0", "B0") if r == 0 else pair("B0", me)
             fwd = [pair("B0", f"B{x}") for x in range(1, cfg.tp)] if r == 0 else []
         else:
             feed, fwd = pair(f"A{r}", me), []
-        return loop.run_until_complete(recv_blocks(coll, feed, entries, dst_ids, width, None, fwd))
+        return loop.run_until_complete(coll.recv_batch(feed, entries, dst_ids, width, None, fwd))
 
     def contiguous(layout: str) -> None:
         if layout == "mla" and r:

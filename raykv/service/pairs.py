@@ -8,7 +8,7 @@ its writer ranks (the first rank of each distinct copy, ``raykv.layout.tp.writer
 gathers its copy into one staging buffer and sends it to the reader's rank of the same
 index. So a TP-N pair moves rank to rank, each over its own pair group, and an MLA latent
 (one copy per TP group) crosses once: the reader's writer rank passes it on to the other
-ranks of its copy (``recv_blocks(forward=...)``), in its own group. Each receiving rank
+ranks of its copy (``Collective.recv_batch(forward=...)``), in its own group. Each receiving rank
 checks the message and scatters the leading intact rows into its blocks; the batch is what
 every rank wrote (the least). One collective fetch at a time per reader pool keeps the
 order of every pair's messages the same at both ends; a failure anywhere bumps the reader's
@@ -31,7 +31,6 @@ from raykv.transport.collective import (
     Collective,
     CollectiveTransport,
     Pair,
-    recv_blocks,
 )
 
 log = logging.getLogger(__name__)
@@ -68,9 +67,8 @@ class RankCollective:
     async def recv(
         self, name: str, pair: Pair, gi: int, block_ids: list[int], expected, forward
     ) -> int:
-        coll = self.collective(name)
-        return await recv_blocks(
-            coll, pair, self.entries[gi], block_ids, self.widths[gi], expected, forward
+        return await self.collective(name).recv_batch(
+            pair, self.entries[gi], block_ids, self.widths[gi], expected, forward
         )
 
 

@@ -520,30 +520,6 @@ class Collective:
         self._threads.clear()
 
 
-# --- blocks over a pair ----------------------------------------------------------------------
-
-
-async def send_blocks(
-    coll: Collective, pair: Pair, entries: Sequence[torch.Tensor], block_ids: Sequence[int],
-    width: int,
-) -> int:  # fmt: skip
-    """Gather ``block_ids`` (now, before the first await) and send them; the bytes sent."""
-    return await coll.start_send(pair, entries, block_ids, width)
-
-
-async def recv_blocks(
-    coll: Collective,
-    pair: Pair,
-    entries: Sequence[torch.Tensor],
-    block_ids: Sequence[int],
-    width: int,
-    expected: Sequence[int] | None = None,
-    forward: Sequence[Pair] = (),
-) -> int:
-    """``Collective.recv_batch``: how many leading blocks hold intact rows."""
-    return await coll.recv_batch(pair, entries, block_ids, width, expected, forward)
-
-
 class CollectiveTransport:
     """The ``Transport`` entry for ``nccl`` / ``gloo``: this process's ``Collective``. Its
     batches land straight in the receiving ranks' blocks (``direct``), so the pool drives

@@ -17,8 +17,6 @@ from raykv.tiers.checksum import row_checksums
 from raykv.transport.collective import (
     Collective,
     Pair,
-    recv_blocks,
-    send_blocks,
     serve_rendezvous,
 )
 from raykv.transport.wire import (
@@ -54,7 +52,7 @@ def rows_of(entries: list[torch.Tensor], ids: list[int]) -> torch.Tensor:
 def move(a, b, pair, src, dst, ids, into, expected=None):
     async def both():
         return await asyncio.gather(
-            send_blocks(a, pair, src, ids, W), recv_blocks(b, pair, dst, into, W, expected)
+            a.start_send(pair, src, ids, W), b.recv_batch(pair, dst, into, W, expected)
         )
 
     return asyncio.run(both())
@@ -97,7 +95,7 @@ def test_corrupt_in_flight_cuts_the_batch_and_the_next_generation_recovers(store
     # a receiver with no sender ends in bounded time, as TransportError
     t0 = time.monotonic()
     with pytest.raises(TransportError, match="receive from s#2"):
-        asyncio.run(recv_blocks(b, Pair("s#2", "d#2", 1, store), dst, [9], W))
+        asyncio.run(b.recv_batch(Pair("s#2", "d#2", 1, store), dst, [9], W))
     assert time.monotonic() - t0 < 12
     a.tamper = None
     _, got = move(a, b, Pair("s#2", "d#2", 2, store), src, dst, [3, 4], [7, 8])
@@ -155,7 +153,7 @@ def test_a_multi_chunk_batch_arrives_equal_and_a_bad_row_in_a_later_chunk_cuts_i
         def run() -> int:
             async def both():
                 return await asyncio.gather(
-                    send_blocks(a, pair, src, ids, width), recv_blocks(b, pair, dst, into, width)
+                    a.start_send(pair, src, ids, width), b.recv_batch(pair, dst, into, width)
                 )
 
             return asyncio.run(both())[1]

@@ -35,7 +35,7 @@ def _peer(side: str, addr, q) -> None:
     import asyncio
 
     from raykv.errors import TransportError
-    from raykv.transport.collective import Collective, Pair, recv_blocks, send_blocks
+    from raykv.transport.collective import Collective, Pair
 
     torch.cuda.set_device(0)
     coll = Collective(side, "cuda", timeout_s=5)
@@ -43,13 +43,13 @@ def _peer(side: str, addr, q) -> None:
     pair = Pair("s", "r", 0, addr)
     loop = asyncio.new_event_loop()
     if side == "s":
-        loop.run_until_complete(send_blocks(coll, pair, entries, [1, 2, 3], 4096))
+        loop.run_until_complete(coll.start_send(pair, entries, [1, 2, 3], 4096))
         time.sleep(1)
         os._exit(0)  # dies before the second batch
-    got = loop.run_until_complete(recv_blocks(coll, pair, entries, [4, 5, 6], 4096))
+    got = loop.run_until_complete(coll.recv_batch(pair, entries, [4, 5, 6], 4096))
     t0 = time.monotonic()
     try:
-        loop.run_until_complete(recv_blocks(coll, pair, entries, [7, 8, 9], 4096))
+        loop.run_until_complete(coll.recv_batch(pair, entries, [7, 8, 9], 4096))
         q.put((got, "no error", time.monotonic() - t0))
     except TransportError as e:
         q.put((got, str(e)[:80], time.monotonic() - t0))
