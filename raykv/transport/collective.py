@@ -42,7 +42,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -257,28 +257,29 @@ class Collective:
             else:
                 w.wait()
 
-    def _wait_here(self, pending: _Pending) -> None:
-        """Block this (pair) thread until ``pending`` is done, at most ``timeout_s``."""
-        if self.backend == NCCL:  # NCCL: wait() would only order streams; poll
-            now = time.monotonic()
-            deadline, spin = now + self.timeout_s, now + _SPIN_S
-            while not self._done(pending):
-                now = time.monotonic()
-                if now > deadline:
-                    raise TimeoutError(f"no completion within {self.timeout_s:.0f}s")
-                if now > spin:
-                    time.sleep(_POLL_S)
-        self._settle(pending)
-
-    async def _wait_loop(self, pending: _Pending) -> None:
-        """The same from the event loop, without blocking it (NCCL only)."""
+    def _pauses(self, pending: _Pending) -> Iterator[float]:
+        """How long to pause before each next completion check of ``pending`` (spin first,
+        then sleep between polls) until it is done; TimeoutError after ``timeout_s``."""
         now = time.monotonic()
         deadline, spin = now + self.timeout_s, now + _SPIN_S
         while not self._done(pending):
             now = time.monotonic()
             if now > deadline:
                 raise TimeoutError(f"no completion within {self.timeout_s:.0f}s")
-            await asyncio.sleep(0 if now < spin else _POLL_S)
+            yield 0.0 if now < spin else _POLL_S
+
+    def _wait_here(self, pending: _Pending) -> None:
+        """Block this (pair) thread until ``pending`` is done, at most ``timeout_s``."""
+        if self.backend == NCCL:  # NCCL: wait() would only order streams; poll
+            for pause in self._pauses(pending):
+                if pause:
+                    time.sleep(pause)
+        self._settle(pending)
+
+    async def _wait_loop(self, pending: _Pending) -> None:
+        """The same from the event loop, without blocking it (NCCL only)."""
+        for pause in self._pauses(pending):
+            await asyncio.sleep(pause)
         self._settle(pending)
 
     # -- running a batch's ops over its pairs --
