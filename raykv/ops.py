@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -533,14 +533,22 @@ def scatter_blocks(
     block_ids: torch.Tensor,
     *,
     mode: str | None = None,
-) -> None:
+    check: Callable[[int, int], int] | None = None,
+) -> int:
     """Inverse of gather_blocks: e[block_ids[i]] = the matching bytes of src[i].
 
     Same rules as gather_blocks for src (in the role of dst); block ids must also be distinct,
-    since two rows written to one block would race.
+    since two rows written to one block would race. ``check(lo, hi)`` (optional) is called on
+    the rows ``src[lo:hi]`` before any of them is written and returns how many of them (from
+    ``lo``) may be: the copy stops at the first row refused, so a caller can verify rows as
+    they go (on the host, span by span, while each span is in cache; elsewhere all rows first).
+    Returns the rows written.
     """
     mode = _mode(mode, "scatter_blocks")
     entries = list(entries)
+    if check is not None and not (src.device.type == "cpu" and entries[0].device.type == "cpu"):
+        n = check(0, block_ids.numel())
+        src, block_ids, check = src[:n], block_ids[:n], None
     # Host rows start towards the device before the checks (they overlap the first DMA): only
     # device chunks are written until run(), so bad input still leaves the pool untouched.
     staged = _start_staged(src, entries, False, mode)
@@ -558,4 +566,5 @@ def scatter_blocks(
     if staged is not None:
         staged.run(_segment_table(entries, key), block_ids, _CTAS)
     elif block_ids.numel() and not _launch(entries, key, block_ids, src, False):
-        _scatter_reference(src, entries, block_ids)
+        return _scatter_reference(src, entries, block_ids, check)
+    return block_ids.numel()
