@@ -71,13 +71,13 @@ def _host_blocks(rows: torch.Tensor, entries: list[torch.Tensor]) -> list | None
     return out
 
 
-def _pieces(ids: np.ndarray) -> list[tuple[int, int, int, int]] | None:
-    """(position, length, lowest id, step) of each maximal run of ``ids`` stepping by +1 or
+def _pieces(ids: np.ndarray) -> list[tuple[int, int, int]] | None:
+    """(position, length, step) of each maximal run of ``ids`` stepping by +1 or
     -1 (a freed-then-reused block list often runs downwards), when runs are few (each is one
-    slice copy per entry); None: fancy indexing is cheaper."""
+    slice copy per entry); None: fancy indexing is cheaper. Computed once per copy."""
     n = ids.size
     if n == 1:
-        return [(0, 1, int(ids[0]), 1)]
+        return [(0, 1, 1)]
     d = np.diff(ids)
     link = np.abs(d) == 1  # ids[i] and ids[i + 1] may share a run
     # a run ends where a link is missing or where two links in a row change direction
@@ -89,28 +89,35 @@ def _pieces(ids: np.ndarray) -> list[tuple[int, int, int, int]] | None:
     for lo, hi in zip(np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [n])).tolist(),
                       strict=True):  # fmt: skip
         step = 1 if hi - lo == 1 or ids[lo + 1] > ids[lo] else -1
-        out.append((lo, hi - lo, int(min(ids[lo], ids[hi - 1])), step))
+        out.append((lo, hi - lo, step))
     return out
 
 
-def _host_copy(rows: np.ndarray, blocks: list, ids: np.ndarray, scatter: bool) -> None:
-    """rows[i] <-> the blocks ``ids[i]`` of every entry, on the host: one slice copy per run
-    of consecutive ids (either direction) and entry, else one fancy-indexed copy per entry."""
-    pieces = _pieces(ids)
-    for b, lo, hi in blocks:
-        part = rows[:, lo:hi]
+def _host_copy(
+    rows: np.ndarray, blocks: list, ids: np.ndarray, pieces: list | None, lo: int, hi: int,
+    scatter: bool,
+) -> None:  # fmt: skip
+    """rows[i] <-> the blocks ``ids[i]`` of every entry for i in lo..hi-1, on the host: one
+    slice copy per entry and run of consecutive ids (``pieces`` of all of ``ids``, either
+    direction), else one fancy-indexed copy per entry."""
+    for b, start, end in blocks:
+        part = rows[:, start:end]
         if pieces is None:
             if scatter:
-                b[ids] = part
-            else:
-                np.take(b, ids, axis=0, out=part, mode="clip")  # ids were range-checked
+                b[ids[lo:hi]] = part[lo:hi]
+            else:  # ids were range-checked
+                np.take(b, ids[lo:hi], axis=0, out=part[lo:hi], mode="clip")
             continue
-        for at, length, first, step in pieces:
-            dst = b[first : first + length][::step]
+        for at, length, step in pieces:
+            s, e = max(at, lo), min(at + length, hi)
+            if s >= e:
+                continue
+            first = int(min(ids[s], ids[e - 1]))
+            dst = b[first : first + e - s][::step]
             if scatter:
-                dst[...] = part[at : at + length]
+                dst[...] = part[s:e]
             else:
-                part[at : at + length] = dst
+                part[s:e] = dst
 
 
 def _host_rows(
@@ -122,12 +129,13 @@ def _host_rows(
     Returns the rows moved."""
     r, a = rows.numpy(), ids.numpy()
     n = a.size
+    pieces = _pieces(a) if n else None
     span = max(1, n) if check is None else max(1, CHECK_SPAN_BYTES // max(1, r.shape[1]))
     for lo in range(0, n, span):
         hi = min(lo + span, n)
         ok = hi if check is None else lo + check(lo, hi)
         if ok > lo:
-            _host_copy(r[lo:ok], blocks, a[lo:ok], scatter)
+            _host_copy(r, blocks, a, pieces, lo, ok, scatter)
         if ok < hi:
             return ok
     return n
