@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -126,6 +127,8 @@ class AttachedKV:
         self._view: CpuTierView | None = None
         self.engine: OffloadEngine | None = None
         self._applying: list = []  # tier calls sent without waiting (checked on the next)
+        self._held: list[tuple[Any, list[tuple]]] = []  # (tier, calls) ``send`` sends
+        self._held_lock = threading.Lock()  # an engine may send from another thread
         try:  # map the arena now (every page: shm.attach), not on the first load's path
             self._engine(ray.get(tier.arena.remote(model)))
         except ray.exceptions.RayError as e:  # no arena yet: the first store / load maps it
@@ -143,10 +146,20 @@ class AttachedKV:
         if ops:
             self._applying.append(self.tier.apply.remote(self.model, ops, False))
 
+    def send(self) -> None:
+        """Send what ``load_leased`` left to send (its lease's release and any corrupt
+        entry's drop): an engine calls this once its forward is under way or done, so the
+        send costs the load nothing; the next store / load / ``flush`` sends it anyway."""
+        with self._held_lock:
+            held, self._held = self._held, []
+        for tier, ops in held:
+            self._applying.append(tier.apply.remote(self.model, ops, False))
+
     def flush(self) -> None:
         """Wait until the tier applied every call sent so far. Each store / load does this
         first (an async actor may start calls out of order; by then they are done, usually),
         so its reserve / lease sees the previous copy's result. Failures surface here."""
+        self.send()
         pending, self._applying = self._applying, []
         ray.get(pending)
 
@@ -202,14 +215,17 @@ class AttachedKV:
         lease = TierLease.take(
             self.tier, self.model, first, TierLease.ask(self.tier, self.model, keys, first)
         )
-        return self.load_leased(lease, tables, skips)
+        loaded = self.load_leased(lease, tables, skips)
+        self.send()
+        return loaded
 
     def load_leased(
         self, lease: TierLease, block_ids: Sequence, skip: int | Sequence[int] = 0
     ) -> int:
         """``load_into`` with the references taken already (``lease``, from position
         ``skip`` on or before it): no round trip to the tier. Releases ``lease``, whatever
-        happens. Positions the lease does not cover are not loaded."""
+        happens, with the next ``send`` (or store / load / ``flush``). Positions the lease
+        does not cover are not loaded."""
         tables = as_tables(self.plan, block_ids)
         skips = [skip] * len(tables) if isinstance(skip, int) else list(skip)
         pending = {gi for gi, lease_g in enumerate(lease.leases) if lease_g is not None}
@@ -243,8 +259,9 @@ class AttachedKV:
                     (i for i, (e, _) in enumerate(picks) if lease_g.keys[e] in lost), len(picks)
                 )
                 loaded.append((s + n) * g.block_size)
-        finally:  # the references of groups not loaded go back too
+        finally:  # the references of groups not loaded go back too (``send``)
             ops += [("finish_load", lease.leases[gi], 0) for gi in sorted(pending)]
             if ops:
-                self._applying.append(lease.tier.apply.remote(self.model, ops, False))
+                with self._held_lock:
+                    self._held.append((lease.tier, ops))
         return min(loaded) if loaded else 0

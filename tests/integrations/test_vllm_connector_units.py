@@ -302,6 +302,9 @@ def test_a_leased_load_makes_no_round_trip_and_reports_what_arrived() -> None:
     w.start_load()
     assert att.calls == ["load_leased"]  # no pull, no lease of its own
     assert w.load_errors() == {4, 5, 6, 7, 8}
+    w.wait_for_save()  # after the forward: the lease's release goes out
+    assert att.calls == ["load_leased", "send"]
+    w.close()
 
 
 class FakeAttached:
@@ -325,6 +328,9 @@ class FakeAttached:
     def load_leased(self, lease, block_ids, skip):
         self.calls.append("load_leased")
         return len(block_ids[0]) * BS if self.deliver is None else self.deliver
+
+    def send(self):
+        self.calls.append("send")
 
     def store_from(self, token_ids, block_ids):
         time.sleep(self.store_s)

@@ -145,7 +145,7 @@ def test_a_lookup_lease_lets_the_load_skip_the_tier_and_pins_its_entries(ray_clu
     calls = []
     with mock.patch.object(ray, "get", side_effect=lambda *x, **k: calls.append(x)):
         assert ea.load_leased(lease, mine, skip=2) == 8 * BS
-    assert calls == []  # no round trip: the lease named the entries
+    assert calls == []  # no round trip: the lease named the entries (its release waits)
     out = torch.empty((6, ROW), dtype=torch.uint8)
     ops.gather_blocks(ea.kv.entries(gid), torch.tensor(mine[2:]), out)
     assert torch.equal(out, src[2:])

@@ -126,6 +126,8 @@ class RaykvWorker:
         """Submit this step's saves. A request whose load missed blocks this step saves only
         the blocks before the first miss: the rest hold stale bytes (and this step's tokens
         were computed over them), and must never be published."""
+        if self.attached is not None:
+            self.attached.send()  # this step's loads' lease releases, off the load's path
         staged, self.staged = self.staged, []
         cut, self.cut = self.cut, {}
         for spec in staged:
