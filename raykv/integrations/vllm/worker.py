@@ -126,8 +126,8 @@ class RaykvWorker:
         """Submit this step's saves. A request whose load missed blocks this step saves only
         the blocks before the first miss: the rest hold stale bytes (and this step's tokens
         were computed over them), and must never be published."""
-        if self.attached is not None:
-            self.attached.send()  # this step's loads' lease releases, off the load's path
+        if self.attached is not None:  # this step's loads' lease releases, off the step's path
+            self.inflight.append(self.pool.submit(self.attached.send))
         staged, self.staged = self.staged, []
         cut, self.cut = self.cut, {}
         for spec in staged:
