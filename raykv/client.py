@@ -110,6 +110,7 @@ class _Base:
         self._coord = None
         self._info: tuple[ServedModel, Any] | None = None
         self._pool: tuple[str, str, Any] | None = None  # (node id, pool name, handle)
+        self._tier: tuple[str, Any] | None = None  # (node id, CpuTierActor handle)
         # (node id, model, pool name) bound last: a name outlives its actor's deaths
         self._pool_name: tuple[str, str, str] | None = None
 
@@ -192,18 +193,24 @@ class _Base:
             "seconds (its blocks are misses), and the next calls wait for it (admit again)"
         )
 
-    # Each op is (target, method, args, post): "coord" calls retry, "pool" calls do not.
-    def _lookup_op(self, token_ids: Sequence[int], model: ServedModel, plan: Any):
-        """One coordinator call: the prompt's chained hashes (all but its last token: at
-        least one token is left to compute) joined into one bytes blob; the coordinator
-        cuts each group's keys out of it."""
+    def _lookup_hashes(self, token_ids: Sequence[int], plan: Any, name: str) -> tuple:
+        """(ids, limit, chained hashes) of a lookup: all but the prompt's last token (at
+        least one token is left to compute)."""
         from raykv.blocks import BlockHasher
-        from raykv.service.groups import primary_group
 
-        ids = check_token_ids(token_ids, plan.max_model_len, model.name)
+        ids = check_token_ids(token_ids, plan.max_model_len, name)
         limit = max(len(ids) - 1, 0)
         hasher = BlockHasher(plan.hash_block_size)
-        chain = b"".join(hasher.hash_blocks(ids, end_block=limit // hasher.hash_block_size))
+        return ids, limit, hasher.hash_blocks(ids, end_block=limit // hasher.hash_block_size)
+
+    # Each op is (target, method, args, post): "coord" calls retry, "pool" calls do not.
+    def _lookup_op(self, token_ids: Sequence[int], model: ServedModel, plan: Any, hashed=None):
+        """One coordinator call: the prompt's chained hashes (``_lookup_hashes``, or
+        ``hashed``) joined into one bytes blob; the coordinator cuts each group's keys out
+        of it."""
+        from raykv.service.groups import primary_group
+
+        ids, limit, hashes = hashed or self._lookup_hashes(token_ids, plan, model.name)
         bs = plan.groups[primary_group(plan)].block_size
         node = self._node_id()
 
@@ -211,7 +218,7 @@ class _Base:
             where = tuple(Hit(tier, n, n == node, count * bs) for tier, n, count in res["runs"])
             return LookupResult(res["hit_tokens"], where, len(ids))
 
-        return "coord", "lookup", (model.name, chain, node, limit), post
+        return "coord", "lookup", (model.name, b"".join(hashes), node, limit), post
 
 
 def _flat(block_ids: Sequence) -> bool:
@@ -459,6 +466,42 @@ class Client(_Base):
         except ray.exceptions.RayActorError as e:
             raise self._pool_gone(e) from e
 
+    def _tier_handle(self) -> Any:
+        """This node's CpuTierActor (cached; a dead one is looked up again by name)."""
+        from raykv.service.spec import tier_name
+
+        node = self._node_id()
+        if self._tier is None or self._tier[0] != node:
+            self._tier = (node, ray.get_actor(tier_name(node), namespace=self.namespace))
+        return self._tier[1]
+
+    def lookup_lease(self, token_ids: Sequence[int], held_tokens: int = 0) -> tuple:
+        """``lookup`` that first takes read references on this node's CPU tier's copies of
+        the prompt's blocks after the caller's own first ``held_tokens`` (``TierLease``).
+        Where the tier holds every block the lookup could name, its answer is the hit: one
+        round trip, and the load that follows (``AttachedKV.load_leased``) needs none; else
+        the coordinator looks the prompt up cluster-wide too. Returns (``LookupResult``,
+        whose hit counts the caller's ``held_tokens`` as held; ``TierLease``, or None if
+        the tier did not answer). Load the lease or ``release`` it: its entries are not
+        evicted until then."""
+        from raykv.service.attach import TierLease
+
+        model, plan = self._model()
+        hashed = self._lookup_hashes(token_ids, plan, model.name)
+        lease, cap = None, hashed[1]
+        try:
+            lease, cap = TierLease.request(
+                self._tier_handle(), model.name, plan, hashed, held_tokens
+            )
+        except (ValueError, ray.exceptions.RayError) as e:  # no tier now: the lookup alone
+            log.warning("the CPU tier of this node did not lease (%r)", e)
+            self._tier = None
+        if lease is not None and lease.tokens(plan) >= cap:
+            hit = (Hit("cpu", self._node_id(), True, cap),)
+            return LookupResult(cap, hit, len(hashed[0])), lease
+        _, method, args, post = self._lookup_op(token_ids, model, plan, hashed)
+        return post(self._coord_call(method, *args)), lease
+
     # --- shared memory (the data path without serialization) ------------------------------
 
     def attach(
@@ -476,10 +519,9 @@ class Client(_Base):
         laid out like the pools' (``.kv``). ``num_blocks``: the engine's own block count
         (its pool is its own; the model's plan sets the rest)."""
         from raykv.service.attach import AttachedKV
-        from raykv.service.spec import tier_name
 
         model, plan = self._model()
-        tier = ray.get_actor(tier_name(self._node_id()), namespace=self.namespace)
+        tier = self._tier_handle()
         return AttachedKV(model.name, plan, tier, kv_tensors, num_blocks=num_blocks, layout=layout)
 
 

@@ -547,17 +547,27 @@ def scatter_blocks(
     sums: torch.Tensor | None = None,
     chunks: Sequence[int] | None = None,
     each: Callable[[int, int], None] | None = None,
-) -> None:
+    check: Callable[[int, int], int] | None = None,
+) -> int:
     """Inverse of gather_blocks: e[block_ids[i]] = the matching bytes of src[i].
 
     Same rules as gather_blocks for src (in the role of dst); block ids must also be distinct,
     since two rows written to one block would race. sums: the wire sums of the rows as they
     were read (a receiver compares them with the sender's). With chunks, ``each(start,
     count)`` is called BEFORE each chunk's copy is queued (a pipeline makes the copy wait for
-    that chunk's arrival there).
+    that chunk's arrival there). ``check(lo, hi)`` (optional, not with sums or chunks) is
+    called on the rows ``src[lo:hi]`` before any of them is written and returns how many of
+    them (from ``lo``) may be: the copy stops at the first row refused, so a caller can verify
+    rows as they go (on the host, span by span, while each span is in cache; elsewhere all
+    rows first). Returns the rows written.
     """
     mode = _mode(mode, "scatter_blocks")
     entries = list(entries)
+    if check is not None and (sums is not None or chunks is not None):
+        raise InvalidInput("scatter_blocks: check cannot be combined with sums or chunks")
+    if check is not None and not (src.device.type == "cpu" and entries[0].device.type == "cpu"):
+        n = check(0, block_ids.numel())
+        src, block_ids, check = src[:n], block_ids[:n], None
     # Host rows start towards the device before the checks (they overlap the first DMA): only
     # device chunks are written until run(), so bad input still leaves the pool untouched.
     plain = sums is None and chunks is None
@@ -574,4 +584,7 @@ def scatter_blocks(
     if staged is not None:
         staged.run(_segment_table(entries, key), block_ids, _CTAS)
     elif block_ids.numel() and not _launch(entries, key, block_ids, src, False, sums, chunks, each):
+        if check is not None:
+            return _scatter_reference(src, entries, block_ids, check)
         _reference(entries, block_ids, src, False, sums, chunks, each)
+    return block_ids.numel()

@@ -1,11 +1,13 @@
 """The torch reference of ``raykv.ops``' paged copies: what runs without CUDA (CI, CPU-device
-pools) and what the CUDA kernel must match bit for bit. Rows are moved as same-size integer
-words (no float canonicalization), runs of consecutive block ids as one strided copy.
+pools) and what the CUDA kernel must match bit for bit. Host rows and host entries move through
+numpy as bytes (runs of consecutive block ids, up or down, as one slice copy per entry);
+anything else moves as same-size integer words (no float canonicalization).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -47,33 +49,111 @@ def _block_rows(e: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _runs(ids: torch.Tensor) -> list[tuple[int, int, int]] | None:
-    """(position, first id, length) of each run of consecutive CPU ids, when runs are few
-    (a run is one strided copy with no temporary); None: index ops are cheaper."""
-    if ids.device.type != "cpu" or ids.numel() < 2:
+# A check (scatter only) sees the source rows in spans of about this many bytes, just before
+# they are written, so the bytes it read are still in cache when they are copied.
+CHECK_SPAN_BYTES = 1 << 20
+
+Check = Callable[[int, int], int]  # (lo, hi) -> leading rows of src[lo:hi] that may be written
+
+
+def _host_blocks(rows: torch.Tensor, entries: list[torch.Tensor]) -> list | None:
+    """Every entry as numpy ``[num_blocks, block bytes]`` uint8 with its byte offset in a row,
+    when rows and entries are all host memory (the host path below); else None."""
+    if rows.device.type != "cpu" or any(e.device.type != "cpu" for e in entries):
         return None
-    a = ids.numpy()
-    breaks = np.flatnonzero(np.diff(a) != 1) + 1
-    if len(breaks) + 1 > max(1, a.size // 8):
+    out, offset = [], 0
+    for e in entries:
+        b = _block_rows(e.detach())
+        if b is None:
+            return None
+        out.append((b.numpy(), offset, offset + b.shape[1]))
+        offset += b.shape[1]
+    return out
+
+
+def _pieces(ids: np.ndarray) -> list[tuple[int, int, int]] | None:
+    """(position, length, step) of each maximal run of ``ids`` stepping by +1 or
+    -1 (a freed-then-reused block list often runs downwards), when runs are few (each is one
+    slice copy per entry); None: fancy indexing is cheaper. Computed once per copy."""
+    n = ids.size
+    if n == 1:
+        return [(0, 1, 1)]
+    d = np.diff(ids)
+    link = np.abs(d) == 1  # ids[i] and ids[i + 1] may share a run
+    # a run ends where a link is missing or where two links in a row change direction
+    turn = np.concatenate(([False], link[1:] & link[:-1] & (d[1:] != d[:-1])))
+    cut = np.flatnonzero(~link | turn) + 1
+    if len(cut) + 1 > max(1, n // 4):
         return None
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [a.size]))
-    return [(int(s), int(a[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
+    out = []
+    for lo, hi in zip(np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [n])).tolist(),
+                      strict=True):  # fmt: skip
+        step = 1 if hi - lo == 1 or ids[lo + 1] > ids[lo] else -1
+        out.append((lo, hi - lo, step))
+    return out
+
+
+def _host_copy(
+    rows: np.ndarray, blocks: list, ids: np.ndarray, pieces: list | None, lo: int, hi: int,
+    scatter: bool,
+) -> None:  # fmt: skip
+    """rows[i] <-> the blocks ``ids[i]`` of every entry for i in lo..hi-1, on the host: one
+    slice copy per entry and run of consecutive ids (``pieces`` of all of ``ids``, either
+    direction), else one fancy-indexed copy per entry."""
+    for b, start, end in blocks:
+        part = rows[:, start:end]
+        if pieces is None:
+            if scatter:
+                b[ids[lo:hi]] = part[lo:hi]
+            else:  # ids were range-checked
+                np.take(b, ids[lo:hi], axis=0, out=part[lo:hi], mode="clip")
+            continue
+        for at, length, step in pieces:
+            s, e = max(at, lo), min(at + length, hi)
+            if s >= e:
+                continue
+            first = int(min(ids[s], ids[e - 1]))
+            dst = b[first : first + e - s][::step]
+            if scatter:
+                dst[...] = part[s:e]
+            else:
+                part[s:e] = dst
+
+
+def _host_rows(
+    rows: torch.Tensor, blocks: list, ids: torch.Tensor, scatter: bool, check: Check | None
+) -> int:
+    """The host path of both directions (numpy moves host rows at memcpy speed, torch's
+    strided row copies at about half of it here); a scatter with ``check`` copies span by
+    span, each right after ``check`` passed it, and stops at the first row it refuses.
+    Returns the rows moved."""
+    r, a = rows.numpy(), ids.numpy()
+    n = a.size
+    pieces = _pieces(a) if n else None
+    span = max(1, n) if check is None else max(1, CHECK_SPAN_BYTES // max(1, r.shape[1]))
+    for lo in range(0, n, span):
+        hi = min(lo + span, n)
+        ok = hi if check is None else lo + check(lo, hi)
+        if ok > lo:
+            _host_copy(r, blocks, a, pieces, lo, ok, scatter)
+        if ok < hi:
+            return ok
+    return n
 
 
 def _gather_reference(entries: list[torch.Tensor], ids: torch.Tensor, dst: torch.Tensor) -> None:
+    blocks = _host_blocks(dst, entries)
+    if blocks is not None:
+        _host_rows(dst, blocks, ids, False, None)
+        return
     n, offset = ids.numel(), 0
-    runs = _runs(ids) if dst.device.type == "cpu" else None
     for e in entries:
         width = _block_bytes(e)
         out = dst[:, offset : offset + width]
         rows = _block_rows(e) if e.device == dst.device else None
         src_w, dst_w = (_words(rows), _words(out)) if rows is not None else (None, None)
         if src_w is not None and dst_w is not None and src_w.dtype == dst_w.dtype:
-            if runs is not None:
-                for at, first, length in runs:
-                    dst_w[at : at + length].copy_(src_w[first : first + length])
-            elif len(entries) == 1 and dst_w.is_contiguous():
+            if len(entries) == 1 and dst_w.is_contiguous():
                 torch.index_select(src_w, 0, ids.to(e.device), out=dst_w)
             else:
                 dst_w.copy_(src_w.index_select(0, ids.to(e.device)))
@@ -83,25 +163,28 @@ def _gather_reference(entries: list[torch.Tensor], ids: torch.Tensor, dst: torch
         offset += width
 
 
-def _scatter_reference(src: torch.Tensor, entries: list[torch.Tensor], ids: torch.Tensor) -> None:
-    n, offset = ids.numel(), 0
-    runs = _runs(ids) if src.device.type == "cpu" else None
+def _scatter_reference(
+    src: torch.Tensor, entries: list[torch.Tensor], ids: torch.Tensor, check: Check | None = None
+) -> int:
+    """Returns the rows written: all, or those before the first row ``check`` refused."""
+    blocks = _host_blocks(src, entries)
+    if blocks is not None:
+        return _host_rows(src, blocks, ids, True, check)
+    n = ids.numel() if check is None else check(0, ids.numel())
+    src, ids, offset = src[:n], ids[:n], 0
     for e in entries:
         width, target = _block_bytes(e), _as_int(e)
         part = src[:, offset : offset + width]
         rows = _block_rows(e) if e.device == src.device else None
         dst_w, src_w = (_words(rows), _words(part)) if rows is not None else (None, None)
         if dst_w is not None and src_w is not None and src_w.dtype == dst_w.dtype:
-            if runs is not None:
-                for at, first, length in runs:
-                    dst_w[first : first + length].copy_(src_w[at : at + length])
-            else:
-                dst_w.index_copy_(0, ids.to(e.device), src_w)
+            dst_w.index_copy_(0, ids.to(e.device), src_w)
         else:
             raw = part.to(e.device).contiguous()
             values = raw.view(-1).view(target.dtype).view(n, *e.shape[1:])
             target.index_copy_(0, ids.to(e.device), values)
         offset += width
+    return n
 
 
 # --- wire sums -----------------------------------------------------------------------------

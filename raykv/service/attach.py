@@ -7,7 +7,10 @@ load one paged copy back (``LoadJob``, checksums verified first: a corrupt entry
 dropped and counted, never copied, invariant 12). Around each copy go two small messages to
 the tier carrying keys, block numbers and checksums: one round trip before it (reserve /
 lease, which also names the arena) and one after it that is not waited for (apply; the
-next store / load first makes sure it was applied, ``flush`` waits for it).
+next store / load first makes sure it was applied, ``flush`` waits for it). A load's lease
+may also be taken beforehand, by whoever looked the prompt up (``TierLease``,
+``Client.lookup_lease``: an engine's scheduler, in the same round trip as its lookup): then
+the load itself makes no round trip at all (``load_leased``).
 No KV byte is pickled. Entries stored this way are published like any pool's
 offload, so every node's lookup and load finds them.
 
@@ -18,18 +21,80 @@ the call returns (it is synchronous; on CUDA it waits for the copy).
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from raykv.blocks.hashing import BlockHasher
 from raykv.errors import InvalidInput
-from raykv.service.groups import as_tables, complete_chunks, group_keys
-from raykv.tiers.cpu_tier import CpuTierView
+from raykv.service.groups import as_tables, complete_chunks, group_keys, key_limit
+from raykv.tiers.cpu_tier import CpuTierView, LoadLease
 from raykv.tiers.gpu_kv import GpuKV
 from raykv.tiers.jobs import LoadJob, StoreJob
 from raykv.tiers.offload import OffloadEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TierLease:
+    """Read references a node's CPU tier holds for one reader on its copies of a prompt's
+    blocks: per group, the blocks from position ``first[g]`` on that it holds, as a
+    ``LoadLease`` on their entries and, per block, (entry index in it, sub-slot). Until
+    released the entries stay readable (never evicted). ``AttachedKV.load_leased`` copies
+    them without asking the tier again and releases the lease; ``release`` drops one that is
+    not loaded. It pickles (an engine's scheduler hands it to its worker)."""
+
+    model: str
+    tier: Any  # the CpuTierActor holding the references
+    spec: Any  # its arena's SharedSpec
+    first: tuple[int, ...]
+    leases: tuple[LoadLease | None, ...]
+    chosen: tuple[tuple[tuple[int, int], ...], ...]
+
+    @staticmethod
+    def ask(tier: Any, model: str, keys: Sequence[Sequence[bytes]], first: Sequence[int]):
+        """Send the tier the request (``CpuTierActor.lease_groups``, keys from ``first[g]``
+        on); ``take`` its answer."""
+        return tier.lease_groups.remote(
+            model, [list(k[f:]) for k, f in zip(keys, first, strict=True)]
+        )
+
+    @classmethod
+    def request(
+        cls, tier: Any, model: str, plan: Any, hashed: tuple, held_tokens: int
+    ) -> tuple[TierLease, int]:
+        """The lease of a lookup (``hashed``: ids, limit, chained hashes; the caller holds
+        its first ``held_tokens``) and the most tokens that lookup could hit."""
+        keys = group_keys(plan, hashed[2])
+        first = [
+            min(held_tokens // g.block_size, len(k)) for g, k in zip(plan.groups, keys, strict=True)
+        ]
+        lease = cls.take(tier, model, first, cls.ask(tier, model, keys, first))
+        return lease, min(key_limit(plan, keys), hashed[1])
+
+    @classmethod
+    def take(cls, tier: Any, model: str, first: Sequence[int], ref: Any) -> TierLease:
+        spec, groups = ray.get(ref)
+        leases = tuple(lease for lease, _ in groups)
+        return cls(model, tier, spec, tuple(first), leases, tuple(tuple(c) for _, c in groups))
+
+    def blocks(self, group: int) -> int:
+        """Leading blocks of group ``group`` held: the caller's own ``first``, then the tier's."""
+        return self.first[group] + len(self.chosen[group])
+
+    def tokens(self, plan: Any) -> int:
+        """Leading tokens every group holds (the caller's own first blocks included)."""
+        return min(self.blocks(i) * g.block_size for i, g in enumerate(plan.groups))
+
+    def release(self) -> Any:
+        """Drop the references (not waited for; returns the call's ref)."""
+        ops = [("finish_load", lease, 0) for lease in self.leases if lease is not None]
+        return self.tier.apply.remote(self.model, ops, False) if ops else None
 
 
 class AttachedKV:
@@ -62,6 +127,12 @@ class AttachedKV:
         self._view: CpuTierView | None = None
         self.engine: OffloadEngine | None = None
         self._applying: list = []  # tier calls sent without waiting (checked on the next)
+        self._held: list[tuple[Any, list[tuple]]] = []  # (tier, calls) ``send`` sends
+        self._held_lock = threading.Lock()  # an engine may send from another thread
+        try:  # map the arena now (every page: shm.attach), not on the first load's path
+            self._engine(ray.get(tier.arena.remote(model)))
+        except ray.exceptions.RayError as e:  # no arena yet: the first store / load maps it
+            log.info("attach: the tier's arena of %s is not mapped yet (%r)", model, e)
 
     def _engine(self, spec: Any) -> OffloadEngine:
         """The engine on the arena ``spec`` names (mapped again if the tier was replaced)."""
@@ -75,10 +146,20 @@ class AttachedKV:
         if ops:
             self._applying.append(self.tier.apply.remote(self.model, ops, False))
 
+    def send(self) -> None:
+        """Send what ``load_leased`` left to send (its lease's release and any corrupt
+        entry's drop): an engine calls this once its forward is under way or done, so the
+        send costs the load nothing; the next store / load / ``flush`` sends it anyway."""
+        with self._held_lock:
+            held, self._held = self._held, []
+        for tier, ops in held:
+            self._applying.append(tier.apply.remote(self.model, ops, False))
+
     def flush(self) -> None:
         """Wait until the tier applied every call sent so far. Each store / load does this
         first (an async actor may start calls out of order; by then they are done, usually),
         so its reserve / lease sees the previous copy's result. Failures surface here."""
+        self.send()
         pending, self._applying = self._applying, []
         ray.get(pending)
 
@@ -127,33 +208,60 @@ class AttachedKV:
         holds (its own prefix cache, or null blocks out of a window); they are neither read
         nor written and count as loaded."""
         tables = as_tables(self.plan, block_ids)
-        keys = self._keys(token_ids)
         skips = [skip] * len(tables) if isinstance(skip, int) else list(skip)
-        self.flush()
+        keys = [k[: len(t)] for k, t in zip(self._keys(token_ids), tables, strict=True)]
+        first = [min(s, len(k)) for s, k in zip(skips, keys, strict=True)]
+        self.flush()  # the lease sees every earlier store's result
+        lease = TierLease.take(
+            self.tier, self.model, first, TierLease.ask(self.tier, self.model, keys, first)
+        )
+        loaded = self.load_leased(lease, tables, skips)
+        self.send()
+        return loaded
+
+    def load_leased(
+        self, lease: TierLease, block_ids: Sequence, skip: int | Sequence[int] = 0
+    ) -> int:
+        """``load_into`` with the references taken already (``lease``, from position
+        ``skip`` on or before it): no round trip to the tier. Releases ``lease``, whatever
+        happens, with the next ``send`` (or store / load / ``flush``). Positions the lease
+        does not cover are not loaded."""
+        tables = as_tables(self.plan, block_ids)
+        skips = [skip] * len(tables) if isinstance(skip, int) else list(skip)
+        pending = {gi for gi, lease_g in enumerate(lease.leases) if lease_g is not None}
+        ops: list[tuple] = []
         loaded = []
-        for gi, (g, table) in enumerate(zip(self.plan.groups, tables, strict=True)):
-            s = skips[gi]
-            want = list(zip(keys[gi][s : len(table)], table[s:], strict=False))
-            if not want:
-                loaded.append(min(s, len(table)) * g.block_size)
-                continue
-            spec, lease, chosen = ray.get(self.tier.lease.remote(self.model, [k for k, _ in want]))
-            if lease is None:
-                loaded.append(s * g.block_size)
-                continue
-            f = max(1, self.plan.block_size_factor)
-            sizes = [0] * len(self.plan.groups)
-            sizes[gi] = len(chosen)
-            n_keys = len(lease.keys)
-            job = LoadJob(
-                "attached", lease.keys, (g.group_id,) * n_keys, (f,) * n_keys,
-                tuple(b for _, b in want[: len(chosen)]), tuple(sizes), tuple(chosen),
-            )  # fmt: skip
-            eng = self._engine(spec)
-            eng.submit_load(job, lease)
-            (res,) = eng.wait_all()
-            self._send(eng.tier.take())
-            lost = set(res.missed) if res.ok else set(lease.keys)
-            n = next((i for i, (e, _) in enumerate(chosen) if lease.keys[e] in lost), len(chosen))
-            loaded.append((s + n) * g.block_size)
+        try:
+            for gi, (g, table) in enumerate(zip(self.plan.groups, tables, strict=True)):
+                s, first, lease_g = skips[gi], lease.first[gi], lease.leases[gi]
+                picks = lease.chosen[gi][max(s - first, 0) : max(len(table) - first, 0)]
+                if s >= len(table):
+                    loaded.append(len(table) * g.block_size)
+                    continue
+                if lease_g is None or s < first or not picks:
+                    loaded.append(s * g.block_size)
+                    continue
+                f = max(1, self.plan.block_size_factor)
+                sizes = [0] * len(self.plan.groups)
+                sizes[gi] = len(picks)
+                n_keys = len(lease_g.keys)
+                job = LoadJob(
+                    "attached", lease_g.keys, (g.group_id,) * n_keys, (f,) * n_keys,
+                    tuple(table[s : s + len(picks)]), tuple(sizes), tuple(picks),
+                )  # fmt: skip
+                eng = self._engine(lease.spec)
+                pending.discard(gi)
+                eng.submit_load(job, lease_g)
+                (res,) = eng.wait_all()
+                ops += eng.tier.take()
+                lost = set(res.missed) if res.ok else set(lease_g.keys)
+                n = next(
+                    (i for i, (e, _) in enumerate(picks) if lease_g.keys[e] in lost), len(picks)
+                )
+                loaded.append((s + n) * g.block_size)
+        finally:  # the references of groups not loaded go back too (``send``)
+            ops += [("finish_load", lease.leases[gi], 0) for gi in sorted(pending)]
+            if ops:
+                with self._held_lock:
+                    self._held.append((lease.tier, ops))
         return min(loaded) if loaded else 0

@@ -166,6 +166,19 @@ class CpuTierActor(Member):
         at = {e: i for i, e in enumerate(lease.keys)}
         return spec, lease, [(at[e], s) for e, s in chosen]
 
+    async def lease_groups(
+        self, model: str, keys: list[list[bytes]]
+    ) -> tuple[Any, list[tuple[Any, list[tuple[int, int]]]]]:
+        """``lease`` for every group at once (one round trip for a hybrid model's load):
+        (the arena's ``SharedSpec``, per group (``LoadLease`` or None, per block (entry index
+        in the lease, sub-slot)))."""
+        mt, out = self.tiers.get(model), []
+        spec = mt.tier.arena_spec if mt is not None else None
+        for gk in keys:
+            _, lease, chosen = await self.lease(model, gk)
+            out.append((lease, chosen))
+        return spec, out
+
     async def apply(self, model: str, ops: list[tuple], wait_publish: bool = True) -> int:
         """Apply the metadata calls an ``OffloadEngine`` on a ``CpuTierView`` queued; publish
         entries that became readable, unpublish corrupt ones. Returns the entries stored.

@@ -17,6 +17,7 @@ outside it, protected by the states.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import heapq
 import threading
@@ -387,7 +388,10 @@ class CpuTierView(ArenaRows):
         self.outbox.append(("finish_store", reservation, ok, valid, checksums, copy))
 
     def finish_load(self, lease: LoadLease, loaded: int | None = None) -> None:
-        self.outbox.append(("finish_load", lease, loaded))
+        # the owner needs the blocks and keys back, not every entry's checksums again
+        self.outbox.append(
+            ("finish_load", dataclasses.replace(lease, valid=(), checksums=()), loaded)
+        )
 
     def drop(self, key: Key, corrupt: bool = False) -> None:
         self.outbox.append(("drop", key, corrupt))

@@ -9,9 +9,11 @@ run synchronously and the next ``poll()`` reports them, so callers see one proto
 Store: reserve CPU blocks (all-or-nothing) -> fence the GPU blocks (invariant 9) -> gather ->
 on completion checksum the rows (optional), mark the CPU blocks readable and lift the fence.
 A failure anywhere frees the reserved CPU blocks (nothing half-readable) and lifts the fence.
-Load: take read references -> drop keys whose CPU block lacks a needed GPU block or fails its
-checksum (a miss plus a counted error, never wrong KV), keeping each group's prefix -> scatter
--> on completion drop the references.
+Load: take read references -> drop keys whose CPU block lacks a needed GPU block, keeping each
+group's prefix -> scatter, verifying each key's checksums before any of its rows is written (on
+the host span by span, so every row is read from memory once): the first key that fails and the
+rest of its group are misses, the failed one a counted error, never wrong KV -> on completion
+drop the references.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import contextlib
 import itertools
 import threading
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -134,19 +136,21 @@ class OffloadEngine:
 
         ``lease`` comes from a caller that took the read references itself (a
         ``CpuTierView``'s owner); else this engine takes them. Either way every key's
-        checksums are verified before a byte reaches a GPU block (invariant 12)."""
+        checksums are verified before a byte of it reaches a GPU block (invariant 12): on
+        the host span by span as the rows are copied (each read once, while in cache), on
+        CUDA all rows before the copy starts."""
         if lease is None:
             lease = self.tier.prepare_load(job.keys)
         if lease is None:
             return None
-        keep = set(self._usable_keys(job, lease))
-        run = job.select(keep)
-        rec = _InFlight(self._next_id(), "load", run, lease=lease)
-        rec.missed = tuple(k for k in job.keys if k not in keep)
+        usable = job.select(self._usable_keys(job, lease))
+        rec = _InFlight(self._next_id(), "load", usable, lease=lease)
         try:
-            self._copy(rec, gather=False)
+            self._copy(rec, gather=False)  # leaves in rec.job only the keys it wrote whole
         except Exception as e:
             rec.error = f"{type(e).__name__}: {e}"
+        carried = set(rec.job.keys)
+        rec.missed = tuple(k for k in job.keys if k not in carried)
         self._track(rec)
         return rec.job_id
 
@@ -190,6 +194,7 @@ class OffloadEngine:
         if self.stream is not None:  # copies see every KV write queued before them
             self.stream.wait_stream(torch.cuda.current_stream(self.gpu.device))
         stream_ctx = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
+        refused: set[bytes] = set()  # a load: keys some of whose rows were not written
         with stream_ctx:
             for g, sl in zip(self.gpu.plan.groups, job.group_slices(), strict=True):
                 ids = job.block_ids[sl]
@@ -200,24 +205,30 @@ class OffloadEngine:
                 rows = [tier.row(blocks[job.keys[k]], s) for k, s in job.slots[sl]]
                 ids_t = torch.tensor(ids, dtype=torch.int64)
                 if width == tier.slot_bytes and _consecutive(rows):
-                    direct = rows_all[rows[0] : rows[0] + len(rows)]
+                    src = rows_all[rows[0] : rows[0] + len(rows)]
                     if gather:
-                        ops.gather_blocks(entries, ids_t, direct)
-                    else:
-                        ops.scatter_blocks(direct, entries, ids_t)
-                    continue
-                idx = torch.tensor(rows, dtype=torch.int64)
-                staging = torch.empty((len(rows), width), dtype=torch.uint8, pin_memory=self.pin)
-                if gather:
-                    ops.gather_blocks(entries, ids_t, staging)
+                        ops.gather_blocks(entries, ids_t, src)
+                        continue
                 else:
-                    torch.index_select(rows_all[:, :width], 0, idx, out=staging)
-                    ops.scatter_blocks(staging, entries, ids_t)
-                # a store lands these rows in poll(); a load keeps its staging alive till then
-                rec.host_copies.append(_HostCopy(idx, staging, width))
+                    idx = torch.tensor(rows, dtype=torch.int64)
+                    src = torch.empty((len(rows), width), dtype=torch.uint8, pin_memory=self.pin)
+                    if gather:
+                        ops.gather_blocks(entries, ids_t, src)
+                    else:
+                        torch.index_select(rows_all[:, :width], 0, idx, out=src)
+                    # a store lands these rows in poll(); a load keeps its staging alive till then
+                    rec.host_copies.append(_HostCopy(idx, src, width))
+                    if gather:
+                        continue
+                slots = job.slots[sl]
+                check = self._verifier(rec, slots, src) if self.checksums else None
+                written = ops.scatter_blocks(src, entries, ids_t, check=check)
+                refused.update(job.keys[k] for k, _ in slots[written:])
             if self.stream is not None:
                 rec.event = torch.cuda.Event()
                 rec.event.record(self.stream)
+        if refused:
+            rec.job = job.select(k for k in job.keys if k not in refused)
 
     def _ready(self, rec: _InFlight) -> bool:
         if rec.event is None or rec.error is not None:
@@ -289,18 +300,14 @@ class OffloadEngine:
         return out
 
     def _usable_keys(self, job: LoadJob, lease: LoadLease) -> list[bytes]:
-        """Keys whose CPU block holds every GPU block the job needs and passes its checksum;
-        per group, only the prefix before the first unusable key (KV is a prefix)."""
+        """Keys whose CPU block holds every GPU block the job needs; per group, only the
+        prefix before the first unusable key (KV is a prefix). Their checksums are verified
+        as they are copied (``_verifier``)."""
         bad = set()
         for k, rows in enumerate(self._key_rows(job, lease.blocks)):
             valid = lease.valid[k]
             if any(s >= len(valid) or not valid[s] for s, _, _ in rows):
                 bad.add(k)  # a null GPU block at store time: nothing to load, a plain miss
-                continue
-            expected = lease.checksums[k].get(self.copy) if self.checksums else None
-            if expected is not None and any(expected[s] != c for s, c in self._sums(rows).items()):
-                bad.add(k)
-                self.tier.drop(job.keys[k], corrupt=True)
         keep, stopped = [], set()
         for k, key in enumerate(job.keys):
             g = job.key_groups[k]
@@ -309,6 +316,32 @@ class OffloadEngine:
             elif g not in stopped:
                 keep.append(key)
         return keep
+
+    def _verifier(self, rec: _InFlight, slots: Sequence, src: torch.Tensor) -> Callable:
+        """``check`` for ``ops.scatter_blocks`` of one group's rows ``src`` (``slots``: each
+        row's (key index, sub-slot)): verifies the stored checksums of whole keys (a key's
+        rows are consecutive) and refuses from the first row of the first corrupt key, which
+        is dropped from the tier and counted: a miss, never a byte of it written."""
+        job, lease = rec.job, rec.lease
+        at = {key: i for i, key in enumerate(lease.keys)}
+        done = 0  # rows verified so far (whole keys)
+
+        def check(lo: int, hi: int) -> int:
+            nonlocal done
+            end = hi
+            while end < len(slots) and slots[end][0] == slots[end - 1][0]:
+                end += 1  # verify the last key whole: its other rows come next
+            start, done = max(lo, done), max(done, end)
+            for i, c in enumerate(row_checksums(src[start:end]), start):
+                k, s = slots[i]
+                expected = lease.checksums[at[job.keys[k]]].get(self.copy)
+                if expected is not None and expected[s] != c:
+                    self.tier.drop(job.keys[k], corrupt=True)
+                    first = next(j for j in range(i + 1) if slots[j][0] == k)
+                    return max(first - lo, 0)
+            return hi - lo
+
+        return check
 
     # ---------------------------------------------------------------- bookkeeping
     def _next_id(self) -> int:

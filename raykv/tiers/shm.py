@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import logging
 import os
 import secrets
@@ -109,6 +110,27 @@ def register_host(t: torch.Tensor) -> bool:
     return True
 
 
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+
+def populate(t: torch.Tensor) -> bool:
+    """Map every page of a shared tensor into this process now (``MADV_POPULATE_WRITE``), so
+    its copies never take page faults: a first read of a freshly mapped page costs a fault
+    (about 2-3x the copy itself here: 32 MiB copied in 12 ms instead of 2.6 on the 2-core
+    box). Where CUDA pins the mapping (``register_host``) it is populated already. Returns
+    whether it did (False on kernels without the flag: pages then fault in as touched)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = t.data_ptr() & ~(os.sysconf("SC_PAGE_SIZE") - 1)
+    if libc.madvise(start, t.data_ptr() + n - start, _MADV_POPULATE_WRITE) != 0:
+        log.debug("MADV_POPULATE_WRITE failed (errno %d): pages fault in", ctypes.get_errno())
+        return False
+    return True
+
+
 def create(shape: tuple[int, ...], tag: str = "") -> tuple[torch.Tensor, SharedSpec]:
     """A zeroed uint8 tensor of ``shape`` in a fresh ``/dev/shm`` file this process owns."""
     sweep()
@@ -133,11 +155,14 @@ def create(shape: tuple[int, ...], tag: str = "") -> tuple[torch.Tensor, SharedS
 
 
 def attach(spec: SharedSpec) -> torch.Tensor:
-    """Map a tensor another process of this node created (writes are seen by both)."""
+    """Map a tensor another process of this node created (writes are seen by both); every
+    page is mapped now (pinned on CUDA, else ``populate``): the copies through it, the
+    reason to map it, then take no page faults."""
     if not os.path.exists(spec.path):
         raise FileNotFoundError(
             f"shared memory {spec.path} is gone (its owner exited); ask the owner again"
         )
     t = _map(spec.path, spec.shape)
-    register_host(t)
+    if not register_host(t):
+        populate(t)
     return t

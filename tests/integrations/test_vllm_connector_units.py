@@ -33,15 +33,36 @@ from raykv.layout import FullAttention, plan
 BS = 32
 
 
-class FakeClient:
-    def __init__(self, hit: int = 0, fail: bool = False) -> None:
-        self.hit, self.fail, self.calls = hit, fail, 0
+class FakeLease:
+    """Stands in for ``TierLease``: the node's tier holds ``held`` leading tokens."""
 
-    def lookup(self, ids):
+    def __init__(self, held: int) -> None:
+        self.held, self.released = held, 0
+
+    def tokens(self, plan) -> int:
+        return self.held
+
+    def release(self) -> None:
+        self.released += 1
+
+
+class FakeClient:
+    """Lookups hit ``hit`` tokens; ``tier`` (tokens the node's tier leases, None: no lease)."""
+
+    def __init__(self, hit: int = 0, fail: bool = False, tier: int | None = None) -> None:
+        self.hit, self.fail, self.tier, self.calls = hit, fail, tier, 0
+        self.leases: list[FakeLease] = []
+        self.plan = None
+
+    def lookup_lease(self, ids, held_tokens):
         self.calls += 1
         if self.fail:
             raise RuntimeError("coordinator restarting")
-        return SimpleNamespace(hit_tokens=min(self.hit, len(ids) - 1), where=())
+        lease = None
+        if self.tier is not None:
+            lease = FakeLease(self.tier)
+            self.leases.append(lease)
+        return SimpleNamespace(hit_tokens=min(self.hit, len(ids) - 1), where=()), lease
 
 
 class FakeManager:
@@ -61,11 +82,11 @@ def layout(max_model_len: int = 8192) -> EngineLayout:
 
 
 def scheduler(
-    hit: int = 0, fail: bool = False, sync: bool = True
+    hit: int = 0, fail: bool = False, sync: bool = True, tier: int | None = None
 ) -> tuple[RaykvScheduler, FakeManager]:
     """One KV group: loads are synchronous; ``sync=False`` takes the several-groups path
     (asynchronous loads reported within their step)."""
-    s = RaykvScheduler(RaykvVllmConfig(), layout(), FakeClient(hit, fail), (0,))
+    s = RaykvScheduler(RaykvVllmConfig(), layout(), FakeClient(hit, fail, tier), (0,))
     s.kv_cache_manager = FakeManager()
     s.sync = sync
     return s, s.kv_cache_manager
@@ -221,6 +242,71 @@ def test_a_failed_async_load_is_reported_failed_and_the_request_recomputes() -> 
     assert s.finished(req)[1]["raykv"]["load_error_blocks"] == 8
 
 
+def test_a_lease_covering_the_load_goes_to_the_worker_and_every_other_lease_is_released():
+    """The node tier's lease travels with the load that needs it (the worker copies without
+    a round trip); a lease no load takes is released: one that does not cover the hit, one
+    replaced by a later lookup, one of a request allocated nothing or finished unscheduled."""
+    s, m = scheduler(hit=256, tier=256)
+    req = request("r", 300)
+    assert s.num_new_matched_tokens(req, 0) == (256, False)
+    first = s.kv.leases[-1]
+    assert s.num_new_matched_tokens(req, 0) == (256, False)  # not scheduled, asked again
+    assert first.released == 1
+    alloc(s, m, req, 256)
+    (load,) = s.build_meta(output()).loads
+    assert load.lease is s.kv.leases[-1] and not load.remote and load.lease.released == 0
+    s.finished(req)
+    assert load.lease.released == 0  # the worker's load releases it
+
+    s, m = scheduler(hit=256, tier=128)  # the tier holds less than the cluster: no lease
+    req = request("r", 300)
+    assert s.num_new_matched_tokens(req, 0) == (256, False)
+    assert s.kv.leases[-1].released == 1
+    alloc(s, m, req, 256)
+    assert s.build_meta(output()).loads[0].lease is None
+
+    s, m = scheduler(hit=256, tier=256)
+    for rid, alloc_tokens in (("a", None), ("b", 0), ("c", 256)):
+        req = request(rid, 300)
+        s.num_new_matched_tokens(req, 0)
+        if alloc_tokens is not None:
+            alloc(s, m, req, alloc_tokens)
+        s.finished(req)  # aborted before any step carried a load
+        assert s.kv.leases[-1].released == 1, rid
+    assert s.build_meta(output()).loads == []
+
+
+def test_blocks_a_load_brought_in_are_not_saved_again() -> None:
+    """They came from the tier: a step that completes no other block sends no save (no
+    hashing, no round trip, no blocks held after the request); the next full block does."""
+    s, m = scheduler(hit=256, tier=256)
+    req = request("r", 256 + 16)
+    alloc(s, m, req, s.num_new_matched_tokens(req, 0)[0])
+    req.num_computed_tokens = 256
+    assert s.build_meta(output(scheduled={"r": 16})).saves == []
+    assert s.finished(req)[0] is False  # nothing to wait for: vLLM frees its blocks now
+    req = request("q", 256 + 40)
+    alloc(s, m, req, s.num_new_matched_tokens(req, 0)[0])
+    req.num_computed_tokens = 256
+    (save,) = s.build_meta(output(scheduled={"q": 40})).saves
+    assert len(save.block_ids[0]) == 9  # the prefix's 8 (held: skipped) and the new one
+
+
+def test_a_leased_load_makes_no_round_trip_and_reports_what_arrived() -> None:
+    s, m = scheduler(hit=256, tier=256)
+    req = request("r", 300)
+    alloc(s, m, req, s.num_new_matched_tokens(req, 0)[0])
+    att = FakeAttached(deliver=96)
+    w = worker(att)
+    w.bind(s.build_meta(output()))
+    w.start_load()
+    assert att.calls == ["load_leased"]  # no pull, no lease of its own
+    assert w.load_errors() == {4, 5, 6, 7, 8}
+    w.wait_for_save()  # after the forward: the lease's release goes out
+    assert att.calls == ["load_leased", "send"]
+    w.close()
+
+
 class FakeAttached:
     """Stands in for ``AttachedKV``: loads deliver ``deliver`` tokens, stores take
     ``store_s`` seconds."""
@@ -229,12 +315,22 @@ class FakeAttached:
         self.deliver, self.store_s = deliver, store_s
         self.plan = SimpleNamespace(block_size=BS)
         self.stored: list[tuple] = []
+        self.calls: list[str] = []
 
     def pull(self, token_ids, counts):
+        self.calls.append("pull")
         return counts
 
     def load_into(self, token_ids, block_ids, skip):
+        self.calls.append("load_into")
         return len(token_ids) if self.deliver is None else self.deliver
+
+    def load_leased(self, lease, block_ids, skip):
+        self.calls.append("load_leased")
+        return len(block_ids[0]) * BS if self.deliver is None else self.deliver
+
+    def send(self):
+        self.calls.append("send")
 
     def store_from(self, token_ids, block_ids):
         time.sleep(self.store_s)

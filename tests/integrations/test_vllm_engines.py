@@ -117,3 +117,34 @@ def test_a_full_prompt_hit_is_n_minus_one_tokens(engines) -> None:
     rb = ray.get(b.generate.remote(whole))
     assert rb["raykv"]["external_tokens"] == PREFIX - 1, rb  # vLLM computes the last token
     assert rb["token_ids"] == reference(b, whole)
+
+
+def test_a_prefix_on_the_engines_own_node_comes_through_the_lookups_lease(engines) -> None:
+    """The engine's node's tier holds the prefix: the scheduler's lookup leases it and the
+    worker copies it (no round trip, checksums verified as it copies); a corrupt entry there
+    is a load error the engine recomputes. Either way the answer is the engine's own."""
+    from raykv.service.spec import NAMESPACE, tier_name
+    from raykv.tiers import shm
+
+    a, _, model, node_a = engines
+    shared = prompt(PREFIX, 31)
+    ray.get(a.generate.remote(shared + prompt(7, 32)))
+    assert ray.get(a.reset.remote())  # vLLM's own prefix cache forgets it: the tier has it
+    mine = shared + prompt(9, 33)
+    ra = ray.get(a.generate.remote(mine))
+    assert ra["raykv"]["external_tokens"] == PREFIX and ra["raykv"]["load_error_blocks"] == 0
+    assert ra["token_ids"] == reference(a, mine)
+
+    tier = ray.get_actor(tier_name(node_a), namespace=NAMESPACE)
+    arena = shm.attach(ray.get(tier.arena.remote(model)))
+    before = arena[0].clone()
+    shared = prompt(PREFIX, 34)
+    ray.get(a.generate.remote(shared + prompt(5, 35)))
+    changed = (arena[0] != before).any(dim=1).nonzero().flatten()
+    arena[0][changed, 100:164] ^= 0x3C  # every entry A wrote: whichever the load reads
+    assert ray.get(a.reset.remote())
+    mine = shared + prompt(6, 36)
+    ra = ray.get(a.generate.remote(mine))
+    assert ra["raykv"]["load_error_blocks"] > 0 or ra["raykv"]["external_tokens"] < PREFIX, ra
+    assert ra["token_ids"] == reference(a, mine)
+    del arena

@@ -156,6 +156,64 @@ def test_large_blocks_split_into_pieces_keep_order():
     assert as_bytes(rows) == oracle_rows([big], ids)
 
 
+@st.composite
+def run_ids(draw, num_blocks: int) -> list[int]:
+    """Distinct ids made of runs going up or down (how engines free and reuse blocks), in
+    any order: the host path copies each run as one slice."""
+    ids = list(range(num_blocks))
+    cuts = sorted(draw(st.sets(st.integers(1, num_blocks - 1), max_size=4)))
+    runs = [ids[a:b] for a, b in itertools.pairwise([0, *cuts, num_blocks])]
+    runs = [r[::-1] if draw(st.booleans()) else r for r in runs]
+    return [b for r in draw(st.permutations(runs)) for b in r]
+
+
+@FAST
+@given(case=layouts, data=st.data())
+def test_runs_up_and_down_move_the_oracle_bytes(case, data):
+    case = case | {"num_blocks": data.draw(st.integers(16, 40))}
+    entries, backing, gen = build(case)
+    ids = data.draw(run_ids(case["num_blocks"]))
+    ids = ids[: data.draw(st.integers(1, len(ids)))]
+    dst = rows_for(entries, len(ids))
+    gather_blocks(entries, torch.tensor(ids, dtype=torch.int64), dst)
+    assert as_bytes(dst) == oracle_rows(entries, ids)
+    before = [b.clone() for b in backing]
+    src = torch.randint(0, 256, dst.shape, dtype=torch.uint8, generator=gen)
+    assert scatter_blocks(src, entries, torch.tensor(ids, dtype=torch.int64)) == len(ids)
+    assert oracle_rows(entries, ids) == as_bytes(src)
+    untouched = [b for b in range(case["num_blocks"]) if b not in ids]
+    assert oracle_rows(entries, untouched) == oracle_rows(kv_entries_like(case, before), untouched)
+
+
+@FAST
+@given(case=layouts, data=st.data())
+def test_scatter_check_sees_rows_before_they_are_written_and_stops_at_a_refusal(case, data):
+    """``check(lo, hi)`` runs before rows lo..hi reach any block; the copy ends at the first
+    row it refuses: earlier rows are written, that row and every later one are not."""
+    from raykv import ops_reference
+
+    case = case | {"num_blocks": data.draw(st.integers(2, 24))}
+    entries, backing, gen = build(case)
+    ids = data.draw(run_ids(case["num_blocks"]))
+    src = torch.randint(0, 256, (len(ids), row_bytes(entries)), dtype=torch.uint8, generator=gen)
+    span = data.draw(st.integers(1, 5))  # rows per span on the host path
+    refuse = data.draw(st.integers(0, len(ids)))  # == len(ids): nothing refused
+    original = kv_entries_like(case, [b.clone() for b in backing])
+    seen = []
+
+    def check(lo: int, hi: int) -> int:
+        assert oracle_rows(entries, ids[lo:hi]) == oracle_rows(original, ids[lo:hi])
+        seen.append((lo, hi))
+        return min(hi, refuse) - lo
+
+    with mock.patch.object(ops_reference, "CHECK_SPAN_BYTES", span * row_bytes(entries)):
+        written = scatter_blocks(src, entries, torch.tensor(ids, dtype=torch.int64), check=check)
+    assert written == refuse
+    assert seen[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(seen))
+    assert oracle_rows(entries, ids[:refuse]) == as_bytes(src[:refuse])
+    assert oracle_rows(entries, ids[refuse:]) == oracle_rows(original, ids[refuse:])
+
+
 def test_empty_block_list_is_a_no_op():
     e = torch.arange(24, dtype=torch.float32).view(3, 8)
     gather_blocks([e], torch.empty(0, dtype=torch.int64), torch.empty(0, 32, dtype=torch.uint8))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+from unittest import mock
 
 import pytest
 import torch
@@ -227,6 +228,45 @@ def test_checksum_mismatch_is_a_miss_and_an_error():
         assert row(kv, 0, b) == before[b]  # never wrong KV
     assert tier.stats.checksum_errors == 1
     assert tier.lookup([b"h1", b"h3"]) == 1  # the corrupt block is gone
+    tier.check_consistency()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    factor=st.sampled_from([1, 2, 3]),
+    span_rows=st.integers(1, 5),
+    data=st.data(),
+)
+def test_a_corrupt_entry_verified_span_by_span_stops_the_load_before_any_of_its_rows(
+    factor, span_rows, data
+):
+    """On the host the rows are verified span by span as they are copied (each span
+    ``CHECK_SPAN_BYTES``): a corrupt entry anywhere, even one straddling two spans, is a
+    counted miss with the rest of the prefix, and none of its rows (nor any later one) reaches
+    a block; every entry before it arrives whole."""
+    from raykv import ops_reference
+
+    p, kv, tier, eng = rig("full", factor=factor, checksums=True, cpu_blocks=16)
+    n = 8 * factor
+    hashes = [[b"h%d" % i for i in range(n)]]
+    assert run(eng, eng.submit_store, StoreJob.build(p, "r", [list(range(1, n + 1))], hashes)).ok
+    keys = hashes[0][factor - 1 :: factor]
+    bad_key = data.draw(st.integers(0, len(keys) - 1))
+    bad_sub = data.draw(st.integers(0, factor - 1))
+    lease = tier.prepare_load([keys[bad_key]])
+    tier.rows(0)[lease.blocks[0] * tier.factor + bad_sub, 3] ^= 0x10
+    tier.finish_load(lease)
+    dst = list(range(30, 30 + n))
+    before = {b: row(kv, 0, b) for b in dst}
+    width = tier.rows(0).shape[1]
+    with mock.patch.object(ops_reference, "CHECK_SPAN_BYTES", span_rows * width):
+        res = run(eng, eng.submit_load, LoadJob.build(p, "r2", [dst], hashes))
+    assert res.ok and res.missed == tuple(keys[bad_key:])
+    good = bad_key * factor
+    assert res.job.block_ids == tuple(dst[:good])
+    for i, b in enumerate(dst):
+        assert row(kv, 0, b) == (row(kv, 0, 1 + i) if i < good else before[b])
+    assert tier.stats.checksum_errors == 1 and tier.lookup(keys) == bad_key
     tier.check_consistency()
 
 

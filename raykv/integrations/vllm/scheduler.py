@@ -1,7 +1,8 @@
 """The connector's scheduler side: how many tokens raykv adds, and what each step moves.
 
-``get_num_new_matched_tokens`` asks the service (one coordinator call, ``Client.lookup``)
-for the cluster-wide hit of the prompt beyond vLLM's own prefix cache: whole blocks, and
+``get_num_new_matched_tokens`` asks the service (``Client.lookup_lease``: the node's CPU tier
+leases its copies of the prompt's blocks beyond vLLM's own prefix cache while the coordinator
+looks the prompt up cluster-wide; one round trip) for the hit: whole blocks, and
 never the whole prompt (at most N - 1 tokens: vLLM must compute at least one token; a hit
 covering the last full block is cut to N - 1, and the load then ends mid-block: the block is
 loaded whole and vLLM rewrites its last slot). Every load is done within the step that
@@ -14,10 +15,13 @@ the worker reports it finished (``finished_recving``) or failed (``failed_recvin
 recomputes the request) in that same step's output. Either way no load is in flight between
 steps: an abort, a preemption or ``request_finished`` never meets one, and no transfer is
 reported for a request vLLM has already dropped. A request whose load failed is offered no
-more hits (it recomputes).
+more hits (it recomputes). When the node's tier holds every block the load needs, its lease
+goes to the worker with the load (no round trip there); a lease no load takes (the request
+was not scheduled, asked again, finished) is released.
 
 Saves are asynchronous: ``build_connector_meta`` asks the worker to publish every prompt
-block that this step completes; the worker copies them after the forward in the
+block that this step completes (blocks a load brought in are in the tier already: a step that
+completes no other block saves nothing); the worker copies them after the forward in the
 background. ``request_finished`` keeps a request's blocks (returns True) when any save was
 sent for it, until the worker reports it in ``finished_sending``: the worker reports every
 such request once its saves are done (or dropped), and never one it was not sent.
@@ -49,10 +53,11 @@ class _Req:
     load_blocks: tuple[tuple[int, ...], ...] = ()  # the blocks the load fills (per group)
     failed_blocks: int = 0
     failed: bool = False  # a load failed: recompute, no more hits
-    saved_tokens: int = 0  # prompt tokens already sent for saving
+    saved_tokens: int = 0  # prompt tokens already sent for saving, or loaded from the tier
     saves_sent: bool = False
     pending_load: LoadSpec | None = None
     remote: bool = True  # the last lookup found blocks on other nodes
+    lease: Any = None  # the node tier's TierLease of the last lookup, until a load takes it
 
 
 @dataclass
@@ -91,6 +96,7 @@ class RaykvScheduler:
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
+        self._release(st)  # an earlier lookup's lease: this one replaces it
         st.local_tokens, st.hit_tokens = num_computed_tokens, 0
         prompt = list(request.prompt_token_ids or ())
         n = len(prompt)
@@ -99,23 +105,38 @@ class RaykvScheduler:
         # lookup(ids) looks at the full blocks of ids[:-1]; one token more makes it see the
         # prompt's last full block too (a hit there is cut to n - 1 below)
         probe = [*prompt, 0] if n < self.layout.max_model_len else prompt
+        local = num_computed_tokens - num_computed_tokens % self.bs
         try:
-            found = self.kv.lookup(probe)
+            found, lease = self.kv.lookup_lease(probe, local)
         except Exception as e:  # the service is down or restarting: a miss, never a stall
             log.warning("raykv lookup failed (%r): computing request %s", e, request.request_id)
             return 0, False
         hit = found.hit_tokens
-        st.remote = any(not h.local or h.tier != "cpu" for h in found.where)
         self.stats.lookups += 1
         self.stats.lookup_tokens += n
         hit -= hit % self.bs
         ext = max(min(hit, n - 1) - num_computed_tokens, 0)
         st.hit_tokens = ext
+        if lease is not None and ext and lease.tokens(self.kv.plan) >= num_computed_tokens + ext:
+            st.lease, st.remote = lease, False  # the tier holds all of it: the load copies
+        else:
+            if lease is not None:
+                lease.release()
+            st.remote = any(not h.local or h.tier != "cpu" for h in found.where)
         return ext, ext > 0 and not self.sync
+
+    def _release(self, st: _Req) -> None:
+        if st.lease is not None:
+            try:
+                st.lease.release()
+            except Exception as e:  # the tier is gone, and its references with it
+                log.warning("raykv lease release failed (%r)", e)
+            st.lease = None
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._state(request)
         if num_external_tokens <= 0:  # nothing to load (or the second call, after a load)
+            self._release(st)
             return
         st.external_tokens = num_external_tokens
         local = st.local_tokens - st.local_tokens % self.bs
@@ -130,8 +151,11 @@ class RaykvScheduler:
         prompt = request.prompt_token_ids
         st.pending_load = LoadSpec(
             request.request_id, tuple(prompt[: nblocks * self.bs]), ids, skip, end,
-            sync=self.sync, remote=st.remote,
+            sync=self.sync, remote=st.remote, lease=st.lease,
         )  # fmt: skip
+        st.lease = None  # the load releases it
+        # the loaded blocks come from the tier: saving them again would find them there
+        st.saved_tokens = max(st.saved_tokens, nblocks * self.bs)
 
     def _table(self, request_id: str) -> list[list[int]]:
         """The request's block ids per raykv group (vLLM's groups reordered)."""
@@ -192,6 +216,9 @@ class RaykvScheduler:
         st = self.reqs.pop(request.request_id, None)
         if st is None or st.request is not request:
             return False, None
+        self._release(st)
+        if st.pending_load is not None and st.pending_load.lease is not None:
+            st.pending_load.lease.release()  # a load no step carried
         self.stats.hit_tokens += st.external_tokens
         params = {
             "raykv": {

@@ -9,9 +9,11 @@ one contiguous page per block and layer), registered with ``layout="block_outer"
 (NHD, ``[2, num_blocks, block_size, kv_heads, head_size]``) with ``layout="kv_outer"``.
 
 Loads run in ``start_load_kv``, all layers at once (``wait_for_layer_load`` has nothing
-left to wait for): blocks other nodes hold are pulled
-into this node's tier first (``AttachedKV.pull``: ``CpuTierActor.pull``, verified on
-arrival), then copied into vLLM's blocks (``load_into``, verified again). Blocks the tier
+left to wait for). Where the node's tier holds every block, the scheduler's lookup leased
+them already and the load is one verified copy (``load_leased``, no round trip); else blocks
+other nodes hold are pulled into this node's tier first (``AttachedKV.pull``:
+``CpuTierActor.pull``, verified on arrival), then copied into vLLM's blocks (``load_into``,
+verified again). Blocks the tier
 did not deliver (a checksum failure, an entry evicted or gone with its node) are reported
 in the same step: by block id for a synchronous load (one KV group), as ``failed_recving``
 for an asynchronous one (several groups); vLLM recomputes them, never reading wrong KV.
@@ -92,13 +94,16 @@ class RaykvWorker:
 
     def _load(self, spec: LoadSpec) -> None:
         try:  # blocks other nodes hold come to this node's tier first (verified there)
-            if spec.remote:
+            if spec.remote and spec.lease is None:
                 self.attached.pull(spec.token_ids, [len(t) for t in spec.block_ids])
         except Exception as e:  # what is local still loads; the rest is recomputed
             log.warning("raykv pull for %s failed (%r)", spec.request_id, e)
-        try:
-            got = self.attached.load_into(spec.token_ids, [list(t) for t in spec.block_ids],
-                                          list(spec.skip))  # fmt: skip
+        tables, skip = [list(t) for t in spec.block_ids], list(spec.skip)
+        try:  # with the scheduler's lease: no round trip; without: lease, then copy
+            if spec.lease is not None:
+                got = self.attached.load_leased(spec.lease, tables, skip)
+            else:
+                got = self.attached.load_into(spec.token_ids, tables, skip)
         except Exception as e:  # the tier is gone or restarting: nothing was loaded
             log.warning("raykv load of %s failed (%r): vLLM recomputes it", spec.request_id, e)
             got = 0
@@ -121,6 +126,8 @@ class RaykvWorker:
         """Submit this step's saves. A request whose load missed blocks this step saves only
         the blocks before the first miss: the rest hold stale bytes (and this step's tokens
         were computed over them), and must never be published."""
+        if self.attached is not None:  # this step's loads' lease releases, off the step's path
+            self.inflight.append(self.pool.submit(self.attached.send))
         staged, self.staged = self.staged, []
         cut, self.cut = self.cut, {}
         for spec in staged:
