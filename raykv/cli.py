@@ -382,12 +382,13 @@ def bench_blocks(
 @bench.command("service")
 @click.option("--quick", is_flag=True, help="Fewer repetitions and blocks (a smoke run).")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-def bench_service(quick: bool, as_json: bool) -> None:
+@click.option("--lookup-only", is_flag=True, help="Only the lookups (and hashing), no data moving.")
+def bench_service(quick: bool, as_json: bool, lookup_only: bool) -> None:
     """Lookup rate / p50 / p99 for 32k-token prompts; the object-store transport's GB/s next to
     a raw Ray put/get; engine<->tier store/load through shared memory next to a plain copy."""
     from raykv.bench.service import main as run_service
 
-    run_service(quick=quick, as_json=as_json)
+    run_service(quick=quick, as_json=as_json, lookup_only=lookup_only)
 
 
 @bench.command("vllm")

@@ -48,6 +48,7 @@ from raykv.service.spec import (
     check_int,
     check_request_id,
     check_token_ids,
+    token_id_array,
 )
 
 RETRY_S = 60.0
@@ -198,7 +199,7 @@ class _Base:
         least one token is left to compute)."""
         from raykv.blocks import BlockHasher
 
-        ids = check_token_ids(token_ids, plan.max_model_len, name)
+        ids = token_id_array(token_ids, plan.max_model_len, name)
         limit = max(len(ids) - 1, 0)
         hasher = BlockHasher(plan.hash_block_size)
         return ids, limit, hasher.hash_blocks(ids, end_block=limit // hasher.hash_block_size)

@@ -374,7 +374,9 @@ def format_dataplane(r: dict[str, Any]) -> list[str]:
     return lines
 
 
-def run(quick: bool = False, echo: Callable[[str], None] = print) -> dict[str, Any]:
+def run(
+    quick: bool = False, echo: Callable[[str], None] = print, lookup_only: bool = False
+) -> dict[str, Any]:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
     from ray.cluster_utils import Cluster
@@ -395,6 +397,8 @@ def run(quick: bool = False, echo: Callable[[str], None] = print) -> dict[str, A
         a_node, b_node = cluster.head_node.node_id, worker.node_id
         echo("lookups of 32k-token prompts ...")
         lookup = _lookup_bench(kv, a_node, b_node, 32768, 20 if quick else 200)
+        if lookup_only:
+            return {"lookup": lookup, "quick": quick}
         echo("cross-node loads through the object store ...")
         bw = _bandwidth_bench(kv, a_node, b_node, 32 if quick else 256, 2 if quick else 5)
         echo("raw Ray put/get of the same bytes across nodes ...")
@@ -439,8 +443,8 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(quick: bool = False, as_json: bool = False) -> None:
+def main(quick: bool = False, as_json: bool = False, lookup_only: bool = False) -> None:
     import click
 
-    r = run(quick=quick, echo=lambda s: click.echo(s, err=True))
+    r = run(quick=quick, echo=lambda s: click.echo(s, err=True), lookup_only=lookup_only)
     click.echo(json.dumps(r, indent=2) if as_json else format_report(r))

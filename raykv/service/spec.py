@@ -8,10 +8,14 @@ plain rows of bytes. ``tp_size`` ranks of one engine instance form one TP group:
 
 from __future__ import annotations
 
+import array
 import operator
 from collections.abc import Hashable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from raykv.blocks.hashing import token_array
 from raykv.errors import ConfigError, InvalidInput
 from raykv.layout.specs import KVSpec
 
@@ -163,6 +167,9 @@ def check_block_ids(block_ids: object) -> list:
     return out
 
 
+_TOKEN_FIX = "pass the prompt's token ids as a sequence of integers (a list or an integer array)"
+
+
 def check_token_ids(
     token_ids: Sequence[int], max_model_len: int | None = None, model: str = ""
 ) -> list[int]:
@@ -170,10 +177,9 @@ def check_token_ids(
     A sequence, array or tensor of integers: floats are refused, not truncated (1.5 is no
     token id); bools, mappings (a dict would give its keys), sets and strings are refused.
     ``max_model_len`` None: no length check (the pool makes it)."""
-    fix = "pass the prompt's token ids as a sequence of integers (a list or an integer array)"
     dtype = getattr(token_ids, "dtype", None)
     if dtype is not None and ("int" not in str(dtype) or "bool" in str(dtype)):
-        raise InvalidInput(f"token ids must have an integer dtype, got {dtype}; {fix}")
+        raise InvalidInput(f"token ids must have an integer dtype, got {dtype}; {_TOKEN_FIX}")
     if dtype is not None and hasattr(token_ids, "tolist"):
         token_ids = token_ids.tolist()  # a tensor or array: one conversion, not one per id
     if isinstance(token_ids, (str, bytes, bytearray, Mapping, Set)) or not isinstance(
@@ -181,19 +187,54 @@ def check_token_ids(
     ):
         raise InvalidInput(
             f"token ids must be a sequence of integers, got {_bad(token_ids)} "
-            f"({type(token_ids).__name__}); {fix}"
+            f"({type(token_ids).__name__}); {_TOKEN_FIX}"
         )
     ids = list(token_ids)
     if set(map(type, ids)) - {int}:  # anything but a plain list of ints: check each id
-        ids = [check_int(t, f"token id at position {i}", fix) for i, t in enumerate(ids)]
-    if max_model_len is not None and len(ids) > max_model_len:
-        raise InvalidInput(
-            f"{len(ids)} token ids exceed model {model!r}'s max_model_len={max_model_len}; "
-            "truncate the prompt or serve the model with a larger max_model_len"
-        )
+        ids = [check_int(t, f"token id at position {i}", _TOKEN_FIX) for i, t in enumerate(ids)]
+    _check_length(len(ids), max_model_len, model)
     if ids and min(ids) < 0:
         raise InvalidInput(f"token ids must be >= 0, got {min(ids)}")
     return ids
+
+
+def _check_length(n: int, max_model_len: int | None, model: str) -> None:
+    if max_model_len is not None and n > max_model_len:
+        raise InvalidInput(
+            f"{n} token ids exceed model {model!r}'s max_model_len={max_model_len}; "
+            "truncate the prompt or serve the model with a larger max_model_len"
+        )
+
+
+def token_id_array(
+    token_ids: Sequence[int], max_model_len: int | None = None, model: str = ""
+) -> np.ndarray:
+    """``check_token_ids`` for hashing (a lookup): the same checks and InvalidInput errors,
+    plus the hasher's int64 range, giving one int64 array and no list.
+
+    A list of ints (the usual prompt) becomes an array in one C pass (``array("Q")``: a
+    float, a string or a negative id stops it) and a 1-D integer numpy array is used as it
+    is; numpy then checks them. Of the ids that pass, only those equal to 0 or 1 can be
+    bools (refused, as ``check_int`` refuses them), so only those are looked at one by one.
+    Anything else, and anything refused, goes through ``check_token_ids``, which names the
+    offending id."""
+    arr = None
+    if isinstance(token_ids, list):
+        try:
+            arr = np.frombuffer(array.array("Q", token_ids), np.uint64)
+        except (TypeError, OverflowError):
+            pass
+        else:
+            for i in np.flatnonzero(arr <= 1).tolist():
+                check_int(token_ids[i], f"token id at position {i}", _TOKEN_FIX)
+    elif isinstance(token_ids, np.ndarray) and token_ids.dtype.kind in "iu" and token_ids.ndim == 1:
+        arr = token_ids
+    if arr is None:
+        return token_array(check_token_ids(token_ids, max_model_len, model))
+    _check_length(arr.size, max_model_len, model)
+    if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
+        raise InvalidInput(f"token ids must be >= 0, got {int(arr.min())}")
+    return token_array(arr)
 
 
 class StoreResult(int):
