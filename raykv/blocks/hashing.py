@@ -83,8 +83,7 @@ def token_array(token_ids: Any, start: int = 0, stop: int | None = None) -> np.n
                 ) from None
     if a.dtype.kind == "u" and a.dtype.itemsize == 8 and a.size and int(a.max()) >= 1 << 63:
         raise InvalidInput(
-            f"token ids must be integers in the int64 range, got {int(a.max())}; "
-            "nothing was hashed"
+            f"token ids must be integers in the int64 range, got {int(a.max())}; nothing was hashed"
         )
     return a.view("<i8") if a.dtype == "<u8" else a.astype("<i8", copy=False)
 
