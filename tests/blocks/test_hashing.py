@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raykv.blocks import BlockHasher
-from raykv.blocks.hashing import DIGEST_BYTES, split_hashes
+from raykv.blocks.hashing import DIGEST_BYTES, HASH_VERSION, split_hashes
 from raykv.errors import InvalidInput
 
 TOKENS = [1, 2, 3, 2**40, -5, 0, 7, 8, 9, 10, 11]
@@ -196,3 +196,53 @@ def test_split_hashes_cuts_a_joined_chain():
         BlockHasher(2).hash_blocks([1, 2.5])
     with pytest.raises(InvalidInput):
         BlockHasher(2).hash_blocks(np.array([2**63, 1], dtype=np.uint64))
+
+
+def _enc_int(v: int) -> bytes:  # the hasher's tagged, length-prefixed int
+    raw = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x01" + len(raw).to_bytes(4, "little") + raw
+
+
+def _reference_chain(tokens: list[int], bs: int, seed: int, lora: int | None) -> list[bytes]:
+    """The hash definition (module docstring) written out plainly, one block at a time."""
+    import hashlib
+    import struct
+
+    prev = hashlib.sha256(HASH_VERSION + _enc_int(bs) + _enc_int(seed)).digest()
+    tail = b"\x00\x00" if lora is None else _enc_int(lora) + b"\x00"
+    out = []
+    for i in range(len(tokens) // bs):
+        block = tokens[i * bs : (i + 1) * bs]
+        if all(0 <= t < 2**32 for t in block):
+            row = b"\x05" + struct.pack(f"<{bs}I", *block)
+        else:
+            row = b"\x06" + struct.pack(f"<{bs}q", *block)
+        prev = hashlib.sha256(prev + row + tail).digest()
+        out.append(prev)
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    tokens=st.lists(
+        st.one_of(
+            st.integers(0, 200_000),
+            st.integers(0, 2**32 - 1),
+            st.integers(-(2**63), 2**63 - 1),
+        ),
+        max_size=400,
+    ),
+    bs=st.integers(1, 20),
+    seed=st.integers(-3, 3),
+    lora=st.one_of(st.none(), st.integers(0, 5)),
+)
+def test_the_fast_paths_hash_as_the_plain_chained_sha256(tokens, bs, seed, lora):
+    """Invariant 10's hash, whichever way the tokens arrive (a list: ``array("Q")`` or, with
+    a negative id, ``struct``; an int64 / uint64 array; a few blocks or many): the same
+    chained sha256 as the definition computed block by block."""
+    want = _reference_chain(tokens, bs, seed, lora)
+    h = BlockHasher(bs, seed=seed)
+    assert h.hash_blocks(tokens, lora_id=lora) == want
+    assert h.hash_blocks(np.array(tokens, dtype=np.int64), lora_id=lora) == want
+    if all(t >= 0 for t in tokens):
+        assert h.hash_blocks(np.array(tokens, dtype=np.uint64), lora_id=lora) == want

@@ -24,6 +24,7 @@ from raykv.service.spec import (
     check_int,
     check_request_id,
     check_token_ids,
+    token_id_array,
 )
 
 BS, ROW = 16, 2 * 16 * 1 * 16 * 4  # one layer: K,V x 16 tokens x 1 head x 16 x 4 bytes
@@ -101,6 +102,40 @@ def test_check_token_ids_accepts_exactly_lists_of_non_negative_integers(ids) -> 
             assert repr(bad[1])[:40] in str(e.value)
         else:
             assert "must be >= 0" in str(e.value)
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except InvalidInput as e:
+        return InvalidInput, str(e)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.lists(values, max_size=6),
+        # mostly good ids, sometimes 0/1 (where a bool may hide), a bad one anywhere
+        st.lists(
+            st.one_of(st.integers(0, 2**20), st.sampled_from([0, 1, True, False])), max_size=40
+        ),
+        st.lists(st.integers(0, 2**65), max_size=6),
+        st.lists(st.integers(-3, 3), max_size=6).map(np.array),
+        st.lists(st.integers(0, 2**64 - 1), max_size=6).map(lambda x: np.array(x, np.uint64)),
+    ),
+    st.one_of(st.none(), st.integers(0, 8)),
+)
+def test_token_id_array_checks_as_check_token_ids_does(ids, max_len) -> None:
+    """The lookup's fast check is ``check_token_ids`` then the hasher's int64 range: the
+    same ids (as one int64 array) or the same InvalidInput message."""
+    got = _outcome(token_id_array, ids, max_len, "m")
+    want = _outcome(check_token_ids, ids, max_len, "m")
+    if isinstance(want, tuple):
+        assert got == want
+    elif any(t >= 2**63 for t in want):  # an id past int64 cannot be hashed
+        assert isinstance(got, tuple) and "int64 range" in got[1]
+    else:
+        assert got.dtype == np.int64 and got.tolist() == want
 
 
 @pytest.mark.parametrize(
