@@ -176,13 +176,8 @@ class BlockHasher:
             rows = _rows(tokens.reshape(last - first_block, bs), tail)
         if first_block == 0 and cache_salt is not None:  # the salt enters the first block
             rows[0] = rows[0][:-1] + _encode(cache_salt)
-        prev = self.root if first_block == 0 else parent
-        out: list[BlockHash] = []
-        append, sha = out.append, hashlib.sha256
-        for row in rows:
-            prev = sha(prev + row).digest()
-            append(prev)
-        return out
+        prev, sha = self.root if first_block == 0 else parent, hashlib.sha256
+        return [prev := sha(prev + row).digest() for row in rows]
 
 
 def split_hashes(blob: bytes, every: int = 1) -> list[BlockHash]:
