@@ -208,6 +208,15 @@ def test_bench_service_quick(home) -> None:
     assert r["object_store"]["gb_per_s"] > 0
 
 
+def test_bench_service_lookup_only(home) -> None:
+    args = ["bench", "service", "--quick", "--lookup-only", "--json"]
+    out = run([], RAYKV, *args, env=plain_env(home))
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert set(r) == {"lookup", "quick"} and r["lookup"]["hit"]["hit_tokens"] == 32768
+    assert r["lookup"]["hashing_ms"] > 0 and r["lookup"]["ping"]["p50_ms"] > 0
+
+
 def test_a_killed_up_leaves_nothing_unrecorded(host, home) -> None:
     """`raykv up` killed while its head starts: the next `up` takes over (joins that head or
     replaces it) and `down` ends every process either one started."""
