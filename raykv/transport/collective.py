@@ -13,25 +13,26 @@ Under Ray each GPU actor sees its own GPU as the current CUDA device (``cuda:0``
 ``CUDA_VISIBLE_DEVICES``); nothing here assumes a global index.
 
 A batch crosses as a few large messages (``raykv.transport.wire``: chunks of rows that
-double in size, then one message of their wire sums; never one per block), pipelined: the sender's
-paged-copy kernel gathers chunk k+1 (taking each row's wire sum as it copies) while chunk k
-is on the wire, and the receiver scatters chunk k into its blocks (recomputing the sums as
-it copies) while chunk k+1 arrives. On a GPU every step is queued on CUDA streams in one go
-(from C++ where the kernel extension has the NCCL pipeline, ``kernels/wire_pipeline.cpp``;
-the receiver's copies on a side stream of its own, so a peer that never sends cannot stall
-the pool's stream) and the host waits once per batch. Only the leading rows whose sums match
-become valid (a corrupt row ends the batch there; the rest are misses, counted by the
-caller). Where the rows are in host memory (gloo) the xxh3 checksums they were stored with
-are checked too; on a GPU they travel with the blocks and are not recomputed (xxh3 runs on
-the host: a 2 GiB batch would cross PCIe twice).
+double in size, then one message of their wire sums; never one per block), pipelined: the
+sender's paged-copy kernel gathers chunk k+1 (taking each row's wire sum as it copies) while
+chunk k is on the wire, and the receiver scatters chunk k into its blocks (recomputing the
+sums as it copies) while chunk k+1 arrives. On a GPU every step is queued on CUDA streams in
+one go (from C++ where the kernel extension has the NCCL pipeline,
+``kernels/wire_pipeline.cpp``; the receiver's copies on a side stream of its own, so a peer
+that never sends cannot stall the pool's stream) and the host waits once per batch. Only the
+leading rows whose sums match become valid (a corrupt row ends the batch there; the rest are
+misses, counted by the caller). Where the rows are in host memory (gloo) the xxh3 checksums
+they were stored with are checked too; on a GPU they travel with the blocks and are not
+recomputed (xxh3 runs on the host: a 2 GiB batch would cross PCIe twice).
 
 Operations of one pair run in order on one thread of their own (NCCL and gloo point-to-point
-ops match in issue order, and both ends issue the same messages per batch), never on the actor's event
-loop, and every wait is bounded (``timeout_s``): a peer that dies or never answers ends as
-``TransportError`` and the pair's group is aborted; the caller bumps the generation, so the
-next batch forms a fresh group instead of reusing a broken one. A pair's first batch runs on
-its thread (forming the group blocks until both ends join); once its NCCL communicator is up
-later batches are issued straight from the event loop and their completion is polled.
+ops match in issue order, and both ends issue the same messages per batch), never on the
+actor's event loop, and every wait is bounded (``timeout_s``): a peer that dies or never
+answers ends as ``TransportError`` and the pair's group is aborted; the caller bumps the
+generation, so the next batch forms a fresh group instead of reusing a broken one. A pair's
+first batch runs on its thread (forming the group blocks until both ends join); once its
+NCCL communicator is up later batches are issued straight from the event loop and their
+completion is polled.
 """
 
 from __future__ import annotations
