@@ -152,7 +152,30 @@ cudaError_t launch(int num_ctas, cudaStream_t stream, const RaykvSegment* segs, 
   return cudaGetLastError();
 }
 
+// One CTA: the smallest i with got[i] != sent[i] (n where none differs) to *out.
+__global__ void __launch_bounds__(kThreads)
+    leading_matches_kernel(const int64_t* __restrict__ got, const int64_t* __restrict__ sent,
+                           int64_t n, int64_t* __restrict__ out) {
+  __shared__ unsigned long long first;
+  if (threadIdx.x == 0) first = static_cast<unsigned long long>(n);
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    if (got[i] != sent[i]) {  // this thread's later rows cannot come first
+      atomicMin(&first, static_cast<unsigned long long>(i));
+      break;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *out = static_cast<int64_t>(first);
+}
+
 }  // namespace
+
+extern "C" int raykv_leading_matches(const int64_t* got, const int64_t* sent, int64_t n,
+                                     int64_t* out, cudaStream_t stream) {
+  leading_matches_kernel<<<1, kThreads, 0, stream>>>(got, sent, n, out);
+  return cudaGetLastError();
+}
 
 extern "C" int raykv_paged_copy(const RaykvSegment* segs, int num_segs, const int64_t* block_ids,
                                 int64_t num_rows, void* rows, int64_t row_bytes, int gather,

@@ -73,7 +73,8 @@ bool available() { return nccl().send != nullptr && nccl().recv != nullptr; }
 
 // Sender. The batch buffer is [rows: n x width | sums: n x int64] at rows_ptr. gather: gather
 // each chunk on the current stream (taking its sums), else the rows are already there. Every
-// message goes out on `wire` (rows chunks in order, then the sums), each behind its gather.
+// message goes out on `wire` (rows chunks in order, the last with the sums behind its rows),
+// each behind its gather.
 void send(int64_t comm, int64_t peer, const torch::Tensor& segs, const torch::Tensor& ids,
           int64_t rows_ptr, int64_t width, std::vector<int64_t> counts, bool gather,
           int64_t ctas, int64_t wire_handle) {
@@ -87,78 +88,84 @@ void send(int64_t comm, int64_t peer, const torch::Tensor& segs, const torch::Te
   const int64_t* id = ids.data_ptr<int64_t>();
   if (gather) C10_CUDA_CHECK(cudaMemsetAsync(sums, 0, n * sizeof(int64_t), compute));
   order(compute, wire);
+  int64_t total = 0;
+  for (const int64_t c : counts) total += c;
+  TORCH_CHECK(total == n, "raykv wire pipeline: chunks cover ", total, " of ", n, " rows");
   int64_t start = 0;
   for (const int64_t c : counts) {
     if (gather) {
       copy(segs, id + start, c, rows + start * width, width, true, ctas, sums + start, compute);
       order(compute, wire);
     }
-    check_nccl(nccl().send(rows + start * width, c * width, kNcclUint8, static_cast<int>(peer),
+    const bool last = start + c == n;  // its sums are complete: every chunk is gathered
+    const int64_t bytes = c * width + (last ? n * static_cast<int64_t>(sizeof(int64_t)) : 0);
+    check_nccl(nccl().send(rows + start * width, bytes, kNcclUint8, static_cast<int>(peer),
                            reinterpret_cast<void*>(comm), wire),
                "ncclSend");
     start += c;
   }
-  TORCH_CHECK(start == n, "raykv wire pipeline: chunks cover ", start, " of ", n, " rows");
-  check_nccl(nccl().send(sums, n * sizeof(int64_t), kNcclUint8, static_cast<int>(peer),
-                         reinterpret_cast<void*>(comm), wire),
-             "ncclSend");
 }
 
 // Receiver, into the same buffer layout: every message posted on `wire` at once; each chunk
-// scattered on the current stream (its sums recomputed into got_ptr) once it is in, and passed
-// on to each forward communicator (rank 1 there) on `forward` as it arrives. The current stream
-// ends after the sums arrived and every chunk was scattered.
+// scattered on `compute` (its sums recomputed into got_ptr[0..n)) once it is in, and passed on
+// to each forward communicator (rank 1 there) on `forward` as it arrives. Then the count of
+// leading rows whose recomputed sums equal the received ones goes to got_ptr[n] and from there
+// to good_ptr (pinned host memory). `compute` ends after all of that.
 void recv(int64_t comm, int64_t peer, const torch::Tensor& segs, const torch::Tensor& ids,
-          int64_t rows_ptr, int64_t width, int64_t got_ptr, std::vector<int64_t> counts,
-          int64_t ctas, int64_t wire_handle, std::vector<int64_t> forward_comms,
-          int64_t forward_handle) {
+          int64_t rows_ptr, int64_t width, int64_t got_ptr, int64_t good_ptr,
+          std::vector<int64_t> counts, int64_t ctas, int64_t compute_handle, int64_t wire_handle,
+          std::vector<int64_t> forward_comms, int64_t forward_handle) {
   TORCH_CHECK(available(), "raykv wire pipeline: ncclSend/ncclRecv not found in this process");
   const c10::cuda::CUDAGuard guard(segs.device());
-  const cudaStream_t compute = c10::cuda::getCurrentCUDAStream().stream();
+  const cudaStream_t compute = as_stream(compute_handle);
   const cudaStream_t wire = as_stream(wire_handle);
   const cudaStream_t forward = as_stream(forward_handle);
   char* rows = reinterpret_cast<char*>(rows_ptr);
   const int64_t n = ids.numel();
-  char* sums = rows + n * width;
+  const int64_t sum_bytes = n * static_cast<int64_t>(sizeof(int64_t));
   int64_t* got = reinterpret_cast<int64_t*>(got_ptr);
   const int64_t* id = ids.data_ptr<int64_t>();
-  C10_CUDA_CHECK(cudaMemsetAsync(got, 0, n * sizeof(int64_t), compute));
+  int64_t total = 0;
+  for (const int64_t c : counts) total += c;
+  TORCH_CHECK(total == n, "raykv wire pipeline: chunks cover ", total, " of ", n, " rows");
+  C10_CUDA_CHECK(cudaMemsetAsync(got, 0, sum_bytes, compute));
   order(compute, wire);  // the buffer is free to land in
   std::vector<cudaEvent_t> arrived;
-  auto post = [&](char* at, int64_t bytes) {
-    check_nccl(nccl().recv(at, bytes, kNcclUint8, static_cast<int>(peer),
+  std::vector<int64_t> message_bytes;
+  int64_t start = 0;
+  for (const int64_t c : counts) {  // the last message brings the sums behind its rows
+    const int64_t bytes = c * width + (start + c == n ? sum_bytes : 0);
+    check_nccl(nccl().recv(rows + start * width, bytes, kNcclUint8, static_cast<int>(peer),
                            reinterpret_cast<void*>(comm), wire),
                "ncclRecv");
     cudaEvent_t ev;
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
     C10_CUDA_CHECK(cudaEventRecord(ev, wire));
     arrived.push_back(ev);
-  };
-  int64_t start = 0;
-  for (const int64_t c : counts) {
-    post(rows + start * width, c * width);
+    message_bytes.push_back(bytes);
     start += c;
   }
-  TORCH_CHECK(start == n, "raykv wire pipeline: chunks cover ", start, " of ", n, " rows");
-  post(sums, n * sizeof(int64_t));
-  auto pass_on = [&](size_t k, char* at, int64_t bytes) {
-    if (forward_comms.empty()) return;
-    C10_CUDA_CHECK(cudaStreamWaitEvent(forward, arrived[k], 0));
-    for (const int64_t f : forward_comms) {
-      check_nccl(nccl().send(at, bytes, kNcclUint8, 1, reinterpret_cast<void*>(f), forward),
-                 "ncclSend (forward)");
-    }
-  };
   start = 0;
   for (size_t k = 0; k < counts.size(); ++k) {
     C10_CUDA_CHECK(cudaStreamWaitEvent(compute, arrived[k], 0));
-    pass_on(k, rows + start * width, counts[k] * width);
+    if (!forward_comms.empty()) {
+      C10_CUDA_CHECK(cudaStreamWaitEvent(forward, arrived[k], 0));
+      for (const int64_t f : forward_comms) {
+        check_nccl(nccl().send(rows + start * width, message_bytes[k], kNcclUint8, 1,
+                               reinterpret_cast<void*>(f), forward),
+                   "ncclSend (forward)");
+      }
+    }
     copy(segs, id + start, counts[k], rows + start * width, width, false, ctas, got + start,
          compute);
     start += counts[k];
   }
-  C10_CUDA_CHECK(cudaStreamWaitEvent(compute, arrived.back(), 0));
-  pass_on(arrived.size() - 1, sums, n * sizeof(int64_t));
+  const cudaError_t err = static_cast<cudaError_t>(raykv_leading_matches(
+      got, reinterpret_cast<const int64_t*>(rows + n * width), n, got + n, compute));
+  TORCH_CHECK(err == cudaSuccess, "raykv leading_matches launch failed: ",
+              cudaGetErrorString(err));
+  C10_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(good_ptr), got + n, sizeof(int64_t),
+                                 cudaMemcpyDeviceToHost, compute));
   if (!forward_comms.empty()) order(forward, compute);  // done once the copies went on too
   for (cudaEvent_t ev : arrived) C10_CUDA_CHECK(cudaEventDestroy(ev));
 }

@@ -12,7 +12,10 @@
   send/recv per block. With ``--tp N`` also an MLA-like layout (one copy per TP group): it
   crosses once, rank 0 to rank 0, and B's rank 0 passes it on to its other ranks; the wire
   bytes are one copy. Timed on the receivers: ``rounds`` of ``burst`` back-to-back batches
-  after a barrier, median round; GB/s of payload (the rows) per rank pair. The reader's one
+  after a barrier, median round; GB/s of payload (the rows) per rank pair. *raykv* waits for
+  each batch before it issues the next (one load at a time); *in flight* issues the burst's
+  batches back to back and then waits for them together (several loads at once, as the
+  contiguous sends are queued one after another without a host wait). The reader's one
   control round trip (a Ray actor call, ~1 ms) is not in these numbers. ``--cpu-smoke``
   runs the same processes with gloo on the CPU (a check of the bench, not a measurement).
 """
@@ -138,6 +141,24 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
             feed, fwd = pair(f"A{r}", me), []
         return loop.run_until_complete(coll.recv_batch(feed, entries, dst_ids, width, None, fwd))
 
+    def in_flight(layout: str, burst: int) -> int:
+        """``burst`` batches issued back to back, then awaited together (several requests'
+        loads at once): every batch is issued before the first one is waited for."""
+        if layout == "mla" and a and r:
+            return 0
+        if a:
+            sends = [
+                coll.start_send(pair(me, f"B{r}"), entries, src_ids, width) for _ in range(burst)
+            ]
+            return loop.run_until_complete(_together(sends))
+        if layout == "mla":
+            feed = pair("A0", "B0") if r == 0 else pair("B0", me)
+            fwd = [pair("B0", f"B{x}") for x in range(1, cfg.tp)] if r == 0 else []
+        else:
+            feed, fwd = pair(f"A{r}", me), []
+        recvs = [coll.recv_batch(feed, entries, dst_ids, width, None, fwd) for _ in range(burst)]
+        return loop.run_until_complete(_together(recvs))
+
     def contiguous(layout: str) -> None:
         if layout == "mla" and r:
             return
@@ -160,25 +181,37 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
         world.allreduce([torch.zeros(1)]).wait()
 
     layouts = ["split", "mla"] if cfg.tp > 1 else ["split"]
-    methods = {"raykv": raykv, "contiguous": contiguous}
+
+    def one_by_one(fn):
+        def batches(layout: str, burst: int):
+            for _ in range(burst):
+                got = fn(layout)
+            return got
+
+        return batches
+
+    methods = {
+        "raykv": one_by_one(raykv),
+        "in_flight": in_flight,
+        "contiguous": one_by_one(contiguous),
+    }
     if cfg.tp == 1:
-        methods["per_block"] = per_block
+        methods["per_block"] = one_by_one(per_block)
     out: dict = {"device": torch.cuda.get_device_name(device) if cfg.cuda else "cpu"}
     for layout in layouts:
         for name, fn in methods.items():
             burst = 2 if name == "per_block" else cfg.burst
             barrier()
-            fn(layout)  # warm: forms the pair's communicator
+            fn(layout, 1)  # warm: forms the pair's communicator
             sync()
             times = []
             for _ in range(cfg.rounds):
                 barrier()
                 t0 = time.perf_counter()
-                for _ in range(burst):
-                    got = fn(layout)
+                got = fn(layout, burst)
                 sync()
                 times.append((time.perf_counter() - t0) / burst)
-                if name == "raykv" and not a:
+                if name in ("raykv", "in_flight") and not a:
                     out.setdefault(f"{layout}/good", []).append(got)
             out[f"{layout}/{name}"] = statistics.median(times)
         if not a:  # every byte B holds now equals A's (its rank's copy, rank 0's for MLA)
@@ -190,6 +223,11 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
     barrier()
     coll.close()
     return out
+
+
+async def _together(batches: list) -> int:
+    """Awaits every batch (started in order), returns the last one's result."""
+    return (await asyncio.gather(*batches))[-1]
 
 
 def _phases(sender: bool, cfg: NcclConfig, entries, ids, width: int, sync) -> dict:
@@ -285,6 +323,7 @@ def nccl_report(cfg: NcclConfig, results: dict) -> dict:
             return payload / max(b[key] for b in readers) / 1e9  # the slowest receiver
 
         raykv, contig, per_block = rate("raykv"), rate("contiguous"), rate("per_block")
+        in_flight = rate("in_flight")
         rows.append({
             "layout": layout,
             "tp": cfg.tp,
@@ -296,6 +335,8 @@ def nccl_report(cfg: NcclConfig, results: dict) -> dict:
             "contiguous": contig,
             "per_block": per_block,
             "raykv_vs_contiguous": raykv / contig if contig else None,
+            "in_flight": in_flight,
+            "in_flight_vs_contiguous": in_flight / contig if contig and in_flight else None,
             "raykv_vs_per_block": raykv / per_block if per_block else None,
             "equal": all(b[f"{layout}/equal"] for b in readers),
             "all_blocks": all(g == cfg.blocks for b in readers for g in b[f"{layout}/good"]),
@@ -311,9 +352,10 @@ def nccl_format(report: dict) -> str:
         f"{report['rows'][0]['block_kib']} KiB per rank pair, GB/s of payload (median of "
         f"{cfg['rounds']} rounds of {cfg['burst']} batches); target raykv >= "
         f"{NCCL_TARGET} x contiguous",
-        "| layout | tp | MiB per pair | MiB on the wire | raykv | contiguous | per-block | "
-        "raykv / contiguous | raykv / per-block | bytes equal |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| layout | tp | MiB per pair | MiB on the wire | raykv | raykv in flight | contiguous "
+        "| per-block | raykv / contiguous | in flight / contiguous | raykv / per-block "
+        "| bytes equal |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def f(x: float | None, d: int = 2) -> str:
@@ -323,8 +365,9 @@ def nccl_format(report: dict) -> str:
         ok = "yes" if r["equal"] and r["all_blocks"] else "NO"
         lines.append(
             f"| {r['layout']} | {r['tp']} | {r['mib_per_pair']:.0f} | {r['wire_mib']:.0f} | "
-            f"{f(r['raykv'])} | {f(r['contiguous'])} | {f(r['per_block'])} | "
-            f"{f(r['raykv_vs_contiguous'], 3)} | {f(r['raykv_vs_per_block'])} | {ok} |"
+            f"{f(r['raykv'])} | {f(r.get('in_flight'))} | {f(r['contiguous'])} | "
+            f"{f(r['per_block'])} | {f(r['raykv_vs_contiguous'], 3)} | "
+            f"{f(r.get('in_flight_vs_contiguous'), 3)} | {f(r['raykv_vs_per_block'])} | {ok} |"
         )
     if report.get("phases"):
         lines.append(

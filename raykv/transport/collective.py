@@ -13,7 +13,7 @@ Under Ray each GPU actor sees its own GPU as the current CUDA device (``cuda:0``
 ``CUDA_VISIBLE_DEVICES``); nothing here assumes a global index.
 
 A batch crosses as a few large messages (``raykv.transport.wire``: chunks of rows that
-double in size, then one message of their wire sums; never one per block), pipelined: the
+double in size, the last one with every row's wire sum; never one per block), pipelined: the
 sender's paged-copy kernel gathers chunk k+1 (taking each row's wire sum as it copies) while
 chunk k is on the wire, and the receiver scatters chunk k into its blocks (recomputing the
 sums as it copies) while chunk k+1 arrives. On a GPU every step is queued on CUDA streams in
@@ -382,14 +382,18 @@ class Collective:
         ids.numpy()[:] = block_ids
         return ids
 
-    def _side(self) -> contextlib.AbstractContextManager:
-        """The receiver's stream: its own (after what the pool queued so far) on a GPU."""
-        if self.device.type != "cuda":
-            return contextlib.nullcontext()
+    def _side_stream(self) -> Any:
+        """The receiver's own stream (GPU), after what the pool queued so far."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self._stream)
+        return self._stream
+
+    def _side(self) -> contextlib.AbstractContextManager:
+        """The receiver's stream as the current one on a GPU (nothing on the CPU)."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._side_stream())
 
     def start_send(
         self, pair: Pair, entries: Sequence[torch.Tensor], block_ids: Sequence[int], width: int
@@ -401,7 +405,6 @@ class Collective:
         ids = self._host_ids(block_ids)
         buf = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
         rows, sums = plan.split(buf)
-        messages = plan.messages(buf)
         native = self._native(entries, ids, rows, scatter=False)
 
         def send(pg: Any, msg: torch.Tensor) -> Any:
@@ -425,18 +428,18 @@ class Collective:
             if native is not None and self._comms.get(pair):
                 return enqueue(self._comms[pair], True)
             works: list[Any] = []
+            messages = plan.messages(buf)
 
-            def each(start: int, count: int) -> None:
+            def each(start: int, count: int) -> None:  # the last message: rows and sums
                 works.append(send(pgs[0], messages[len(works)]))
 
             ops.gather_blocks(entries, ids, rows, sums=sums, chunks=plan.counts, each=each)
-            works.append(send(pgs[0], messages[-1]))
             return _Pending(works, None, [buf, ids])
 
         def sends(pgs: list[Any]) -> _Pending:
             if native is not None and self._comms.get(pair):
                 return enqueue(self._comms[pair], False)
-            return _Pending([send(pgs[0], m) for m in messages], None, [buf, ids])
+            return _Pending([send(pgs[0], m) for m in plan.messages(buf)], None, [buf, ids])
 
         if self._warm([pair]):
             done = self._issue([pair], pipelined, True)
@@ -468,23 +471,21 @@ class Collective:
         ids = self._host_ids(block_ids)
         buf = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
         rows, wire_sums = plan.split(buf)
-        messages = plan.messages(buf)
-        got = torch.empty(plan.n, dtype=torch.int64, device=self.device)
+        # the recomputed sums, and one more word: the C++ pipeline's count of intact rows
+        got = torch.empty(plan.n + 1, dtype=torch.int64, device=self.device)
         good = torch.empty(1, dtype=torch.int64, pin_memory=cuda)
-
         native = self._native(entries, ids, rows, scatter=True)
 
         def enqueue(comm: int, forwards: list[int]) -> _Pending:  # the C++ pipeline
             wire, fwd_stream = self._streams()
-            with self._side():
-                native.module.wire_recv(
-                    comm, 0, native.table, native.ids, buf.data_ptr(), width, got.data_ptr(),
-                    list(plan.counts), native.ctas, wire.cuda_stream, forwards,
-                    fwd_stream.cuda_stream,
-                )  # fmt: skip
-                good.copy_(leading_matches(got, wire_sums), non_blocking=True)
-                done = torch.cuda.Event()
-                done.record()
+            side = self._side_stream()
+            native.module.wire_recv(
+                comm, 0, native.table, native.ids, buf.data_ptr(), width, got.data_ptr(),
+                good.data_ptr(), list(plan.counts), native.ctas, side.cuda_stream,
+                wire.cuda_stream, forwards, fwd_stream.cuda_stream,
+            )  # fmt: skip
+            done = torch.cuda.Event()
+            done.record(side)
             return _Pending([], done, [buf, ids, got, native])
 
         def program(pgs: list[Any]) -> _Pending:
@@ -492,6 +493,7 @@ class Collective:
             if native is not None and all(comms):
                 return enqueue(comms[0], comms[1:])
             feed, fwd = pgs[0], pgs[1:]
+            messages = plan.messages(buf)
             with self._side():
                 recvs = [feed.recv([m], 0, 0) for m in messages]  # all posted at once
                 works = list(recvs) if cuda else []  # gloo: waited below (a second wait hangs)
@@ -502,11 +504,10 @@ class Collective:
                     r.wait() if cuda else r.wait(datetime.timedelta(seconds=self.timeout_s))
                     works.extend(f.send([m], 1, 0) for f in fwd)
 
-                ops.scatter_blocks(
-                    rows, entries, ids, sums=got, chunks=plan.counts, each=lambda s, c: take()
+                ops.scatter_blocks(  # the last message brings the sums too
+                    rows, entries, ids, sums=got[:-1], chunks=plan.counts, each=lambda s, c: take()
                 )
-                take()  # the sums
-                good.copy_(leading_matches(got, wire_sums), non_blocking=cuda)
+                good.copy_(leading_matches(got[:-1], wire_sums), non_blocking=cuda)
                 event = torch.cuda.Event() if cuda else None
                 if event is not None:
                     event.record()

@@ -1,13 +1,16 @@
 """One collective batch on the wire: ``[rows | one int64 wire sum per row]``, as a few messages.
 
 A batch of ``n`` rows of ``width`` bytes crosses as a few large messages of consecutive
-rows, then one message of their wire sums (``raykv.ops.row_sums``: taken by the paged-copy
-kernel while it gathers, recomputed by the kernel while the receiver scatters, compared
-once the last message is in). Row messages start small and double (``FIRST_CHUNK_BYTES``
-up to ``MAX_CHUNK_BYTES``): the sender's first gather and the receiver's last scatter are
-the only copies the wire cannot hide, and every message costs each host one NCCL call and
-one kernel launch (~40 us on a busy host), so a batch is a handful of messages, never one
-per block. Both ends derive the same plan from ``(n, width)``.
+rows; the last one also carries every row's wire sum (``raykv.ops.row_sums``: taken by the
+paged-copy kernel while it gathers, recomputed by the kernel while the receiver scatters,
+compared once the last message is in). The buffer is ``[rows | sums]``, so the sums are simply
+the tail of the last message: they are complete once its rows are gathered, and a separate
+message would cost each host one more NCCL call. Row messages start small and double
+(``FIRST_CHUNK_BYTES`` up to ``MAX_CHUNK_BYTES``): the sender's first gather and the
+receiver's last scatter are the only copies the wire cannot hide, and every message costs
+each host one NCCL call and one kernel launch (~40 us on a busy host), so a batch is a
+handful of messages, never one per block. Both ends derive the same plan from
+``(n, width)``.
 """
 
 from __future__ import annotations
@@ -56,12 +59,13 @@ class WirePlan:
         return buf[:size].view(self.n, self.width), buf[size : self.nbytes].view(torch.int64)
 
     def messages(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        """The buffer's messages, in order: each row chunk, then the sums (1-D views)."""
+        """The buffer's messages, in order (1-D views): each row chunk, the last one with
+        the sums behind its rows."""
         out, at = [], 0
         for count in self.counts:
             out.append(buf[at : at + count * self.width])
             at += count * self.width
-        out.append(buf[at : self.nbytes])
+        out[-1] = buf[at - self.counts[-1] * self.width : self.nbytes]
         return out
 
 

@@ -84,7 +84,7 @@ def test_corrupt_in_flight_cuts_the_batch_and_the_next_generation_recovers(store
     before = dst[0].clone()
 
     def flip(msg: torch.Tensor) -> None:
-        if msg.numel() == 4 * W:  # the rows' message (the sums follow in their own)
+        if msg.numel() == 4 * W + 4 * 8:  # the one message: 4 rows, their sums behind
             msg[2 * W + 5] ^= 0x10  # row 2, after its sum was taken
 
     a.tamper = flip
@@ -129,8 +129,12 @@ def test_wire_plan_covers_every_row_in_few_growing_messages(n, width) -> None:
     assert plan.n == n and all(c > 0 for c in plan.counts)
     buf = torch.empty(plan.nbytes, dtype=torch.uint8)
     messages = plan.messages(buf)
-    assert [m.numel() for m in messages] == [c * width for c in plan.counts] + [8 * n]
+    # one message per row chunk; the sums ride at the end of the last one
+    assert [m.numel() for m in messages] == [c * width for c in plan.counts[:-1]] + [
+        plan.counts[-1] * width + 8 * n
+    ]
     assert sum(m.numel() for m in messages) == wire_bytes(n, width) == plan.nbytes
+    assert messages[-1].data_ptr() + messages[-1].numel() == buf.data_ptr() + plan.nbytes
     rows, sums = plan.split(buf)
     assert rows.shape == (n, width) and sums.shape == (n,)
     assert plan.counts[0] == min(n, max(1, FIRST_CHUNK_BYTES // width))  # leaves early
@@ -140,7 +144,7 @@ def test_wire_plan_covers_every_row_in_few_growing_messages(n, width) -> None:
 
 
 def test_a_multi_chunk_batch_arrives_equal_and_a_bad_row_in_a_later_chunk_cuts_it(store) -> None:
-    width, n = 64 << 10, 300  # 18.75 MiB: row messages of 64, 128 and 108 rows, then the sums
+    width, n = 64 << 10, 300  # 18.75 MiB: messages of 64, 128 and 108 rows (+ the sums)
     assert WirePlan.of(n, width).counts == (64, 128, 108)
     g = torch.Generator().manual_seed(5)
     src = [torch.randint(0, 256, (n + 4, width), generator=g, dtype=torch.uint8)]
@@ -168,7 +172,7 @@ def test_a_multi_chunk_batch_arrives_equal_and_a_bad_row_in_a_later_chunk_cuts_i
 
         a.tamper = flip
         assert run() == 74
-        assert seen == [64 * width, 128 * width, 108 * width, 8 * n]
+        assert seen == [64 * width, 128 * width, 108 * width + 8 * n]  # sums behind the last
     finally:
         a.close()
         b.close()

@@ -80,3 +80,62 @@ def test_a_dead_sender_is_a_transport_error_within_the_timeout() -> None:
             p.kill()
     assert got == 3
     assert "receive from s failed" in err and waited < 5 + 3, (err, waited)
+
+
+def _tamper_peer(side: str, addr, q) -> None:
+    import asyncio
+
+    from raykv.transport.collective import Collective, Pair
+
+    torch.cuda.set_device(0)
+    width, n = 64 << 10, 300  # row messages of 64, 128 and 108 rows, the sums behind the last
+    g = torch.Generator().manual_seed(7)
+    src = torch.randint(0, 256, (n + 8, width), generator=g, dtype=torch.uint8).cuda()
+    coll = Collective(side, "cuda", timeout_s=30)
+    pair = Pair("s", "r", 0, addr)
+    loop = asyncio.new_event_loop()
+    ids = list(range(n))
+    if side == "s":
+
+        def flip(buf: torch.Tensor) -> None:  # after the gather: row 150 differs on the wire
+            buf[150 * width + 5] ^= 1
+
+        coll.tamper = flip
+        loop.run_until_complete(coll.start_send(pair, [src], ids, width))
+        coll.tamper = None
+        loop.run_until_complete(coll.start_send(pair, [src], ids, width))
+        time.sleep(2)
+        return
+    dst = torch.zeros_like(src)
+    first = loop.run_until_complete(coll.recv_batch(pair, [dst], ids, width))
+    head = bool(torch.equal(dst[:150], src[:150]))
+    second = loop.run_until_complete(coll.recv_batch(pair, [dst], ids, width))
+    q.put((first, head, second, bool(torch.equal(dst[:n], src[:n]))))
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, found {GPUS}")
+def test_a_row_corrupted_on_the_wire_ends_the_batch_there() -> None:
+    """The receiver's count of intact rows (the C++ pipeline's kernel where it runs) cuts a
+    3-message batch at the first row whose wire sum differs; the next batch is whole."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    addr = ("127.0.0.1", int(store.port))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = []
+    for i, side in enumerate(("s", "r")):
+        old = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(i)
+        procs.append(ctx.Process(target=_tamper_peer, args=(side, addr, q), daemon=True))
+        procs[-1].start()
+        if old is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+    first, head, second, whole = q.get(timeout=120)
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    assert (first, head, second, whole) == (150, True, 300, True)
