@@ -381,7 +381,7 @@ def _pipeline_ctas(device: torch.device) -> int:
         sms = _sm_counts[device.index] = torch.cuda.get_device_properties(
             device
         ).multi_processor_count
-    return sms * _PIPELINE_CTAS_PER_SM
+    return _PIPELINE_CTAS if _PIPELINE_CTAS > 0 else sms * _PIPELINE_CTAS_PER_SM
 
 
 def _reference(
@@ -475,6 +475,7 @@ def _start_staged(rows: object, entries: list, gather: bool, mode: str):
 
 _CTAS = int(os.environ.get("RAYKV_COPY_CTAS", "0"))  # 0: one full persistent grid
 _PIPELINE_CTAS_PER_SM = int(os.environ.get("RAYKV_PIPELINE_CTAS_PER_SM", "2"))  # chunked copies
+_PIPELINE_CTAS = int(os.environ.get("RAYKV_PIPELINE_CTAS", "0"))  # > 0: that grid, absolute
 _sm_counts: dict[int | None, int] = {}
 # staged mode: device memory of its two chunk buffers together (the allocator reuses them), and
 # the size the first chunk aims at (the pipeline fills within a few microseconds). On H200 the
