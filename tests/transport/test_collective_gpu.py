@@ -55,8 +55,9 @@ def _peer(side: str, addr, q) -> None:
         q.put((got, str(e)[:80], time.monotonic() - t0))
 
 
-@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, found {GPUS}")
-def test_a_dead_sender_is_a_transport_error_within_the_timeout() -> None:
+def _sender_and_receiver(target) -> tuple:
+    """Runs ``target(side, addr, q)`` as the sender ("s", GPU 0) and the receiver ("r", GPU 1),
+    each process seeing only its GPU; returns what the receiver put on the queue."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -67,17 +68,23 @@ def test_a_dead_sender_is_a_transport_error_within_the_timeout() -> None:
     for i, side in enumerate(("s", "r")):
         old = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = str(i)
-        procs.append(ctx.Process(target=_peer, args=(side, addr, q), daemon=True))
+        procs.append(ctx.Process(target=target, args=(side, addr, q), daemon=True))
         procs[-1].start()
         if old is None:
             del os.environ["CUDA_VISIBLE_DEVICES"]
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = old
-    got, err, waited = q.get(timeout=120)
+    out = q.get(timeout=120)
     for p in procs:
         p.join(timeout=10)
         if p.is_alive():
             p.kill()
+    return out
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, found {GPUS}")
+def test_a_dead_sender_is_a_transport_error_within_the_timeout() -> None:
+    got, err, waited = _sender_and_receiver(_peer)
     assert got == 3
     assert "receive from s failed" in err and waited < 5 + 3, (err, waited)
 
@@ -117,25 +124,5 @@ def _tamper_peer(side: str, addr, q) -> None:
 def test_a_row_corrupted_on_the_wire_ends_the_batch_there() -> None:
     """The receiver's count of intact rows (the C++ pipeline's kernel where it runs) cuts a
     3-message batch at the first row whose wire sum differs; the next batch is whole."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    addr = ("127.0.0.1", int(store.port))
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = []
-    for i, side in enumerate(("s", "r")):
-        old = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(i)
-        procs.append(ctx.Process(target=_tamper_peer, args=(side, addr, q), daemon=True))
-        procs[-1].start()
-        if old is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = old
-    first, head, second, whole = q.get(timeout=120)
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
+    first, head, second, whole = _sender_and_receiver(_tamper_peer)
     assert (first, head, second, whole) == (150, True, 300, True)
