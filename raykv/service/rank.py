@@ -26,7 +26,7 @@ import torch
 from raykv import ops
 from raykv.service.groups import row_widths
 from raykv.service.pairs import RankCollective
-from raykv.tiers.checksum import row_checksums
+from raykv.tiers.checksum import row_checksums, verified_prefix
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,7 @@ class RankKV(RankCollective):
         blocks whose bytes match ``expected`` (their checksums; None: unchecked). Returns
         how many were copied (invariant 12: a corrupt source is never copied)."""
         rows = self.gather(gi, src)
-        n = len(src)
-        if expected is not None:
-            got = row_checksums(rows)
-            n = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), n)
+        n = len(src) if expected is None else verified_prefix(rows, expected)
         self.scatter(gi, rows[:n], list(dst[:n]))
         return n
 

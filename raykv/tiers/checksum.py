@@ -1,10 +1,15 @@
-"""Optional per-block checksums: xxh3-64 of each stored row, checked again before a load.
+"""Per-block checksums: xxh3-64 of each stored row, checked again before a load (invariant 12).
 
-A mismatch means the CPU copy is not what was stored (bit flip, a stray writer): the loader
+The one home of the hash (``row_checksums``) and of the check every copy between members
+makes (``verified_prefix``: the service's pool-to-pool copies and ``raykv.transport``'s
+receivers); ``raykv.tiers.offload`` verifies CPU-tier loads key by key with the same hash.
+A mismatch means the copy is not what was stored (bit flip, a stray writer): the reader
 treats the block as a miss and counts an error; it never scatters the bad bytes to the GPU.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import xxhash
@@ -18,5 +23,9 @@ def row_checksums(rows: torch.Tensor) -> tuple[int, ...]:
     return tuple(xxhash.xxh3_64_intdigest(arr[i]) for i in range(arr.shape[0]))
 
 
-def rows_match(rows: torch.Tensor, expected: tuple[int, ...]) -> list[bool]:
-    return [a == b for a, b in zip(row_checksums(rows), expected, strict=True)]
+def verified_prefix(rows: torch.Tensor, expected: Sequence[int]) -> int:
+    """How many leading ``rows`` match ``expected``, the checksums they were stored with:
+    the first row that does not and every row after it must not be used (invariant 12)."""
+    got = row_checksums(rows)
+    pairs = zip(got, expected, strict=True)
+    return next((i for i, (a, b) in enumerate(pairs) if a != b), len(got))

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from raykv.tiers.checksum import row_checksums
+from raykv.tiers.checksum import verified_prefix
 
 
 @dataclass(frozen=True)
@@ -154,9 +154,5 @@ def verify(batch: BlockBatch) -> int:
     for c, expected in enumerate(batch.checksums):
         if good == 0:
             break
-        got = row_checksums(batch.rows[c, :good])
-        for i, (a, b) in enumerate(zip(got, expected[:good], strict=True)):
-            if a != b:
-                good = i
-                break
+        good = verified_prefix(batch.rows[c, :good], expected[:good])
     return good

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raykv.tiers.checksum import row_checksums
+from raykv.tiers.checksum import verified_prefix
 
 SUM_BYTES = 8  # one int64 wire sum per row
 FIRST_CHUNK_BYTES = 4 << 20
@@ -89,6 +89,4 @@ def count_intact(good: int, rows: torch.Tensor, expected: Sequence[int] | None) 
     checksums travel with the blocks."""
     if expected is None or not good or rows.device.type != "cpu":
         return good
-    got = row_checksums(rows[:good])
-    pairs = zip(got, expected[:good], strict=True)
-    return next((i for i, (a, b) in enumerate(pairs) if a != b), good)
+    return verified_prefix(rows[:good], expected[:good])
