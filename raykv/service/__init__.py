@@ -11,7 +11,8 @@ CPU-device pools' KV live in shared memory (``raykv.tiers.shm``): pools, their T
 attached engines (``raykv.service.attach``) run ``OffloadEngine`` Store/Load jobs on the
 arena themselves, and the tier actor only keeps its metadata (reservations, leases,
 checksums). Between members that do not share memory, blocks move through
-``raykv.transport`` (Ray's object store today; NCCL / UCX next), one buffer per batch.
+``raykv.transport`` (NCCL or gloo between pools, UCX between CPU tiers, Ray's object store as
+the fallback), a batch in a few large messages, verified by the receiver.
 Invariant 9 is kept in ``dataplane`` (the pool's ``StoreFence`` on the block manager) and
 ``raykv.tiers.offload``; invariant 12 (checksum before a block is readable) in ``dataplane``,
 ``raykv.tiers.offload`` and ``raykv.transport.receive``.

@@ -206,6 +206,13 @@ def test_bench_service_quick(home) -> None:
     assert r["lookup"]["hit"]["hit_tokens"] == 32768 and r["lookup"]["miss"]["hit_tokens"] == 0
     assert r["lookup"]["hit"]["p99_ms"] >= r["lookup"]["hit"]["p50_ms"] > 0
     assert r["object_store"]["gb_per_s"] > 0
+    sm = r["shared_memory"]  # issue 10: engine <-> tier through shared memory vs a plain copy
+    assert sm["store_ratio"] > 0 and sm["load_ratio"] > 0 and sm["plain_copy_gb_per_s"] > 0
+    from raykv.bench.service import format_report
+
+    text = format_report(r)  # what `raykv bench service` prints: every ratio with its target
+    assert "hit vs ping: p50" in text and "(target <= 2)" in text and "(target <= 4)" in text
+    assert "store (engine->tier)" in text and "load (tier->engine)" in text
 
 
 def test_bench_service_lookup_only(home) -> None:

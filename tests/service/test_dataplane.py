@@ -81,6 +81,56 @@ def test_corrupt_tier_entry_and_gpu_block_are_misses_never_wrong_kv(ray_cluster)
     del arena, pool_kv, keys
 
 
+def test_after_corruption_the_engines_logits_match_a_full_recompute(ray_cluster) -> None:
+    """Issue 10's fault test with a real model: engine A (head node) prefills and stores a
+    prompt's KV in its pool and CPU tier; block 2 is then corrupted in both copies. Engine
+    B (the other node) loads what verifies (blocks 0-1: a miss at 2, counted in the stats
+    ``raykv status`` prints), computes the rest and gets the logits of a full recompute."""
+    from raykv.demo import DemoEngine
+    from raykv.models import TinyDecoder
+    from raykv.service.launcher import status_table
+
+    kv = ray_cluster.kv
+    layers = TinyDecoder().kv_layers()
+    plan = kv.add_model("dp-logits", layers, max_model_len=512, pool_bytes=40 << 15,
+                        cpu_bytes=40 << 15)  # fmt: skip
+    bs = plan.groups[0].block_size
+    a, b = kv.on(ray_cluster.head), kv.on(ray_cluster.ids[0])
+    ea, eb = DemoEngine(a), DemoEngine(b)
+    vocab = ea.model.config.vocab_size
+    ids = [t % vocab for t in tokens(6 * bs + 5, 21)]
+    question = [t % vocab for t in tokens(7, 22)]
+    assert a.admit("p", len(ids), ids)
+    table = a.allocate("p", len(ids), ids)[0]
+    ea.model(ids, 0, ea.cache, table)
+    kv_rows = ea._rows(table[:6])
+    assert a.store("p", table[:6], kv_rows, offload=True) == 6
+    a.free("p")
+    before = kv.stats()["checksum_errors"]
+
+    tier = ray.get_actor(tier_name(ray_cluster.head), namespace=NAMESPACE)
+    arena = shm.attach(ray.get(tier.arena.remote("dp-logits")))
+    pool = ray.get_actor(pool_name("dp-logits", ray_cluster.head, 0), namespace=NAMESPACE)
+    pool_kv = [shm.attach(s) for s in ray.get(pool.kv_specs.remote())]
+    for t in pool_kv:
+        t[table[2]] ^= 0xFF
+    mask = (arena[0] == kv_rows[2]).all(dim=1)
+    assert int(mask.sum()) == 1
+    arena[0][mask.nonzero()[0, 0], :7] ^= 0x5A
+
+    got = eb.continue_from_cache("q", ids + question)
+    assert got["loaded_tokens"] == 2 * bs, got  # a miss at block 2, never its bad bytes
+    ref = eb.full_recompute(ids + question)
+    assert torch.allclose(got["logits"], ref["logits"], atol=1e-5)
+    deadline = time.monotonic() + 20  # members report their stats with each heartbeat
+    while kv.stats()["checksum_errors"] < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    s = kv.stats()
+    assert s["checksum_errors"] >= before + 2, s["checksum_errors"]
+    assert f"checksum errors {s['checksum_errors']}" in status_table({"address": "-", **s})
+    del arena, pool_kv
+
+
 def test_an_attached_engine_stores_and_loads_through_shared_memory(ray_cluster) -> None:
     a, b, plan = setup(ray_cluster, "dp-attach")
     ids = tokens(8 * BS, 5)
