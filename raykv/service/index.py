@@ -9,11 +9,13 @@ published (a block that is merely allocated is never a hit).
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from raykv.blocks.events import BlockRemoved, BlockStored, KVEvent
+from raykv.errors import InvalidInput
 from raykv.transport.select import OBJECT_STORE
 
 GPU, CPU = "gpu", "cpu"
@@ -71,3 +73,22 @@ def key_events(
         for gid, (hs, bs) in new.items()
     ]
     return out
+
+
+def pack(value: Any) -> bytes:
+    """``value`` (arguments or an answer of a hot actor call, e.g. ``lookup_packed``) as one
+    bytes object: Ray hands bytes over as they are, where every other argument or answer
+    goes through its serializer one by one (measured ~0.05-0.15 ms each on a 2-core box)."""
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack(blob: bytes, fields: int | None, what: str) -> Any:
+    """What ``pack`` packed; with ``fields``, a tuple of that many values (the arguments of
+    ``what``). InvalidInput for anything else."""
+    value = pickle.loads(blob) if isinstance(blob, bytes) else None
+    if fields is not None and not (isinstance(value, tuple) and len(value) == fields):
+        raise InvalidInput(
+            f"{what} takes its {fields} arguments packed by raykv.service.index.pack into one "
+            f"bytes object, got {type(blob).__name__}; call it through raykv.Client"
+        )
+    return value
