@@ -4,7 +4,8 @@
 A member publishes a block under its group key (``raykv.service.groups``: the group id,
 4 bytes little endian, then the chained hash); the coordinator files it in the index as
 (model, group id, hash) held by that member. Only blocks whose bytes were written are
-published (a block that is merely allocated is never a hit).
+published (a block that is merely allocated is never a hit). A client's lookup travels as one
+bytes object each way (``pack`` / ``unpack``, ``Coordinator.lookup_packed``).
 """
 
 from __future__ import annotations
@@ -85,10 +86,12 @@ def pack(value: Any) -> bytes:
 def unpack(blob: bytes, fields: int | None, what: str) -> Any:
     """What ``pack`` packed; with ``fields``, a tuple of that many values (the arguments of
     ``what``). InvalidInput for anything else."""
-    value = pickle.loads(blob) if isinstance(blob, bytes) else None
-    if fields is not None and not (isinstance(value, tuple) and len(value) == fields):
-        raise InvalidInput(
-            f"{what} takes its {fields} arguments packed by raykv.service.index.pack into one "
-            f"bytes object, got {type(blob).__name__}; call it through raykv.Client"
-        )
-    return value
+    if isinstance(blob, bytes):
+        value = pickle.loads(blob)
+        if fields is None or (isinstance(value, tuple) and len(value) == fields):
+            return value
+    n = "one value" if fields is None else f"its {fields} arguments"
+    raise InvalidInput(
+        f"{what} takes {n} packed by raykv.service.index.pack into one bytes object, got "
+        f"{type(blob).__name__}; call it through raykv.Client"
+    )
