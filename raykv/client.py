@@ -206,20 +206,23 @@ class _Base:
 
     # Each op is (target, method, args, post): "coord" calls retry, "pool" calls do not.
     def _lookup_op(self, token_ids: Sequence[int], model: ServedModel, plan: Any, hashed=None):
-        """One coordinator call: the prompt's chained hashes (``_lookup_hashes``, or
-        ``hashed``) joined into one bytes blob; the coordinator cuts each group's keys out
-        of it."""
+        """One coordinator call (``Coordinator.lookup_packed``): the prompt's chained hashes
+        (``_lookup_hashes``, or ``hashed``) joined into one bytes blob, the coordinator cuts
+        each group's keys out of it; the arguments and the answer travel packed as bytes."""
         from raykv.service.groups import primary_group
+        from raykv.service.index import pack, unpack
 
         ids, limit, hashes = hashed or self._lookup_hashes(token_ids, plan, model.name)
         bs = plan.groups[primary_group(plan)].block_size
         node = self._node_id()
 
-        def post(res: dict[str, Any]) -> LookupResult:
+        def post(answer: bytes) -> LookupResult:
+            res = unpack(answer, None, "a lookup answer")
             where = tuple(Hit(tier, n, n == node, count * bs) for tier, n, count in res["runs"])
             return LookupResult(res["hit_tokens"], where, len(ids))
 
-        return "coord", "lookup", (model.name, b"".join(hashes), node, limit), post
+        request = pack((model.name, b"".join(hashes), node, limit))
+        return "coord", "lookup_packed", (request,), post
 
 
 def _flat(block_ids: Sequence) -> bool:

@@ -12,9 +12,10 @@ the seed is explicit (invariant 10) and ``HASH_VERSION`` names this definition: 
 one implementation, used by the block manager's prefix cache, the service's group keys, the
 CPU tier's keys and the client's lookups alike.
 
-Speed: the tokens become one int64 array at once (one ``array("Q")`` pass for a list, no
-copy for an integer numpy array), every row is built by numpy in one pass, and the loop does one
-``sha256(...).digest()`` per block with no per-token Python work.
+Speed: the tokens become one array at once (one ``array("I")`` pass for a list of ids that
+fit uint32, the usual prompt, else ``array("Q")``; no copy for an integer numpy array), every
+row is built by numpy in one pass, and the loop does one ``sha256(...).digest()`` per block
+with no per-token Python work.
 
 A group whose block size is ``k x hash_block_size`` names its block ``j`` by hash
 ``(j + 1) * k - 1``, the chained hash at the end of that block. The pool keys its map by
@@ -42,6 +43,7 @@ BlockHash = bytes
 _NARROW, _WIDE = 0x05, 0x06  # row tags: uint32 tokens / int64 tokens
 _U32 = 1 << 32
 _FEW = 8  # up to this many blocks, rows are packed without numpy (cheaper per call)
+_U32_CODE = next((c for c in "IL" if array.array(c).itemsize == 4), None)  # array's uint32
 
 
 def _encode(value: int | str | bytes | None) -> bytes:
@@ -60,6 +62,24 @@ def _encode(value: int | str | bytes | None) -> bytes:
         value = bytes(value)
         tag = b"\x03"
     return tag + struct.pack("<I", len(value)) + value
+
+
+def narrow_array(token_ids: Any, start: int = 0, stop: int | None = None) -> np.ndarray | None:
+    """``token_ids[start:stop]`` as one uint32 array when every id is an integer in
+    ``0 .. 2**32 - 1`` (any real vocabulary), else None: a list in one C pass
+    (``array("I")``, which refuses a float, a negative or a wider id), a uint32 numpy array
+    as it is. Its rows need no range check and no conversion (``_rows``)."""
+    if isinstance(token_ids, np.ndarray):
+        return token_ids.reshape(-1)[start:stop] if token_ids.dtype == np.uint32 else None
+    if _U32_CODE is None:
+        return None
+    whole = start == 0 and (stop is None or stop >= len(token_ids))
+    try:
+        return np.frombuffer(
+            array.array(_U32_CODE, token_ids if whole else token_ids[start:stop]), np.uint32
+        )
+    except (TypeError, OverflowError):
+        return None
 
 
 def token_array(token_ids: Any, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -89,12 +109,14 @@ def token_array(token_ids: Any, start: int = 0, stop: int | None = None) -> np.n
 
 
 def _rows(blocks: np.ndarray, tail: bytes) -> list[bytes]:
-    """One ``tag + tokens + tail`` row per block (``blocks``: [n, hash_block_size] int64)."""
+    """One ``tag + tokens + tail`` row per block (``blocks``: [n, hash_block_size] int64, or
+    uint32 from ``narrow_array``)."""
     n = blocks.shape[0]
     if n == 0:
         return []
-    if int(blocks.min()) >= 0 and int(blocks.max()) < _U32:  # every block is narrow
-        body = blocks.astype("<u4")
+    narrow = blocks.dtype == np.uint32  # from ``narrow_array``: every id fits, no check
+    if narrow or (int(blocks.min()) >= 0 and int(blocks.max()) < _U32):  # every block is narrow
+        body = blocks.astype("<u4", copy=False)
         w = body.shape[1] * 4
         buf = np.empty((n, 1 + w + len(tail)), np.uint8)
         buf[:, 0] = _NARROW
@@ -172,7 +194,9 @@ class BlockHasher:
         if last - first_block <= _FEW and not isinstance(token_ids, np.ndarray):
             rows = self._few_rows(token_ids, first_block, last, tail)
         else:
-            tokens = token_array(token_ids, first_block * bs, last * bs)
+            tokens = narrow_array(token_ids, first_block * bs, last * bs)
+            if tokens is None:
+                tokens = token_array(token_ids, first_block * bs, last * bs)
             rows = _rows(tokens.reshape(last - first_block, bs), tail)
         if first_block == 0 and cache_salt is not None:  # the salt enters the first block
             rows[0] = rows[0][:-1] + _encode(cache_salt)

@@ -37,7 +37,16 @@ from raykv.service.groups import (
     needed_slots,
     primary_group,
 )
-from raykv.service.index import CPU, GPU, Location, key_events, rank, split_key
+from raykv.service.index import (
+    CPU,
+    GPU,
+    Location,
+    key_events,
+    pack,
+    rank,
+    split_key,
+    unpack,
+)
 from raykv.service.metrics import ServiceMetrics
 from raykv.service.spec import COORDINATOR, NAMESPACE, ServedModel
 from raykv.transport.select import COLLECTIVE, OBJECT_STORE, choose
@@ -358,8 +367,24 @@ class Coordinator:
         ``hashes`` is the request's chain (``BlockHasher.hash_blocks``, one hash per hash
         block) joined into one bytes blob: one object on the wire; group ``g``'s key of
         block ``j`` is hash ``(j + 1) * k - 1`` (``k = block_size // hash_block_size``), so
-        every group is probed from the same blob, one dict probe per slot."""
+        every group is probed from the same blob, one dict probe per slot. Every slot a hit
+        needs is probed: the index is not prefix-closed (a member may hold block ``j`` and
+        not ``j - 1``: evicted, or out of a sliding window), so no slot is inferred from
+        another."""
         await self._up()
+        return self._lookup(model, hashes, node_id, limit)
+
+    @ray.method(max_task_retries=0, enable_task_events=False)
+    async def lookup_packed(self, request: bytes) -> bytes:
+        """``lookup`` as clients call it: the arguments packed into one bytes object and the
+        answer packed into another (``raykv.service.index.pack``), so Ray moves two bytes
+        objects instead of serializing five values. Ray does not retry it (the client
+        retries through a coordinator restart itself) nor record it as a task event (the
+        metrics count lookups): both cost every call."""
+        await self._up()
+        return pack(self._lookup(*unpack(request, 4, "Coordinator.lookup_packed")))
+
+    def _lookup(self, model: str, hashes: bytes, node_id: str, limit: int | None) -> dict[str, Any]:
         t0 = time.perf_counter()
         _, plan = self.model(model)
         if not isinstance(hashes, bytes):

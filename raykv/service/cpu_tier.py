@@ -27,6 +27,7 @@ from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
+import ray
 
 from raykv.errors import InvalidInput
 from raykv.service.groups import check_servable, key_group, row_widths
@@ -166,12 +167,14 @@ class CpuTierActor(Member):
         at = {e: i for i, e in enumerate(lease.keys)}
         return spec, lease, [(at[e], s) for e, s in chosen]
 
+    @ray.method(enable_task_events=False)
     async def lease_groups(
         self, model: str, keys: list[list[bytes]]
     ) -> tuple[Any, list[tuple[Any, list[tuple[int, int]]]]]:
         """``lease`` for every group at once (one round trip for a hybrid model's load):
         (the arena's ``SharedSpec``, per group (``LoadLease`` or None, per block (entry index
-        in the lease, sub-slot)))."""
+        in the lease, sub-slot))). An engine's lookup (``Client.lookup_lease``): not recorded
+        as a Ray task event (the metrics count hits and misses), which costs every call."""
         mt, out = self.tiers.get(model), []
         spec = mt.tier.arena_spec if mt is not None else None
         for gk in keys:

@@ -4,16 +4,19 @@
 A member publishes a block under its group key (``raykv.service.groups``: the group id,
 4 bytes little endian, then the chained hash); the coordinator files it in the index as
 (model, group id, hash) held by that member. Only blocks whose bytes were written are
-published (a block that is merely allocated is never a hit).
+published (a block that is merely allocated is never a hit). A client's lookup travels as one
+bytes object each way (``pack`` / ``unpack``, ``Coordinator.lookup_packed``).
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from raykv.blocks.events import BlockRemoved, BlockStored, KVEvent
+from raykv.errors import InvalidInput
 from raykv.transport.select import OBJECT_STORE
 
 GPU, CPU = "gpu", "cpu"
@@ -71,3 +74,24 @@ def key_events(
         for gid, (hs, bs) in new.items()
     ]
     return out
+
+
+def pack(value: Any) -> bytes:
+    """``value`` (arguments or an answer of a hot actor call, e.g. ``lookup_packed``) as one
+    bytes object: Ray hands bytes over as they are, where every other argument or answer
+    goes through its serializer one by one (measured ~0.05-0.15 ms each on a 2-core box)."""
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack(blob: bytes, fields: int | None, what: str) -> Any:
+    """What ``pack`` packed; with ``fields``, a tuple of that many values (the arguments of
+    ``what``). InvalidInput for anything else."""
+    if isinstance(blob, bytes):
+        value = pickle.loads(blob)
+        if fields is None or (isinstance(value, tuple) and len(value) == fields):
+            return value
+    n = "one value" if fields is None else f"its {fields} arguments"
+    raise InvalidInput(
+        f"{what} takes {n} packed by raykv.service.index.pack into one bytes object, got "
+        f"{type(blob).__name__}; call it through raykv.Client"
+    )

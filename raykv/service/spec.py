@@ -9,13 +9,14 @@ plain rows of bytes. ``tp_size`` ranks of one engine instance form one TP group:
 from __future__ import annotations
 
 import array
+import contextlib
 import operator
 from collections.abc import Hashable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from raykv.blocks.hashing import token_array
+from raykv.blocks.hashing import narrow_array, token_array
 from raykv.errors import ConfigError, InvalidInput
 from raykv.layout.specs import KVSpec
 
@@ -210,9 +211,10 @@ def token_id_array(
     token_ids: Sequence[int], max_model_len: int | None = None, model: str = ""
 ) -> np.ndarray:
     """``check_token_ids`` for hashing (a lookup): the same checks and InvalidInput errors,
-    plus the hasher's int64 range, giving one int64 array and no list.
+    giving one array and no list: uint32 when every id fits (the usual prompt; the hasher
+    takes it without a range check), else int64.
 
-    A list of ints (the usual prompt) becomes an array in one C pass (``array("Q")``: a
+    A list of ints becomes an array in one C pass (``array("I")``, else ``array("Q")``: a
     float, a string or a negative id stops it) and a 1-D integer numpy array is used as it
     is; numpy then checks them. Of the ids that pass, only those equal to 0 or 1 can be
     bools (refused, as ``check_int`` refuses them), so only those are looked at one by one.
@@ -220,11 +222,11 @@ def token_id_array(
     offending id."""
     arr = None
     if isinstance(token_ids, list):
-        try:
-            arr = np.frombuffer(array.array("Q", token_ids), np.uint64)
-        except (TypeError, OverflowError):
-            pass
-        else:
+        arr = narrow_array(token_ids)
+        if arr is None:
+            with contextlib.suppress(TypeError, OverflowError):
+                arr = np.frombuffer(array.array("Q", token_ids), np.uint64)
+        if arr is not None:
             for i in np.flatnonzero(arr <= 1).tolist():
                 check_int(token_ids[i], f"token id at position {i}", _TOKEN_FIX)
     elif isinstance(token_ids, np.ndarray) and token_ids.dtype.kind in "iu" and token_ids.ndim == 1:
@@ -234,7 +236,7 @@ def token_id_array(
     _check_length(arr.size, max_model_len, model)
     if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
         raise InvalidInput(f"token ids must be >= 0, got {int(arr.min())}")
-    return token_array(arr)
+    return arr if arr.dtype == np.uint32 else token_array(arr)
 
 
 class StoreResult(int):

@@ -237,12 +237,15 @@ def _reference_chain(tokens: list[int], bs: int, seed: int, lora: int | None) ->
     lora=st.one_of(st.none(), st.integers(0, 5)),
 )
 def test_the_fast_paths_hash_as_the_plain_chained_sha256(tokens, bs, seed, lora):
-    """Invariant 10's hash, whichever way the tokens arrive (a list: ``array("Q")`` or, with
-    a negative id, ``struct``; an int64 / uint64 array; a few blocks or many): the same
-    chained sha256 as the definition computed block by block."""
+    """Invariant 10's hash, whichever way the tokens arrive (a list: ``array("I")`` when
+    every id fits uint32, else ``array("Q")`` or, with a negative id, ``struct``; an int64 /
+    uint64 / uint32 array; a few blocks or many): the same chained sha256 as the definition
+    computed block by block."""
     want = _reference_chain(tokens, bs, seed, lora)
     h = BlockHasher(bs, seed=seed)
     assert h.hash_blocks(tokens, lora_id=lora) == want
     assert h.hash_blocks(np.array(tokens, dtype=np.int64), lora_id=lora) == want
     if all(t >= 0 for t in tokens):
         assert h.hash_blocks(np.array(tokens, dtype=np.uint64), lora_id=lora) == want
+    if all(0 <= t < 2**32 for t in tokens):
+        assert h.hash_blocks(np.array(tokens, dtype=np.uint32), lora_id=lora) == want

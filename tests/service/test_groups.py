@@ -121,3 +121,28 @@ def test_tables_and_rows_forms() -> None:
     assert len(as_rank_rows(tp, stacked, [[1, 2, 3]], rw)) == 2
     with pytest.raises(InvalidInput, match="tp_size=2"):
         as_rank_rows(tp, stacked[0], [[1, 2, 3]], rw)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    which=st.sampled_from(["full", "coarse"]),
+    n=st.integers(0, 40),
+    width=st.sampled_from([32, 32, 31, 33]),
+)
+def test_group_keys_are_the_group_id_then_each_blocks_last_hash(which, n, width) -> None:
+    """Per group, key ``j`` is the group id (4 bytes, little endian) + the chain's hash at the
+    end of block ``j``, however the keys are cut (one numpy pass for the hasher's 32-byte
+    hashes, key by key for any other length)."""
+    from tests.blocks.helpers import make_plan
+
+    p = (
+        make_plan([FULL], 64, 2)
+        if which == "full"
+        else make_plan([FULL, SlidingWindow(window=4)], 64, 4, hash_block_size=2)
+    )
+    hashes = [bytes([j % 256]) * width for j in range(n)]
+    for g, keys in zip(p.groups, group_keys(p, hashes), strict=True):
+        per = g.block_size // p.hash_block_size
+        prefix = g.group_id.to_bytes(4, "little")
+        assert keys == [prefix + hashes[i] for i in range(per - 1, n, per)]
+        assert all(type(k) is bytes for k in keys)

@@ -98,3 +98,20 @@ def test_locate_ranks_every_copy_and_a_gone_member_is_no_copy():
     assert [loc.member for loc in asyncio.run(c.locate("m", [key], "B"))[0]] == ["pA", "tA"]
     with pytest.raises(InvalidInput):
         asyncio.run(c.lookup("m", [key], "B"))
+
+
+def test_packed_lookup_answers_what_lookup_answers_and_refuses_anything_else():
+    from raykv.service.index import pack, unpack
+
+    plan = PLANS["hybrid"]
+    c = coordinator(plan)
+    chain = BlockHasher(plan.hash_block_size).hash_blocks(list(range(40)))
+    stored = [(k, j) for gk in group_keys(plan, chain) for j, k in enumerate(gk)]
+    assert asyncio.run(c.events("pA", 1, "m", stored, []))
+    args = ("m", b"".join(chain), "B", 30)
+    want = asyncio.run(c.lookup(*args))
+    assert want["hit_tokens"] == 30
+    assert unpack(asyncio.run(c.lookup_packed(pack(args))), None, "answer") == want
+    for bad in (args, pack(args[:3]), pack(list(args))):
+        with pytest.raises(InvalidInput, match=r"packed by raykv\.service\.index\.pack"):
+            asyncio.run(c.lookup_packed(bad))
