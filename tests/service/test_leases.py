@@ -173,3 +173,22 @@ def test_status_shows_the_lease_counters(svc) -> None:
         s = svc.kv.stats()
     s["address"] = "here"
     assert f"tier leases expired {s['leases_expired']}" in status_table(s)
+
+
+def test_a_holder_is_gone_only_when_surely_exited() -> None:
+    import dataclasses
+    import subprocess
+    import sys
+
+    me = holders.this_process("test")
+    assert not holders.gone(me) and holders.this_process("test") == me
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)  # fmt: skip
+    h = dataclasses.replace(me, pid=child.pid, start=holders._start_time(child.pid))
+    assert not holders.gone(h)
+    child.communicate(b"")
+    assert holders.gone(h)  # exited (and reaped)
+    assert holders.gone(dataclasses.replace(me, start=me.start + 1))  # the pid was reused
+    assert not holders.gone(dataclasses.replace(h, pidns=me.pidns + 1))  # another container
+    assert not holders.gone(dataclasses.replace(h, boot="another host"))
+    assert not holders.gone("a name") and not holders.gone(None)
