@@ -31,6 +31,7 @@ import ray
 
 from raykv.blocks.hashing import BlockHasher
 from raykv.errors import InvalidInput
+from raykv.service import holders
 from raykv.service.groups import as_tables, complete_chunks, group_keys, key_limit
 from raykv.tiers.cpu_tier import CpuTierView, LoadLease
 from raykv.tiers.gpu_kv import GpuKV
@@ -45,8 +46,10 @@ class TierLease:
     """Read references a node's CPU tier holds for one reader on its copies of a prompt's
     blocks: per group, the blocks from position ``first[g]`` on that it holds, as a
     ``LoadLease`` on their entries and, per block, (entry index in it, sub-slot). Until
-    released the entries stay readable (never evicted). ``AttachedKV.load_leased`` copies
-    them without asking the tier again and releases the lease; ``release`` drops one that is
+    released the entries stay readable (never evicted), unless the tier reclaims them
+    (``RAYKV_LEASE_TIMEOUT_S`` after the lease, or at once when its holder exits or
+    detaches): a load of them is then a miss. ``AttachedKV.load_leased`` copies them
+    without asking the tier again and releases the lease; ``release`` drops one that is
     not loaded. It pickles (an engine's scheduler hands it to its worker)."""
 
     model: str
@@ -57,11 +60,19 @@ class TierLease:
     chosen: tuple[tuple[tuple[int, int], ...], ...]
 
     @staticmethod
-    def ask(tier: Any, model: str, keys: Sequence[Sequence[bytes]], first: Sequence[int]):
+    def ask(
+        tier: Any,
+        model: str,
+        keys: Sequence[Sequence[bytes]],
+        first: Sequence[int],
+        holder: holders.Holder | None = None,
+    ):
         """Send the tier the request (``CpuTierActor.lease_groups``, keys from ``first[g]``
-        on); ``take`` its answer."""
+        on) for ``holder`` (this process by default); ``take`` its answer."""
         return tier.lease_groups.remote(
-            model, [list(k[f:]) for k, f in zip(keys, first, strict=True)]
+            model,
+            [list(k[f:]) for k, f in zip(keys, first, strict=True)],
+            holder or holders.this_process("lookup"),
         )
 
     @classmethod
@@ -124,6 +135,9 @@ class AttachedKV:
             else GpuKV.register(plan, tensors, layout=layout)
         )
         self.hasher = BlockHasher(plan.hash_block_size)
+        # this engine's leases and reservations: released at once by ``close``, or when the
+        # process exits; else reclaimed at their deadline
+        self.holder = holders.this_process(f"attached {model} {id(self):x}")
         self._view: CpuTierView | None = None
         self.engine: OffloadEngine | None = None
         self._applying: list = []  # tier calls sent without waiting (checked on the next)
@@ -163,6 +177,13 @@ class AttachedKV:
         pending, self._applying = self._applying, []
         ray.get(pending)
 
+    def close(self) -> int:
+        """Detach: send and wait for every call still queued, then have the tier release
+        whatever this engine still holds (a store or load cut short). Returns how many
+        leases and reservations that was. Idempotent; store / load after it still work."""
+        self.flush()
+        return ray.get(self.tier.release_holder.remote(self.holder))
+
     def _keys(self, token_ids: Sequence[int]) -> list[list[bytes]]:
         return group_keys(self.plan, self.hasher.hash_blocks(list(token_ids)))
 
@@ -177,7 +198,7 @@ class AttachedKV:
         if not job.keys:
             return 0
         members = tuple(c.members for c in complete_chunks(self.plan, tables, keys))
-        spec, res = ray.get(self.tier.reserve.remote(self.model, job.keys, members, 1))
+        spec, res = ray.get(self.tier.reserve.remote(self.model, job.keys, members, 1, self.holder))
         if res is None:
             return 0
         eng = self._engine(spec)
@@ -212,9 +233,8 @@ class AttachedKV:
         keys = [k[: len(t)] for k, t in zip(self._keys(token_ids), tables, strict=True)]
         first = [min(s, len(k)) for s, k in zip(skips, keys, strict=True)]
         self.flush()  # the lease sees every earlier store's result
-        lease = TierLease.take(
-            self.tier, self.model, first, TierLease.ask(self.tier, self.model, keys, first)
-        )
+        ask = TierLease.ask(self.tier, self.model, keys, first, self.holder)
+        lease = TierLease.take(self.tier, self.model, first, ask)
         loaded = self.load_leased(lease, tables, skips)
         self.send()
         return loaded

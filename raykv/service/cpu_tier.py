@@ -17,12 +17,22 @@ addressing are ``raykv.tiers``' alone. Other nodes fetch through ``raykv.transpo
 (``export_blocks``): the rows go out with the checksums they were stored with, and the
 receiver verifies them. A corrupt entry found by anyone is dropped (``apply`` / ``drop_keys``)
 and counted (``checksum_errors``); it is a miss from then on.
+
+Every reservation and lease names its holder (``raykv.service.holders``: the asking
+process) and ends at a deadline, ``RAYKV_LEASE_TIMEOUT_S`` seconds (default 60) after it was
+taken: a sweep every ``SWEEP_S`` reclaims holds past their deadline and releases at once
+those of holders that exited (``reserve`` also reclaims overdue holds first), and a holder
+that detaches releases its own (``release_holder``). A late finish of a reclaimed hold
+changes nothing, and a reader that copied reclaimed entries sees their generation changed
+(``raykv.tiers.cpu_tier``): a miss, never wrong KV. Counted per tier as ``leases_expired``,
+``leases_released`` and ``late_finishes`` (``raykv status``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Hashable
 from typing import Any
 
@@ -30,6 +40,7 @@ import numpy as np
 import ray
 
 from raykv.errors import InvalidInput
+from raykv.service import holders
 from raykv.service.groups import check_servable, key_group, row_widths
 from raykv.service.index import CPU
 from raykv.service.member import Member
@@ -40,17 +51,29 @@ from raykv.transport import export_rows
 
 Members = tuple[bytes | None, ...]
 log = logging.getLogger(__name__)
+LEASE_TIMEOUT_ENV = "RAYKV_LEASE_TIMEOUT_S"
+SWEEP_S = 1.0  # how often overdue holds and exited holders are looked for
+SWEEP_LIMIT = 4096  # holds reclaimed per model and sweep at most (bounded work)
+
+
+def lease_timeout_s() -> float:
+    """Seconds a CPU-tier lease or reservation may stay unfinished (``RAYKV_LEASE_TIMEOUT_S``,
+    default ``raykv.tiers.holds.DEFAULT_TIMEOUT_S``)."""
+    from raykv.tiers.holds import DEFAULT_TIMEOUT_S, check_timeout
+
+    return check_timeout(os.environ.get(LEASE_TIMEOUT_ENV, DEFAULT_TIMEOUT_S), LEASE_TIMEOUT_ENV)
 
 
 class _ModelTier:
     """One model's arena plus the block-key -> (entry key, sub-slot) map."""
 
-    def __init__(self, plan: Any) -> None:
+    def __init__(self, plan: Any, timeout_s: float) -> None:
         from raykv.tiers.cpu_tier import CpuTier
 
         check_servable(plan)
         self.plan = plan
-        self.tier = CpuTier(plan, "lru", shared=True)
+        self.tier = CpuTier(plan, "lru", shared=True, lease_timeout_s=timeout_s)
+        self.reclaimed = (0, 0)  # (expired, released) holds already counted in the metrics
         self.widths = {g.group_id: w for g, w in zip(plan.groups, row_widths(plan), strict=True)}
         self.entries: dict[bytes, Members] = {}  # entry key -> its members
         self.where: dict[bytes, dict[bytes, int]] = {}  # block key -> {entry key: sub-slot}
@@ -97,18 +120,74 @@ class CpuTierActor(Member):
 
     def __init__(self, node_id: str, plans: dict[str, Any] | None = None) -> None:
         super().__init__(tier_name(node_id), node_id)
+        self.timeout_s = lease_timeout_s()
         # the served models' arenas from the start: a tier placed again after it died must
         # take its node's offloads before it registers (its pools added them to the old one)
-        self.tiers: dict[str, _ModelTier] = {m: _ModelTier(p) for m, p in (plans or {}).items()}
+        self.tiers = {m: _ModelTier(p, self.timeout_s) for m, p in (plans or {}).items()}
         self.metrics = ServiceMetrics("tier")
         self._publishing: set[asyncio.Task] = set()
         self.transports = reader_transports()  # for pull: the object store, UCX where it runs
+        self._sweeper: asyncio.Task | None = None
+
+    async def start(self) -> str:
+        name = await super().start()
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweeps())
+        return name
 
     async def add_model(self, model: str, plan: Any) -> int:
         """Make room for ``model`` (idempotent); returns its CPU-tier block count."""
         if model not in self.tiers:
-            self.tiers[model] = _ModelTier(plan)
+            self.tiers[model] = _ModelTier(plan, self.timeout_s)
         return self.tiers[model].tier.num_blocks
+
+    # --- holds: deadlines and holders -----------------------------------------------------
+
+    async def _sweeps(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            try:
+                self.sweep()
+            except Exception as e:  # never let the loop die: the next sweep tries again
+                log.warning("tier %s: lease sweep failed: %r", self.name, e)
+                self.metrics.failed("lease_sweep")
+
+    def sweep(self) -> int:
+        """Reclaim overdue holds (bounded per model) and the holds of holders that exited;
+        returns how many holds were reclaimed."""
+        n = 0
+        for model, mt in self.tiers.items():
+            n += mt.tier.reclaim(limit=SWEEP_LIMIT)
+            for h in mt.tier.holders():
+                if holders.gone(h):
+                    got = mt.tier.release_holder(h)
+                    log.warning("tier %s: %s exited holding %d leases of %s; released",
+                                self.name, h, got, model)  # fmt: skip
+                    n += got
+            self._reclaimed(model, mt)
+        return n
+
+    async def release_holder(self, holder: Any) -> int:
+        """Release every lease and reservation ``holder`` still has (it detached or exited);
+        their finishes, if they still come, change nothing. Returns how many."""
+        n = 0
+        for model, mt in self.tiers.items():
+            n += mt.tier.release_holder(holder)
+            self._reclaimed(model, mt)
+        return n
+
+    def _reclaimed(self, model: str, mt: _ModelTier) -> None:
+        """Count reclaims since the last call; forget reclaimed reservations' members."""
+        s = mt.tier.stats
+        now = (s.expired_leases + s.expired_reservations, s.released_holds)
+        if now == mt.reclaimed:
+            return
+        self.metrics.reclaimed(model, CPU, now[0] - mt.reclaimed[0], "expired")
+        self.metrics.reclaimed(model, CPU, now[1] - mt.reclaimed[1], "released")
+        mt.reclaimed = now
+        for k in [k for k in mt.pending if mt.tier.state(k) is None]:
+            del mt.pending[k]  # its reservation was reclaimed: never published
+        self.metrics.used(model, CPU, mt.tier.num_blocks - mt.tier.num_free)
 
     def _tier(self, model: str) -> _ModelTier:
         mt = self.tiers.get(model)
@@ -123,19 +202,26 @@ class CpuTierActor(Member):
     # --- stores: reserve here, copy in the writer's process, apply here -------------------
 
     async def reserve(
-        self, model: str, keys: tuple[bytes, ...], members: tuple[Members, ...], writers: int = 1
+        self,
+        model: str,
+        keys: tuple[bytes, ...],
+        members: tuple[Members, ...],
+        writers: int = 1,
+        holder: Any = None,
     ) -> Any:
         """Reserve entries for ``keys`` (all or nothing; LRU evicts to make room; keys held
         already are skipped): (the arena's ``SharedSpec``, a ``StoreReservation`` for
-        ``writers`` TP writers or None). The spec rides along so a writer never needs a
-        call of its own to find (or re-find, after the tier was placed again) the arena."""
+        ``writers`` TP writers or None), ``holder``'s until applied or its deadline. The
+        spec rides along so a writer never needs a call of its own to find (or re-find,
+        after the tier was placed again) the arena."""
         mt = self._tier(model)
         if len(members) != len(keys) or any(len(m) != mt.tier.factor for m in members):
             raise InvalidInput(
                 f"each stored entry of model {model!r} needs {mt.tier.factor} member keys"
             )
         spec = mt.tier.arena_spec
-        res = mt.tier.prepare_store(keys, writers=writers)
+        res = mt.tier.prepare_store(keys, writers=writers, holder=holder)
+        self._reclaimed(model, mt)  # overdue holds it reclaimed first, if any
         if res is None:
             return spec, None
         removed = [m for e in res.evicted for m in mt.forget(e)]
@@ -148,14 +234,16 @@ class CpuTierActor(Member):
         mt.unpublished += removed
         return spec, res
 
-    async def lease(self, model: str, keys: list[bytes]) -> tuple[Any, Any, list[tuple[int, int]]]:
-        """Read references on the entries holding the leading block ``keys`` (one group):
-        (the arena's ``SharedSpec``, ``LoadLease`` or None, per block (entry index in the
-        lease, sub-slot))."""
+    async def lease(
+        self, model: str, keys: list[bytes], holder: Any = None
+    ) -> tuple[Any, Any, list[tuple[int, int]]]:
+        """Read references on the entries holding the leading block ``keys`` (one group),
+        ``holder``'s until released or their deadline: (the arena's ``SharedSpec``,
+        ``LoadLease`` or None, per block (entry index in the lease, sub-slot))."""
         mt = self.tiers.get(model)
         chosen = mt.choose(keys) if mt is not None and keys else []
         entries = list(dict.fromkeys(e for e, _ in chosen))
-        lease = mt.tier.prepare_load(entries) if entries else None
+        lease = mt.tier.prepare_load(entries, holder=holder) if entries else None
         spec = mt.tier.arena_spec if mt is not None else None
         if lease is None:
             self.metrics.miss(model, CPU, len(keys))
@@ -169,7 +257,7 @@ class CpuTierActor(Member):
 
     @ray.method(enable_task_events=False)
     async def lease_groups(
-        self, model: str, keys: list[list[bytes]]
+        self, model: str, keys: list[list[bytes]], holder: Any = None
     ) -> tuple[Any, list[tuple[Any, list[tuple[int, int]]]]]:
         """``lease`` for every group at once (one round trip for a hybrid model's load):
         (the arena's ``SharedSpec``, per group (``LoadLease`` or None, per block (entry index
@@ -178,7 +266,7 @@ class CpuTierActor(Member):
         mt, out = self.tiers.get(model), []
         spec = mt.tier.arena_spec if mt is not None else None
         for gk in keys:
-            _, lease, chosen = await self.lease(model, gk)
+            _, lease, chosen = await self.lease(model, gk, holder)
             out.append((lease, chosen))
         return spec, out
 
@@ -274,6 +362,14 @@ class CpuTierActor(Member):
             "blocks_used": sum(t.num_blocks - t.num_free for t in tiers),
             "blocks_total": sum(t.num_blocks for t in tiers),
             "bytes": sum(t.total_bytes for t in tiers),
+            # leases / reservations: live, reclaimed at their deadline, released with their
+            # holder, and finishes that came after the reclaim (ignored)
+            "leases_held": sum(t.num_holds for t in tiers),
+            "leases_expired": sum(
+                t.stats.expired_leases + t.stats.expired_reservations for t in tiers
+            ),
+            "leases_released": sum(t.stats.released_holds for t in tiers),
+            "late_finishes": sum(t.stats.late_finishes for t in tiers),
             "per_model": {
                 m: {
                     "blocks_total": mt.tier.num_blocks,
@@ -282,6 +378,11 @@ class CpuTierActor(Member):
                     "copies": mt.tier.copies,
                     "block_size_factor": mt.tier.factor,
                     "checksum_errors": mt.tier.stats.checksum_errors,
+                    "leases_held": mt.tier.num_holds,
+                    "leases_expired": mt.tier.stats.expired_leases,
+                    "reservations_expired": mt.tier.stats.expired_reservations,
+                    "leases_released": mt.tier.stats.released_holds,
+                    "late_finishes": mt.tier.stats.late_finishes,
                 }
                 for m, mt in self.tiers.items()
             },

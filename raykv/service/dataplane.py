@@ -33,6 +33,7 @@ import numpy as np
 import ray
 
 from raykv.errors import TransportError
+from raykv.service import holders
 from raykv.service.groups import Chunk
 from raykv.service.index import CPU, GPU, Location
 from raykv.service.spec import COORDINATOR, NAMESPACE, tier_name
@@ -141,8 +142,9 @@ class PoolDataPlane:
             try:
                 tier = self._tier()
                 arena, res = await tier.reserve.remote(
-                    self.model.name, job.keys, members, len(self.writers)
-                )
+                    self.model.name, job.keys, members, len(self.writers),
+                    holders.this_process(self.name),
+                )  # fmt: skip
             except (ray.exceptions.RayError, ValueError) as e:  # no tier: a miss later
                 log.warning("pool %s: no CPU tier to offload to (%s)", self.name, e)
                 self.metrics.copy_failed(self.model.name, CPU, "offload")
@@ -190,7 +192,9 @@ class PoolDataPlane:
         """Fill the leading blocks of ``want`` (key, our block) from the node's CPU tier: one
         ``LoadJob`` per rank on the shared arena, verified by the engine. Returns bytes."""
         tier = self._tier()
-        arena, lease, chosen = await tier.lease.remote(self.model.name, [k for k, _ in want])
+        arena, lease, chosen = await tier.lease.remote(
+            self.model.name, [k for k, _ in want], holders.this_process(self.name)
+        )
         if lease is None:
             return 0
         if not live():  # freed while we waited: our blocks may be someone else's now

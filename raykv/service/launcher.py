@@ -309,4 +309,9 @@ def status_table(s: dict[str, Any]) -> str:
         f"checksum errors {s.get('checksum_errors', 0)}  "
         f"refused transport peers {s.get('transport_auth_refused', 0)}"
     )
+    lines.append(
+        f"tier leases expired {s.get('leases_expired', 0)}  "
+        f"released (holder gone) {s.get('leases_released', 0)}  "
+        f"late finishes {s.get('late_finishes', 0)}"
+    )
     return "\n".join(lines)

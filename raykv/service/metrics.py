@@ -26,6 +26,12 @@ class ServiceMetrics:
         self._failed = metrics.Counter(
             "raykv_failed_copies", "Copies that found their peer gone (misses)", tags
         )
+        self._reclaimed = metrics.Counter(
+            "raykv_reclaimed_leases",
+            "CPU-tier leases and reservations reclaimed: past their deadline (expired) or "
+            "with their holder gone (released)",
+            (*tags, "why"),
+        )
         self._used = metrics.Gauge("raykv_blocks_used", "Blocks holding KV", tags)
         self._failures = metrics.Counter(
             "raykv_handled_failures",
@@ -74,6 +80,12 @@ class ServiceMetrics:
         """A copy that could not run (its peer gone): logged by the caller, a miss."""
         self.tally[f"failed_{what}"] += 1
         self._failed.inc(1, self._tags(model, tier))
+
+    def reclaimed(self, model: str, tier: str, n: int, why: str) -> None:
+        """Leases / reservations the tier took back: ``why`` is "expired" or "released"."""
+        if n:
+            self.tally[f"reclaimed_{why}"] += n
+            self._reclaimed.inc(n, {**self._tags(model, tier), "why": why})
 
     def used(self, model: str, tier: str, n: int) -> None:
         self._used.set(n, self._tags(model, tier))

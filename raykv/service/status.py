@@ -97,6 +97,11 @@ def cluster(
         "misses": look["misses"],
         # copies that failed their checksum (invariant 12: served as misses), per member
         "checksum_errors": sum(m.get("checksum_errors", 0) for m in rows),
+        # CPU-tier leases / reservations: reclaimed at their deadline, released with their
+        # holder (it exited or detached), and finishes that came too late (ignored)
+        "leases_expired": sum(m.get("leases_expired", 0) for m in rows),
+        "leases_released": sum(m.get("leases_released", 0) for m in rows),
+        "late_finishes": sum(m.get("late_finishes", 0) for m in rows),
         # peers a member's UCX listener refused (no or wrong transport secret)
         "transport_auth_refused": sum(m.get("failures_transport_auth", 0) for m in rows),
         "failures": {

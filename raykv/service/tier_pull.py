@@ -158,6 +158,8 @@ class _ArenaWriter:
         """Rows ``at .. at + rows.count`` of the pull, verified: into their arena rows."""
         if at != self.filled:
             raise TransportError(f"{source} sent rows from {at}, expected {self.filled}")
+        if not self.mt.tier.current(self.res):  # a pull past the lease timeout: rows not ours
+            raise TransportError(f"the pull from {source} outlived its reservation; a miss")
         shape = tuple(rows.rows.shape[::2])
         if shape != (self.copies, self.width):
             raise ValueError(f"{source} sent rows {list(rows.rows.shape)}, this plan's are "

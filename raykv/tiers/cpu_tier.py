@@ -13,6 +13,17 @@ or FREE (a writer failed: nothing half-readable); READABLE <-> READING (prepare_
 finish_load, with a reader count). Only READABLE blocks without readers may be evicted, and
 never the keys of the store being prepared. One lock guards all metadata; the byte copies run
 outside it, protected by the states.
+
+Every reservation and lease is a hold (``raykv.tiers.holds``) with a holder and a deadline
+(``lease_timeout_s``, 60 s by default): ``reclaim`` (also run lazily by each ``prepare_store``)
+frees the blocks of reservations past their deadline and drops the read references of such
+leases, ``release_holder`` does the same at once for a holder that is gone. A finish that
+comes after its hold was reclaimed changes nothing (``stats.late_finishes``): no block is
+released twice, no reclaimed reservation is made readable. Each block has a generation,
+bumped whenever it goes back to FREE; a lease or reservation carries its blocks'
+generations, and ``current`` (on the owner and on every ``CpuTierView``, through a shared
+array) tells whether they still hold what they held when it was taken: a reader checks it
+after copying, so a late load of reclaimed, reused entries is a miss, never wrong KV.
 """
 
 from __future__ import annotations
@@ -21,7 +32,8 @@ import dataclasses
 import enum
 import heapq
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +42,7 @@ from raykv.errors import ConfigError
 from raykv.layout import tp
 from raykv.layout.plan import Plan
 from raykv.tiers import shm
+from raykv.tiers.holds import DEFAULT_TIMEOUT_S, LOAD, STORE, Hold, Holds
 from raykv.tiers.policies import EvictionPolicy, make_policy
 from raykv.tiers.shm import SharedSpec
 
@@ -60,14 +73,25 @@ class _Block:
 
 
 @dataclass(frozen=True)
+class ArenaSpec(SharedSpec):
+    """A shared arena's ``SharedSpec`` plus the shared array of its blocks' generations
+    (int64 per block), which ``CpuTierView.current`` reads."""
+
+    gens: SharedSpec | None = None
+
+
+@dataclass(frozen=True)
 class StoreReservation:
     """Blocks reserved (WRITING) for the new keys of one store; ``present`` keys were already
-    stored or being stored and are skipped."""
+    stored or being stored and are skipped. ``hold``: its id at the tier while live;
+    ``gens``: each block's generation when reserved."""
 
     keys: tuple[Key, ...]
     blocks: tuple[int, ...]
     present: tuple[Key, ...]
     evicted: tuple[Key, ...]
+    hold: int = 0
+    gens: tuple[int, ...] = ()
 
     def block_of(self) -> dict[Key, int]:
         return dict(zip(self.keys, self.blocks, strict=True))
@@ -76,12 +100,15 @@ class StoreReservation:
         """(the reserved keys ``keep`` takes, the rest): two reservations finished apart, e.g.
         the entries a pull filled (stored) and those it did not (released)."""
         picked = [keep(k) for k in self.keys]
+        gens = self.gens or (0,) * len(self.keys)
         parts = tuple(
             StoreReservation(
                 tuple(k for k, p in zip(self.keys, picked, strict=True) if p is want),
                 tuple(b for b, p in zip(self.blocks, picked, strict=True) if p is want),
                 (),
                 (),
+                self.hold,
+                tuple(g for g, p in zip(gens, picked, strict=True) if p is want),
             )
             for want in (True, False)
         )
@@ -90,12 +117,15 @@ class StoreReservation:
 
 @dataclass(frozen=True)
 class LoadLease:
-    """Read references on the blocks of ``keys`` (state READING until ``finish_load``)."""
+    """Read references on the blocks of ``keys`` (state READING until ``finish_load``, or
+    until the tier reclaims the lease: ``hold``, ``gens`` as in ``StoreReservation``)."""
 
     keys: tuple[Key, ...]
     blocks: tuple[int, ...]
     valid: tuple[tuple[bool, ...], ...]
     checksums: tuple[dict[int, tuple[int, ...]], ...]
+    hold: int = 0
+    gens: tuple[int, ...] = ()
 
 
 @dataclass
@@ -108,6 +138,10 @@ class TierStats:
     failed_stores: int = 0
     rejected_stores: int = 0  # prepare_store found no room (all-or-nothing)
     checksum_errors: int = 0
+    expired_leases: int = 0  # leases reclaimed at their deadline (read references dropped)
+    expired_reservations: int = 0  # reservations reclaimed at their deadline (blocks freed)
+    released_holds: int = 0  # leases and reservations of a holder that went away
+    late_finishes: int = 0  # finishes of holds reclaimed already: ignored
 
 
 class ArenaRows:
@@ -117,6 +151,16 @@ class ArenaRows:
     arena: torch.Tensor
     factor: int
     copies: int
+    gens: torch.Tensor | None = None  # int64 per block: its generation (bumped when freed)
+
+    def current(self, held: LoadLease | StoreReservation) -> bool:
+        """Whether every block of ``held`` still has the generation it had when leased or
+        reserved (never freed since: its bytes are the ones leased). A reader checks this
+        after its copy (a seqlock's second read), a writer before it."""
+        if self.gens is None or not held.gens:
+            return True
+        gens = self.gens.numpy()
+        return all(int(gens[b]) == g for b, g in zip(held.blocks, held.gens, strict=True))
 
     def rows(self, copy: int = 0) -> torch.Tensor:
         """``[num_blocks * factor, gpu_bytes_per_block]`` rows of one TP copy."""
@@ -143,6 +187,8 @@ class CpuTier(ArenaRows):
         *,
         pin_memory: bool | None = None,
         shared: bool = False,
+        lease_timeout_s: float = DEFAULT_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.plan = plan
         self.num_blocks = plan.cpu_num_blocks
@@ -153,17 +199,24 @@ class CpuTier(ArenaRows):
             pin_memory = torch.cuda.is_available()
         shape = (self.copies, self.num_blocks * self.factor, self.slot_bytes)
         # shared: in /dev/shm, so pools, TP ranks and engines of the node map it (CpuTierView)
-        self.arena_spec: SharedSpec | None = None
+        self.arena_spec: ArenaSpec | None = None
         if shared:
-            self.arena, self.arena_spec = shm.create(shape, "arena")
+            self.arena, spec = shm.create(shape, "arena")
+            gens, gens_spec = shm.create((self.num_blocks * 8,), "gens")
+            self.gens = gens.view(torch.int64)
+            self.arena_spec = ArenaSpec(spec.path, spec.shape, gens_spec)
         else:
             self.arena = torch.empty(shape, dtype=torch.uint8, pin_memory=pin_memory)
+            self.gens = torch.zeros(self.num_blocks, dtype=torch.int64)
+        self._gens = self.gens.numpy()
         self.policy = make_policy(policy, self.num_blocks) if isinstance(policy, str) else policy
         self.stats = TierStats()
         self._lock = threading.Lock()
         self._blocks = [_Block(i) for i in range(self.num_blocks)]
         self._free = list(range(self.num_blocks))  # a heap: low indices first keeps runs
         self._by_key: dict[Key, int] = {}
+        self._holds = Holds(lease_timeout_s)
+        self._clock = clock
 
     @property
     def total_bytes(self) -> int:
@@ -202,14 +255,25 @@ class CpuTier(ArenaRows):
             return list(self._by_key)
 
     # ---------------------------------------------------------------- stores
-    def prepare_store(self, keys: Sequence[Key], writers: int = 1) -> StoreReservation | None:
+    def prepare_store(
+        self,
+        keys: Sequence[Key],
+        writers: int = 1,
+        *,
+        holder: Hashable = None,
+        timeout_s: float | None = None,
+    ) -> StoreReservation | None:
         """Reserve a block for every key not yet stored, evicting if needed — all or nothing.
 
         Returns None when the blocks cannot all be found: nothing is reserved or evicted (keys
         already present still count as used, for the policy). Never evicts a block being
-        written or read, nor any of ``keys``.
+        written or read, nor any of ``keys``. Holds past their deadline are reclaimed first.
+        The reservation is ``holder``'s until finished, for ``timeout_s`` (the tier's
+        ``lease_timeout_s`` by default) at most.
         """
         with self._lock:
+            now = self._clock()
+            self._reclaim_due(now)
             wanted = list(dict.fromkeys(keys))
             present = tuple(k for k in wanted if k in self._by_key)
             new = [k for k in wanted if k not in self._by_key]
@@ -236,7 +300,15 @@ class CpuTier(ArenaRows):
                 b.valid, b.checksums = (), {}
                 self._by_key[k] = i
                 blocks.append(i)
-            return StoreReservation(tuple(new), tuple(blocks), present, tuple(victims))
+            hold = self._holds.open(STORE, holder, list(blocks), now, timeout_s) if blocks else None
+            return StoreReservation(
+                tuple(new),
+                tuple(blocks),
+                present,
+                tuple(victims),
+                hold.id if hold is not None else 0,
+                tuple(int(self._gens[i]) for i in blocks),
+            )
 
     def finish_store(
         self,
@@ -247,8 +319,15 @@ class CpuTier(ArenaRows):
         copy: int = 0,
     ) -> None:
         """One writer is done with ``reservation``. The blocks become READABLE once every
-        writer succeeded; any failure returns them to FREE (never half-readable)."""
+        writer succeeded; any failure returns them to FREE (never half-readable). After the
+        reservation was reclaimed (``reclaim``) this changes nothing."""
         with self._lock:
+            if not reservation.blocks:
+                return
+            hold = self._holds.get(reservation.hold, STORE)
+            if hold is None:  # reclaimed: its blocks are free, or someone else's now
+                self.stats.late_finishes += 1
+                return
             for n, i in enumerate(reservation.blocks):
                 b = self._blocks[i]
                 if b.state is not BlockState.WRITING or b.key != reservation.keys[n]:
@@ -261,6 +340,7 @@ class CpuTier(ArenaRows):
                 b.writers -= 1
                 if b.writers > 0:
                     continue
+                hold.blocks.remove(i)
                 if b.failed:
                     del self._by_key[b.key]
                     self._release(i)
@@ -269,10 +349,15 @@ class CpuTier(ArenaRows):
                     b.state = BlockState.READABLE
                     self.policy.insert(b.key)
                     self.stats.stored += 1
+            if not hold.blocks:
+                self._holds.close(hold)
 
     # ---------------------------------------------------------------- loads
-    def prepare_load(self, keys: Sequence[Key]) -> LoadLease | None:
-        """Take a read reference on every key, or on none (None) if one is not readable."""
+    def prepare_load(
+        self, keys: Sequence[Key], *, holder: Hashable = None, timeout_s: float | None = None
+    ) -> LoadLease | None:
+        """Take a read reference on every key, or on none (None) if one is not readable. The
+        lease is ``holder``'s until finished, for ``timeout_s`` at most (as ``prepare_store``)."""
         with self._lock:
             idx = [self._by_key.get(k) for k in keys]
             if any(i is None or self._blocks[i].state not in READABLE for i in idx):
@@ -283,24 +368,29 @@ class CpuTier(ArenaRows):
                 b.state = BlockState.READING
                 self.policy.touch(k)
             bs = [self._blocks[i] for i in idx]
+            hold = (
+                self._holds.open(LOAD, holder, list(idx), self._clock(), timeout_s) if idx else None
+            )
             return LoadLease(
                 tuple(keys),
                 tuple(idx),
                 tuple(b.valid for b in bs),
                 tuple(dict(b.checksums) for b in bs),
+                hold.id if hold is not None else 0,
+                tuple(int(self._gens[i]) for i in idx),
             )
 
     def finish_load(self, lease: LoadLease, loaded: int | None = None) -> None:
-        """Drop the read references of ``lease``; ``loaded`` keys count as loaded."""
+        """Drop the read references of ``lease``; ``loaded`` keys count as loaded. After the
+        lease was reclaimed this changes nothing (the references went with it)."""
         with self._lock:
-            for i in lease.blocks:
-                b = self._blocks[i]
-                b.readers -= 1
-                if b.readers == 0:
-                    if b.dropped:
-                        self._release(i)
-                    else:
-                        b.state = BlockState.READABLE
+            hold = self._holds.get(lease.hold, LOAD)
+            if hold is None:
+                self.stats.late_finishes += bool(lease.blocks)
+                return
+            self._holds.close(hold)
+            for i in hold.blocks:
+                self._unread(i)
             self.stats.loaded += len(lease.keys) if loaded is None else loaded
 
     def drop(self, key: Key, corrupt: bool = False) -> None:
@@ -319,13 +409,91 @@ class CpuTier(ArenaRows):
                 self._release(i)
 
     def apply(self, ops: Sequence[tuple]) -> None:
-        """Apply the metadata calls a ``CpuTierView`` queued (in order)."""
-        for op, *args in ops:
+        """Apply the metadata calls a ``CpuTierView`` queued (in order). A ``drop`` of a key
+        whose lease in the same batch was reclaimed is skipped: what that reader saw says
+        nothing about the entry the key may name now."""
+        for op, *_ in ops:
             if op not in ("finish_store", "finish_load", "drop"):
                 raise ValueError(f"unknown tier operation {op!r}")
+        with self._lock:
+            stale = {
+                k
+                for op, *args in ops
+                if op == "finish_load" and self._holds.get(args[0].hold, LOAD) is None
+                for k in args[0].keys
+            }
+        for op, *args in ops:
+            if op == "drop" and args[0] in stale:
+                continue
             getattr(self, op)(*args)
 
+    # ---------------------------------------------------------------- holds
+    def reclaim(self, now: float | None = None, limit: int | None = None) -> int:
+        """Reclaim holds past their deadline (at most ``limit``, oldest first): a lease's
+        read references are dropped, a reservation's blocks freed. Returns how many."""
+        with self._lock:
+            return self._reclaim_due(self._clock() if now is None else now, limit)
+
+    def release_holder(self, holder: Hashable) -> int:
+        """Reclaim every hold of ``holder`` at once (it went away); returns how many."""
+        with self._lock:
+            held = self._holds.of(holder)
+            for h in held:
+                self._reclaim(h)
+            self.stats.released_holds += len(held)
+            return len(held)
+
+    def holders(self) -> list[Hashable]:
+        """Holders with a live lease or reservation."""
+        with self._lock:
+            return self._holds.holders()
+
+    @property
+    def num_holds(self) -> int:
+        with self._lock:
+            return len(self._holds)
+
+    def counts(self) -> dict[str, int]:
+        """Blocks per state (``dropped``: left the index, freed by their last reader):
+        ``free + writing + readable + reading == num_blocks``."""
+        with self._lock:
+            out = {s.value: 0 for s in BlockState}
+            for b in self._blocks:
+                out[b.state.value] += 1
+            out["dropped"] = sum(b.dropped for b in self._blocks)
+            return out
+
     # ---------------------------------------------------------------- internals
+    def _reclaim_due(self, now: float, limit: int | None = None) -> int:
+        due = self._holds.due(now, limit)
+        for h in due:
+            self._reclaim(h)
+            if h.kind == LOAD:
+                self.stats.expired_leases += 1
+            else:
+                self.stats.expired_reservations += 1
+        return len(due)
+
+    def _reclaim(self, hold: Hold) -> None:
+        self._holds.close(hold)
+        for i in hold.blocks:
+            if hold.kind == LOAD:
+                self._unread(i)
+            else:  # being written: back to free (a late writer's finish finds no hold)
+                b = self._blocks[i]
+                del self._by_key[b.key]
+                self._release(i)
+        hold.blocks = []
+
+    def _unread(self, i: int) -> None:
+        b = self._blocks[i]
+        b.readers -= 1
+        if b.readers == 0:
+            if b.dropped:
+                self._release(i)
+            else:
+                b.state = BlockState.READABLE
+
     def _evictable(self, key: Key, protected: set[Key]) -> bool:
         b = self._blocks[self._by_key[key]]
         return b.state is BlockState.READABLE and b.readers == 0 and key not in protected
@@ -335,6 +503,7 @@ class CpuTier(ArenaRows):
         b.key, b.state, b.readers, b.writers = None, BlockState.FREE, 0, 0
         b.failed = b.dropped = False
         b.valid, b.checksums = (), {}
+        self._gens[i] += 1  # whoever still holds it (a reclaimed hold) sees it changed
         heapq.heappush(self._free, i)
 
     def check_consistency(self) -> None:
@@ -351,6 +520,20 @@ class CpuTier(ArenaRows):
                 assert (b.state is BlockState.READING) == (b.readers > 0), b
             readable = {k for k, i in self._by_key.items() if self._blocks[i].state in READABLE}
             assert set(self.policy) == readable, "policy and index disagree"
+            readers = [0] * self.num_blocks
+            writing: set[int] = set()
+            for h in self._holds:
+                for i in h.blocks:
+                    if h.kind == LOAD:
+                        readers[i] += 1
+                    else:
+                        assert i not in writing, f"block {i} in two reservations"
+                        assert self._blocks[i].state is BlockState.WRITING, self._blocks[i]
+                        writing.add(i)
+            assert readers == [b.readers for b in self._blocks], "leases and readers disagree"
+            assert writing == {b.index for b in self._blocks if b.state is BlockState.WRITING}, (
+                "a block is written outside a reservation"
+            )
 
 
 class CpuTierView(ArenaRows):
@@ -375,12 +558,15 @@ class CpuTierView(ArenaRows):
                 f"{list(want)}; the tier and this process serve different plans"
             )
         self.arena = shm.attach(spec)
+        gens = getattr(spec, "gens", None)
+        if gens is not None:  # the owner's block generations, for ``current``
+            self.gens = shm.attach(gens).view(torch.int64)
         self.outbox: list[tuple] = []
 
-    def prepare_store(self, keys: Sequence[Key], writers: int = 1) -> None:
+    def prepare_store(self, keys: Sequence[Key], writers: int = 1, **_: object) -> None:
         raise RuntimeError("reserve on the tier's owner and pass the reservation to the engine")
 
-    def prepare_load(self, keys: Sequence[Key]) -> None:
+    def prepare_load(self, keys: Sequence[Key], **_: object) -> None:
         raise RuntimeError("lease on the tier's owner and pass the lease to the engine")
 
     def finish_store(self, reservation: StoreReservation, ok: bool, valid=None, checksums=None,

@@ -28,12 +28,19 @@ from dataclasses import dataclass, field
 import torch
 
 from raykv import ops
+from raykv.errors import TierError
 from raykv.layout import tp
 from raykv.tiers.checksum import row_checksums
 from raykv.tiers.cpu_tier import CpuTier, LoadLease, StoreReservation
 from raykv.tiers.fence import StoreFence
 from raykv.tiers.gpu_kv import GpuKV
 from raykv.tiers.jobs import BlockJob, LoadJob, StoreJob
+
+_RECLAIMED = (
+    "the CPU tier reclaimed this job's lease or reservation (its deadline passed or its "
+    "holder was released): not copied, a miss; finish jobs within the tier's lease timeout "
+    "(RAYKV_LEASE_TIMEOUT_S)"
+)
 
 
 @dataclass(frozen=True)
@@ -186,6 +193,8 @@ class OffloadEngine:
     # ---------------------------------------------------------------- copies
     def _copy(self, rec: _InFlight, gather: bool) -> None:
         job, tier = rec.job, self.tier
+        if not tier.current(rec.reservation if gather else rec.lease):
+            raise TierError(_RECLAIMED)
         rows_all = tier.rows(self.copy)
         if gather:
             blocks = rec.reservation.block_of()
@@ -241,6 +250,8 @@ class OffloadEngine:
 
     def _finish(self, rec: _InFlight) -> None:
         ok = rec.error is None
+        if ok and not self.tier.current(rec.reservation or rec.lease):  # a store lands after
+            rec.error, ok = _RECLAIMED, False  # this, a load's bytes were copied before it
         if not ok and self.stream is not None:
             self.stream.synchronize()  # copies launched before the failure must not outlive it
         if rec.kind == "store":

@@ -51,10 +51,12 @@ def test_store_states_and_lookup():
     assert t.lookup([b"a", b"b", b"x", b"c"]) == 2  # a prefix hit
     lease = t.prepare_load([b"a"])
     assert t.state(b"a") is BlockState.READING
-    t.prepare_load([b"a"])
+    second = t.prepare_load([b"a"])
     t.finish_load(lease)
     assert t.state(b"a") is BlockState.READING  # second reader still there
-    t.finish_load(lease)
+    t.finish_load(lease)  # a lease is finished once: the second reader's stays
+    assert t.state(b"a") is BlockState.READING and t.stats.late_finishes == 1
+    t.finish_load(second)
     assert t.state(b"a") is BlockState.READABLE
     assert t.prepare_load([b"a", b"zzz"]) is None  # all or nothing
     assert t.state(b"a") is BlockState.READABLE

@@ -136,6 +136,8 @@ class RaykvConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     # --- scheduler side ---------------------------------------------------------------
 

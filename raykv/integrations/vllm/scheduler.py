@@ -229,6 +229,15 @@ class RaykvScheduler:
         }
         return st.saves_sent, params
 
+    def close(self) -> None:
+        """Release every lease still held (the engine shuts down): the tier need not wait
+        for their deadline (``RAYKV_LEASE_TIMEOUT_S``)."""
+        for st in self.reqs.values():
+            self._release(st)
+            if st.pending_load is not None and st.pending_load.lease is not None:
+                st.pending_load.lease.release()
+                st.pending_load = None
+
 
 def _leading_nulls(ids: list[int]) -> int:
     n = 0

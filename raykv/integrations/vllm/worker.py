@@ -184,5 +184,12 @@ class RaykvWorker:
         return errors
 
     def close(self) -> None:
+        """Finish the saves in flight, then detach: the tier releases at once whatever this
+        worker still holds (a lease no step loaded, a store cut short)."""
         self.drain()
         self.pool.shutdown(wait=True)
+        if self.attached is not None:
+            try:
+                self.attached.close()
+            except Exception as e:  # the tier is gone: its leases went with it
+                log.warning("raykv detach failed (%r)", e)
