@@ -382,13 +382,27 @@ def bench_blocks(
 @bench.command("service")
 @click.option("--quick", is_flag=True, help="Fewer repetitions and blocks (a smoke run).")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-@click.option("--lookup-only", is_flag=True, help="Only the lookups (and hashing), no data moving.")
-def bench_service(quick: bool, as_json: bool, lookup_only: bool) -> None:
+@click.option("--lookup-only", is_flag=True, help="Only the lookups (and hashing): --only lookup.")
+@click.option(
+    "--only",
+    "parts",
+    multiple=True,
+    type=click.Choice(["lookup", "object-store", "shared-memory"]),
+    help="Run only these parts (repeatable; default all). object-store includes the raw Ray "
+    "put/get it is measured against.",
+)
+@click.option(
+    "--rounds", type=click.IntRange(1), default=None, help="Rounds of the data-moving parts."
+)
+def bench_service(
+    quick: bool, as_json: bool, lookup_only: bool, parts: tuple[str, ...], rounds: int | None
+) -> None:
     """Lookup rate / p50 / p99 for 32k-token prompts; the object-store transport's GB/s next to
     a raw Ray put/get; engine<->tier store/load through shared memory next to a plain copy."""
     from raykv.bench.service import main as run_service
 
-    run_service(quick=quick, as_json=as_json, lookup_only=lookup_only)
+    parts = (*parts, "lookup") if lookup_only else parts
+    run_service(quick=quick, as_json=as_json, parts=parts, rounds=rounds)
 
 
 @bench.command("vllm")

@@ -6,8 +6,10 @@ paged copy from the engine's blocks into the arena (``StoreJob``, checksums comp
 load one paged copy back (``LoadJob``, checksums verified first: a corrupt entry is a miss,
 dropped and counted, never copied, invariant 12). Around each copy go two small messages to
 the tier carrying keys, block numbers and checksums: one round trip before it (reserve /
-lease, which also names the arena) and one after it that is not waited for (apply; the
-next store / load first makes sure it was applied, ``flush`` waits for it). A load's lease
+lease, which also names the arena) and one after it that is not waited for (apply, numbered:
+the next reserve / lease names the applies still unanswered and the tier runs it after them,
+``raykv.service.cpu_tier._AppliedOrder``, without a round trip of the engine's own; ``flush``
+waits for every apply sent). A load's lease
 may also be taken beforehand, by whoever looked the prompt up (``TierLease``,
 ``Client.lookup_lease``: an engine's scheduler, in the same round trip as its lookup): then
 the load itself makes no round trip at all (``load_leased``).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -66,13 +69,16 @@ class TierLease:
         keys: Sequence[Sequence[bytes]],
         first: Sequence[int],
         holder: holders.Holder | None = None,
+        after: tuple | None = None,
     ):
         """Send the tier the request (``CpuTierActor.lease_groups``, keys from ``first[g]``
-        on) for ``holder`` (this process by default); ``take`` its answer."""
+        on) for ``holder`` (this process by default; ``after``: an attached engine's applies
+        to run first); ``take`` its answer."""
         return tier.lease_groups.remote(
             model,
             [list(k[f:]) for k, f in zip(keys, first, strict=True)],
             holder or holders.this_process("lookup"),
+            after,
         )
 
     @classmethod
@@ -140,7 +146,9 @@ class AttachedKV:
         self.holder = holders.this_process(f"attached {model} {id(self):x}")
         self._view: CpuTierView | None = None
         self.engine: OffloadEngine | None = None
-        self._applying: list = []  # tier calls sent without waiting (checked on the next)
+        # applies sent without waiting: (number, ref); those to self.tier are numbered
+        self._applying: list[tuple[int | None, Any]] = []
+        self._engine_id, self._numbered = secrets.token_hex(8), 0
         self._held: list[tuple[Any, list[tuple]]] = []  # (tier, calls) ``send`` sends
         self._held_lock = threading.Lock()  # an engine may send from another thread
         try:  # map the arena now (every page: shm.attach), not on the first load's path
@@ -155,10 +163,34 @@ class AttachedKV:
             self.engine = OffloadEngine(self.kv, self._view, checksums=True)
         return self.engine
 
-    def _send(self, ops: list[tuple]) -> None:
-        """Send the engine's queued tier calls without waiting for them."""
-        if ops:
-            self._applying.append(self.tier.apply.remote(self.model, ops, False))
+    def _apply(self, tier: Any, ops: list[tuple]) -> None:
+        """Send the engine's queued tier calls without waiting for them; numbered where they
+        go to this engine's tier (its next reserve / lease names them, ``_after``)."""
+        if not ops:
+            return
+        if tier != self.tier:  # a lease taken from another tier: nothing is ordered after it
+            self._applying.append((None, tier.apply.remote(self.model, ops, False)))
+            return
+        sent = [n for n, _ in self._applying if n is not None]
+        floor = min(sent) - 1 if sent else self._numbered  # every apply up to it answered
+        self._numbered += 1
+        ticket = (self._engine_id, self._numbered, floor)
+        self._applying.append((self._numbered, tier.apply.remote(self.model, ops, False, ticket)))
+
+    def _after(self) -> tuple[str, tuple[int, ...]] | None:
+        """The numbers of this engine's applies to its tier not answered yet, for its next
+        reserve / lease to run after (``CpuTierActor``'s ``after``); failures of the answered
+        ones surface here, as in ``flush``."""
+        self.send()
+        if not self._applying:
+            return None
+        refs = [ref for _, ref in self._applying]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        answered = set(ready)
+        self._applying = [(n, ref) for n, ref in self._applying if ref not in answered]
+        ray.get(ready)
+        pending = tuple(n for n, _ in self._applying if n is not None)
+        return (self._engine_id, pending) if pending else None
 
     def send(self) -> None:
         """Send what ``load_leased`` left to send (its lease's release and any corrupt
@@ -167,15 +199,13 @@ class AttachedKV:
         with self._held_lock:
             held, self._held = self._held, []
         for tier, ops in held:
-            self._applying.append(tier.apply.remote(self.model, ops, False))
+            self._apply(tier, ops)
 
     def flush(self) -> None:
-        """Wait until the tier applied every call sent so far. Each store / load does this
-        first (an async actor may start calls out of order; by then they are done, usually),
-        so its reserve / lease sees the previous copy's result. Failures surface here."""
+        """Wait until the tiers applied every call sent so far. Failures surface here."""
         self.send()
         pending, self._applying = self._applying, []
-        ray.get(pending)
+        ray.get([ref for _, ref in pending])
 
     def close(self) -> int:
         """Detach: send and wait for every call still queued, then have the tier release
@@ -193,18 +223,20 @@ class AttachedKV:
         entries newly stored (0 when the tier has no room: a miss later, never wrong)."""
         tables = as_tables(self.plan, block_ids)
         keys = self._keys(token_ids)
-        self.flush()
         job = StoreJob.build(self.plan, "attached", tables, keys)
         if not job.keys:
             return 0
         members = tuple(c.members for c in complete_chunks(self.plan, tables, keys))
-        spec, res = ray.get(self.tier.reserve.remote(self.model, job.keys, members, 1, self.holder))
+        reserve = self.tier.reserve.remote(
+            self.model, job.keys, members, 1, self.holder, self._after()
+        )
+        spec, res = ray.get(reserve)
         if res is None:
             return 0
         eng = self._engine(spec)
         eng.submit_store(job, res)
         (done,) = eng.wait_all()
-        self._send(eng.tier.take())
+        self._apply(self.tier, eng.tier.take())
         return len(res.keys) if done.ok else 0
 
     def pull(self, token_ids: Sequence[int], num_blocks: int | Sequence[int]) -> list[int]:
@@ -232,8 +264,8 @@ class AttachedKV:
         skips = [skip] * len(tables) if isinstance(skip, int) else list(skip)
         keys = [k[: len(t)] for k, t in zip(self._keys(token_ids), tables, strict=True)]
         first = [min(s, len(k)) for s, k in zip(skips, keys, strict=True)]
-        self.flush()  # the lease sees every earlier store's result
-        ask = TierLease.ask(self.tier, self.model, keys, first, self.holder)
+        # the lease runs after every earlier apply (it sees the earlier stores' entries)
+        ask = TierLease.ask(self.tier, self.model, keys, first, self.holder, self._after())
         lease = TierLease.take(self.tier, self.model, first, ask)
         loaded = self.load_leased(lease, tables, skips)
         self.send()

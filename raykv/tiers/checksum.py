@@ -5,14 +5,26 @@ makes (``verified_prefix``: the service's pool-to-pool copies and ``raykv.transp
 receivers); ``raykv.tiers.offload`` verifies CPU-tier loads key by key with the same hash.
 A mismatch means the copy is not what was stored (bit flip, a stray writer): the reader
 treats the block as a miss and counts an error; it never scatters the bad bytes to the GPU.
+
+``in_background`` runs checksums on the process's one checksum thread, beside a copy on the
+caller's thread (``raykv.tiers.host_copy``): xxhash releases the GIL while it hashes a row of
+a few hundred KiB, and numpy / torch copies release it while they copy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
+import numpy as np
 import torch
 import xxhash
+
+T = TypeVar("T")
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 def row_checksums(rows: torch.Tensor) -> tuple[int, ...]:
@@ -23,9 +35,25 @@ def row_checksums(rows: torch.Tensor) -> tuple[int, ...]:
     return tuple(xxhash.xxh3_64_intdigest(arr[i]) for i in range(arr.shape[0]))
 
 
+def checksums_at(table: np.ndarray, rows: Sequence[int], width: int) -> list[int]:
+    """xxh3-64 of the first ``width`` bytes of rows ``rows`` of a uint8 ``[n, bytes]`` table
+    (each row contiguous): what ``row_checksums`` gives for those rows, without a gather."""
+    return [xxhash.xxh3_64_intdigest(table[r, :width]) for r in rows]
+
+
 def verified_prefix(rows: torch.Tensor, expected: Sequence[int]) -> int:
     """How many leading ``rows`` match ``expected``, the checksums they were stored with:
     the first row that does not and every row after it must not be used (invariant 12)."""
     got = row_checksums(rows)
     pairs = zip(got, expected, strict=True)
     return next((i for i, (a, b) in enumerate(pairs) if a != b), len(got))
+
+
+def in_background(fn: Callable[..., T], *args: object) -> Future[T]:
+    """``fn(*args)`` on the checksum thread (one per process, started on first use); tasks
+    run one at a time, in the order they were submitted."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(1, thread_name_prefix="raykv-checksum")
+        return _pool.submit(fn, *args)

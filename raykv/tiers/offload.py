@@ -4,25 +4,30 @@ Every byte moves through ``raykv.ops.gather_blocks`` / ``scatter_blocks``: strai
 out of) the arena's rows when a group's rows are full-width and consecutive, else through a
 staging buffer and one host-side row copy. On CUDA the copies run on a side stream that first
 waits for the compute stream, and ``poll()`` reports jobs whose event has fired; on CPU they
-run synchronously and the next ``poll()`` reports them, so callers see one protocol.
+run synchronously and the next ``poll()`` reports them, so callers see one protocol. On the
+host a job copies each run of consecutive arena rows directly, in chunks, with its checksums
+taken (store) or verified (load) on the checksum thread beside the copy
+(``raykv.tiers.host_copy``).
 
 Store: reserve CPU blocks (all-or-nothing) -> fence the GPU blocks (invariant 9) -> gather ->
 on completion checksum the rows (optional), mark the CPU blocks readable and lift the fence.
 A failure anywhere frees the reserved CPU blocks (nothing half-readable) and lifts the fence.
 Load: take read references -> drop keys whose CPU block lacks a needed GPU block, keeping each
 group's prefix -> scatter, verifying each key's checksums before any of its rows is written (on
-the host span by span, so every row is read from memory once): the first key that fails and the
-rest of its group are misses, the failed one a counted error, never wrong KV -> on completion
-drop the references.
+the host ahead of the copy on the checksum thread, the copy waiting only for the rows it
+reaches): the first key that fails and the rest of its group are misses, the failed one a
+counted error, never wrong KV -> on completion drop the references.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +35,8 @@ import torch
 from raykv import ops
 from raykv.errors import TierError
 from raykv.layout import tp
-from raykv.tiers.checksum import row_checksums
+from raykv.tiers import host_copy
+from raykv.tiers.checksum import checksums_at, row_checksums
 from raykv.tiers.cpu_tier import CpuTier, LoadLease, StoreReservation
 from raykv.tiers.fence import StoreFence
 from raykv.tiers.gpu_kv import GpuKV
@@ -72,13 +78,11 @@ class _InFlight:
     lease: LoadLease | None = None
     event: torch.cuda.Event | None = None
     host_copies: list[_HostCopy] = field(default_factory=list)
+    # a host store: (arena rows, their checksums taken on the checksum thread)
+    sums: list[tuple[Sequence[int], Future[list[int]]]] = field(default_factory=list)
     missed: tuple[bytes, ...] = ()
     error: str | None = None
     writes: bool = True  # False: a replica rank, another rank writes this copy
-
-
-def _consecutive(rows: list[int]) -> bool:
-    return all(b == a + 1 for a, b in itertools.pairwise(rows))
 
 
 class OffloadEngine:
@@ -195,7 +199,6 @@ class OffloadEngine:
         job, tier = rec.job, self.tier
         if not tier.current(rec.reservation if gather else rec.lease):
             raise TierError(_RECLAIMED)
-        rows_all = tier.rows(self.copy)
         if gather:
             blocks = rec.reservation.block_of()
         else:
@@ -211,33 +214,125 @@ class OffloadEngine:
                     continue
                 entries = self.gpu.entries(g.group_id)
                 width = ops.row_bytes(entries)
-                rows = [tier.row(blocks[job.keys[k]], s) for k, s in job.slots[sl]]
-                ids_t = torch.tensor(ids, dtype=torch.int64)
-                if width == tier.slot_bytes and _consecutive(rows):
-                    src = rows_all[rows[0] : rows[0] + len(rows)]
-                    if gather:
-                        ops.gather_blocks(entries, ids_t, src)
-                        continue
-                else:
-                    idx = torch.tensor(rows, dtype=torch.int64)
-                    src = torch.empty((len(rows), width), dtype=torch.uint8, pin_memory=self.pin)
-                    if gather:
-                        ops.gather_blocks(entries, ids_t, src)
-                    else:
-                        torch.index_select(rows_all[:, :width], 0, idx, out=src)
-                    # a store lands these rows in poll(); a load keeps its staging alive till then
-                    rec.host_copies.append(_HostCopy(idx, src, width))
-                    if gather:
-                        continue
                 slots = job.slots[sl]
-                check = self._verifier(rec, slots, src) if self.checksums else None
-                written = ops.scatter_blocks(src, entries, ids_t, check=check)
+                rows = [tier.row(blocks[job.keys[k]], s) for k, s in slots]
+                ids_t = torch.tensor(ids, dtype=torch.int64)
+                if gather and self.stream is None:
+                    self._store_host(rec, entries, ids_t, rows, slots, width)
+                    continue
+                verify = None
+                if not gather and self.checksums:
+                    verify = host_copy.VerifyAhead(
+                        host_copy.key_chunks(slots, width), self._verifier(rec, slots, rows, width)
+                    )
+                try:
+                    if self.stream is None:
+                        written = self._load_host(entries, ids_t, rows, width, verify)
+                    else:
+                        written = self._copy_device(
+                            rec, entries, ids_t, rows, width, gather, verify
+                        )
+                finally:
+                    if verify is not None:
+                        verify.close()
+                if verify is not None and verify.bad is not None:  # found on the checksum thread
+                    self.tier.drop(job.keys[slots[verify.bad][0]], corrupt=True)  # drop here
                 refused.update(job.keys[k] for k, _ in slots[written:])
             if self.stream is not None:
                 rec.event = torch.cuda.Event()
                 rec.event.record(self.stream)
         if refused:
             rec.job = job.select(k for k in job.keys if k not in refused)
+
+    def _copy_device(
+        self,
+        rec: _InFlight,
+        entries: list,
+        ids_t: torch.Tensor,
+        rows: list[int],
+        width: int,
+        gather: bool,
+        check: host_copy.VerifyAhead | None,
+    ) -> int:
+        """One group's copy on CUDA, queued on the side stream: straight between the blocks
+        and the arena when the rows are full-width and consecutive, else through a staging
+        buffer (a store lands it in poll(), a load keeps it alive till then). Returns the rows
+        a load writes (all, or those before the first corrupt key: ``check`` runs first)."""
+        rows_all = self.tier.rows(self.copy)
+        if width == self.tier.slot_bytes and host_copy.row_runs(rows) == [(0, len(rows))]:
+            src = rows_all[rows[0] : rows[0] + len(rows)]
+            if gather:
+                ops.gather_blocks(entries, ids_t, src)
+                return len(rows)
+        else:
+            idx = torch.tensor(rows, dtype=torch.int64)
+            src = torch.empty((len(rows), width), dtype=torch.uint8, pin_memory=self.pin)
+            if gather:
+                ops.gather_blocks(entries, ids_t, src)
+            else:
+                torch.index_select(rows_all[:, :width], 0, idx, out=src)
+            rec.host_copies.append(_HostCopy(idx, src, width))
+            if gather:
+                return len(rows)
+        return ops.scatter_blocks(src, entries, ids_t, check=check)
+
+    def _store_host(
+        self,
+        rec: _InFlight,
+        entries: list,
+        ids_t: torch.Tensor,
+        rows: list[int],
+        slots: Sequence,
+        width: int,
+    ) -> None:
+        """One group's host store, chunk by chunk, each chunk's checksums taken on the
+        checksum thread while the next one copies (``host_copy.store_chunks``). A run of
+        consecutive full-width rows is gathered straight into the arena; scattered or narrow
+        rows through a staging buffer, landed row by row (numpy) before the chunk's hashing."""
+        rows_all = self.tier.rows(self.copy)
+        table = rows_all.numpy()
+        runs = host_copy.row_runs(rows) if width == self.tier.slot_bytes else None
+
+        def copy(a: int, b: int) -> None:
+            if runs is not None:
+                for s, e in host_copy.within(runs, a, b):
+                    ops.gather_blocks(entries, ids_t[s:e], rows_all[rows[s] : rows[s] + e - s])
+                return
+            staging = torch.empty((b - a, width), dtype=torch.uint8)
+            ops.gather_blocks(entries, ids_t[a:b], staging)
+            table[rows[a:b], :width] = staging.numpy()
+
+        def sums(a: int, b: int) -> list[int]:
+            return checksums_at(table, rows[a:b], width)
+
+        chunks = host_copy.key_chunks(slots, width, last_small=True)
+        futures = host_copy.store_chunks(chunks, copy, sums if self.checksums else None)
+        rec.sums += [(rows[a:b], f) for (a, b), f in zip(chunks, futures, strict=False)]
+
+    def _load_host(
+        self,
+        entries: list,
+        ids_t: torch.Tensor,
+        rows: list[int],
+        width: int,
+        check: host_copy.VerifyAhead | None,
+    ) -> int:
+        """One group's host load: each run of consecutive full-width rows scattered straight
+        out of the arena (scattered or narrow rows through one staging buffer), ``check``
+        passing each span first. Returns the rows written (up to the first refused)."""
+        rows_all = self.tier.rows(self.copy)
+        runs = host_copy.row_runs(rows) if width == self.tier.slot_bytes else None
+        if runs is None:
+            idx = torch.tensor(rows, dtype=torch.int64)
+            src = torch.index_select(rows_all[:, :width], 0, idx)
+            return ops.scatter_blocks(src, entries, ids_t, check=check)
+        for a, b in runs:
+            part = None if check is None else (lambda lo, hi, a=a: check(a + lo, a + hi))
+            src = rows_all[rows[a] : rows[a] + b - a]
+            n = ops.scatter_blocks(src, entries, ids_t[a:b], check=part)
+            if n < b - a:
+                return a + n
+        return len(rows)
 
     def _ready(self, rec: _InFlight) -> bool:
         if rec.event is None or rec.error is not None:
@@ -263,6 +358,7 @@ class OffloadEngine:
                         checksums = self._store_checksums(rec) if self.checksums else None
                 except Exception as e:
                     rec.error, ok = f"{type(e).__name__}: {e}", False
+                concurrent.futures.wait([f for _, f in rec.sums])  # none reads a freed row
                 self.tier.finish_store(
                     rec.reservation, ok, rec.job.valid_masks(), checksums, copy=self.copy
                 )
@@ -296,17 +392,20 @@ class OffloadEngine:
             out[k].append((s, self.tier.row(blocks[k], s), widths[job.key_groups[k]]))
         return out
 
-    def _sums(self, rows: list[tuple[int, int, int]]) -> dict[int, int]:
-        arena = self.tier.rows(self.copy)
-        return {s: row_checksums(arena[r : r + 1, :w])[0] for s, r, w in rows}
-
     def _store_checksums(self, rec: _InFlight) -> list[tuple[int, ...]]:
-        """Per key, one checksum per sub-slot (0 where a null block carried nothing)."""
+        """Per key, one checksum per sub-slot (0 where a null block carried nothing): taken
+        beside the copy on the host (``rec.sums``, by arena row), of the landed rows here on
+        CUDA."""
         block_of = rec.reservation.block_of()
         blocks = [block_of[k] for k in rec.job.keys]
+        taken = {r: c for rows, f in rec.sums for r, c in zip(rows, f.result(), strict=True)}
+        arena = self.tier.rows(self.copy)
         out = []
         for k, rows in enumerate(self._key_rows(rec.job, blocks)):
-            sums = self._sums(rows)
+            sums = {
+                s: taken[r] if r in taken else row_checksums(arena[r : r + 1, :w])[0]
+                for s, r, w in rows
+            }
             out.append(tuple(sums.get(s, 0) for s in range(rec.job.key_widths[k])))
         return out
 
@@ -328,31 +427,29 @@ class OffloadEngine:
                 keep.append(key)
         return keep
 
-    def _verifier(self, rec: _InFlight, slots: Sequence, src: torch.Tensor) -> Callable:
-        """``check`` for ``ops.scatter_blocks`` of one group's rows ``src`` (``slots``: each
-        row's (key index, sub-slot)): verifies the stored checksums of whole keys (a key's
-        rows are consecutive) and refuses from the first row of the first corrupt key, which
-        is dropped from the tier and counted: a miss, never a byte of it written."""
+    def _verifier(
+        self, rec: _InFlight, slots: Sequence, rows: Sequence[int], width: int
+    ) -> Callable[[int, int], int | None]:
+        """``verify`` for ``host_copy.VerifyAhead`` of one group (``slots``: each position's
+        (key index, sub-slot), ``rows``: its arena row): the position of the first row of the
+        first key in ``start .. end - 1`` whose arena rows fail their stored checksums, or
+        None. Touches no state (it runs on the checksum thread); the caller drops that key."""
         job, lease = rec.job, rec.lease
         at = {key: i for i, key in enumerate(lease.keys)}
-        done = 0  # rows verified so far (whole keys)
+        table = self.tier.rows(self.copy).numpy()
 
-        def check(lo: int, hi: int) -> int:
-            nonlocal done
-            end = hi
-            while end < len(slots) and slots[end][0] == slots[end - 1][0]:
-                end += 1  # verify the last key whole: its other rows come next
-            start, done = max(lo, done), max(done, end)
-            for i, c in enumerate(row_checksums(src[start:end]), start):
+        def verify(start: int, end: int) -> int | None:
+            first = start  # the current key's first position
+            for i, c in enumerate(checksums_at(table, rows[start:end], width), start):
                 k, s = slots[i]
+                if i > start and slots[i - 1][0] != k:
+                    first = i
                 expected = lease.checksums[at[job.keys[k]]].get(self.copy)
                 if expected is not None and expected[s] != c:
-                    self.tier.drop(job.keys[k], corrupt=True)
-                    first = next(j for j in range(i + 1) if slots[j][0] == k)
-                    return max(first - lo, 0)
-            return hi - lo
+                    return first
+            return None
 
-        return check
+        return verify
 
     # ---------------------------------------------------------------- bookkeeping
     def _next_id(self) -> int:

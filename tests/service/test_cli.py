@@ -224,6 +224,19 @@ def test_bench_service_lookup_only(home) -> None:
     assert r["lookup"]["hashing_ms"] > 0 and r["lookup"]["ping"]["p50_ms"] > 0
 
 
+def test_bench_service_only_shared_memory_reports_median_and_best_rounds(home) -> None:
+    args = ["bench", "service", "--quick", "--only", "shared-memory", "--rounds", "3", "--json"]
+    out = run([], RAYKV, *args, env=plain_env(home))
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert set(r) == {"shared_memory", "quick"}
+    sm = r["shared_memory"]
+    assert sm["rounds"] == 3 and sm["bytes"] == sm["blocks"] * (8 * 2 * 16 * 8 * 128 * 2)
+    for kind in ("store", "load"):
+        assert sm[f"best_{kind}_ms"] <= sm[f"{kind}_ms"]  # the best round, the median round
+        assert sm[f"{kind}_ratio"] == pytest.approx(sm["copy_ms"] / sm[f"{kind}_ms"])
+
+
 def test_a_killed_up_leaves_nothing_unrecorded(host, home) -> None:
     """`raykv up` killed while its head starts: the next `up` takes over (joins that head or
     replaces it) and `down` ends every process either one started."""

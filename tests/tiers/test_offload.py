@@ -21,8 +21,10 @@ from raykv.tiers import (
     StoreFence,
     StoreJob,
     group_factor,
+    host_copy,
 )
 from raykv.tiers import offload as offload_mod
+from raykv.tiers.checksum import row_checksums
 
 from .helpers import MODELS, fill_random, make_plan, random_tables, row
 
@@ -231,24 +233,34 @@ def test_checksum_mismatch_is_a_miss_and_an_error():
     tier.check_consistency()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     factor=st.sampled_from([1, 2, 3]),
     span_rows=st.integers(1, 5),
+    chunk_rows=st.integers(1, 6),
+    holes=st.booleans(),
     data=st.data(),
 )
-def test_a_corrupt_entry_verified_span_by_span_stops_the_load_before_any_of_its_rows(
-    factor, span_rows, data
+def test_a_corrupt_entry_verified_ahead_stops_the_load_before_any_of_its_rows(
+    factor, span_rows, chunk_rows, holes, data
 ):
-    """On the host the rows are verified span by span as they are copied (each span
-    ``CHECK_SPAN_BYTES``): a corrupt entry anywhere, even one straddling two spans, is a
-    counted miss with the rest of the prefix, and none of its rows (nor any later one) reaches
-    a block; every entry before it arrives whole."""
+    """On the host the rows are verified on the checksum thread in chunks of whole entries
+    (``host_copy.key_chunks``) ahead of a copy that checks them span by span (each span
+    ``CHECK_SPAN_BYTES``), run by run of consecutive arena rows: a corrupt entry anywhere,
+    even one straddling two spans or two runs, is a counted miss with the rest of the prefix,
+    and none of its rows (nor any later one) reaches a block; every entry before it arrives
+    whole."""
     from raykv import ops_reference
 
     p, kv, tier, eng = rig("full", factor=factor, checksums=True, cpu_blocks=16)
     n = 8 * factor
     hashes = [[b"h%d" % i for i in range(n)]]
+    if holes:  # CPU blocks 1, 3 and 5 stay taken: the entries' rows come in runs
+        fill = [[b"f%d" % i for i in range(6 * factor)]]
+        ids = list(range(40, 40 + 6 * factor))
+        assert run(eng, eng.submit_store, StoreJob.build(p, "f", [ids], fill)).ok
+        for key in fill[0][factor - 1 :: 2 * factor]:
+            tier.drop(key)
     assert run(eng, eng.submit_store, StoreJob.build(p, "r", [list(range(1, n + 1))], hashes)).ok
     keys = hashes[0][factor - 1 :: factor]
     bad_key = data.draw(st.integers(0, len(keys) - 1))
@@ -259,7 +271,12 @@ def test_a_corrupt_entry_verified_span_by_span_stops_the_load_before_any_of_its_
     dst = list(range(30, 30 + n))
     before = {b: row(kv, 0, b) for b in dst}
     width = tier.rows(0).shape[1]
-    with mock.patch.object(ops_reference, "CHECK_SPAN_BYTES", span_rows * width):
+    with (
+        mock.patch.object(ops_reference, "CHECK_SPAN_BYTES", span_rows * width),
+        mock.patch.object(host_copy, "FIRST_CHUNK_BYTES", chunk_rows * width),
+        mock.patch.object(host_copy, "CHUNK_BYTES", 2 * chunk_rows * width),
+        mock.patch.object(host_copy, "RUN_ROWS", 1),  # runs of one row are still runs
+    ):
         res = run(eng, eng.submit_load, LoadJob.build(p, "r2", [dst], hashes))
     assert res.ok and res.missed == tuple(keys[bad_key:])
     good = bad_key * factor
@@ -267,6 +284,64 @@ def test_a_corrupt_entry_verified_span_by_span_stops_the_load_before_any_of_its_
     for i, b in enumerate(dst):
         assert row(kv, 0, b) == (row(kv, 0, 1 + i) if i < good else before[b])
     assert tier.stats.checksum_errors == 1 and tier.lookup(keys) == bad_key
+    tier.check_consistency()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    model=st.sampled_from(MODELS),
+    factor=st.sampled_from([1, 2]),
+    taken=st.sets(st.integers(0, 23), max_size=16),
+    chunk_rows=st.integers(1, 6),
+    run_rows=st.sampled_from([1, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_store_and_load_through_scattered_arena_rows_restore_bytes_and_checksums(
+    model, factor, taken, chunk_rows, run_rows, seed
+):
+    """Arena entries left taken between the free ones scatter a store's rows: each run of
+    consecutive rows is copied directly (or, with many runs, through a staging buffer), in
+    chunks hashed beside the copy; the load restores every byte, and the checksums taken
+    beside the copy are those of the rows as they landed (the load verifies them all)."""
+    p, kv, tier, eng = rig(model, factor=factor, checksums=True, cpu_blocks=24)
+    fill = [[b"f%d" % i for i in range(24)]]
+    for key in fill[0]:  # every CPU block taken, then the ones not in ``taken`` freed
+        res = tier.prepare_store([key])
+        tier.finish_store(res, True, ((True,) * tier.factor,))
+    for i, key in enumerate(fill[0]):
+        if i not in taken:
+            tier.drop(key)
+    rng = random.Random(seed)
+    free = tier.num_free
+    chunks = max(1, min(free, 4) // max(1, len(p.groups)))
+    ids = rng.sample(range(1, p.num_gpu_blocks), p.num_gpu_blocks - 1)
+    tables, hashes = random_tables(p, rng, ids, chunks, [0] * len(p.groups))
+    width = max(kv.row_bytes(g.group_id) for g in p.groups)
+    with (
+        mock.patch.object(host_copy, "FIRST_CHUNK_BYTES", chunk_rows * width),
+        mock.patch.object(host_copy, "CHUNK_BYTES", 2 * chunk_rows * width),
+        mock.patch.object(host_copy, "RUN_ROWS", run_rows),
+    ):
+        store = StoreJob.build(p, "req", tables, hashes)
+        if eng.submit_store(store) is None:
+            return  # more entries than free blocks: nothing changed
+        (res,) = eng.poll()
+        assert res.ok
+        for k, key in enumerate(store.keys):  # the checksums taken are the landed rows'
+            lease = tier.prepare_load([key])
+            width_k = kv.row_bytes(store.key_groups[k])
+            for (kk, sub), _ in zip(store.slots, store.block_ids, strict=True):
+                if kk == k:
+                    r = tier.row(lease.blocks[0], sub)
+                    landed = row_checksums(tier.rows(0)[r : r + 1, :width_k])[0]
+                    assert lease.checksums[0][0][sub] == landed
+            tier.finish_load(lease)
+        dst = [[ids.pop() if b else 0 for b in t] for t in tables]
+        load = LoadJob.build(p, "req2", dst, hashes)
+        res = run(eng, eng.submit_load, load)
+    assert res.ok and res.missed == () and tier.stats.checksum_errors == 0
+    for g, s, d in loaded_pairs(store, load):
+        assert row(kv, g, d) == row(kv, g, s)
     tier.check_consistency()
 
 
