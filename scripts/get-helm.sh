@@ -34,4 +34,5 @@ for tool in helm kubectl; do
   mv -f "$dir/.$tool.$$" "$dir/$tool"
 done
 "$dir/helm" version --short
-"$dir/kubectl" version --client 2>/dev/null | head -1
+# sed reads kubectl's whole output (head would exit early: SIGPIPE, 141 under pipefail)
+"$dir/kubectl" version --client 2>/dev/null | sed -n 1p
