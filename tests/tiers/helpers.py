@@ -76,6 +76,15 @@ def make_plan(
     return dataclasses.replace(p, cpu_num_blocks=cpu_blocks)
 
 
+def filled_kv(plan, seed: int) -> GpuKV:
+    """A CPU ``GpuKV`` of ``plan`` whose every (distinct) entry holds random bytes."""
+    kv = GpuKV.allocate(plan, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    for e in {id(t): t for es in kv._entries.values() for t in es}.values():
+        e.copy_(torch.randint(0, 256, e.shape, generator=g, dtype=torch.uint8))
+    return kv
+
+
 def fill_random(kv: GpuKV, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     for group in kv.plan.groups:

@@ -19,7 +19,7 @@ from raykv.tiers.cpu_tier import BlockState, CpuTierView
 from raykv.tiers.holds import Holds, check_timeout
 from raykv.tiers.jobs import group_block_hashes
 
-from .helpers import make_plan
+from .helpers import filled_kv, make_plan
 
 T = 10.0  # the lease timeout of these tests' tiers
 
@@ -87,14 +87,6 @@ def test_release_holder_frees_its_leases_and_reservations_at_once() -> None:
     t.check_consistency()
 
 
-def _filled(plan, seed: int) -> GpuKV:
-    kv = GpuKV.allocate(plan, "cpu")
-    g = torch.Generator().manual_seed(seed)
-    for e in {id(t): t for es in kv._entries.values() for t in es}.values():
-        e.copy_(torch.randint(0, 256, e.shape, generator=g, dtype=torch.uint8))
-    return kv
-
-
 def _jobs(plan, n: int, seed: int) -> tuple[StoreJob, list[int]]:
     table = [list(range(1, n + 1))]
     keys = group_block_hashes(plan, [bytes([seed, i]) * 16 for i in range(n)])
@@ -116,7 +108,7 @@ def test_a_late_finish_load_after_expiry_is_a_miss_and_changes_nothing() -> None
     owner = tier(4, clock, shared=True)
     view = CpuTierView(plan, owner.arena_spec)
     old, _ = _jobs(plan, 4, 1)
-    eng = OffloadEngine(_filled(plan, 1), view, checksums=True)
+    eng = OffloadEngine(filled_kv(plan, 1), view, checksums=True)
     eng.submit_store(old, owner.prepare_store(old.keys, holder="pool"))
     eng.wait_all()
     owner.apply(view.take())
@@ -155,13 +147,13 @@ def test_a_late_store_apply_after_expiry_is_never_made_readable() -> None:
     fresh = owner.prepare_store(job.keys, holder="engine")  # reclaims first, then reserves
     assert owner.stats.expired_reservations == 1 and fresh.keys == job.keys
     assert sorted(fresh.blocks) == sorted(stale.blocks) and fresh.gens != stale.gens
-    src = _filled(plan, 7)
+    src = filled_kv(plan, 7)
     good = OffloadEngine(src, view, checksums=True)
     good.submit_store(job, fresh)
     good.wait_all()
     owner.apply(view.take())
     before = snapshot(owner)
-    late = OffloadEngine(_filled(plan, 8), view, checksums=True)  # other bytes, same keys
+    late = OffloadEngine(filled_kv(plan, 8), view, checksums=True)  # other bytes, same keys
     late.submit_store(job, stale)
     (res,) = late.wait_all()
     assert not res.ok and "reclaimed" in res.error

@@ -15,15 +15,7 @@ from raykv.tiers import CpuTier, GpuKV, LoadJob, OffloadEngine, StoreJob, shm
 from raykv.tiers.cpu_tier import CpuTierView
 from raykv.tiers.jobs import group_block_hashes
 
-from .helpers import make_plan
-
-
-def _filled(plan, seed: int) -> GpuKV:
-    kv = GpuKV.allocate(plan, "cpu")
-    g = torch.Generator().manual_seed(seed)
-    for e in {id(t): t for es in kv._entries.values() for t in es}.values():
-        e.copy_(torch.randint(0, 256, e.shape, generator=g, dtype=torch.uint8))
-    return kv
+from .helpers import filled_kv, make_plan
 
 
 def _hashes(n: int, seed: int) -> list[bytes]:
@@ -46,7 +38,7 @@ def test_another_process_sees_the_shared_arena() -> None:
 
 
 def _store_and_load(plan, owner: CpuTier, view: CpuTierView, corrupt: int | None) -> None:
-    src, dst = _filled(plan, 1), GpuKV.allocate(plan, "cpu")
+    src, dst = filled_kv(plan, 1), GpuKV.allocate(plan, "cpu")
     n = 6
     table = [list(range(1, n + 1))]
     keys = group_block_hashes(plan, _hashes(n, 3))
