@@ -76,6 +76,19 @@ def reference(b, tokens: list[int]) -> list[int]:
     return ray.get(b.generate.remote(tokens, use_raykv=False))["token_ids"]
 
 
+def _tier_rows_written(engine, model: str, node: str, tokens: list[int]):
+    """Node ``node``'s CPU-tier arena, mapped here, and the rows of it that ``engine``'s
+    answer to ``tokens`` wrote (whose bytes changed)."""
+    from raykv.service.spec import NAMESPACE, tier_name
+    from raykv.tiers import shm
+
+    tier = ray.get_actor(tier_name(node), namespace=NAMESPACE)
+    arena = shm.attach(ray.get(tier.arena.remote(model)))
+    before = arena[0].clone()
+    ray.get(engine.generate.remote(tokens))
+    return arena, (arena[0] != before).any(dim=1).nonzero().flatten()
+
+
 def test_b_takes_the_prefix_a_computed_and_answers_identically(engines) -> None:
     a, b, _, _ = engines
     shared = prompt(PREFIX, 1)
@@ -89,16 +102,9 @@ def test_b_takes_the_prefix_a_computed_and_answers_identically(engines) -> None:
 
 
 def test_a_corrupt_tier_entry_is_a_load_error_that_b_recomputes(engines) -> None:
-    from raykv.service.spec import NAMESPACE, tier_name
-    from raykv.tiers import shm
-
     a, b, model, node_a = engines
-    tier = ray.get_actor(tier_name(node_a), namespace=NAMESPACE)
-    arena = shm.attach(ray.get(tier.arena.remote(model)))
-    before = arena[0].clone()
     shared = prompt(PREFIX, 11)
-    ray.get(a.generate.remote(shared + prompt(5, 12)))
-    changed = (arena[0] != before).any(dim=1).nonzero().flatten()
+    arena, changed = _tier_rows_written(a, model, node_a, shared + prompt(5, 12))
     assert len(changed) >= PREFIX // 32
     arena[0][changed[len(changed) // 2], :64] ^= 0x5A  # one entry of A's copy goes bad
 
@@ -123,9 +129,6 @@ def test_a_prefix_on_the_engines_own_node_comes_through_the_lookups_lease(engine
     """The engine's node's tier holds the prefix: the scheduler's lookup leases it and the
     worker copies it (no round trip, checksums verified as it copies); a corrupt entry there
     is a load error the engine recomputes. Either way the answer is the engine's own."""
-    from raykv.service.spec import NAMESPACE, tier_name
-    from raykv.tiers import shm
-
     a, _, model, node_a = engines
     shared = prompt(PREFIX, 31)
     ray.get(a.generate.remote(shared + prompt(7, 32)))
@@ -135,12 +138,8 @@ def test_a_prefix_on_the_engines_own_node_comes_through_the_lookups_lease(engine
     assert ra["raykv"]["external_tokens"] == PREFIX and ra["raykv"]["load_error_blocks"] == 0
     assert ra["token_ids"] == reference(a, mine)
 
-    tier = ray.get_actor(tier_name(node_a), namespace=NAMESPACE)
-    arena = shm.attach(ray.get(tier.arena.remote(model)))
-    before = arena[0].clone()
     shared = prompt(PREFIX, 34)
-    ray.get(a.generate.remote(shared + prompt(5, 35)))
-    changed = (arena[0] != before).any(dim=1).nonzero().flatten()
+    arena, changed = _tier_rows_written(a, model, node_a, shared + prompt(5, 35))
     arena[0][changed, 100:164] ^= 0x3C  # every entry A wrote: whichever the load reads
     assert ray.get(a.reset.remote())
     mine = shared + prompt(6, 36)
