@@ -514,19 +514,20 @@ class Client(_Base):
         *,
         num_blocks: int | None = None,
         layout: str = "kv_outer",
+        device: str = "cpu",
     ) -> Any:
         """The engine's paged KV bound to this node's CPU tier through shared memory
         (``raykv.service.attach.AttachedKV``): ``store_from(token_ids, block_ids)`` and
         ``load_into(token_ids, block_ids)`` cost one paged copy plus one control round trip.
         ``kv_tensors``: the engine's own per-layer tensors (checked against the plan, as
         ``GpuKV.register``, ``layout`` "kv_outer" or "block_outer"); None allocates tensors
-        laid out like the pools' (``.kv``). ``num_blocks``: the engine's own block count
-        (its pool is its own; the model's plan sets the rest)."""
+        laid out like the pools' (``.kv``) on ``device``. ``num_blocks``: the engine's own
+        block count (its pool is its own; the model's plan sets the rest)."""
         from raykv.service.attach import AttachedKV
 
         model, plan = self._model()
-        tier = self._tier_handle()
-        return AttachedKV(model.name, plan, tier, kv_tensors, num_blocks=num_blocks, layout=layout)
+        return AttachedKV(model.name, plan, self._tier_handle(), kv_tensors,
+                          num_blocks=num_blocks, layout=layout, device=device)  # fmt: skip
 
 
 @_with_ops(_async_method)

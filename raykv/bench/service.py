@@ -265,78 +265,112 @@ def _raw_ray_bench(a_node: str, b_node: str, nbytes: int, reps: int) -> dict[str
     }
 
 
-def _shm_bench(kv: Any, nblocks: int, reps: int) -> dict[str, Any]:
+def _shm_bench(kv: Any, nblocks: int, reps: int, device: str = "cpu") -> dict[str, Any]:
     """An engine attached to its node's CPU tier (``Client.attach``): engine->tier store
     and tier->engine load GB/s (one paged copy + checksums + one control round trip each),
-    next to a plain copy of the same bytes in this process."""
+    next to a plain copy of the same bytes in this process: on CPU one memory copy, on CUDA
+    the contiguous GPU->pinned (store) and pinned->GPU (load) copy."""
     from raykv.layout import FullAttention
 
+    model = f"{SHM_MODEL}-{device}"
     layers = {
         f"l{i}": FullAttention(dtype="bfloat16", num_kv_heads=8, head_dim=128) for i in range(8)
     }
     row = 8 * 2 * 16 * 8 * 128 * 2
     kv.add_model(
-        SHM_MODEL,
+        model,
         layers,
         max_model_len=256,
-        pool_bytes=(nblocks + 8) * row,
+        pool_bytes=24 * row,  # the bench's engine has its own blocks; the pool is unused
         cpu_bytes=(nblocks + 8) * row,
         max_num_batched_tokens=256,
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as an engine worker / actor with one CPU; the baseline too
     try:
-        return _shm_rounds(kv, nblocks, reps, row)
+        return _shm_rounds(kv, nblocks, reps, row, device)
     finally:
         torch.set_num_threads(threads)
 
 
-def _shm_rounds(kv: Any, nblocks: int, reps: int, row: int) -> dict[str, Any]:
+def _plain_copies(nbytes: int, device: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """The baselines of a store and a load of ``nbytes``: one contiguous copy each way."""
+    if device == "cpu":
+        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        dst.copy_(src)  # first touch of the pages, not timed
+        return (lambda: dst.copy_(src)), (lambda: dst.copy_(src))
+    gpu = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    copy(pinned, gpu)
+    return (lambda: copy(pinned, gpu)), (lambda: copy(gpu, pinned))
+
+
+def _rows(eng: Any, blocks: list[int]) -> torch.Tensor:
+    """The engine's blocks ``blocks`` as CPU rows (one group)."""
+    from raykv import ops
+
+    entries = eng.kv.entries(eng.plan.groups[0].group_id)
+    out = torch.empty((len(blocks), ops.row_bytes(entries)), dtype=torch.uint8,
+                      device=entries[0].device)  # fmt: skip
+    ops.gather_blocks(entries, torch.tensor(blocks), out)
+    return out.cpu()
+
+
+def _shm_rounds(kv: Any, nblocks: int, reps: int, row: int, device: str) -> dict[str, Any]:
     import ray
 
     from raykv import ops
 
-    eng = kv.attach()
+    eng = kv.attach(device=device, num_blocks=nblocks + 8)
     gid = eng.plan.groups[0].group_id
     blocks = list(range(1, nblocks + 1))
     g = torch.Generator().manual_seed(7)
     src = torch.randint(0, 256, (nblocks, row), generator=g, dtype=torch.uint8)
-    ops.scatter_blocks(src, eng.kv.entries(gid), torch.tensor(blocks))
+    ops.scatter_blocks(src.to(device), eng.kv.entries(gid), torch.tensor(blocks))
     nbytes = nblocks * row
-    plain_src = torch.ones(nbytes, dtype=torch.uint8)
-    plain_dst = torch.empty_like(plain_src)
-    plain_dst.copy_(plain_src)  # first touch of the pages, not timed
-    store, load, plain, pings = [], [], [], []
-    for r in range(reps + 1):  # each round: store, load, a plain copy, a bare round trip
+    plain_store, plain_load = _plain_copies(nbytes, device)
+    cols: dict[str, list[float]] = {k: [] for k in ("store", "load", "out", "in", "ping")}
+    for r in range(reps + 1):  # each round: store, load, the plain copies, a bare round trip
         prompt = torch.randint(0, 100_000, (nblocks * 16,), generator=g).tolist()
-        t0 = time.perf_counter()
+        stored = _rows(eng, blocks) if r == reps else None
+        t = [time.perf_counter()]
         assert eng.store_from(prompt, blocks) == nblocks
-        t1 = time.perf_counter()
+        t.append(time.perf_counter())
         assert eng.load_into(prompt, blocks[::-1]) == nblocks * 16
-        t2 = time.perf_counter()
-        plain_dst.copy_(plain_src)
-        t3 = time.perf_counter()
-        ray.get(eng.tier.arena.remote(SHM_MODEL))  # the tier's cheapest call
-        t4 = time.perf_counter()
+        t.append(time.perf_counter())
+        plain_store()
+        t.append(time.perf_counter())
+        plain_load()
+        t.append(time.perf_counter())
+        ray.get(eng.tier.arena.remote(eng.model))  # the tier's cheapest call
+        t.append(time.perf_counter())
         if r:  # the first round maps the arena and touches its pages
-            store.append(t1 - t0)
-            load.append(t2 - t1)
-            plain.append(t3 - t2)
-            pings.append(t4 - t3)
+            for i, k in enumerate(cols):
+                cols[k].append(t[i + 1] - t[i])
+    if not torch.equal(_rows(eng, blocks[::-1]), stored):  # the last load wrote them reversed
+        raise AssertionError("the blocks loaded back differ from the blocks stored")
+    eng.close()
     # the median of the rounds for every column alike, and the best (this host is shared)
-    out: dict[str, Any] = {"blocks": nblocks, "bytes": nbytes, "rounds": reps}
+    out: dict[str, Any] = {"blocks": nblocks, "bytes": nbytes, "rounds": reps, "device": device}
     for tag, pick in (("", statistics.median), ("best_", min)):
-        st, ld, cp = (nbytes / pick(x) / 1e9 for x in (store, load, plain))
+        st, ld, co, ci = (nbytes / pick(cols[k]) / 1e9 for k in ("store", "load", "out", "in"))
         out |= {
             f"{tag}store_gb_per_s": st,
             f"{tag}load_gb_per_s": ld,
-            f"{tag}plain_copy_gb_per_s": cp,
-            f"{tag}store_ratio": st / cp,
-            f"{tag}load_ratio": ld / cp,
-            f"{tag}store_ms": pick(store) * 1e3,
-            f"{tag}load_ms": pick(load) * 1e3,
-            f"{tag}tier_ping_ms": pick(pings) * 1e3,
-            f"{tag}copy_ms": pick(plain) * 1e3,
+            f"{tag}plain_copy_gb_per_s": co,
+            f"{tag}plain_load_gb_per_s": ci,
+            f"{tag}store_ratio": st / co,
+            f"{tag}load_ratio": ld / ci,
+            f"{tag}store_ms": pick(cols["store"]) * 1e3,
+            f"{tag}load_ms": pick(cols["load"]) * 1e3,
+            f"{tag}tier_ping_ms": pick(cols["ping"]) * 1e3,
+            f"{tag}copy_ms": pick(cols["out"]) * 1e3,  # a store's baseline
+            f"{tag}load_copy_ms": pick(cols["in"]) * 1e3,  # a load's (the same copy on CPU)
         }
     return out
 
@@ -354,25 +388,29 @@ def format_dataplane(r: dict[str, Any]) -> list[str]:
                 f"{'  object store, ' + label:<30}{bw['bytes'] / 2**20:>11.1f}{bw[key]:>9.2f}"
                 f"{raw[key]:>14.2f}{bw[key] / raw[key]:>8.3f}"
             )
-    sm = r.get("shared_memory")
-    if sm:
-        lines.append("")
-        lines.append(
-            f"{'engine <-> tier, shared mem':<30}{'MiB':>11}{'GB/s':>9}{'copy GB/s':>14}"
-            f"{'ratio':>8}"
-        )
-        for tag, which in (("", "median"), ("best_", "best")):
-            for label, key in (("store (engine->tier)", "store"), ("load (tier->engine)", "load")):
-                lines.append(
-                    f"{'  ' + label + ', ' + which:<30}{sm['bytes'] / 2**20:>11.1f}"
-                    f"{sm[tag + key + '_gb_per_s']:>9.2f}{sm[tag + 'plain_copy_gb_per_s']:>14.2f}"
-                    f"{sm[tag + key + '_ratio']:>8.3f}"
-                )
-        lines.append(
-            f"  (median of {sm['rounds']} rounds: store {sm['store_ms']:.1f} ms, load "
-            f"{sm['load_ms']:.1f} ms; a plain copy alone {sm['copy_ms']:.1f} ms, one bare round "
-            f"trip to the tier {sm['tier_ping_ms']:.1f} ms)"
-        )
+    for part, title in (("shared_memory", "shared mem"), ("shared_memory_cuda", "CUDA engine")):
+        if r.get(part):
+            lines += _format_shm(r[part], title)
+    return lines
+
+
+def _format_shm(sm: dict[str, Any], title: str) -> list[str]:
+    """A store against the copy out (GPU->pinned on CUDA), a load against the copy in."""
+    base = {"store": "plain_copy", "load": "plain_load"}
+    lines = ["", f"{'engine <-> tier, ' + title:<30}{'MiB':>11}{'GB/s':>9}{'copy GB/s':>14}"
+             f"{'ratio':>8}"]  # fmt: skip
+    for tag, which in (("", "median"), ("best_", "best")):
+        for label, key in (("store (engine->tier)", "store"), ("load (tier->engine)", "load")):
+            lines.append(
+                f"{'  ' + label + ', ' + which:<30}{sm['bytes'] / 2**20:>11.1f}"
+                f"{sm[tag + key + '_gb_per_s']:>9.2f}"
+                f"{sm[tag + base[key] + '_gb_per_s']:>14.2f}{sm[tag + key + '_ratio']:>8.3f}"
+            )
+    lines.append(
+        f"  (median of {sm['rounds']} rounds: store {sm['store_ms']:.1f} ms, load "
+        f"{sm['load_ms']:.1f} ms; a plain copy alone {sm['copy_ms']:.1f} ms, one bare round "
+        f"trip to the tier {sm['tier_ping_ms']:.1f} ms)"
+    )
     return lines
 
 
@@ -420,6 +458,10 @@ def run(
         if "shared-memory" in parts:
             echo("engine <-> CPU tier through shared memory ...")
             out["shared_memory"] = _shm_bench(kv, 32 if quick else 256, reps)
+            if torch.cuda.is_available():  # an engine with its KV on this host's GPU
+                echo("engine on CUDA <-> CPU tier (pinned shared memory) ...")
+                n = 256 if quick else 2048  # 1 GiB: ~20 ms over PCIe, 10x a round trip
+                out["shared_memory_cuda"] = _shm_bench(kv, n, reps, "cuda")
         return out
     finally:
         ray.shutdown()

@@ -126,6 +126,7 @@ class AttachedKV:
         *,
         num_blocks: int | None = None,
         layout: str = "kv_outer",
+        device: str = "cpu",
     ) -> None:
         if plan.tp_size != 1:
             raise InvalidInput(
@@ -136,7 +137,7 @@ class AttachedKV:
             plan = dataclasses.replace(plan, num_gpu_blocks=num_blocks)
         self.model, self.plan, self.tier = model, plan, tier
         self.kv = (
-            GpuKV.allocate(plan, "cpu")
+            GpuKV.allocate(plan, device)
             if tensors is None
             else GpuKV.register(plan, tensors, layout=layout)
         )
@@ -159,6 +160,8 @@ class AttachedKV:
     def _engine(self, spec: Any) -> OffloadEngine:
         """The engine on the arena ``spec`` names (mapped again if the tier was replaced)."""
         if self._view is None or self._view.spec != spec:
+            if self._view is not None:  # the tier was placed again: its old arena is gone
+                self._view.close()
             self._view = CpuTierView(self.plan, spec)
             self.engine = OffloadEngine(self.kv, self._view, checksums=True)
         return self.engine

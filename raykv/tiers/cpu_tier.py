@@ -563,6 +563,14 @@ class CpuTierView(ArenaRows):
             self.gens = shm.attach(gens).view(torch.int64)
         self.outbox: list[tuple] = []
 
+    def close(self) -> None:
+        """Let the mappings go (a tier placed again names new files): no copy through this
+        view may be in flight."""
+        shm.detach(self.spec)
+        gens = getattr(self.spec, "gens", None)
+        if gens is not None:
+            shm.detach(gens)
+
     def prepare_store(self, keys: Sequence[Key], writers: int = 1, **_: object) -> None:
         raise RuntimeError("reserve on the tier's owner and pass the reservation to the engine")
 

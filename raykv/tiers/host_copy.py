@@ -35,18 +35,26 @@ RUN_ROWS = 8  # row_runs gives up beyond one run per this many rows (a staging c
 
 
 def key_chunks(
-    slots: Sequence[tuple[int, int]], width: int, *, last_small: bool = False
+    slots: Sequence[tuple[int, int]],
+    width: int,
+    *,
+    last_small: bool = False,
+    first: int | None = None,
+    top: int | None = None,
 ) -> list[tuple[int, int]]:
     """``(start, end)`` position ranges covering ``slots`` (each position's ``(key, sub)``)
     in order, cut only where the key changes: at the first key boundary once a chunk holds
-    its size in ``width``-byte rows. Sizes double from ``FIRST_CHUNK_BYTES`` up to
-    ``CHUNK_BYTES``; with ``last_small`` they are laid out from the end (halving towards it)."""
+    its size in ``width``-byte rows. Sizes double from ``first`` (``FIRST_CHUNK_BYTES``) up
+    to ``top`` (``CHUNK_BYTES``) bytes; with ``last_small`` they are laid out from the end
+    (halving towards it)."""
+    first = FIRST_CHUNK_BYTES if first is None else first
+    top = CHUNK_BYTES if top is None else top
     if last_small:
         n = len(slots)
-        back = key_chunks(slots[::-1], width)
+        back = key_chunks(slots[::-1], width, first=first, top=top)
         return [(n - b, n - a) for a, b in reversed(back)]
     out: list[tuple[int, int]] = []
-    rows, top = max(1, FIRST_CHUNK_BYTES // max(1, width)), max(1, CHUNK_BYTES // max(1, width))
+    rows, top = max(1, first // max(1, width)), max(1, top // max(1, width))
     start = 0
     for i in range(1, len(slots) + 1):
         end_of_key = i == len(slots) or slots[i][0] != slots[i - 1][0]

@@ -4,19 +4,19 @@ Every byte moves through ``raykv.ops.gather_blocks`` / ``scatter_blocks``: strai
 out of) the arena's rows when a group's rows are full-width and consecutive, else through a
 staging buffer and one host-side row copy. On CUDA the copies run on a side stream that first
 waits for the compute stream, and ``poll()`` reports jobs whose event has fired; on CPU they
-run synchronously and the next ``poll()`` reports them, so callers see one protocol. On the
-host a job copies each run of consecutive arena rows directly, in chunks, with its checksums
-taken (store) or verified (load) on the checksum thread beside the copy
-(``raykv.tiers.host_copy``).
+run synchronously and the next ``poll()`` reports them, so callers see one protocol. A job
+copies each run of consecutive arena rows directly, in chunks, with its checksums taken
+(store) or verified (load) beside the copy: on the host on the checksum thread
+(``raykv.tiers.host_copy``), on CUDA on the hashing threads (``raykv.tiers.device_copy``).
 
 Store: reserve CPU blocks (all-or-nothing) -> fence the GPU blocks (invariant 9) -> gather ->
 on completion checksum the rows (optional), mark the CPU blocks readable and lift the fence.
 A failure anywhere frees the reserved CPU blocks (nothing half-readable) and lifts the fence.
 Load: take read references -> drop keys whose CPU block lacks a needed GPU block, keeping each
-group's prefix -> scatter, verifying each key's checksums before any of its rows is written (on
-the host ahead of the copy on the checksum thread, the copy waiting only for the rows it
-reaches): the first key that fails and the rest of its group are misses, the failed one a
-counted error, never wrong KV -> on completion drop the references.
+group's prefix -> scatter, verifying each key's checksums before any of its rows is written
+(ahead of the copy on the checksum / hashing threads; the copy of a span waits only for the
+keys it reaches): the first key that fails and the rest of its group are misses, the failed
+one a counted error, never wrong KV -> on completion drop the references.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 from raykv import ops
 from raykv.errors import TierError
 from raykv.layout import tp
-from raykv.tiers import host_copy
+from raykv.tiers import device_copy, host_copy
 from raykv.tiers.checksum import checksums_at, row_checksums
 from raykv.tiers.cpu_tier import CpuTier, LoadLease, StoreReservation
 from raykv.tiers.fence import StoreFence
@@ -149,7 +149,7 @@ class OffloadEngine:
         ``CpuTierView``'s owner); else this engine takes them. Either way every key's
         checksums are verified before a byte of it reaches a GPU block (invariant 12): on
         the host span by span as the rows are copied (each read once, while in cache), on
-        CUDA all rows before the copy starts."""
+        CUDA span by span too, each span's copy queued once its keys are verified."""
         if lease is None:
             lease = self.tier.prepare_load(job.keys)
         if lease is None:
@@ -220,23 +220,25 @@ class OffloadEngine:
                 if gather and self.stream is None:
                     self._store_host(rec, entries, ids_t, rows, slots, width)
                     continue
-                verify = None
+                verifier = None
                 if not gather and self.checksums:
-                    verify = host_copy.VerifyAhead(
-                        host_copy.key_chunks(slots, width), self._verifier(rec, slots, rows, width)
+                    verifier = self._verifier(rec, slots, rows, width)
+                if self.stream is not None:
+                    written, bad = self._copy_device(
+                        rec, entries, ids_t, rows, slots, width, gather, verifier
                     )
-                try:
-                    if self.stream is None:
+                else:
+                    verify = verifier and host_copy.VerifyAhead(
+                        host_copy.key_chunks(slots, width), verifier
+                    )
+                    try:
                         written = self._load_host(entries, ids_t, rows, width, verify)
-                    else:
-                        written = self._copy_device(
-                            rec, entries, ids_t, rows, width, gather, verify
-                        )
-                finally:
-                    if verify is not None:
-                        verify.close()
-                if verify is not None and verify.bad is not None:  # found on the checksum thread
-                    self.tier.drop(job.keys[slots[verify.bad][0]], corrupt=True)  # drop here
+                    finally:
+                        if verify is not None:
+                            verify.close()
+                    bad = verify.bad if verify is not None else None
+                if bad is not None:  # found on a checksum thread: dropped here
+                    self.tier.drop(job.keys[slots[bad][0]], corrupt=True)
                 refused.update(job.keys[k] for k, _ in slots[written:])
             if self.stream is not None:
                 rec.event = torch.cuda.Event()
@@ -250,31 +252,37 @@ class OffloadEngine:
         entries: list,
         ids_t: torch.Tensor,
         rows: list[int],
+        slots: Sequence,
         width: int,
         gather: bool,
-        check: host_copy.VerifyAhead | None,
-    ) -> int:
-        """One group's copy on CUDA, queued on the side stream: straight between the blocks
-        and the arena when the rows are full-width and consecutive, else through a staging
-        buffer (a store lands it in poll(), a load keeps it alive till then). Returns the rows
-        a load writes (all, or those before the first corrupt key: ``check`` runs first)."""
+        verifier: Callable[[int, int], int | None] | None,
+    ) -> tuple[int, int | None]:
+        """One group's copy on CUDA, queued on the side stream: each run of consecutive
+        full-width arena rows straight between the blocks and the arena, in chunks with the
+        checksums beside (``raykv.tiers.device_copy``); rows more scattered (or narrower)
+        through a staging buffer (a store lands it in poll(), a load keeps it alive till
+        then, verified whole first). Returns the rows written (a load: those before the first
+        corrupt key) and that key's first position, or None."""
         rows_all = self.tier.rows(self.copy)
-        if width == self.tier.slot_bytes and host_copy.row_runs(rows) == [(0, len(rows))]:
-            src = rows_all[rows[0] : rows[0] + len(rows)]
+        runs = host_copy.row_runs(rows) if width == self.tier.slot_bytes else None
+        if runs is not None:
             if gather:
-                ops.gather_blocks(entries, ids_t, src)
-                return len(rows)
-        else:
-            idx = torch.tensor(rows, dtype=torch.int64)
-            src = torch.empty((len(rows), width), dtype=torch.uint8, pin_memory=self.pin)
-            if gather:
-                ops.gather_blocks(entries, ids_t, src)
-            else:
-                torch.index_select(rows_all[:, :width], 0, idx, out=src)
-            rec.host_copies.append(_HostCopy(idx, src, width))
-            if gather:
-                return len(rows)
-        return ops.scatter_blocks(src, entries, ids_t, check=check)
+                rec.sums += device_copy.store(
+                    entries, ids_t, rows_all, rows, runs, slots, self.stream, self.checksums
+                )
+                return len(rows), None
+            return device_copy.load(entries, ids_t, rows_all, rows, runs, slots, verifier)
+        idx = torch.tensor(rows, dtype=torch.int64)
+        src = torch.empty((len(rows), width), dtype=torch.uint8, pin_memory=self.pin)
+        rec.host_copies.append(_HostCopy(idx, src, width))
+        if gather:
+            ops.gather_blocks(entries, ids_t, src)
+            return len(rows), None
+        torch.index_select(rows_all[:, :width], 0, idx, out=src)
+        found = (verifier(a, b) for a, b in host_copy.key_chunks(slots, width)) if verifier else ()
+        bad = next((x for x in found if x is not None), None)
+        n = len(rows) if bad is None else bad
+        return ops.scatter_blocks(src[:n], entries, ids_t[:n]), bad
 
     def _store_host(
         self,

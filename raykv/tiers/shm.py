@@ -8,7 +8,8 @@ file's path and shape) — never the bytes. On CUDA the mapping is also page-loc
 machine: 54-55 GB/s, the contiguous pinned copy's).
 
 Lifetime: the creating process owns the file and unlinks it with ``release`` or when it
-exits; mappings other processes hold stay valid after that. Files of owners
+exits; mappings other processes hold stay valid after that. A page-locked mapping stays
+mapped (one per file and process) until ``detach`` or ``release`` unlocks it. Files of owners
 that died without cleaning up (a killed actor) are removed by the next ``create`` on the
 node (the owner's pid is in the name).
 """
@@ -33,6 +34,11 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path(os.environ.get("RAYKV_SHM_DIR", "/dev/shm"))
 PREFIX = "raykv-"
 _owned: set[str] = set()
+# page-locked mappings of this process, by file, with their users (``create`` / ``attach``
+# calls not yet ``release``d / ``detach``ed): kept mapped until the last one lets go (a
+# mapping unmapped while still registered with CUDA makes the next registration of that
+# address range fail, "resource already mapped", and poisons torch's next CUDA call)
+_pinned: dict[str, list] = {}
 
 
 @dataclass(frozen=True)
@@ -88,8 +94,22 @@ def _unlink_all() -> None:
 
 
 def release(spec: SharedSpec) -> None:
-    """Unlink a file this process created (mappings stay valid until dropped)."""
+    """Unlink a file this process created (mappings stay valid until dropped; a page-locked
+    one of this process is unlocked first, ``detach``)."""
+    detach(spec)
     _unlink(spec.path)
+
+
+def detach(spec: SharedSpec) -> None:
+    """This caller no longer copies through its ``attach`` of ``spec`` (a tier placed again
+    names a new file): the last user of a page-locked mapping unlocks it and lets it go."""
+    held = _pinned.get(spec.path)
+    if held is None:
+        return
+    held[1] -= 1
+    if held[1] == 0:
+        del _pinned[spec.path]
+        torch.cuda.cudart().cudaHostUnregister(held[0].data_ptr())
 
 
 def _map(path: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -105,9 +125,20 @@ def register_host(t: torch.Tensor) -> bool:
         return False
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
     if int(err) != 0:
+        _clear_cuda_error()  # else torch's next CUDA call reports it as its own failure
         log.warning("cudaHostRegister of %d bytes failed (error %s): unpinned", t.numel(), err)
         return False
     return True
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error of this thread (``cudaGetLastError`` of the
+    libcudart torch loaded)."""
+    with open("/proc/self/maps") as maps:
+        libs = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    for lib in libs:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(lib).cudaGetLastError()
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
@@ -150,7 +181,8 @@ def create(shape: tuple[int, ...], tag: str = "") -> tuple[torch.Tensor, SharedS
         ) from e
     _owned.add(path)
     t = _map(path, shape)
-    register_host(t)
+    if register_host(t):
+        _pinned[path] = [t, 1]
     return t, SharedSpec(path, tuple(shape))
 
 
@@ -162,7 +194,13 @@ def attach(spec: SharedSpec) -> torch.Tensor:
         raise FileNotFoundError(
             f"shared memory {spec.path} is gone (its owner exited); ask the owner again"
         )
+    held = _pinned.get(spec.path)
+    if held is not None and tuple(held[0].shape) == tuple(spec.shape):
+        held[1] += 1  # one page-locked mapping per file and process (locking 1 GiB: ~0.1 s)
+        return held[0]
     t = _map(spec.path, spec.shape)
-    if not register_host(t):
+    if register_host(t):
+        _pinned[spec.path] = [t, 1]
+    else:
         populate(t)
     return t

@@ -20,6 +20,7 @@ from raykv.tiers import (
     OffloadEngine,
     StoreFence,
     StoreJob,
+    device_copy,
     group_factor,
     host_copy,
 )
@@ -28,10 +29,12 @@ from raykv.tiers.checksum import row_checksums
 
 from .helpers import MODELS, fill_random, make_plan, random_tables, row
 
+ON_DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 
-def rig(model="full", *, checksums=False, cpu_blocks=32, **kw):
+
+def rig(model="full", *, checksums=False, cpu_blocks=32, device="cpu", **kw):
     p = make_plan(model, cpu_blocks=cpu_blocks, **kw)
-    kv = GpuKV.allocate(p)
+    kv = GpuKV.allocate(p, device)
     fill_random(kv)
     tier = CpuTier(p)
     return p, kv, tier, OffloadEngine(kv, tier, checksums=checksums)
@@ -40,7 +43,7 @@ def rig(model="full", *, checksums=False, cpu_blocks=32, **kw):
 def run(engine, submit, job):
     jid = submit(job)
     assert jid is not None
-    (res,) = engine.poll()
+    (res,) = engine.wait_all()  # poll() on CPU; on CUDA after the side stream's copies
     assert res.job_id == jid
     return res
 
@@ -233,6 +236,7 @@ def test_checksum_mismatch_is_a_miss_and_an_error():
     tier.check_consistency()
 
 
+@ON_DEVICES
 @settings(max_examples=60, deadline=None)
 @given(
     factor=st.sampled_from([1, 2, 3]),
@@ -242,17 +246,18 @@ def test_checksum_mismatch_is_a_miss_and_an_error():
     data=st.data(),
 )
 def test_a_corrupt_entry_verified_ahead_stops_the_load_before_any_of_its_rows(
-    factor, span_rows, chunk_rows, holes, data
+    device, factor, span_rows, chunk_rows, holes, data
 ):
-    """On the host the rows are verified on the checksum thread in chunks of whole entries
-    (``host_copy.key_chunks``) ahead of a copy that checks them span by span (each span
-    ``CHECK_SPAN_BYTES``), run by run of consecutive arena rows: a corrupt entry anywhere,
-    even one straddling two spans or two runs, is a counted miss with the rest of the prefix,
-    and none of its rows (nor any later one) reaches a block; every entry before it arrives
-    whole."""
+    """The rows are verified in pieces of whole entries ahead of the copy (on the host on the
+    checksum thread, ``host_copy.key_chunks``, the copy checking them span by span, each span
+    ``CHECK_SPAN_BYTES``; on CUDA on the hashing threads, ``device_copy``, each span's
+    scatter queued once verified), run by run of consecutive arena rows: a corrupt entry
+    anywhere, even one straddling two spans or two runs, is a counted miss with the rest of
+    the prefix, and none of its rows (nor any later one) reaches a block; every entry before
+    it arrives whole."""
     from raykv import ops_reference
 
-    p, kv, tier, eng = rig("full", factor=factor, checksums=True, cpu_blocks=16)
+    p, kv, tier, eng = rig("full", factor=factor, checksums=True, cpu_blocks=16, device=device)
     n = 8 * factor
     hashes = [[b"h%d" % i for i in range(n)]]
     if holes:  # CPU blocks 1, 3 and 5 stay taken: the entries' rows come in runs
@@ -276,6 +281,8 @@ def test_a_corrupt_entry_verified_ahead_stops_the_load_before_any_of_its_rows(
         mock.patch.object(host_copy, "FIRST_CHUNK_BYTES", chunk_rows * width),
         mock.patch.object(host_copy, "CHUNK_BYTES", 2 * chunk_rows * width),
         mock.patch.object(host_copy, "RUN_ROWS", 1),  # runs of one row are still runs
+        mock.patch.object(device_copy, "PIECE_BYTES", chunk_rows * width),
+        mock.patch.object(device_copy, "LOAD_SPAN_BYTES", span_rows * width),
     ):
         res = run(eng, eng.submit_load, LoadJob.build(p, "r2", [dst], hashes))
     assert res.ok and res.missed == tuple(keys[bad_key:])
@@ -287,6 +294,7 @@ def test_a_corrupt_entry_verified_ahead_stops_the_load_before_any_of_its_rows(
     tier.check_consistency()
 
 
+@ON_DEVICES
 @settings(max_examples=60, deadline=None)
 @given(
     model=st.sampled_from(MODELS),
@@ -297,13 +305,14 @@ def test_a_corrupt_entry_verified_ahead_stops_the_load_before_any_of_its_rows(
     seed=st.integers(0, 2**16),
 )
 def test_store_and_load_through_scattered_arena_rows_restore_bytes_and_checksums(
-    model, factor, taken, chunk_rows, run_rows, seed
+    device, model, factor, taken, chunk_rows, run_rows, seed
 ):
     """Arena entries left taken between the free ones scatter a store's rows: each run of
     consecutive rows is copied directly (or, with many runs, through a staging buffer), in
-    chunks hashed beside the copy; the load restores every byte, and the checksums taken
-    beside the copy are those of the rows as they landed (the load verifies them all)."""
-    p, kv, tier, eng = rig(model, factor=factor, checksums=True, cpu_blocks=24)
+    chunks hashed beside the copy (on CUDA once each chunk's event fired); the load restores
+    every byte, and the checksums taken beside the copy are those of the rows as they landed
+    (the load verifies them all)."""
+    p, kv, tier, eng = rig(model, factor=factor, checksums=True, cpu_blocks=24, device=device)
     fill = [[b"f%d" % i for i in range(24)]]
     for key in fill[0]:  # every CPU block taken, then the ones not in ``taken`` freed
         res = tier.prepare_store([key])
@@ -321,11 +330,14 @@ def test_store_and_load_through_scattered_arena_rows_restore_bytes_and_checksums
         mock.patch.object(host_copy, "FIRST_CHUNK_BYTES", chunk_rows * width),
         mock.patch.object(host_copy, "CHUNK_BYTES", 2 * chunk_rows * width),
         mock.patch.object(host_copy, "RUN_ROWS", run_rows),
+        mock.patch.object(device_copy, "STORE_FIRST_BYTES", chunk_rows * width),
+        mock.patch.object(device_copy, "STORE_CHUNK_BYTES", 2 * chunk_rows * width),
+        mock.patch.object(device_copy, "PIECE_BYTES", max(1, chunk_rows // 2) * width),
     ):
         store = StoreJob.build(p, "req", tables, hashes)
         if eng.submit_store(store) is None:
             return  # more entries than free blocks: nothing changed
-        (res,) = eng.poll()
+        (res,) = eng.wait_all()
         assert res.ok
         for k, key in enumerate(store.keys):  # the checksums taken are the landed rows'
             lease = tier.prepare_load([key])

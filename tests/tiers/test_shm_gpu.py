@@ -43,3 +43,25 @@ def test_a_cuda_pool_kv_opens_in_another_process_by_ipc() -> None:
     )
     subprocess.run([sys.executable, "-c", code], input=handles, check=True)
     assert int(kv.raw[0][1].max()) == 9
+
+
+def test_a_pinned_mapping_outlives_its_views_until_detached() -> None:
+    """A page-locked mapping unmapped while still registered made the next registration of
+    that range fail ("resource already mapped") and torch's next CUDA call report it: an
+    engine's view of one tier's arena, dropped, then another arena attached (the bench's
+    CPU-engine part, then its CUDA-engine part). Mappings stay until ``detach``."""
+    import gc
+
+    from raykv.tiers import CpuTierView
+
+    plan = make_plan("full", cpu_blocks=64)
+    for _ in range(3):
+        tier = CpuTier(plan, shared=True)
+        view = CpuTierView(plan, tier.arena_spec)
+        assert view.arena.is_pinned() and view.arena.data_ptr() == tier.arena.data_ptr()
+        del view
+        gc.collect()
+        assert torch.zeros(4, device="cuda").sum().item() == 0  # no error left behind
+        CpuTierView(plan, tier.arena_spec).close()
+        shm.release(tier.arena_spec)
+        assert torch.ones(4, device="cuda").sum().item() == 4
