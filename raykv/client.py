@@ -508,6 +508,19 @@ class Client(_Base):
 
     # --- shared memory (the data path without serialization) ------------------------------
 
+    def pool_kv(self) -> Any:
+        """This node's pool's KV tensors (rank 0's) mapped into this process, a
+        ``raykv.tiers.GpuKV`` (``.layers`` per layer, ``.entries(group)`` per group): a CPU
+        pool's through shared memory, a CUDA pool's through CUDA IPC (this process on the
+        pool's node). An engine running on the pool's blocks reads a request's KV there in
+        place once ``load`` returned, instead of ``read``'s rows; writes go through
+        ``store`` (it checksums and publishes them). Map it once and keep it."""
+        from raykv.tiers import GpuKV
+
+        _, plan = self._model()
+        kind, share = self._pool_call("kv_share")
+        return GpuKV.attach(plan, share) if kind == "shm" else GpuKV.open_handles(plan, share)
+
     def attach(
         self,
         kv_tensors: Mapping[str, Any] | None = None,

@@ -505,10 +505,14 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
     async def get_stats(self) -> dict[str, Any]:
         return self.stats()
 
-    async def kv_specs(self) -> list[Any]:
-        """Rank 0's KV tensors as ``SharedSpec``s (CPU-device pools: /dev/shm files other
-        processes of the node map with ``GpuKV.attach``); empty on GPU (CUDA IPC instead)."""
-        return list(self.local.kv.shared_specs)
+    async def kv_share(self, client: str) -> tuple[str, list[Any]]:
+        """Rank 0's KV tensors for an engine process of this node (``Client.pool_kv``):
+        ("shm", ``SharedSpec``s) on a CPU device (/dev/shm files, ``GpuKV.attach``), else
+        ("cuda_ipc", torch's CUDA IPC handles, ``GpuKV.open_handles``)."""
+        kv = self.local.kv  # ``client``: the caller, as every pool call names it
+        if kv.device.type == "cuda":
+            return "cuda_ipc", kv.share_handles()
+        return "shm", list(kv.shared_specs)
 
     async def rank_info(self) -> list[dict[str, Any]]:
         """Where each rank of the group runs (rank 0 first)."""

@@ -222,7 +222,13 @@ class GpuKV:
         CPU: the same layout, the same bytes (block ids are the owner's)."""
         from raykv.tiers import shm
 
-        tensors = [shm.attach(s) for s in specs]
+        kv = cls._of_raw(plan, [shm.attach(s) for s in specs])
+        kv.shared_specs = tuple(specs)
+        return kv
+
+    @classmethod
+    def _of_raw(cls, plan: Plan, tensors: Sequence[torch.Tensor]) -> GpuKV:
+        """The layout ``allocate`` builds, over raw ``[blocks, page]`` tensors made elsewhere."""
         entries = {g.group_id: [tensors[t] for t in range(len(g.layer_names))] for g in plan.groups}
         layers = {
             name: _block_major_view(tensors[t], tensors[t].shape[1], plan, g,
@@ -230,25 +236,22 @@ class GpuKV:
             for g in plan.groups
             for t, name in enumerate(g.layer_names)
         }  # fmt: skip
-        kv = cls(plan, layers, entries, torch.device("cpu"), sum(t.numel() for t in tensors))
-        kv.shared_specs, kv.raw = tuple(specs), tuple(tensors)
+        kv = cls(plan, layers, entries, tensors[0].device, sum(t.numel() for t in tensors))
+        kv.raw = tuple(tensors)
         return kv
 
     def share_handles(self) -> list:  # pragma: no cover - GPU only
         """CUDA IPC handles of the raw tensors (torch's ``reduce_tensor``); another process
-        on the same GPU rebuilds them with ``open_handles``."""
+        on the same node rebuilds them with ``open_handles``."""
         from torch.multiprocessing.reductions import reduce_tensor
 
         return [reduce_tensor(t) for t in self.raw]
 
     @classmethod
     def open_handles(cls, plan: Plan, handles: Sequence) -> GpuKV:  # pragma: no cover - GPU
-        """The tensors ``share_handles`` exported, opened in this process (CUDA IPC)."""
-        tensors = [fn(*args) for fn, args in handles]
-        entries = {g.group_id: [tensors[t] for t in range(len(g.layer_names))] for g in plan.groups}
-        kv = cls(plan, {}, entries, tensors[0].device, sum(t.numel() for t in tensors))
-        kv.shared_specs, kv.raw = (), tuple(tensors)
-        return kv
+        """The tensors ``share_handles`` exported, opened in this process (CUDA IPC): the
+        same layout and bytes (block ids are the owner's)."""
+        return cls._of_raw(plan, [fn(*args) for fn, args in handles])
 
     @classmethod
     def register(

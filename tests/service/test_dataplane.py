@@ -51,9 +51,7 @@ def test_corrupt_tier_entry_and_gpu_block_are_misses_never_wrong_kv(ray_cluster)
     tier = ray.get_actor(tier_name(ray_cluster.head), namespace=NAMESPACE)
     arena = shm.attach(ray.get(tier.arena.remote("dp-corrupt")))
     keys = group_keys(plan, BlockHasher(plan.hash_block_size).hash_blocks(ids))[0]
-    pool = ray.get_actor(pool_name("dp-corrupt", ray_cluster.head, 0), namespace=NAMESPACE)
-    kv_specs = ray.get(pool.kv_specs.remote())
-    pool_kv = [shm.attach(s) for s in kv_specs]
+    pool_kv = a.pool_kv().raw  # A's pool's KV, mapped here
     for t in pool_kv:
         t[table[2]] ^= 0xFF
     mask = (arena[0] == data[2]).all(dim=1)
@@ -110,8 +108,7 @@ def test_after_corruption_the_engines_logits_match_a_full_recompute(ray_cluster)
 
     tier = ray.get_actor(tier_name(ray_cluster.head), namespace=NAMESPACE)
     arena = shm.attach(ray.get(tier.arena.remote("dp-logits")))
-    pool = ray.get_actor(pool_name("dp-logits", ray_cluster.head, 0), namespace=NAMESPACE)
-    pool_kv = [shm.attach(s) for s in ray.get(pool.kv_specs.remote())]
+    pool_kv = a.pool_kv().raw  # A's pool's KV, mapped here
     for t in pool_kv:
         t[table[2]] ^= 0xFF
     mask = (arena[0] == kv_rows[2]).all(dim=1)
@@ -219,3 +216,31 @@ def test_a_lookup_lease_lets_the_load_skip_the_tier_and_pins_its_entries(ray_clu
     assert found.hit_tokens == 8 * BS and lease.tokens(plan) == 0
     assert all(not h.local for h in found.where)
     lease.release()
+
+
+def test_an_engine_reads_its_requests_kv_in_place_in_the_pool(ray_cluster) -> None:
+    """``Client.pool_kv`` maps the node's pool's KV into the engine's process (shared memory
+    here, CUDA IPC on a GPU): the blocks a store wrote and the blocks a cross-node load
+    filled hold those bytes in place, per layer view and per group entry alike."""
+    from raykv import ops
+
+    a, b, plan = setup(ray_cluster, "dp-inplace")
+    ids = tokens(5 * BS, 3)
+    data = rows(5, 4)
+    assert a.admit("r", len(ids), ids)
+    table = a.allocate("r", len(ids), ids)[0]
+    assert a.store("r", table, data) == 5
+    mine, theirs = a.pool_kv(), b.pool_kv()
+    gid = plan.groups[0].group_id
+    out = torch.empty_like(data)
+    ops.gather_blocks(mine.entries(gid), torch.tensor(table), out)
+    assert torch.equal(out, data)
+    layer = mine.layers["l0"]  # the engine's view: [K/V, blocks, block size, heads, dim]
+    k_bytes = layer[0, table[1]].contiguous().view(torch.uint8).flatten()
+    assert torch.equal(k_bytes, data[1][: k_bytes.numel()])  # l0's K leads each row
+
+    assert b.admit("q", len(ids), ids)
+    tq = b.allocate("q", len(ids), ids)[0]
+    assert b.load("q", ids, into=tq).num_tokens == 5 * BS
+    ops.gather_blocks(theirs.entries(gid), torch.tensor(tq), out)
+    assert torch.equal(out, data)  # B's pool, read in place in this process

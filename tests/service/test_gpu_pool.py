@@ -33,6 +33,14 @@ def test_gpu_pool_round_trip() -> None:
         data = torch.randint(0, 256, (20, plan.gpu_bytes_per_block), dtype=torch.uint8)
         assert kv.store("r", table[:20], data) == 20
         assert torch.equal(kv.read(table[:20]), data)
+        shared = kv.pool_kv()  # the pool's HBM, opened here by CUDA IPC: the same bytes
+        from raykv import ops
+
+        assert shared.raw[0].is_cuda
+        gid = plan.groups[0].group_id
+        here = torch.empty((20, plan.gpu_bytes_per_block), dtype=torch.uint8, device="cuda")
+        ops.gather_blocks(shared.entries(gid), torch.tensor(table[:20]), here)
+        assert torch.equal(here.cpu(), data)
         kv.free("r")
         assert kv.lookup(ids).hit_tokens == 320
         assert kv.admit("r2", len(ids), ids)
