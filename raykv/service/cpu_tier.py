@@ -400,10 +400,11 @@ class CpuTierActor(Member):
     # --- other nodes ----------------------------------------------------------------------
 
     async def export_blocks(
-        self, model: str, keys: list[bytes]
+        self, model: str, keys: list[bytes], out: np.ndarray | None = None
     ) -> tuple[int, np.ndarray, list[list[int]]]:
         """For ``raykv.transport``: the leading block ``keys`` (one group) held here as one
-        buffer uint8 [copies, count, row_bytes] with their stored checksums [copies][count]."""
+        buffer uint8 [copies, count, row_bytes] (in ``out`` where it fits: a UCX server's
+        reused buffer) with their stored checksums [copies][count]."""
         mt = self.tiers.get(model)
         _, lease, chosen = await self.lease(model, keys) if mt is not None else (0, None, [])
         if lease is None:
@@ -411,7 +412,7 @@ class CpuTierActor(Member):
         tier = mt.tier
         try:
             width = mt.widths[key_group(keys[0])]
-            rows = tier.read([(lease.blocks[e], s) for e, s in chosen], width)
+            rows = tier.read([(lease.blocks[e], s) for e, s in chosen], width, out)
             sums = [[lease.checksums[e][c][s] for e, s in chosen] for c in range(tier.copies)]
         finally:
             tier.finish_load(lease)

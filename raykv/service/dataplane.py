@@ -339,10 +339,12 @@ class PoolDataPlane:
     # --- serving other members ------------------------------------------------------------
 
     async def export_blocks(
-        self, model: str, keys: list[bytes]
+        self, model: str, keys: list[bytes], out: np.ndarray | None = None
     ) -> tuple[int, np.ndarray, list[list[int]]]:
         """For ``raykv.transport``: the leading ``keys`` (one group) still valid here, as one
-        buffer uint8 [distinct copies, count, row_bytes] plus their checksums per copy."""
+        buffer uint8 [distinct copies, count, row_bytes] plus their checksums per copy.
+        ``out`` (a UCX server's spare buffer) is not used: the rows come off the pool's
+        device in a buffer of the gather's own."""
         from raykv.service.groups import key_group
 
         blocks = self._exportable(model, keys)

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from raykv.errors import ConfigError
@@ -43,6 +44,7 @@ from raykv.layout import tp
 from raykv.layout.plan import Plan
 from raykv.tiers import shm
 from raykv.tiers.holds import DEFAULT_TIMEOUT_S, LOAD, STORE, Hold, Holds
+from raykv.tiers.host_copy import row_runs
 from raykv.tiers.policies import EvictionPolicy, make_policy
 from raykv.tiers.shm import SharedSpec
 
@@ -169,14 +171,29 @@ class ArenaRows:
     def row(self, block: int, sub: int) -> int:
         return block * self.factor + sub
 
-    def read(self, picks: Sequence[tuple[int, int]], width: int) -> torch.Tensor:
-        """The first ``width`` bytes of the rows ``(block, sub)`` of every copy, as one new
-        buffer ``[copies, len(picks), width]`` (one gather per copy)."""
-        idx = torch.tensor([self.row(b, s) for b, s in picks], dtype=torch.long)
-        out = torch.empty((self.copies, len(picks), width), dtype=torch.uint8)
+    def read(
+        self, picks: Sequence[tuple[int, int]], width: int, out: np.ndarray | None = None
+    ) -> torch.Tensor:
+        """The first ``width`` bytes of the rows ``(block, sub)`` of every copy, as one
+        buffer ``[copies, len(picks), width]``: in ``out`` (uint8, 1-D) where it is big
+        enough, else new; one numpy copy per run of consecutive rows (``np.take`` where the
+        rows are more scattered), per copy."""
+        rows = [self.row(b, s) for b, s in picks]
+        shape = (self.copies, len(picks), width)
+        need = self.copies * len(picks) * width
+        if out is not None and out.nbytes >= need and out.dtype == np.uint8:
+            dst = out.reshape(-1)[:need].reshape(shape)
+        else:
+            dst = np.empty(shape, np.uint8)
+        runs = row_runs(rows)
         for c in range(self.copies):
-            torch.index_select(self.arena[c, :, :width], 0, idx, out=out[c])
-        return out
+            table = self.arena[c].numpy()
+            if runs is None:
+                np.take(table[:, :width], rows, axis=0, out=dst[c])
+                continue
+            for a, b in runs:
+                dst[c, a:b] = table[rows[a] : rows[a] + b - a, :width]
+        return torch.from_numpy(dst)
 
 
 class CpuTier(ArenaRows):

@@ -193,7 +193,7 @@ def test_tp_copies_in_chunks_arrive_copy_major() -> None:
     rows = torch.randint(0, 256, (2, 40, 4096), generator=g, dtype=torch.uint8)
     sums = [list(row_checksums(rows[c])) for c in range(2)]
 
-    async def export(model: str, keys: list[bytes]):
+    async def export(model: str, keys: list[bytes], out=None):  # out: not used here
         idx = [int.from_bytes(k, "little") for k in keys]
         n = next((i for i, b in enumerate(idx) if b >= 30), len(idx))  # holds 0..29
         return n, rows[:, idx[:n]].numpy(), [[s[i] for i in idx[:n]] for s in sums]
@@ -213,6 +213,43 @@ def test_tp_copies_in_chunks_arrive_copy_major() -> None:
         while server.stats()["connections"]:
             assert time.monotonic() < deadline, server.stats()
             time.sleep(0.1)
+    finally:
+        t.close()
+        server.stop()
+
+
+def test_a_server_gathers_into_buffers_it_reuses_once_their_rows_are_out() -> None:
+    """Each chunk after the first is gathered into a buffer the server hands the member
+    (``out``): a spare one once an earlier chunk's sends completed, so fetches after the
+    first take no fresh pages; every chunk still arrives whole and verified (no buffer is
+    refilled while its rows are on the wire)."""
+    from raykv.tiers.checksum import row_checksums
+    from raykv.transport.ucx_server import UcxServer
+
+    g = torch.Generator().manual_seed(9)
+    rows = torch.randint(0, 256, (1, 48, 4096), generator=g, dtype=torch.uint8)
+    sums = list(row_checksums(rows[0]))
+    given: list[int] = []
+
+    async def export(model: str, keys: list[bytes], out=None):
+        idx = [int.from_bytes(k, "little") for k in keys]
+        if out is None:
+            return len(idx), rows[:, idx].numpy().copy(), [[sums[i] for i in idx]]
+        given.append(out.ctypes.data)
+        dst = out.reshape(-1)[: len(idx) * 4096].reshape(1, len(idx), 4096)
+        dst[0] = rows[0, idx].numpy()
+        return len(idx), dst, [[sums[i] for i in idx]]
+
+    c = cfg(stripes=2, stripe_min_bytes=1, chunk_bytes=4 * 4096)
+    server = UcxServer(SECRET.encode(), export, host="127.0.0.1", config=c)
+    ep = server.start()
+    t = UcxTransport(SECRET.encode(), c)
+    try:
+        for _ in range(3):
+            b = UcxRuntime.get("tcp").submit(t.fetch("s", "m", KEYS[:48], ep)).result(60)
+            assert b.count == 48 and verify(b) == 48 and torch.equal(b.rows, rows)
+        assert len(given) > len(set(given))  # buffers came back and were used again
+        assert len(set(given)) <= 4  # at most two chunks on the wire and one gathering
     finally:
         t.close()
         server.stop()
@@ -248,7 +285,7 @@ def test_wrong_secret_and_garbage_hellos_are_refused_and_counted() -> None:
 
     from raykv.transport.ucx_server import UcxServer
 
-    async def export(model: str, keys: list[bytes]):
+    async def export(model: str, keys: list[bytes], out=None):  # out: not used here
         raise AssertionError("a refused peer reads nothing")
 
     server = UcxServer(SECRET.encode(), export, host="127.0.0.1", config=cfg(timeout_s=2))
@@ -310,7 +347,7 @@ def test_a_corrupt_row_mid_batch_ends_the_stream_after_the_intact_rows() -> None
     sums = list(row_checksums(rows[0]))
     bad = 41
 
-    async def export(model: str, keys: list[bytes]):
+    async def export(model: str, keys: list[bytes], out=None):  # out: not used here
         idx = [int.from_bytes(k, "little") for k in keys]
         out = rows[:, idx].clone()
         if bad in idx:
@@ -367,7 +404,7 @@ def test_a_stream_from_a_peer_with_another_secret_moves_nothing() -> None:
     before any chunk (its sink is never called), and the server counts it."""
     from raykv.transport.ucx_server import UcxServer
 
-    async def export(model: str, keys: list[bytes]):
+    async def export(model: str, keys: list[bytes], out=None):  # out: not used here
         raise AssertionError("a refused peer reads nothing")
 
     server = UcxServer(SECRET.encode(), export, host="127.0.0.1", config=cfg(timeout_s=2))
