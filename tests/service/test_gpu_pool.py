@@ -41,6 +41,7 @@ def test_gpu_pool_round_trip() -> None:
         here = torch.empty((20, plan.gpu_bytes_per_block), dtype=torch.uint8, device="cuda")
         ops.gather_blocks(shared.entries(gid), torch.tensor(table[:20]), here)
         assert torch.equal(here.cpu(), data)
+        del shared  # before the pool's process ends (CUDA IPC: the producer outlives users)
         kv.free("r")
         assert kv.lookup(ids).hit_tokens == 320
         assert kv.admit("r2", len(ids), ids)
