@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,33 +36,47 @@ PIECE_BYTES = 4 << 20  # one hashing task: keeps 8 threads busy, and the first l
 LOAD_SPAN_BYTES = 64 << 20  # verified rows queued per scatter call
 
 
+@dataclass(frozen=True)
+class GroupRows:
+    """One group's copy: ``entries[block_ids[i]]`` <-> ``arena[rows[i]]`` (full-width rows,
+    ``runs`` of consecutive ones, ``host_copy.row_runs``), ``slots`` each position's
+    ``(key, sub-slot)``."""
+
+    entries: list[torch.Tensor]
+    block_ids: torch.Tensor
+    arena: torch.Tensor
+    rows: Sequence[int]
+    runs: Sequence[tuple[int, int]]
+    slots: Sequence[tuple[int, int]]
+
+    def copy(self, start: int, end: int, gather: bool) -> None:
+        """Queue positions ``start .. end - 1`` on the current stream, one call per run."""
+        for s, e in within(self.runs, start, end):
+            rows = self.arena[self.rows[s] : self.rows[s] + e - s]
+            if gather:
+                ops.gather_blocks(self.entries, self.block_ids[s:e], rows)
+            else:
+                ops.scatter_blocks(rows, self.entries, self.block_ids[s:e])
+
+
 def store(
-    entries: list[torch.Tensor],
-    block_ids: torch.Tensor,
-    arena: torch.Tensor,
-    rows: Sequence[int],
-    runs: Sequence[tuple[int, int]],
-    slots: Sequence[tuple[int, int]],
-    stream: torch.cuda.Stream,
-    hashing: bool,
+    g: GroupRows, stream: torch.cuda.Stream, hashing: bool
 ) -> list[tuple[Sequence[int], Future[list[int]]]]:
-    """Queue ``entries[block_ids[i]] -> arena[rows[i]]`` on ``stream`` (the current stream),
-    one gather per run of consecutive rows (``runs``) per chunk; with ``hashing``, each
-    chunk's rows' checksums are taken on the hashing threads once the chunk landed. Returns
-    (arena rows, their checksums' future) per piece."""
-    table, width = arena.numpy(), arena.shape[1]
+    """Queue the gather of ``g`` into the arena on ``stream`` (the current stream), chunk by
+    chunk; with ``hashing``, each chunk's rows' checksums are taken on the hashing threads
+    once the chunk landed. Returns (arena rows, their checksums' future) per piece."""
+    table, width = g.arena.numpy(), g.arena.shape[1]
     out: list[tuple[Sequence[int], Future[list[int]]]] = []
-    chunks = key_chunks(slots, width, last_small=True, first=STORE_FIRST_BYTES,
+    chunks = key_chunks(g.slots, width, last_small=True, first=STORE_FIRST_BYTES,
                         top=STORE_CHUNK_BYTES)  # fmt: skip
     for a, b in chunks:
-        for s, e in within(runs, a, b):
-            ops.gather_blocks(entries, block_ids[s:e], arena[rows[s] : rows[s] + e - s])
+        g.copy(a, b, gather=True)
         if not hashing:
             continue
         landed = torch.cuda.Event()
         landed.record(stream)
         for pa, pb in _pieces(a, b, width):
-            part = rows[pa:pb]
+            part = g.rows[pa:pb]
             out.append((part, in_parallel(_sums_after, landed, table, part, width)))
     return out
 
@@ -71,24 +86,16 @@ def _sums_after(landed: torch.cuda.Event, table: np.ndarray, rows: Sequence[int]
     return checksums_at(table, rows, width)
 
 
-def load(
-    entries: list[torch.Tensor],
-    block_ids: torch.Tensor,
-    arena: torch.Tensor,
-    rows: Sequence[int],
-    runs: Sequence[tuple[int, int]],
-    slots: Sequence[tuple[int, int]],
-    verify: Callable[[int, int], int | None] | None,
-) -> tuple[int, int | None]:
-    """Queue ``arena[rows[i]] -> entries[block_ids[i]]`` on the current stream, each span
-    only once ``verify`` (``OffloadEngine._verifier``: the first position of the first key
-    failing its checksum in a range of whole keys, or None) passed every key in it. Returns
-    (rows written, the failing position or None). No verification outlives the call."""
-    n, width = len(rows), arena.shape[1]
+def load(g: GroupRows, verify: Callable[[int, int], int | None] | None) -> tuple[int, int | None]:
+    """Queue the scatter of ``g`` from the arena on the current stream, each span only once
+    ``verify`` (``OffloadEngine._verifier``: the first position of the first key failing its
+    checksum in a range of whole keys, or None) passed every key in it. Returns (rows
+    written, the failing position or None). No verification outlives the call."""
+    n, width = len(g.rows), g.arena.shape[1]
     if verify is None:
-        _scatter(entries, block_ids, arena, rows, runs, 0, n)
+        g.copy(0, n, gather=False)
         return n, None
-    pieces = key_chunks(slots, width, first=PIECE_BYTES, top=PIECE_BYTES)
+    pieces = key_chunks(g.slots, width, first=PIECE_BYTES, top=PIECE_BYTES)
     futures = [in_parallel(verify, a, b) for a, b in pieces]
     queued = verified = 0
     bad = None
@@ -97,7 +104,7 @@ def load(
             bad = fut.result()
             verified = b if bad is None else bad
             if bad is not None or verified == n or (verified - queued) * width >= LOAD_SPAN_BYTES:
-                _scatter(entries, block_ids, arena, rows, runs, queued, verified)
+                g.copy(queued, verified, gather=False)
                 queued = verified
             if bad is not None:
                 break
@@ -106,11 +113,6 @@ def load(
             fut.cancel()  # not started: never will
         concurrent.futures.wait(futures)
     return queued, bad
-
-
-def _scatter(entries, block_ids, arena, rows, runs, start: int, end: int) -> None:
-    for s, e in within(runs, start, end):
-        ops.scatter_blocks(arena[rows[s] : rows[s] + e - s], entries, block_ids[s:e])
 
 
 def _pieces(start: int, end: int, width: int) -> list[tuple[int, int]]:

@@ -266,12 +266,11 @@ class OffloadEngine:
         rows_all = self.tier.rows(self.copy)
         runs = host_copy.row_runs(rows) if width == self.tier.slot_bytes else None
         if runs is not None:
+            g = device_copy.GroupRows(entries, ids_t, rows_all, rows, runs, slots)
             if gather:
-                rec.sums += device_copy.store(
-                    entries, ids_t, rows_all, rows, runs, slots, self.stream, self.checksums
-                )
+                rec.sums += device_copy.store(g, self.stream, self.checksums)
                 return len(rows), None
-            return device_copy.load(entries, ids_t, rows_all, rows, runs, slots, verifier)
+            return device_copy.load(g, verifier)
         idx = torch.tensor(rows, dtype=torch.int64)
         src = torch.empty((len(rows), width), dtype=torch.uint8, pin_memory=self.pin)
         rec.host_copies.append(_HostCopy(idx, src, width))
