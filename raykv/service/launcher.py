@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from raykv.errors import RaykvError, ServiceError
@@ -51,9 +50,12 @@ def _port_open(port: int) -> bool:
 def start_head(num_cpus: int | None = None, timeout_s: float = 60.0) -> dict[str, Any]:
     """Start a Ray head on 127.0.0.1 in its own session; returns the recorded state."""
     port = _free_port()
-    ray_bin = Path(sys.executable).parent / "ray"
+    # Ray's CLI as a module of this interpreter: its `ray` script may not be installed next
+    # to it (`pip install --target`, an image without a venv)
     cmd = [
-        str(ray_bin),
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
         "start",
         "--head",
         "--block",
