@@ -121,8 +121,9 @@ class UcxServer:
 
     def stats(self) -> dict[str, int]:
         """``refused``: peers that failed the handshake; ``batches`` / ``bytes`` served;
-        ``connections``: connections open now."""
-        return {**{k: self.counts[k] for k in ("refused", "batches", "bytes")},
+        ``errors``: connections this side ended by a fault of its own; ``connections``:
+        connections open now."""
+        return {**{k: self.counts[k] for k in ("refused", "batches", "bytes", "errors")},
                 "connections": len(self._eps)}  # fmt: skip
 
     # --- one connection -------------------------------------------------------------------
@@ -193,7 +194,11 @@ class UcxServer:
                     raise ValueError(f"unknown request {str(req.get('op'))[:40]!r}")
                 await self._fetch(conn, me[0], req)
         except Exception as e:  # the peer closed, died, or spoke nonsense: drop it
-            log.debug("ucx connection %d from %s closed: %r", conn_id, me, e)
+            if _peer_went(e):
+                log.debug("ucx connection %d from %s closed: %r", conn_id, me, e)
+            else:  # a fault of this side (its reader waits out its timeout): said, counted
+                self.counts["errors"] += 1
+                log.warning("ucx connection %d from %s failed here: %r", conn_id, me, e)
         finally:
             if me is not None and self._eps.get(me) is conn:
                 del self._eps[me]
@@ -326,6 +331,13 @@ class UcxServer:
             self.counts["bytes"] += flat.nbytes
 
         return sent()
+
+
+def _peer_went(e: BaseException) -> bool:
+    """Whether ``e`` ends a connection from the peer's side (it closed, died, timed out or
+    spoke nonsense), not from a fault of this server."""
+    peer = (ConnectionError, TimeoutError, EOFError, ValueError, KeyError, TypeError)
+    return type(e).__module__.startswith("ucxx") or isinstance(e, peer)
 
 
 def _reuse_if_sent(

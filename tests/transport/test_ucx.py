@@ -421,3 +421,37 @@ def test_a_stream_from_a_peer_with_another_secret_moves_nothing() -> None:
     finally:
         wrong.close()
         server.stop()
+
+
+def test_a_fault_of_the_server_itself_is_logged_and_counted(caplog) -> None:
+    """A connection the server ends by a fault of its own (here its send path raising) is
+    a WARNING and an ``errors`` count, not the debug line of a peer that went away: its
+    reader only sees a timeout."""
+    import logging
+    from unittest import mock
+
+    from raykv.transport.ucx_server import UcxServer
+
+    rows = torch.zeros((1, 4, 4096), dtype=torch.uint8)
+
+    async def export(model: str, keys: list[bytes], out=None):  # out: not used here
+        return len(keys), rows[:, : len(keys)].numpy(), [[0] * len(keys)]
+
+    async def broken(*_a, **_k):
+        raise RuntimeError("a bug on the serving side")
+
+    server = UcxServer(SECRET.encode(), export, host="127.0.0.1", config=cfg(timeout_s=2))
+    ep = server.start()
+    t = UcxTransport(SECRET.encode(), cfg(timeout_s=2))
+    try:
+        with mock.patch.object(UcxServer, "_send", broken), caplog.at_level(logging.WARNING):
+            res, _ = _receive(t, ep, KEYS[:4])
+            assert isinstance(res, TransportError)
+            deadline = time.monotonic() + 10
+            while server.stats()["errors"] < 1:
+                assert time.monotonic() < deadline, server.stats()
+                time.sleep(0.1)
+        assert any("failed here" in r.getMessage() for r in caplog.records)
+    finally:
+        t.close()
+        server.stop()
