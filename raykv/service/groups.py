@@ -100,6 +100,10 @@ def complete_chunks(plan: Plan, tables: Tables, keys: list[list[bytes]]) -> list
     """Every complete chunk of a request's tables with at least one real block."""
     out = []
     for gi, (f, table, gkeys) in enumerate(zip(factors(plan), tables, keys, strict=True)):
+        if f == 1:  # one block per entry
+            pairs = zip(table, gkeys, strict=False)  # as far as both go
+            out += [Chunk(gi, k, (k,)) for b, k in pairs if b != NULL_BLOCK]
+            continue
         for c in range(min(len(table), len(gkeys)) // f):
             slots = range(c * f, (c + 1) * f)
             if all(table[j] == NULL_BLOCK for j in slots):

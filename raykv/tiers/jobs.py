@@ -137,6 +137,8 @@ class BlockJob:
     def select(self, keep: Collection[bytes]) -> Self:
         """The same job restricted to the keys in ``keep`` (invariant 4 still holds)."""
         keep = set(keep)
+        if len(keep) >= len(self.keys) and keep.issuperset(self.keys):
+            return self  # every key kept (the usual store / load): the job as it is
         remap = {}
         for i, k in enumerate(self.keys):
             if k in keep:
@@ -190,6 +192,16 @@ def _build(cls, plan, request_id, block_table, block_hashes, num_chunks):
         if num_chunks is not None:
             n = min(n, num_chunks[gi])
         size = 0
+        if f == 1:  # one GPU block per key (no offload block-size factor): no chunks to cut
+            first = len(keys)
+            live = [c for c in range(n) if table[c] != NULL_BLOCK]
+            keys += [bytes(hashes[c]) for c in live]
+            key_groups += [group.group_id] * len(live)
+            widths += [1] * len(live)
+            ids += [int(table[c]) for c in live]
+            slots += [(first + i, 0) for i in range(len(live))]
+            sizes.append(len(live))
+            continue
         for c in range(n):
             chunk = table[c * f : (c + 1) * f]
             if all(b == NULL_BLOCK for b in chunk):
