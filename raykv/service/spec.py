@@ -142,6 +142,14 @@ def _is_seq(x: object) -> bool:
     return isinstance(x, (list, tuple)) or getattr(x, "ndim", 0) > 0
 
 
+def _plain_ints(seq: object) -> list[int] | None:
+    """A plain list / tuple of plain ints (what ``allocate`` returns) as a list, in one
+    pass; None for anything else (``check_int`` then looks at each item)."""
+    if type(seq) in (list, tuple) and all(type(b) is int for b in seq):  # type: ignore[attr-defined]
+        return list(seq)  # type: ignore[arg-type]
+    return None
+
+
 def check_block_ids(block_ids: object) -> list:
     """Block ids as plain ints: one flat list, or one list per group (as ``allocate``
     returns them). Kernel block ids, floats, bools, strings and non-sequences raise
@@ -154,11 +162,16 @@ def check_block_ids(block_ids: object) -> list:
             f"{_bad(block_ids)} ({type(block_ids).__name__}); {BLOCK_ID_FIX}"
         )
     require_logical(block_ids, "the service")
+    flat = _plain_ints(block_ids)
+    if flat is not None:
+        return flat
     out: list = []
     for t in block_ids:  # type: ignore[attr-defined]
         if _is_seq(t):
             require_logical(t, "the service")
-            out.append([check_int(b, "block ids", BLOCK_ID_FIX) for b in t])
+            ints = _plain_ints(t)
+            out.append(ints if ints is not None else
+                       [check_int(b, "block ids", BLOCK_ID_FIX) for b in t])  # fmt: skip
         else:
             out.append(check_int(t, "block ids", BLOCK_ID_FIX))
     if any(isinstance(t, list) for t in out) and not all(isinstance(t, list) for t in out):

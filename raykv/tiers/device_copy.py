@@ -69,15 +69,19 @@ def store(
     out: list[tuple[Sequence[int], Future[list[int]]]] = []
     chunks = key_chunks(g.slots, width, last_small=True, first=STORE_FIRST_BYTES,
                         top=STORE_CHUNK_BYTES)  # fmt: skip
-    for a, b in chunks:
-        g.copy(a, b, gather=True)
-        if not hashing:
-            continue
-        landed = torch.cuda.Event()
-        landed.record(stream)
-        for pa, pb in _pieces(a, b, width):
-            part = g.rows[pa:pb]
-            out.append((part, in_parallel(_sums_after, landed, table, part, width)))
+    try:
+        for a, b in chunks:
+            g.copy(a, b, gather=True)
+            if not hashing:
+                continue
+            landed = torch.cuda.Event()
+            landed.record(stream)
+            for pa, pb in _pieces(a, b, width):
+                part = g.rows[pa:pb]
+                out.append((part, in_parallel(_sums_after, landed, table, part, width)))
+    except BaseException:  # the hashing started ends before the caller frees the rows
+        concurrent.futures.wait([f for _, f in out])
+        raise
     return out
 
 
