@@ -36,10 +36,11 @@ from raykv.blocks.hashing import BlockHasher
 from raykv.errors import InvalidInput
 from raykv.service import holders
 from raykv.service.groups import as_tables, complete_chunks, group_keys, key_limit
-from raykv.tiers.cpu_tier import CpuTierView, LoadLease
+from raykv.tiers.cpu_tier import LoadLease
 from raykv.tiers.gpu_kv import GpuKV
 from raykv.tiers.jobs import LoadJob, StoreJob
 from raykv.tiers.offload import OffloadEngine
+from raykv.tiers.tier_view import CpuTierView
 
 log = logging.getLogger(__name__)
 

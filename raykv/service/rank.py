@@ -76,8 +76,8 @@ class RankKV(RankCollective):
     def engine(self, arena: Any) -> Any:
         """This rank's ``OffloadEngine`` on the arena ``arena`` (a ``SharedSpec``), mapped
         once per arena (a re-placed tier has a new one)."""
-        from raykv.tiers.cpu_tier import CpuTierView
         from raykv.tiers.offload import OffloadEngine
+        from raykv.tiers.tier_view import CpuTierView
 
         if self._engine is None or self._arena != arena:
             view = CpuTierView(self.plan, arena)
