@@ -38,9 +38,12 @@ import ray
 from raykv.errors import RaykvError, ServiceError
 from raykv.service.control import ensure_service
 from raykv.service.ray_join import join
-from raykv.service.spec import (
+from raykv.service.spec import (  # the result types: raykv.LookupResult & co.
     COORDINATOR,
     NAMESPACE,
+    Hit,
+    LoadResult,
+    LookupResult,
     ServedModel,
     StoreResult,  # noqa: F401  (raykv.StoreResult, and the store op's result)
     check_block_ids,
@@ -55,35 +58,6 @@ RETRY_S = 60.0
 log = logging.getLogger(__name__)
 # the coordinator restarting (actor errors, timeouts) or not yet named again (ValueError)
 _RETRY = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError)
-
-
-@dataclass(frozen=True)
-class Hit:
-    """A run of consecutive hit blocks served from one tier of one node."""
-
-    tier: str  # "gpu" or "cpu"
-    node_id: str
-    local: bool  # on the caller's node
-    num_tokens: int
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    hit_tokens: int  # leading tokens whose KV some pool or tier holds (< len(token_ids))
-    where: tuple[Hit, ...]
-    num_tokens: int  # tokens looked up
-
-    @property
-    def local_tokens(self) -> int:
-        return sum(h.num_tokens for h in self.where if h.local and h.tier == "gpu")
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    num_tokens: int  # leading tokens of the request now backed by written KV
-    loaded_blocks: int  # blocks copied into ``into``
-    bytes: int  # bytes that came from another tier or node
-    seconds: float
 
 
 def _unwrap(e: BaseException) -> BaseException:

@@ -252,6 +252,38 @@ def token_id_array(
     return arr if arr.dtype == np.uint32 else token_array(arr)
 
 
+# --- what the client's calls return ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A run of consecutive hit blocks served from one tier of one node."""
+
+    tier: str  # "gpu" or "cpu"
+    node_id: str
+    local: bool  # on the caller's node
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    hit_tokens: int  # leading tokens whose KV some pool or tier holds (< len(token_ids))
+    where: tuple[Hit, ...]
+    num_tokens: int  # tokens looked up
+
+    @property
+    def local_tokens(self) -> int:
+        return sum(h.num_tokens for h in self.where if h.local and h.tier == "gpu")
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    num_tokens: int  # leading tokens of the request now backed by written KV
+    loaded_blocks: int  # blocks copied into ``into``
+    bytes: int  # bytes that came from another tier or node
+    seconds: float
+
+
 class StoreResult(int):
     """What ``store`` did. Its int value is the number of blocks newly published (so
     ``store(...) == n`` reads as it always did); ``written`` counts the blocks whose bytes
