@@ -7,9 +7,7 @@ import time
 import ray
 import torch
 
-from raykv.blocks import BlockHasher
 from raykv.layout import FullAttention
-from raykv.service.groups import group_keys
 from raykv.service.spec import NAMESPACE, pool_name, tier_name
 from raykv.tiers import shm
 
@@ -32,6 +30,19 @@ def stats_of(name: str) -> dict:
     return ray.get(ray.get_actor(name, namespace=NAMESPACE).snapshot.remote())["stats"]
 
 
+def corrupt_on_head(ray_cluster, client, model: str, block: int, stored: torch.Tensor) -> None:
+    """Flip bytes of ``block`` in the head node's pool (its KV mapped here: ``pool_kv``) and
+    of the head's CPU-tier entry holding ``stored`` (the rows stored from it), after both
+    were published: the checksums taken at store time no longer match either copy."""
+    for t in client.pool_kv().raw:
+        t[block] ^= 0xFF
+    tier = ray.get_actor(tier_name(ray_cluster.head), namespace=NAMESPACE)
+    arena = shm.attach(ray.get(tier.arena.remote(model)))
+    mask = (arena[0] == stored).all(dim=1)
+    assert int(mask.sum()) == 1
+    arena[0][mask.nonzero()[0, 0], :7] ^= 0x5A
+
+
 def setup(ray_cluster, model: str):
     kv = ray_cluster.kv
     plan = kv.add_model(model, LAYERS, max_model_len=512, pool_bytes=40 * ROW, cpu_bytes=40 * ROW)
@@ -39,7 +50,7 @@ def setup(ray_cluster, model: str):
 
 
 def test_corrupt_tier_entry_and_gpu_block_are_misses_never_wrong_kv(ray_cluster) -> None:
-    a, b, plan = setup(ray_cluster, "dp-corrupt")
+    a, b, _ = setup(ray_cluster, "dp-corrupt")
     ids = tokens(6 * BS + 3, 1)
     data = rows(6, 2)
     assert a.admit("r", len(ids), ids)
@@ -47,16 +58,7 @@ def test_corrupt_tier_entry_and_gpu_block_are_misses_never_wrong_kv(ray_cluster)
     assert a.store("r", table[:6], data, offload=True) == 6
     a.free("r")
 
-    # corrupt block 2's bytes in A's pool (its KV is shared memory) and in A's CPU tier
-    tier = ray.get_actor(tier_name(ray_cluster.head), namespace=NAMESPACE)
-    arena = shm.attach(ray.get(tier.arena.remote("dp-corrupt")))
-    keys = group_keys(plan, BlockHasher(plan.hash_block_size).hash_blocks(ids))[0]
-    pool_kv = a.pool_kv().raw  # A's pool's KV, mapped here
-    for t in pool_kv:
-        t[table[2]] ^= 0xFF
-    mask = (arena[0] == data[2]).all(dim=1)
-    assert int(mask.sum()) == 1
-    arena[0][mask.nonzero()[0, 0], :7] ^= 0x5A
+    corrupt_on_head(ray_cluster, a, "dp-corrupt", table[2], data[2])
 
     # B loads: A's GPU copy and A's tier copy of block 2 fail their checksums: a miss at 2
     assert b.admit("q", len(ids), ids)
@@ -76,7 +78,6 @@ def test_corrupt_tier_entry_and_gpu_block_are_misses_never_wrong_kv(ray_cluster)
     while ray_cluster.kv.stats()["checksum_errors"] < 2 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert ray_cluster.kv.stats()["checksum_errors"] >= 2
-    del arena, pool_kv, keys
 
 
 def test_after_corruption_the_engines_logits_match_a_full_recompute(ray_cluster) -> None:
@@ -106,14 +107,7 @@ def test_after_corruption_the_engines_logits_match_a_full_recompute(ray_cluster)
     a.free("p")
     before = kv.stats()["checksum_errors"]
 
-    tier = ray.get_actor(tier_name(ray_cluster.head), namespace=NAMESPACE)
-    arena = shm.attach(ray.get(tier.arena.remote("dp-logits")))
-    pool_kv = a.pool_kv().raw  # A's pool's KV, mapped here
-    for t in pool_kv:
-        t[table[2]] ^= 0xFF
-    mask = (arena[0] == kv_rows[2]).all(dim=1)
-    assert int(mask.sum()) == 1
-    arena[0][mask.nonzero()[0, 0], :7] ^= 0x5A
+    corrupt_on_head(ray_cluster, a, "dp-logits", table[2], kv_rows[2])
 
     got = eb.continue_from_cache("q", ids + question)
     assert got["loaded_tokens"] == 2 * bs, got  # a miss at block 2, never its bad bytes
@@ -125,7 +119,6 @@ def test_after_corruption_the_engines_logits_match_a_full_recompute(ray_cluster)
     s = kv.stats()
     assert s["checksum_errors"] >= before + 2, s["checksum_errors"]
     assert f"checksum errors {s['checksum_errors']}" in status_table({"address": "-", **s})
-    del arena, pool_kv
 
 
 def test_an_attached_engine_stores_and_loads_through_shared_memory(ray_cluster) -> None:
