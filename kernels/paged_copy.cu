@@ -57,29 +57,32 @@ __device__ __forceinline__ uint64_t copy_span(char* __restrict__ dst, const char
         acc += weighted(r[u], word0 + static_cast<uint64_t>(k + u * kThreads) * kWords);
     }
   }
+  // The rest (all of a span under 16 KiB, e.g. one layer's K of a 16-token block): the same
+  // tile with bounds checks, so its loads are still all in flight before the first store.
 #pragma unroll 1
-  for (; k < n; k += kThreads) {
-    const T v = s[k];
-    d[k] = v;
-    if constexpr (kSum) acc += weighted(v, word0 + static_cast<uint64_t>(k) * kWords);
+  for (; k < n; k += kUnroll * kThreads) {
+    T r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (k + u * kThreads < n) r[u] = s[k + u * kThreads];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (k + u * kThreads < n) {
+        d[k + u * kThreads] = r[u];
+        if constexpr (kSum)
+          acc += weighted(r[u], word0 + static_cast<uint64_t>(k + u * kThreads) * kWords);
+      }
+    }
   }
   return acc;
 }
 
-// The CTA's total of `acc` added to *out (wrapping, any order: the sum is commutative).
+// `acc` of every thread added to *out (wrapping, any order: the sum is commutative): one atomic
+// per warp, no barrier, so the CTA's warps move on to their next item independently.
 __device__ __forceinline__ void add_block_total(uint64_t acc, unsigned long long* out) {
-  __shared__ uint64_t warp_total[kThreads / 32];
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
-  if ((threadIdx.x & 31) == 0) warp_total[threadIdx.x >> 5] = acc;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    uint64_t total = 0;
-#pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) total += warp_total[w];
-    atomicAdd(out, static_cast<unsigned long long>(total));
-  }
-  __syncthreads();  // warp_total is reused by the next item
+  if ((threadIdx.x & 31) == 0) atomicAdd(out, static_cast<unsigned long long>(acc));
 }
 
 template <bool kGather, bool kSum>

@@ -37,6 +37,8 @@ from raykv.ops_checks import (  # argument validation: before anything is touche
     _check_chunks,
     _check_distinct,
     _check_sums,
+    _entries_key,
+    _entries_shape,
     row_bytes,
 )
 from raykv.ops_reference import (  # the torch reference path, bit-exact with the kernel
@@ -52,9 +54,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "MAX_SEGMENT_BYTES",
     "MODES",
-    "KernelArgs",
     "gather_blocks",
-    "kernel_args",
     "kernel_available",
     "kernel_block_ids",
     "kernel_module",
@@ -284,15 +284,24 @@ def _rows_pointer(module: ModuleType, device: torch.device, rows: torch.Tensor) 
     return 0
 
 
-def _summable(entries: list[torch.Tensor], key: tuple, rows: torch.Tensor) -> bool:
-    """Whether the kernel can take the wire sums while it copies: every span, row and the
-    row width 8-byte aligned (64-bit words), the rows on the entries' own device."""
+def _spans_aligned(entries: list[torch.Tensor], key: tuple) -> bool:
+    """Whether every span of ``entries`` is 8-byte aligned (64-bit words for the wire sums)."""
     ok = _aligned.get(key)
     if ok is None:
         ok = _aligned[key] = all(
             v % 8 == 0 for seg in row_segments(entries) for v in (seg[0], seg[1], seg[2], seg[3])
         )
-    return ok and rows.device == entries[0].device and rows.data_ptr() % 8 == 0
+    return ok
+
+
+def _summable(entries: list[torch.Tensor], key: tuple, rows: torch.Tensor) -> bool:
+    """Whether the kernel can take the wire sums while it copies: every span, row and the
+    row width 8-byte aligned (64-bit words), the rows on the entries' own device."""
+    return (
+        _spans_aligned(entries, key)
+        and rows.device == entries[0].device
+        and rows.data_ptr() % 8 == 0
+    )
 
 
 def _launch(
@@ -341,36 +350,36 @@ def _launch(
 
 
 @dataclass(frozen=True)
-class KernelArgs:
-    """A checked paged copy for a pipeline that enqueues the kernel from C++ itself
-    (``kernels/wire_pipeline.cpp``): the extension, the segment table, the ids on the
-    device, and the grid of a copy that runs next to other kernels."""
+class WireTable:
+    """A pool's entries as the C++ wire pipeline copies them (``kernels/wire_pipeline.cpp``):
+    the extension, the segment table on the device, the blocks every entry holds, the row
+    width and the grid of a copy that runs next to NCCL's kernels. Built (and the entries
+    checked) once per pool; a batch then passes only its block ids, which the pipeline checks
+    against ``num_blocks`` (and for distinctness where it writes) before it enqueues anything."""
 
     module: ModuleType
     table: torch.Tensor
-    ids: torch.Tensor
+    num_blocks: int
+    width: int
     ctas: int
 
 
-def kernel_args(
-    entries: Sequence[torch.Tensor], block_ids: torch.Tensor, rows: torch.Tensor, *, scatter: bool
-) -> KernelArgs | None:
-    """The kernel's arguments for copying ``block_ids`` between ``entries`` and ``rows`` with
-    fused wire sums, checked as ``gather_blocks`` / ``scatter_blocks`` check them (pass pinned
-    host ids: they go to the device without a host wait); None where only ``raykv.ops``' own
-    paths can copy them (no kernel, rows off the entries' device, spans not 8-byte aligned)."""
-    what = "scatter_blocks" if scatter else "gather_blocks"
-    entries, key = _check(entries, block_ids, rows, what)
-    if scatter:
-        _check_distinct(block_ids, what)
+def wire_table(entries: Sequence[torch.Tensor]) -> WireTable | None:
+    """The pipeline's view of ``entries``, or None where it cannot copy them with fused wire
+    sums (KV not on a GPU, no kernel or no NCCL in the extension, spans not 8-byte aligned):
+    ``raykv.ops``' own paths copy them then."""
+    entries = list(entries)
+    key = _entries_key(entries, "wire_table")
+    width, num_blocks = _entries_shape(entries, key, "wire_table")
     device = entries[0].device
-    module = _load() if device.type == "cuda" and block_ids.numel() else None
-    if module is None or not _summable(entries, key, rows):
+    module = _load() if device.type == "cuda" else None
+    if module is None or not getattr(module, "wire_available", lambda: False)():
+        return None
+    if not _spans_aligned(entries, key):
         return None
     with torch.cuda.device(device):
         table = _segment_table(entries, key)
-        ids = block_ids.to(device, non_blocking=True)
-    return KernelArgs(module, table, ids, _pipeline_ctas(device))
+    return WireTable(module, table, num_blocks, width, _pipeline_ctas(device))
 
 
 def _pipeline_ctas(device: torch.device) -> int:

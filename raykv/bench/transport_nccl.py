@@ -147,9 +147,11 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
         if layout == "mla" and a and r:
             return 0
         if a:
+            t0 = time.perf_counter()
             sends = [
                 coll.start_send(pair(me, f"B{r}"), entries, src_ids, width) for _ in range(burst)
-            ]
+            ]  # on a formed pair each call enqueues its batch: the host's cost per batch
+            issue.append((time.perf_counter() - t0) / burst)
             return loop.run_until_complete(_together(sends))
         if layout == "mla":
             feed = pair("A0", "B0") if r == 0 else pair("B0", me)
@@ -158,6 +160,8 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
             feed, fwd = pair(f"A{r}", me), []
         recvs = [coll.recv_batch(feed, entries, dst_ids, width, None, fwd) for _ in range(burst)]
         return loop.run_until_complete(_together(recvs))
+
+    issue: list[float] = []  # seconds the sender's host spent issuing one batch (in flight)
 
     def contiguous(layout: str) -> None:
         if layout == "mla" and r:
@@ -218,6 +222,8 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
             owner = 0 if layout == "mla" else r
             want = _rows(_pool(cfg, device, 1000 + owner), src_ids, width)
             out[f"{layout}/equal"] = bool(torch.equal(_rows(entries, dst_ids, width), want))
+    if issue:  # the warm-up burst of 1 left out
+        out["phase/send_issue_ms"] = statistics.median(issue[1:] or issue) * 1e3
     # where one batch's time goes, each phase alone (after the checks: it writes B's blocks)
     out.update(_phases(a, cfg, entries, src_ids if a else dst_ids, width, sync))
     barrier()

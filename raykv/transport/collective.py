@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from raykv import ops
-from raykv.errors import TransportError
+from raykv.errors import InvalidInput, TransportError
 from raykv.transport.select import GLOO, NCCL
 from raykv.transport.wire import WirePlan, count_intact, leading_matches
 
@@ -117,6 +117,19 @@ class _Pending:
     keep: list[Any] = field(default_factory=list)
 
 
+def _checked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a C++ pipeline entry) with its ValueError about the batch's block ids (raised
+    before anything is enqueued) as raykv's InvalidInput."""
+
+    def call(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except ValueError as e:
+            raise InvalidInput(str(e).split("\n")[0]) from None
+
+    return call
+
+
 # --- one process's end of its pairs --------------------------------------------------------
 
 
@@ -145,6 +158,7 @@ class Collective:
         self._stream: Any = None  # the receiver's side stream (GPU)
         self._wire: Any = None  # the C++ pipeline's streams (GPU)
         self._comms: dict[Pair, int] = {}  # NCCL communicators of formed pairs (0: none)
+        self._tables: dict[int, tuple[Any, tuple, ops.WireTable | None]] = {}  # _wire_table
         # tests: called with each message right before it is sent
         self.tamper: Callable[[torch.Tensor], None] | None = None
 
@@ -199,18 +213,32 @@ class Collective:
             comm = int(pg._comm_ptr())
         self._comms[pair] = comm
 
-    def _native(
-        self, entries: Sequence[torch.Tensor], ids: torch.Tensor, rows: torch.Tensor, scatter: bool
-    ) -> ops.KernelArgs | None:
-        """The C++ pipeline's arguments where this process can run it (NCCL, the kernel built
-        with it, spans aligned for fused sums), else None: the Python pipeline runs. Every
-        end of a pair decides alike (same build, same layout), so both use the same path."""
+    def _wire_table(self, entries: Sequence[torch.Tensor], width: int) -> ops.WireTable | None:
+        """The C++ pipeline's view of ``entries`` where this process can run it (NCCL, the
+        kernel built with it, spans aligned for fused sums), else None: the Python pipeline
+        runs. Every end of a pair decides alike (same build, same layout), so both take the
+        same path. Remembered per entries object (a pool passes the same list every batch;
+        its items are compared by identity, so a list changed in place is looked at again):
+        the entries are checked and their segment table built once, not per batch."""
         if self.backend != NCCL:
             return None
-        args = ops.kernel_args(entries, ids, rows, scatter=scatter)
-        if args is None or not hasattr(args.module, "wire_available"):
-            return None
-        return args if args.module.wire_available() else None
+        hit = self._tables.get(id(entries))  # held here, so the id is not reused meanwhile
+        if (
+            hit is None
+            or len(hit[1]) != len(entries)
+            or any(a is not b for a, b in zip(hit[1], entries, strict=False))
+        ):
+            hit = (entries, tuple(entries), ops.wire_table(entries))
+            self._tables[id(entries)] = hit
+            while len(self._tables) > 64:
+                self._tables.pop(next(iter(self._tables)))
+        table = hit[2]
+        if table is not None and table.width != width:
+            raise InvalidInput(
+                f"collective batch: rows of {width} bytes, but one block of every entry is "
+                f"{table.width} bytes; pass row_bytes(entries)"
+            )
+        return table
 
     def _streams(self) -> tuple[Any, Any]:
         """(wire, forward): the streams the C++ pipeline's NCCL calls run on."""
@@ -289,9 +317,13 @@ class Collective:
     def _warm(self, pairs: Sequence[Pair]) -> bool:
         return all(p in self._warmed and p in self._groups for p in pairs)
 
-    def _failure(self, pairs: Sequence[Pair], send: bool, e: BaseException) -> TransportError:
+    def _failure(self, pairs: Sequence[Pair], send: bool, e: BaseException) -> Exception:
+        """The error a failed batch ends with; its pairs are aborted either way (the other end
+        may have issued its half: the next batch forms fresh groups rather than mismatch)."""
         for p in pairs:
             self._abort(p)
+        if isinstance(e, InvalidInput):  # bad block ids, refused before anything was enqueued
+            return e
         peer = pairs[0].dst if send else pairs[0].src
         return TransportError(
             f"{self.backend} {'send to' if send else 'receive from'} {peer} failed "
@@ -402,10 +434,8 @@ class Collective:
         blocks cannot reach this batch), and sends the batch; the awaitable ends with the
         bytes sent. On a formed NCCL pair each message is queued right behind its gather."""
         plan = WirePlan.of(len(block_ids), width)
-        ids = self._host_ids(block_ids)
+        table = self._wire_table(entries, width)
         buf = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
-        rows, sums = plan.split(buf)
-        native = self._native(entries, ids, rows, scatter=False)
 
         def send(pg: Any, msg: torch.Tensor) -> Any:
             if self.tamper is not None:
@@ -416,16 +446,16 @@ class Collective:
             if self.tamper is not None:
                 self.tamper(buf)
             wire = self._streams()[0]
-            native.module.wire_send(
-                comm, 1, native.table, native.ids, buf.data_ptr(), width, list(plan.counts),
-                gather, native.ctas, wire.cuda_stream,
+            _checked(table.module.wire_send)(
+                comm, 1, table.table, block_ids, table.num_blocks, buf.data_ptr(), width,
+                plan.counts, gather, table.ctas, wire.cuda_stream,
             )  # fmt: skip
             done = torch.cuda.Event()
             done.record(wire)
-            return _Pending([], done, [buf, ids, native])
+            return _Pending([], done, [buf])
 
         def pipelined(pgs: list[Any]) -> _Pending:
-            if native is not None and self._comms.get(pair):
+            if table is not None and self._comms.get(pair):
                 return enqueue(self._comms[pair], True)
             works: list[Any] = []
             messages = plan.messages(buf)
@@ -433,19 +463,24 @@ class Collective:
             def each(start: int, count: int) -> None:  # the last message: rows and sums
                 works.append(send(pgs[0], messages[len(works)]))
 
+            rows, sums = plan.split(buf)
             ops.gather_blocks(entries, ids, rows, sums=sums, chunks=plan.counts, each=each)
             return _Pending(works, None, [buf, ids])
 
         def sends(pgs: list[Any]) -> _Pending:
-            if native is not None and self._comms.get(pair):
+            if table is not None and self._comms.get(pair):
                 return enqueue(self._comms[pair], False)
             return _Pending([send(pgs[0], m) for m in plan.messages(buf)], None, [buf, ids])
 
         if self._warm([pair]):
+            native = table is not None and bool(self._comms.get(pair))
+            ids = None if native else self._host_ids(block_ids)  # the pipeline uploads its own
             done = self._issue([pair], pipelined, True)
         else:  # the group forms on the pair's thread later: gather everything now
+            ids = self._host_ids(block_ids)
+            rows, sums = plan.split(buf)
             ops.gather_blocks(entries, ids, rows, sums=sums)
-            done = self._issue([pair], sends, True, native=native is not None)
+            done = self._issue([pair], sends, True, native=table is not None)
 
         async def sent() -> int:
             await done
@@ -468,31 +503,36 @@ class Collective:
         become valid (every row is scattered, the check follows: the blocks are the reader's
         own and not valid yet)."""
         plan, cuda = WirePlan.of(len(block_ids), width), self.device.type == "cuda"
-        ids = self._host_ids(block_ids)
+        table = self._wire_table(entries, width)
         buf = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
-        rows, wire_sums = plan.split(buf)
-        # the recomputed sums, and one more word: the C++ pipeline's count of intact rows
-        got = torch.empty(plan.n + 1, dtype=torch.int64, device=self.device)
-        good = torch.empty(1, dtype=torch.int64, pin_memory=cuda)
-        native = self._native(entries, ids, rows, scatter=True)
+        good: list[torch.Tensor] = []  # the count of intact rows, once the batch is done
 
         def enqueue(comm: int, forwards: list[int]) -> _Pending:  # the C++ pipeline
             wire, fwd_stream = self._streams()
-            side = self._side_stream()
-            native.module.wire_recv(
-                comm, 0, native.table, native.ids, buf.data_ptr(), width, got.data_ptr(),
-                good.data_ptr(), list(plan.counts), native.ctas, side.cuda_stream,
-                wire.cuda_stream, forwards, fwd_stream.cuda_stream,
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            side = self._stream  # the pipeline orders it after the pool's stream
+            good.append(
+                _checked(table.module.wire_recv)(
+                    comm, 0, table.table, block_ids, table.num_blocks, buf.data_ptr(), width,
+                    plan.counts, table.ctas, side.cuda_stream, wire.cuda_stream, forwards,
+                    fwd_stream.cuda_stream,
+                )
             )  # fmt: skip
             done = torch.cuda.Event()
             done.record(side)
-            return _Pending([], done, [buf, ids, got, native])
+            return _Pending([], done, [buf])
 
         def program(pgs: list[Any]) -> _Pending:
             comms = [self._comms.get(p, 0) for p in (pair, *forward)]
-            if native is not None and all(comms):
+            if table is not None and all(comms):
                 return enqueue(comms[0], comms[1:])
+            ids = self._host_ids(block_ids)
+            # the recomputed sums, and the count of intact rows
+            got = torch.empty(plan.n, dtype=torch.int64, device=self.device)
+            good.append(torch.empty(1, dtype=torch.int64, pin_memory=cuda))
             feed, fwd = pgs[0], pgs[1:]
+            rows, wire_sums = plan.split(buf)
             messages = plan.messages(buf)
             with self._side():
                 recvs = [feed.recv([m], 0, 0) for m in messages]  # all posted at once
@@ -505,16 +545,18 @@ class Collective:
                     works.extend(f.send([m], 1, 0) for f in fwd)
 
                 ops.scatter_blocks(  # the last message brings the sums too
-                    rows, entries, ids, sums=got[:-1], chunks=plan.counts, each=lambda s, c: take()
+                    rows, entries, ids, sums=got, chunks=plan.counts, each=lambda s, c: take()
                 )
-                good.copy_(leading_matches(got[:-1], wire_sums), non_blocking=cuda)
+                good[0].copy_(leading_matches(got, wire_sums), non_blocking=cuda)
                 event = torch.cuda.Event() if cuda else None
                 if event is not None:
                     event.record()
             return _Pending(works, event, [buf, ids, got])
 
-        await self._issue([pair, *forward], program, False, native=native is not None)
-        return count_intact(int(good[0]), rows, expected)
+        await self._issue([pair, *forward], program, False, native=table is not None)
+        if cuda:  # the stored xxh3 checksums are not recomputed on a GPU (count_intact)
+            return int(good[0][0])
+        return count_intact(int(good[0][0]), plan.split(buf)[0], expected)
 
     def close(self) -> None:
         for p in list(self._groups):

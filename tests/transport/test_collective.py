@@ -144,7 +144,7 @@ def test_wire_plan_covers_every_row_in_few_growing_messages(n, width) -> None:
 
 
 def test_a_multi_chunk_batch_arrives_equal_and_a_bad_row_in_a_later_chunk_cuts_it(store) -> None:
-    width, n = 64 << 10, 300  # 18.75 MiB: messages of 64, 128 and 108 rows (+ the sums)
+    width, n = FIRST_CHUNK_BYTES // 64, 300  # messages of 64, 128 and 108 rows (+ the sums)
     assert WirePlan.of(n, width).counts == (64, 128, 108)
     g = torch.Generator().manual_seed(5)
     src = [torch.randint(0, 256, (n + 4, width), generator=g, dtype=torch.uint8)]

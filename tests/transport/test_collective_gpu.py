@@ -95,7 +95,7 @@ def _tamper_peer(side: str, addr, q) -> None:
     from raykv.transport.collective import Collective, Pair
 
     torch.cuda.set_device(0)
-    width, n = 64 << 10, 300  # row messages of 64, 128 and 108 rows, the sums behind the last
+    width, n = 64 << 10, 300  # row messages of 128 and 172 rows, the sums behind the last
     g = torch.Generator().manual_seed(7)
     src = torch.randint(0, 256, (n + 8, width), generator=g, dtype=torch.uint8).cuda()
     coll = Collective(side, "cuda", timeout_s=30)
@@ -123,6 +123,6 @@ def _tamper_peer(side: str, addr, q) -> None:
 @pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, found {GPUS}")
 def test_a_row_corrupted_on_the_wire_ends_the_batch_there() -> None:
     """The receiver's count of intact rows (the C++ pipeline's kernel where it runs) cuts a
-    3-message batch at the first row whose wire sum differs; the next batch is whole."""
+    2-message batch at the first row whose wire sum differs; the next batch is whole."""
     first, head, second, whole = _sender_and_receiver(_tamper_peer)
     assert (first, head, second, whole) == (150, True, 300, True)
