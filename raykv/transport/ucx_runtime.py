@@ -17,6 +17,8 @@ ucxx coroutine there (``call``, from any loop; ``submit``, from plain threads). 
 ``UCX_TLS`` and ``UCX_NET_DEVICES`` come from ``UcxConfig.tls`` / ``net_devices`` (passed to
 ``ucxx.init`` as the context's ``TLS`` / ``NET_DEVICES`` options, so they win over the
 environment; unset, UCX reads its own variables); the first caller in a process fixes them.
+The tcp transport's segment sizes are raised to 1 MiB (``TCP_SEGMENTS``) unless the
+environment sets ``UCX_TCP_TX_SEG_SIZE`` / ``UCX_TCP_RX_SEG_SIZE``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import importlib.util
 import logging
 import os
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
 
 from raykv.errors import TransportError
@@ -40,6 +42,18 @@ INIT_TIMEOUT_S = 60.0
 def available() -> bool:
     """Whether ucxx is installed (``pip install 'raykv[ucx]'``)."""
     return importlib.util.find_spec("ucxx") is not None
+
+
+# UCX's tcp transport cuts a large message into 8 KiB send and 64 KiB receive segments by
+# default: one raw ucxx endpoint moved ~1.1 GB/s over loopback on a 16-core host (H100 device
+# host, 128 MiB messages), 4.1 GB/s with 1 MiB segments (1.06 -> 1.81 GB/s on a 2-core box).
+TCP_SEGMENTS = {"TCP_TX_SEG_SIZE": "1M", "TCP_RX_SEG_SIZE": "1M"}
+
+
+def tcp_options(env: Mapping[str, str]) -> dict[str, str]:
+    """raykv's tcp segment sizes, each where the node's environment does not set its own
+    (``UCX_TCP_TX_SEG_SIZE`` / ``UCX_TCP_RX_SEG_SIZE`` win)."""
+    return {k: v for k, v in TCP_SEGMENTS.items() if f"UCX_{k}" not in env}
 
 
 class UcxRuntime:
@@ -84,6 +98,7 @@ class UcxRuntime:
         import ucxx
 
         options = {k: v for k, v in (("TLS", tls), ("NET_DEVICES", net_devices)) if v}
+        options |= tcp_options(os.environ)
         # on this (running) loop: ucxx binds its notifier thread to the current loop
         ucxx.init(options=options, progress_mode="thread")
 

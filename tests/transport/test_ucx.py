@@ -455,3 +455,11 @@ def test_a_fault_of_the_server_itself_is_logged_and_counted(caplog) -> None:
     finally:
         t.close()
         server.stop()
+
+
+def test_tcp_segments_are_1_mib_unless_the_node_environment_sets_its_own() -> None:
+    from raykv.transport.ucx_runtime import TCP_SEGMENTS, tcp_options
+
+    assert tcp_options({}) == TCP_SEGMENTS == {"TCP_TX_SEG_SIZE": "1M", "TCP_RX_SEG_SIZE": "1M"}
+    assert tcp_options({"UCX_TCP_RX_SEG_SIZE": "64K"}) == {"TCP_TX_SEG_SIZE": "1M"}
+    assert tcp_options({"UCX_TCP_TX_SEG_SIZE": "8K", "UCX_TCP_RX_SEG_SIZE": "64K"}) == {}
