@@ -25,6 +25,7 @@ keys, counts and checksums. The source exports gathered buffers with ``export_ro
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from raykv.tiers.checksum import verified_prefix
+from raykv.tiers.checksum import in_parallel, verified_prefix
 
 
 @dataclass(frozen=True)
@@ -85,20 +86,40 @@ async def receive(
 ) -> Fetched:
     """Verify each chunk of ``chunks`` as it arrives and hand its verified leading rows to
     ``sink(position, rows)`` (positions count from ``done.count``); stop at the first bad row
-    (``corrupt``). ``done`` is updated as rows reach the sink, so a caller that sees this
-    raise knows how far it got. The stream is closed on the way out, whatever happens."""
+    (``corrupt``). A chunk is verified on the hashing threads (``verify_soon``) while the
+    sink writes the one before it, and the sink takes the chunks in order. ``done`` is updated
+    as rows reach the sink, so a caller that sees this raise knows how far it got (a chunk
+    that arrived before the stream failed is still delivered). The stream is closed on the way
+    out, whatever happens."""
     done = done if done is not None else Fetched()
+
+    async def deliver(chunk: BlockBatch, checking: Awaitable[int]) -> bool:
+        good = await checking
+        if good:
+            part = chunk if good == chunk.count else chunk.head(good)
+            await sink(done.count, part)
+            done.count += good
+            done.nbytes += part.nbytes
+        if good < chunk.count:
+            done.corrupt = True
+            return False
+        return True
+
+    held: tuple[BlockBatch, Awaitable[int]] | None = None  # verified meanwhile, not written
     async with contextlib.aclosing(chunks) as it:  # type: ignore[type-var]
-        async for chunk in it:
-            good = verify(chunk)
-            if good:
-                part = chunk if good == chunk.count else chunk.head(good)
-                await sink(done.count, part)
-                done.count += good
-                done.nbytes += part.nbytes
-            if good < chunk.count:
-                done.corrupt = True
-                break
+        try:
+            async for chunk in it:
+                checking = verify_soon(chunk)
+                if held is not None and not await deliver(*held):
+                    held = None
+                    break
+                held = (chunk, checking)
+        except Exception:
+            if held is not None:
+                await deliver(*held)
+            raise
+        if held is not None:
+            await deliver(*held)
     return done
 
 
@@ -145,6 +166,42 @@ def export_rows(rows: torch.Tensor) -> np.ndarray:
     """A gathered ``[copies, n, width]`` buffer as the numpy array the wire carries
     (zero-copy for a contiguous CPU tensor)."""
     return rows.detach().cpu().contiguous().numpy()
+
+
+VERIFY_PIECE_BYTES = 4 << 20  # a chunk is verified in pieces of about this size, side by side
+
+
+def verify_soon(batch: BlockBatch) -> asyncio.Future[int]:
+    """``verify(batch)`` on the process's hashing threads (``in_parallel``; xxh3 releases the
+    GIL), its rows cut into pieces of about ``VERIFY_PIECE_BYTES`` hashed side by side; a
+    future of the running loop, which stays free meanwhile. (Measured on a 16-core host: one
+    thread verified a 16 MiB chunk in 2-5 ms while a UCX fetch ran, as long as the reader
+    took to write it.)"""
+    width = max(1, batch.rows.shape[2] if batch.rows.dim() == 3 else 1)
+    step = max(1, VERIFY_PIECE_BYTES // width)
+    pieces = [
+        (c, a, min(a + step, batch.count))
+        for c in range(len(batch.checksums))
+        for a in range(0, batch.count, step)
+    ]
+    if not pieces:
+        return asyncio.ensure_future(_ready(batch.count))
+    rows, sums = batch.rows, batch.checksums
+    futures = [
+        asyncio.wrap_future(in_parallel(verified_prefix, rows[c, a:b], sums[c][a:b]))
+        for c, a, b in pieces
+    ]
+
+    async def good() -> int:  # the first bad row of any copy ends the batch's good prefix
+        found = await asyncio.gather(*futures)
+        bad = [a + n for (_, a, b), n in zip(pieces, found, strict=True) if n < b - a]
+        return min([batch.count, *bad])
+
+    return asyncio.ensure_future(good())  # a task: one nobody awaits (a fetch cut short) is fine
+
+
+async def _ready(n: int) -> int:
+    return n
 
 
 def verify(batch: BlockBatch) -> int:
