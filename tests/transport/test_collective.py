@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raykv import ops
-from raykv.errors import TransportError
+from raykv.errors import InvalidInput, TransportError
 from raykv.tiers.checksum import row_checksums
 from raykv.transport.collective import (
     Collective,
@@ -238,3 +238,31 @@ def test_copies_take_the_wire_sums_of_the_rows_they_move() -> None:
     assert torch.equal(back, sums)
     with pytest.raises(Exception, match="sums must be a contiguous int64"):
         ops.gather_blocks(entries, ids, rows, sums=torch.empty(2, dtype=torch.int64))
+
+
+def test_the_pipeline_table_is_built_once_per_entries_list_and_again_when_the_list_changes(
+    monkeypatch,
+) -> None:
+    """A pool passes the same entries list every batch: its checks and segment table are
+    made once (``ops.wire_table``); a list changed in place (an entry added or replaced) is
+    looked at again, and a row width that is not the entries' is refused."""
+    built: list[list[torch.Tensor]] = []
+
+    def fake_table(entries):
+        built.append(list(entries))
+        return ops.WireTable(None, None, 10, sum(e[0].numel() for e in entries), 1)
+
+    monkeypatch.setattr(ops, "wire_table", fake_table)
+    c = Collective("t#table", "cpu", timeout_s=5)
+    c.backend = "nccl"  # the table only matters where the C++ NCCL pipeline runs
+    entries = [torch.zeros(10, 64, dtype=torch.uint8)]
+    first = c._wire_table(entries, 64)
+    assert c._wire_table(entries, 64) is first and len(built) == 1
+    assert c._wire_table(list(entries), 64) is not first and len(built) == 2  # another list
+    entries.append(torch.zeros(10, 8, dtype=torch.uint8))
+    assert c._wire_table(entries, 72).width == 72 and len(built) == 3
+    entries[0] = torch.zeros(10, 64, dtype=torch.uint8)  # same shapes, another tensor
+    assert c._wire_table(entries, 72) is not None and len(built) == 4
+    with pytest.raises(InvalidInput, match="rows of 64 bytes, but one block of every entry is 72"):
+        c._wire_table(entries, 64)
+    c.close()
