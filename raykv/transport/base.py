@@ -84,42 +84,24 @@ class Fetched:
 async def receive(
     chunks: AsyncIterator[BlockBatch], sink: Sink, done: Fetched | None = None
 ) -> Fetched:
-    """Verify each chunk of ``chunks`` as it arrives and hand its verified leading rows to
-    ``sink(position, rows)`` (positions count from ``done.count``); stop at the first bad row
-    (``corrupt``). A chunk is verified on the hashing threads (``verify_soon``) while the
-    sink writes the one before it, and the sink takes the chunks in order. ``done`` is updated
-    as rows reach the sink, so a caller that sees this raise knows how far it got (a chunk
-    that arrived before the stream failed is still delivered). The stream is closed on the way
-    out, whatever happens."""
+    """Verify each chunk of ``chunks`` as it arrives (on the hashing threads, ``verify_soon``:
+    the loop stays free for the transport meanwhile) and hand its verified leading rows to
+    ``sink(position, rows)`` (positions count from ``done.count``) before the next chunk is
+    taken; stop at the first bad row (``corrupt``). ``done`` is updated as rows reach the
+    sink, so a caller that sees this raise knows how far it got. The stream is closed on the
+    way out, whatever happens."""
     done = done if done is not None else Fetched()
-
-    async def deliver(chunk: BlockBatch, checking: Awaitable[int]) -> bool:
-        good = await checking
-        if good:
-            part = chunk if good == chunk.count else chunk.head(good)
-            await sink(done.count, part)
-            done.count += good
-            done.nbytes += part.nbytes
-        if good < chunk.count:
-            done.corrupt = True
-            return False
-        return True
-
-    held: tuple[BlockBatch, Awaitable[int]] | None = None  # verified meanwhile, not written
     async with contextlib.aclosing(chunks) as it:  # type: ignore[type-var]
-        try:
-            async for chunk in it:
-                checking = verify_soon(chunk)
-                if held is not None and not await deliver(*held):
-                    held = None
-                    break
-                held = (chunk, checking)
-        except Exception:
-            if held is not None:
-                await deliver(*held)
-            raise
-        if held is not None:
-            await deliver(*held)
+        async for chunk in it:
+            good = await verify_soon(chunk)
+            if good:
+                part = chunk if good == chunk.count else chunk.head(good)
+                await sink(done.count, part)
+                done.count += good
+                done.nbytes += part.nbytes
+            if good < chunk.count:
+                done.corrupt = True
+                break
     return done
 
 
@@ -175,8 +157,8 @@ def verify_soon(batch: BlockBatch) -> asyncio.Future[int]:
     """``verify(batch)`` on the process's hashing threads (``in_parallel``; xxh3 releases the
     GIL), its rows cut into pieces of about ``VERIFY_PIECE_BYTES`` hashed side by side; a
     future of the running loop, which stays free meanwhile. (Measured on a 16-core host: one
-    thread verified a 16 MiB chunk in 2-5 ms while a UCX fetch ran, as long as the reader
-    took to write it.)"""
+    thread on the reader's loop verified a 16 MiB chunk in 2-5 ms while a UCX fetch ran, as
+    long as the reader then took to write it.)"""
     width = max(1, batch.rows.shape[2] if batch.rows.dim() == 3 else 1)
     step = max(1, VERIFY_PIECE_BYTES // width)
     pieces = [

@@ -2,6 +2,7 @@
 leading blocks whose every copy matches its stored checksum."""
 
 import asyncio
+import itertools
 from unittest import mock
 
 import pytest
@@ -50,11 +51,10 @@ async def _soon(b: BlockBatch) -> int:
 @settings(max_examples=25, deadline=None)
 @given(sizes=st.lists(st.integers(1, 5), min_size=1, max_size=5), bad=st.integers(0, 30),
        fail_after=st.integers(0, 6))  # fmt: skip
-def test_receive_writes_in_order_up_to_the_first_bad_row_and_keeps_what_came_before_a_failure(
-    sizes, bad, fail_after
-) -> None:
-    """Chunks are verified ahead of the sink (on threads) but reach it in order; a bad row
-    ends the fetch there; a stream that fails still delivers every chunk that arrived."""
+def test_receive_writes_each_verified_chunk_before_taking_the_next(sizes, bad, fail_after) -> None:
+    """Chunks reach the sink in order, each before the next is taken from the stream; a bad
+    row ends the fetch there (nothing more is taken); a stream that fails has delivered every
+    chunk that arrived before it."""
     chunks, at = [], 0
     for k, size in enumerate(sizes):
         c = _batch(1, size, 10 + k)
@@ -62,35 +62,33 @@ def test_receive_writes_in_order_up_to_the_first_bad_row_and_keeps_what_came_bef
             c.rows[0, bad - at, 3] ^= 1
         chunks.append(c)
         at += size
-    total = at
+    taken: list[int] = []
 
     async def stream():
         for k, c in enumerate(chunks):
             if k == fail_after:
                 raise ConnectionError("peer died")
-            await asyncio.sleep(0)
+            taken.append(k)
             yield c
 
     written: list[tuple[int, int]] = []
 
     async def sink(position: int, part: BlockBatch) -> None:
-        await asyncio.sleep(0)
+        assert len(taken) == len(written) + 1  # nothing read ahead of the sink
         written.append((position, part.count))
 
     done = base.Fetched()
-    fails = fail_after < len(chunks)
-    arrived = sum(sizes[:fail_after]) if fails else total
-    want = min(bad, arrived)
-    # the failure surfaces unless a bad row in an earlier chunk ended the fetch first
-    last = sum(sizes[: fail_after - 1]) if fail_after else 0  # the last arrived chunk's start
-    if fails and bad >= last:
+    arrived = sum(sizes[:fail_after])
+    if bad >= arrived and fail_after < len(chunks):
         with pytest.raises(ConnectionError):
             asyncio.run(base.receive(stream(), sink, done))
     else:
         asyncio.run(base.receive(stream(), sink, done))
-    assert done.count == want and done.corrupt == (bad < arrived)
-    positions = [p for p, _ in written]
-    assert positions == sorted(positions) and sum(n for _, n in written) == want
+    assert done.count == min(bad, arrived) and done.corrupt == (bad < arrived)
+    assert [p for p, _ in written] == list(itertools.accumulate([0] + [n for _, n in written]))[:-1]
+    # the chunk with the bad row is the last one taken
+    assert len(taken) == (next(k for k in range(len(sizes)) if bad < sum(sizes[: k + 1]))
+                          + 1 if bad < arrived else min(fail_after, len(chunks)))  # fmt: skip
 
 
 def test_the_wire_buffer_is_one_array_without_copies() -> None:
