@@ -18,7 +18,7 @@ ucxx coroutine there (``call``, from any loop; ``submit``, from plain threads). 
 ``ucxx.init`` as the context's ``TLS`` / ``NET_DEVICES`` options, so they win over the
 environment; unset, UCX reads its own variables); the first caller in a process fixes them.
 The tcp transport's segment sizes are raised to 1 MiB (``TCP_SEGMENTS``) unless the
-environment sets ``UCX_TCP_TX_SEG_SIZE`` / ``UCX_TCP_RX_SEG_SIZE``.
+environment sets ``UCX_TCP_TX_SEG_SIZE`` or ``UCX_TCP_RX_SEG_SIZE``.
 """
 
 from __future__ import annotations
@@ -51,9 +51,11 @@ TCP_SEGMENTS = {"TCP_TX_SEG_SIZE": "1M", "TCP_RX_SEG_SIZE": "1M"}
 
 
 def tcp_options(env: Mapping[str, str]) -> dict[str, str]:
-    """raykv's tcp segment sizes, each where the node's environment does not set its own
-    (``UCX_TCP_TX_SEG_SIZE`` / ``UCX_TCP_RX_SEG_SIZE`` win)."""
-    return {k: v for k, v in TCP_SEGMENTS.items() if f"UCX_{k}" not in env}
+    """raykv's tcp segment sizes, unless the node's environment sets either of UCX's own
+    (``UCX_TCP_TX_SEG_SIZE`` / ``UCX_TCP_RX_SEG_SIZE``): then both are the node's and UCX's,
+    as a pair (UCX refuses a receive segment smaller than the send segment: one of ours next
+    to one of the node's could stop UCX from starting)."""
+    return {} if any(f"UCX_{k}" in env for k in TCP_SEGMENTS) else dict(TCP_SEGMENTS)
 
 
 class UcxRuntime:

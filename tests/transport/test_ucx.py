@@ -457,9 +457,31 @@ def test_a_fault_of_the_server_itself_is_logged_and_counted(caplog) -> None:
         server.stop()
 
 
-def test_tcp_segments_are_1_mib_unless_the_node_environment_sets_its_own() -> None:
-    from raykv.transport.ucx_runtime import TCP_SEGMENTS, tcp_options
+_SEGMENTS_OF_A_FRESH_RUNTIME = """
+from raykv.transport.ucx_runtime import UcxRuntime
 
-    assert tcp_options({}) == TCP_SEGMENTS == {"TCP_TX_SEG_SIZE": "1M", "TCP_RX_SEG_SIZE": "1M"}
-    assert tcp_options({"UCX_TCP_RX_SEG_SIZE": "64K"}) == {"TCP_TX_SEG_SIZE": "1M"}
-    assert tcp_options({"UCX_TCP_TX_SEG_SIZE": "8K", "UCX_TCP_RX_SEG_SIZE": "64K"}) == {}
+async def segments():
+    import ucxx
+    c = ucxx.core._get_ctx().config
+    return c.get("TX_SEG_SIZE"), c.get("RX_SEG_SIZE")  # what the context was given (not env)
+
+print(*UcxRuntime.get("tcp", "lo").submit(segments()).result(30))
+"""
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [({}, "1M 1M"), ({"UCX_TCP_RX_SEG_SIZE": "64K"}, "None None"),
+     ({"UCX_TCP_TX_SEG_SIZE": "512K", "UCX_TCP_RX_SEG_SIZE": "2M"}, "None None")],
+)  # fmt: skip
+def test_the_runtime_uses_1_mib_tcp_segments_unless_the_node_sets_its_own(env, want) -> None:
+    """raykv's UCX context over tcp: 1 MiB send / receive segments (UCX's 8 KiB / 64 KiB held
+    one endpoint to ~1 GB/s); a node that sets either of UCX's own gets none of ours (UCX reads
+    its environment) and UCX starts (our 1 MiB send segment beside its 64 KiB receive segment
+    stopped UCX from starting)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("UCX_TCP_")}
+    out = subprocess.run([sys.executable, "-c", _SEGMENTS_OF_A_FRESH_RUNTIME],
+                         env={**clean, **env, "UCX_WARN_UNUSED_ENV_VARS": "n"},
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2].strip() == want
