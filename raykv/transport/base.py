@@ -8,7 +8,7 @@ next blocks, every block's bytes for every distinct TP copy in ONE contiguous ui
 ``[copies, count, row_bytes]`` (never one message per block) plus the checksum each row had
 when it was stored (xxh3-64, ``raykv.tiers.checksum``). The chunks are not verified yet.
 
-A reader takes them through ``receive``: each chunk is verified (``verify``, invariant 12)
+A reader takes them through ``receive``: each chunk is verified (``verify_soon``, invariant 12)
 while the transport brings in the next one, and only its verified leading rows reach the
 reader's ``sink`` (``sink(position of its first row, rows)``), which writes them where they
 belong (a tier's reserved arena entries, a pool's blocks). The first bad row ends the fetch:
@@ -153,12 +153,12 @@ def export_rows(rows: torch.Tensor) -> np.ndarray:
 VERIFY_PIECE_BYTES = 4 << 20  # a chunk is verified in pieces of about this size, side by side
 
 
-def verify_soon(batch: BlockBatch) -> asyncio.Future[int]:
+async def verify_soon(batch: BlockBatch) -> int:
     """``verify(batch)`` on the process's hashing threads (``in_parallel``; xxh3 releases the
-    GIL), its rows cut into pieces of about ``VERIFY_PIECE_BYTES`` hashed side by side; a
-    future of the running loop, which stays free meanwhile. (Measured on a 16-core host: one
-    thread on the reader's loop verified a 16 MiB chunk in 2-5 ms while a UCX fetch ran, as
-    long as the reader then took to write it.)"""
+    GIL), its rows cut into pieces of about ``VERIFY_PIECE_BYTES`` hashed side by side, the
+    awaiting loop free meanwhile. (Measured on a 16-core host: one thread on the reader's loop
+    verified a 16 MiB chunk in 2-5 ms while a UCX fetch ran, as long as the reader then took
+    to write it.)"""
     width = max(1, batch.rows.shape[2] if batch.rows.dim() == 3 else 1)
     step = max(1, VERIFY_PIECE_BYTES // width)
     pieces = [
@@ -166,24 +166,14 @@ def verify_soon(batch: BlockBatch) -> asyncio.Future[int]:
         for c in range(len(batch.checksums))
         for a in range(0, batch.count, step)
     ]
-    if not pieces:
-        return asyncio.ensure_future(_ready(batch.count))
     rows, sums = batch.rows, batch.checksums
-    futures = [
-        asyncio.wrap_future(in_parallel(verified_prefix, rows[c, a:b], sums[c][a:b]))
-        for c, a, b in pieces
-    ]
-
-    async def good() -> int:  # the first bad row of any copy ends the batch's good prefix
-        found = await asyncio.gather(*futures)
-        bad = [a + n for (_, a, b), n in zip(pieces, found, strict=True) if n < b - a]
-        return min([batch.count, *bad])
-
-    return asyncio.ensure_future(good())  # a task: one nobody awaits (a fetch cut short) is fine
-
-
-async def _ready(n: int) -> int:
-    return n
+    found = await asyncio.gather(
+        *(asyncio.wrap_future(in_parallel(verified_prefix, rows[c, a:b], sums[c][a:b]))
+          for c, a, b in pieces)
+    )  # fmt: skip
+    # the first bad row of any copy ends the batch's good prefix
+    bad = [a + n for (_, a, b), n in zip(pieces, found, strict=True) if n < b - a]
+    return min([batch.count, *bad])
 
 
 def verify(batch: BlockBatch) -> int:

@@ -41,11 +41,7 @@ def test_verify_keeps_the_prefix_before_the_first_corrupt_row(copies, n, flips) 
     # the threaded check (pieces of 1 to 5 rows, side by side) finds the same prefix
     for rows_per_piece in range(1, 6):
         with mock.patch.object(base, "VERIFY_PIECE_BYTES", rows_per_piece * 64):
-            assert asyncio.run(_soon(b)) == want
-
-
-async def _soon(b: BlockBatch) -> int:
-    return await base.verify_soon(b)
+            assert asyncio.run(base.verify_soon(b)) == want
 
 
 @settings(max_examples=25, deadline=None)
