@@ -9,14 +9,15 @@
 // run time, so building raykv needs no NCCL headers and links nothing new. The communicator is
 // the one torch's ProcessGroupNCCL made for the pair (its _comm_ptr()); aborting that group
 // aborts anything enqueued here.
+#include <ATen/core/CachingHostAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <dlfcn.h>
 #include <torch/extension.h>
 
-#include <algorithm>
-#include <cstring>
 #include <map>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -49,8 +50,20 @@ const Nccl& nccl() {
   return lib;
 }
 
+// Failures are thrown as std::runtime_error (RuntimeError in Python) with messages built by
+// string concatenation, never through torch's TORCH_CHECK / C10_CUDA_CHECK: formatting a
+// message with c10::str inside this extension took the process down on the device's H100
+// host (see pinned_ids), where a failed NCCL call or CUDA launch must reach Python.
+[[noreturn]] void fail(const std::string& message) {
+  throw std::runtime_error("raykv wire pipeline: " + message);
+}
+
+void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) fail(std::string(what) + " failed: " + cudaGetErrorString(err));
+}
+
 void check_nccl(int result, const char* what) {
-  TORCH_CHECK(result == 0, "raykv wire pipeline: ", what, " failed with ncclResult_t ", result);
+  if (result != 0) fail(std::string(what) + " failed with ncclResult_t " + std::to_string(result));
 }
 
 cudaStream_t as_stream(int64_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
@@ -59,10 +72,12 @@ cudaStream_t as_stream(int64_t handle) { return reinterpret_cast<cudaStream_t>(h
 // a wait takes the event's state when it is enqueued, so a later record cannot change it.
 cudaEvent_t reusable_event(int slot) {
   int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   thread_local std::map<std::pair<int, int>, cudaEvent_t> events;
   cudaEvent_t& ev = events[{device, slot}];
-  if (ev == nullptr) C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  if (ev == nullptr) {
+    check_cuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  }
   return ev;
 }
 
@@ -71,8 +86,8 @@ constexpr int kOrderSlot = -1;
 // `waiter` waits for everything enqueued on `done` so far.
 void order(cudaStream_t done, cudaStream_t waiter) {
   const cudaEvent_t ev = reusable_event(kOrderSlot);
-  C10_CUDA_CHECK(cudaEventRecord(ev, done));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(waiter, ev, 0));
+  check_cuda(cudaEventRecord(ev, done), "cudaEventRecord");
+  check_cuda(cudaStreamWaitEvent(waiter, ev, 0), "cudaStreamWaitEvent");
 }
 
 void copy(const torch::Tensor& segs, const int64_t* ids, int64_t count, char* rows,
@@ -81,67 +96,117 @@ void copy(const torch::Tensor& segs, const int64_t* ids, int64_t count, char* ro
       reinterpret_cast<const RaykvSegment*>(segs.data_ptr<int64_t>()),
       static_cast<int>(segs.size(0)), ids, count, rows, width, gather ? 1 : 0,
       static_cast<int>(ctas), reinterpret_cast<unsigned long long*>(sums), stream));
-  TORCH_CHECK(err == cudaSuccess, "raykv paged_copy launch failed: ", cudaGetErrorString(err));
+  check_cuda(err, "paged_copy launch");
 }
 
 bool available() { return nccl().send != nullptr && nccl().recv != nullptr; }
 
-// A batch's block ids, checked (every id a block of the pool; distinct where they are written)
-// before anything is enqueued: ValueError naming the id and the pool's size otherwise.
-void check_ids(const std::vector<int64_t>& ids, int64_t num_blocks, bool distinct,
-               const char* what) {
-  for (size_t i = 0; i < ids.size(); ++i) {
-    TORCH_CHECK_VALUE(ids[i] >= 0 && ids[i] < num_blocks, what, ": block id ", ids[i],
-                      " (position ", i, ") is outside the pool's ", num_blocks,
-                      " blocks; ids must lie in [0, ", num_blocks - 1, "]");
+// What `pinned_ids` found wrong with a batch's ids: none, or this reason at `position`. The
+// pipeline returns `position * kBadIdReasons + reason` to Python, which words the message
+// (raykv.transport.collective): nothing is formatted or thrown here for bad input. (A first
+// version threw TORCH_CHECK_VALUE, a second returned a message built with c10::str: both took
+// the process down with a segmentation fault on the device's H100 host, 2 x H100, torch 2.11,
+// instead of reaching Python; this one returned every code there.)
+enum BadId : int64_t { kIdOk = 0, kIdNotInt = 1, kIdOutside = 2, kIdTwice = 3 };
+constexpr int64_t kBadIdReasons = 4;
+
+// A batch's block ids, read straight from the caller's Python sequence into pinned memory
+// (`extra` more int64 slots behind them) in one pass, each checked as it is read: an int, a
+// block of the pool, and where the ids are written (`distinct`) not seen before in the batch.
+// `bad` is set to the code of the first bad id (else -1), before anything is enqueued. The
+// memory comes from torch's caching host allocator (a few us; a std::vector and a torch copy_
+// cost ~20 us more per batch and end).
+torch::Tensor pinned_ids(const pybind11::handle& seq, int64_t extra, int64_t num_blocks,
+                         bool distinct, int64_t& bad) {
+  bad = -1;
+  PyObject* fast = PySequence_Fast(seq.ptr(), "block ids must be a sequence of ints");
+  if (fast == nullptr) {
+    PyErr_Clear();
+    bad = kIdNotInt;  // position 0
+    return {};
   }
-  if (!distinct) return;
-  std::vector<int64_t> sorted(ids);
-  std::sort(sorted.begin(), sorted.end());
-  const auto twice = std::adjacent_find(sorted.begin(), sorted.end());
-  TORCH_CHECK_VALUE(twice == sorted.end(), what, ": block id ", *twice,
-                    " appears more than once; each block can receive only one row");
+  const pybind11::object items = pybind11::reinterpret_steal<pybind11::object>(fast);
+  const int64_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** item = PySequence_Fast_ITEMS(fast);
+  torch::Tensor host = torch::empty({n + extra}, torch::dtype(torch::kLong).pinned_memory(true));
+  int64_t* out = host.data_ptr<int64_t>();
+  // distinct: one bit per block of the pool, set as ids are read and cleared again before
+  // returning (this thread's, so a batch costs O(n), not a sort)
+  thread_local std::vector<uint64_t> seen;
+  if (distinct && seen.size() * 64 < static_cast<size_t>(num_blocks)) {
+    seen.resize((num_blocks + 63) / 64, 0);
+  }
+  int64_t i = 0;
+  for (; i < n; ++i) {
+    const long long id = PyLong_AsLongLong(item[i]);
+    int64_t reason = kIdOk;
+    if (id == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      reason = kIdNotInt;
+    } else if (id < 0 || id >= num_blocks) {
+      reason = kIdOutside;
+    } else if (distinct && (seen[id >> 6] >> (id & 63) & 1ULL)) {
+      reason = kIdTwice;
+    }
+    if (reason != kIdOk) {
+      bad = i * kBadIdReasons + reason;
+      break;
+    }
+    if (distinct) seen[id >> 6] |= 1ULL << (id & 63);
+    out[i] = id;
+  }
+  for (int64_t j = 0; distinct && j < i; ++j) seen[out[j] >> 6] &= ~(1ULL << (out[j] & 63));
+  return bad < 0 ? host : torch::Tensor();
 }
 
-// The ids on the device for kernels on the current stream: staged in pinned memory from torch's
-// caching host allocator (its copy_ records the stream, so the staging is not reused before the
-// upload ran) and allocated for the current stream (freed in stream order behind the copies).
-torch::Tensor upload_ids(const std::vector<int64_t>& ids, const torch::Device& device) {
-  const auto n = static_cast<int64_t>(ids.size());
-  torch::Tensor host = torch::empty({n}, torch::dtype(torch::kLong).pinned_memory(true));
-  std::memcpy(host.data_ptr<int64_t>(), ids.data(), n * sizeof(int64_t));
-  torch::Tensor on_device = torch::empty({n}, torch::dtype(torch::kLong).device(device));
-  on_device.copy_(host, /*non_blocking=*/true);
-  return on_device;
+// Enqueue the copy of `host`'s first `n` ids to `on_device` on `stream`.
+void upload(const torch::Tensor& host, int64_t n, int64_t* on_device, cudaStream_t stream) {
+  check_cuda(cudaMemcpyAsync(on_device, host.data_ptr<int64_t>(), n * sizeof(int64_t),
+                             cudaMemcpyHostToDevice, stream),
+             "cudaMemcpyAsync");
 }
 
-int64_t covered(const std::vector<int64_t>& counts, int64_t n) {
+// `host` is kept from reuse until everything enqueued on `stream` so far has run (the caching
+// host allocator's event, what torch's own copy_ records).
+void keep_until_done(const torch::Tensor& host, cudaStream_t stream, c10::DeviceIndex device) {
+  at::getHostAllocator(at::kCUDA)->record_event(
+      host.data_ptr(), host.storage().data_ptr().get_context(),
+      c10::cuda::getStreamFromExternal(stream, device).unwrap());
+}
+
+void check_covered(const std::vector<int64_t>& counts, int64_t n) {
   int64_t total = 0;
   for (const int64_t c : counts) total += c;
-  TORCH_CHECK(total == n, "raykv wire pipeline: chunks cover ", total, " of ", n, " rows");
-  return total;
+  if (total != n) {
+    fail("chunks cover " + std::to_string(total) + " of " + std::to_string(n) + " rows");
+  }
 }
 
 // Sender. The batch buffer is [rows: n x width | sums: n x int64] at rows_ptr. gather: gather
 // each chunk on the current stream (taking its sums), else the rows are already there. Every
 // message goes out on `wire` (rows chunks in order, the last with the sums behind its rows),
 // each behind its gather. The ids are checked against the pool's num_blocks first.
-void send(int64_t comm, int64_t peer, const torch::Tensor& segs, const std::vector<int64_t>& ids,
-          int64_t num_blocks, int64_t rows_ptr, int64_t width, const std::vector<int64_t>& counts,
-          bool gather, int64_t ctas, int64_t wire_handle) {
-  TORCH_CHECK(available(), "raykv wire pipeline: ncclSend/ncclRecv not found in this process");
-  const int64_t n = static_cast<int64_t>(ids.size());
-  check_ids(ids, num_blocks, false, "collective send");
-  covered(counts, n);
+int64_t send(int64_t comm, int64_t peer, const torch::Tensor& segs,
+                 const pybind11::handle& ids, int64_t num_blocks, int64_t rows_ptr, int64_t width,
+                 const std::vector<int64_t>& counts, bool gather, int64_t ctas,
+                 int64_t wire_handle) {
+  if (!available()) fail("ncclSend/ncclRecv not found in this process");
+  int64_t bad = -1;
+  const torch::Tensor host_ids = pinned_ids(ids, 0, num_blocks, false, bad);
+  if (bad >= 0) return bad;
+  const int64_t n = host_ids.size(0);
+  check_covered(counts, n);
   const c10::cuda::CUDAGuard guard(segs.device());
   const cudaStream_t compute = c10::cuda::getCurrentCUDAStream().stream();
   const cudaStream_t wire = as_stream(wire_handle);
   char* rows = reinterpret_cast<char*>(rows_ptr);
   int64_t* sums = reinterpret_cast<int64_t*>(rows + n * width);
   torch::Tensor device_ids;
-  if (gather) {
-    device_ids = upload_ids(ids, segs.device());
-    C10_CUDA_CHECK(cudaMemsetAsync(sums, 0, n * sizeof(int64_t), compute));
+  if (gather) {  // allocated for `compute`: freed in its order, behind the gathers
+    device_ids = torch::empty({n}, torch::dtype(torch::kLong).device(segs.device()));
+    upload(host_ids, n, device_ids.data_ptr<int64_t>(), compute);
+    keep_until_done(host_ids, compute, segs.device().index());
+    check_cuda(cudaMemsetAsync(sums, 0, n * sizeof(int64_t), compute), "cudaMemsetAsync");
   }
   order(compute, wire);
   int64_t start = 0;
@@ -158,6 +223,7 @@ void send(int64_t comm, int64_t peer, const torch::Tensor& segs, const std::vect
                "ncclSend");
     start += c;
   }
+  return -1;
 }
 
 // Receiver, into the same buffer layout: every message posted on `wire` at once; each chunk
@@ -165,16 +231,20 @@ void send(int64_t comm, int64_t peer, const torch::Tensor& segs, const std::vect
 // recomputed) once it is in, and passed on to each forward communicator (rank 1 there) on
 // `forward` as it arrives. Then the count of leading rows whose recomputed sums equal the
 // received ones goes to the returned pinned int64 [1]. `compute` ends after all of that. The
-// ids are checked (in the pool, distinct) first.
-torch::Tensor recv(int64_t comm, int64_t peer, const torch::Tensor& segs,
-                   const std::vector<int64_t>& ids, int64_t num_blocks, int64_t rows_ptr,
-                   int64_t width, const std::vector<int64_t>& counts, int64_t ctas,
-                   int64_t compute_handle, int64_t wire_handle,
-                   const std::vector<int64_t>& forward_comms, int64_t forward_handle) {
-  TORCH_CHECK(available(), "raykv wire pipeline: ncclSend/ncclRecv not found in this process");
-  const int64_t n = static_cast<int64_t>(ids.size());
-  check_ids(ids, num_blocks, true, "collective receive");
-  covered(counts, n);
+// ids are checked (in the pool, distinct) first: the first bad one's code (an int, `BadId`)
+// is returned instead.
+pybind11::object recv(int64_t comm, int64_t peer, const torch::Tensor& segs,
+                      const pybind11::handle& ids, int64_t num_blocks, int64_t rows_ptr,
+                      int64_t width, const std::vector<int64_t>& counts, int64_t ctas,
+                      int64_t compute_handle, int64_t wire_handle,
+                      const std::vector<int64_t>& forward_comms, int64_t forward_handle) {
+  if (!available()) fail("ncclSend/ncclRecv not found in this process");
+  // [ids | the count of intact rows], pinned
+  int64_t bad = -1;
+  const torch::Tensor host = pinned_ids(ids, 1, num_blocks, true, bad);
+  if (bad >= 0) return pybind11::int_(bad);
+  const int64_t n = host.size(0) - 1;
+  check_covered(counts, n);
   const c10::cuda::CUDAGuard guard(segs.device());
   const cudaStream_t compute = as_stream(compute_handle);
   const cudaStream_t wire = as_stream(wire_handle);
@@ -183,14 +253,15 @@ torch::Tensor recv(int64_t comm, int64_t peer, const torch::Tensor& segs,
   // what the scatters use is allocated for `compute`: freed in its order behind them
   const c10::cuda::CUDAStreamGuard on_compute(
       c10::cuda::getStreamFromExternal(compute, segs.device().index()));
-  const torch::Tensor device_ids = upload_ids(ids, segs.device());
-  const torch::Tensor got_t = torch::empty({n + 1}, torch::dtype(torch::kLong).device(segs.device()));
-  torch::Tensor good = torch::empty({1}, torch::dtype(torch::kLong).pinned_memory(true));
+  // [ids | recomputed sums | their count of leading matches], on the device
+  const torch::Tensor scratch =
+      torch::empty({2 * n + 1}, torch::dtype(torch::kLong).device(segs.device()));
+  int64_t* const id = scratch.data_ptr<int64_t>();
+  upload(host, n, id, compute);
   char* rows = reinterpret_cast<char*>(rows_ptr);
   const int64_t sum_bytes = n * static_cast<int64_t>(sizeof(int64_t));
-  int64_t* got = got_t.data_ptr<int64_t>();
-  const int64_t* id = device_ids.data_ptr<int64_t>();
-  C10_CUDA_CHECK(cudaMemsetAsync(got, 0, sum_bytes, compute));
+  int64_t* got = id + n;
+  check_cuda(cudaMemsetAsync(got, 0, sum_bytes, compute), "cudaMemsetAsync");
   order(compute, wire);  // the buffer is free to land in
   std::vector<int64_t> message_bytes;
   int64_t start = 0;
@@ -200,15 +271,17 @@ torch::Tensor recv(int64_t comm, int64_t peer, const torch::Tensor& segs,
     check_nccl(nccl().recv(rows + start * width, bytes, kNcclUint8, static_cast<int>(peer),
                            reinterpret_cast<void*>(comm), wire),
                "ncclRecv");
-    C10_CUDA_CHECK(cudaEventRecord(reusable_event(static_cast<int>(k)), wire));
+    check_cuda(cudaEventRecord(reusable_event(static_cast<int>(k)), wire), "cudaEventRecord");
     message_bytes.push_back(bytes);
     start += c;
   }
   start = 0;
   for (size_t k = 0; k < counts.size(); ++k) {
-    C10_CUDA_CHECK(cudaStreamWaitEvent(compute, reusable_event(static_cast<int>(k)), 0));
+    check_cuda(cudaStreamWaitEvent(compute, reusable_event(static_cast<int>(k)), 0),
+               "cudaStreamWaitEvent");
     if (!forward_comms.empty()) {
-      C10_CUDA_CHECK(cudaStreamWaitEvent(forward, reusable_event(static_cast<int>(k)), 0));
+      check_cuda(cudaStreamWaitEvent(forward, reusable_event(static_cast<int>(k)), 0),
+                 "cudaStreamWaitEvent");
       for (const int64_t f : forward_comms) {
         check_nccl(nccl().send(rows + start * width, message_bytes[k], kNcclUint8, 1,
                                reinterpret_cast<void*>(f), forward),
@@ -221,18 +294,23 @@ torch::Tensor recv(int64_t comm, int64_t peer, const torch::Tensor& segs,
   }
   const cudaError_t err = static_cast<cudaError_t>(raykv_leading_matches(
       got, reinterpret_cast<const int64_t*>(rows + n * width), n, got + n, compute));
-  TORCH_CHECK(err == cudaSuccess, "raykv leading_matches launch failed: ",
-              cudaGetErrorString(err));
-  C10_CUDA_CHECK(cudaMemcpyAsync(good.data_ptr<int64_t>(), got + n, sizeof(int64_t),
-                                 cudaMemcpyDeviceToHost, compute));
+  check_cuda(err, "leading_matches launch");
+  int64_t* good = host.data_ptr<int64_t>() + n;
+  check_cuda(cudaMemcpyAsync(good, got + n, sizeof(int64_t), cudaMemcpyDeviceToHost, compute),
+             "cudaMemcpyAsync");
+  keep_until_done(host, compute, segs.device().index());  // read by the upload, written here
   if (!forward_comms.empty()) order(forward, compute);  // done once the copies went on too
-  return good;
+  return pybind11::cast(host.narrow(0, n, 1));
 }
 
 }  // namespace
 
 void register_wire_pipeline(pybind11::module& m) {
   m.def("wire_available", &available, "ncclSend/ncclRecv found in this process");
-  m.def("wire_send", &send, "enqueue a collective batch's gather + sends (one host call)");
-  m.def("wire_recv", &recv, "enqueue a collective batch's receives + scatters (one host call)");
+  m.def("wire_send", &send,
+        "enqueue a collective batch's gather + sends (one host call); -1, or the first bad id's "
+        "position * 4 + reason (1 not an int, 2 outside the pool, 3 twice)");
+  m.def("wire_recv", &recv,
+        "enqueue a collective batch's receives + scatters (one host call): the pinned count of "
+        "intact rows, or the first bad id's code as wire_send returns it");
 }

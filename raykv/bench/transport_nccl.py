@@ -4,18 +4,20 @@
   (``CUDA_VISIBLE_DEVICES``, as under Ray). Group A (GPUs 0..tp-1) holds a paged KV (4 layers,
   K and V, 16 tokens, 2 KV heads of 128, bf16: 64 KiB per block and rank), group B reads. Rank
   r of A sends ``--blocks`` scattered blocks to rank r of B through raykv's transport
-  (``raykv.transport.collective``: a few ``raykv.transport.wire`` chunks, pipelined: the
-  paged gather takes each chunk's wire sums as it copies and the chunk leaves while the next
-  is gathered; the receiver scatters each chunk, recomputing its sums, while the next one
-  arrives),
-  against one contiguous NCCL send of the same bytes per rank pair and (tp 1) one NCCL
-  send/recv per block. With ``--tp N`` also an MLA-like layout (one copy per TP group): it
+  (``raykv.transport.collective``: one ``raykv.transport.wire`` message up to 32 MiB, larger
+  batches in a few, pipelined: the paged gather takes each chunk's wire sums as it copies and
+  the chunk leaves while the next is gathered; the receiver scatters each chunk, recomputing
+  its sums, while the next one arrives), against one contiguous NCCL send of the same bytes
+  per rank pair (queued, and waited for one at a time) and (tp 1) one NCCL send/recv per
+  block. With ``--tp N`` also an MLA-like layout (one copy per TP group): it
   crosses once, rank 0 to rank 0, and B's rank 0 passes it on to its other ranks; the wire
   bytes are one copy. Timed on the receivers: ``rounds`` of ``burst`` back-to-back batches
   after a barrier, median round; GB/s of payload (the rows) per rank pair. *raykv* waits for
   each batch before it issues the next (one load at a time); *in flight* issues the burst's
-  batches back to back and then waits for them together (several loads at once, as the
-  contiguous sends are queued one after another without a host wait). The reader's one
+  batches back to back and then waits for them together (several loads at once). Likewise
+  *contiguous queued* issues its sends one after another without a host wait (a torch
+  ``Work.wait()`` on NCCL only orders streams), *contiguous one at a time* waits for each:
+  raykv one at a time compares with the latter, in flight with the former. The reader's one
   control round trip (a Ray actor call, ~1 ms) is not in these numbers. ``--cpu-smoke``
   runs the same processes with gloo on the CPU (a check of the bench, not a measurement).
 """
@@ -163,10 +165,14 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
 
     issue: list[float] = []  # seconds the sender's host spent issuing one batch (in flight)
 
-    def contiguous(layout: str) -> None:
+    def contiguous(layout: str) -> None:  # queued: wait() orders streams, the host goes on
         if layout == "mla" and r:
             return
         (base.send([flat], 1, 0) if a else base.recv([flat], 0, 0)).wait()
+
+    def contiguous_waited(layout: str) -> None:  # the host waits for each, as raykv's column
+        contiguous(layout)
+        sync()
 
     def per_block(layout: str) -> None:
         views = flat.view(n, width)
@@ -198,6 +204,7 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
         "raykv": one_by_one(raykv),
         "in_flight": in_flight,
         "contiguous": one_by_one(contiguous),
+        "contiguous_waited": one_by_one(contiguous_waited),
     }
     if cfg.tp == 1:
         methods["per_block"] = one_by_one(per_block)
@@ -329,7 +336,7 @@ def nccl_report(cfg: NcclConfig, results: dict) -> dict:
             return payload / max(b[key] for b in readers) / 1e9  # the slowest receiver
 
         raykv, contig, per_block = rate("raykv"), rate("contiguous"), rate("per_block")
-        in_flight = rate("in_flight")
+        in_flight, waited = rate("in_flight"), rate("contiguous_waited")
         rows.append({
             "layout": layout,
             "tp": cfg.tp,
@@ -340,6 +347,8 @@ def nccl_report(cfg: NcclConfig, results: dict) -> dict:
             "raykv": raykv,
             "contiguous": contig,
             "per_block": per_block,
+            "contiguous_waited": waited,
+            "raykv_vs_contiguous_waited": raykv / waited if waited else None,
             "raykv_vs_contiguous": raykv / contig if contig else None,
             "in_flight": in_flight,
             "in_flight_vs_contiguous": in_flight / contig if contig and in_flight else None,
@@ -357,11 +366,12 @@ def nccl_format(report: dict) -> str:
         f"NCCL: {report['device']}, tp {cfg['tp']}, {cfg['blocks']} scattered blocks of "
         f"{report['rows'][0]['block_kib']} KiB per rank pair, GB/s of payload (median of "
         f"{cfg['rounds']} rounds of {cfg['burst']} batches); target raykv >= "
-        f"{NCCL_TARGET} x contiguous",
-        "| layout | tp | MiB per pair | MiB on the wire | raykv | raykv in flight | contiguous "
-        "| per-block | raykv / contiguous | in flight / contiguous | raykv / per-block "
-        "| bytes equal |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"{NCCL_TARGET} x contiguous, like for like: one at a time (the host waits for each "
+        "batch) and queued (raykv: in flight)",
+        "| layout | tp | MiB per pair | MiB on the wire | raykv one at a time | contiguous one "
+        "at a time | ratio | raykv in flight | contiguous queued | ratio | raykv one at a time "
+        "/ contiguous queued | per-block | raykv / per-block | bytes equal |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def f(x: float | None, d: int = 2) -> str:
@@ -371,9 +381,11 @@ def nccl_format(report: dict) -> str:
         ok = "yes" if r["equal"] and r["all_blocks"] else "NO"
         lines.append(
             f"| {r['layout']} | {r['tp']} | {r['mib_per_pair']:.0f} | {r['wire_mib']:.0f} | "
-            f"{f(r['raykv'])} | {f(r.get('in_flight'))} | {f(r['contiguous'])} | "
-            f"{f(r['per_block'])} | {f(r['raykv_vs_contiguous'], 3)} | "
-            f"{f(r.get('in_flight_vs_contiguous'), 3)} | {f(r['raykv_vs_per_block'])} | {ok} |"
+            f"{f(r['raykv'])} | {f(r.get('contiguous_waited'))} | "
+            f"{f(r.get('raykv_vs_contiguous_waited'), 3)} | {f(r.get('in_flight'))} | "
+            f"{f(r['contiguous'])} | {f(r.get('in_flight_vs_contiguous'), 3)} | "
+            f"{f(r['raykv_vs_contiguous'], 3)} | {f(r['per_block'])} | "
+            f"{f(r['raykv_vs_per_block'])} | {ok} |"
         )
     if report.get("phases"):
         lines.append(

@@ -12,8 +12,8 @@ the KV lives on a GPU (advertised as ``nccl``), gloo where it lives in host memo
 Under Ray each GPU actor sees its own GPU as the current CUDA device (``cuda:0`` after
 ``CUDA_VISIBLE_DEVICES``); nothing here assumes a global index.
 
-A batch crosses as a few large messages (``raykv.transport.wire``: chunks of rows that
-double in size, the last one with every row's wire sum; never one per block), pipelined: the
+A batch crosses as one message up to 32 MiB, larger ones as a few (``raykv.transport.wire``:
+chunks of rows, the last one with every row's wire sum; never one per block), pipelined: the
 sender's paged-copy kernel gathers chunk k+1 (taking each row's wire sum as it copies) while
 chunk k is on the wire, and the receiver scatters chunk k into its blocks (recomputing the
 sums as it copies) while chunk k+1 arrives. On a GPU every step is queued on CUDA streams in
@@ -117,15 +117,39 @@ class _Pending:
     keep: list[Any] = field(default_factory=list)
 
 
-def _checked(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` (a C++ pipeline entry) with its ValueError about the batch's block ids (raised
-    before anything is enqueued) as raykv's InvalidInput."""
+_BAD_ID_REASONS = 4  # kernels/wire_pipeline.cpp: position * 4 + reason
+
+
+def _bad_ids(what: str, block_ids: Sequence[int], num_blocks: int, code: int) -> InvalidInput:
+    """The error for the first bad id the C++ pipeline found (``code``, see ``wire_send``),
+    worded here: the pipeline formats no message and throws nothing for bad input."""
+    at, reason = divmod(code, _BAD_ID_REASONS)
+    if reason == 1:
+        return InvalidInput(f"{what}: block id at position {at} is not an int; pass ints")
+    got = block_ids[at]
+    if reason == 2:
+        return InvalidInput(
+            f"{what}: block id {got} (position {at}) is outside the pool's {num_blocks} "
+            f"blocks; ids must lie in [0, {num_blocks - 1}]"
+        )
+    return InvalidInput(
+        f"{what}: block id {got} appears more than once; each block can receive only one row"
+    )
+
+
+def _checked(
+    fn: Callable[..., Any], what: str, block_ids: Sequence[int], num_blocks: int
+) -> Callable[..., Any]:
+    """``fn`` (a C++ pipeline entry) with the first bad block id it reports (an int code,
+    returned before anything is enqueued) raised as raykv's InvalidInput."""
 
     def call(*args: Any) -> Any:
-        try:
-            return fn(*args)
-        except ValueError as e:
-            raise InvalidInput(str(e).split("\n")[0]) from None
+        out = fn(*args)
+        if isinstance(out, int):
+            if out >= 0:
+                raise _bad_ids(what, block_ids, num_blocks, out)
+            return None
+        return out
 
     return call
 
@@ -446,7 +470,7 @@ class Collective:
             if self.tamper is not None:
                 self.tamper(buf)
             wire = self._streams()[0]
-            _checked(table.module.wire_send)(
+            _checked(table.module.wire_send, "collective send", block_ids, table.num_blocks)(
                 comm, 1, table.table, block_ids, table.num_blocks, buf.data_ptr(), width,
                 plan.counts, gather, table.ctas, wire.cuda_stream,
             )  # fmt: skip
@@ -513,7 +537,7 @@ class Collective:
                 self._stream = torch.cuda.Stream(self.device)
             side = self._stream  # the pipeline orders it after the pool's stream
             good.append(
-                _checked(table.module.wire_recv)(
+                _checked(table.module.wire_recv, "collective receive", block_ids, table.num_blocks)(
                     comm, 0, table.table, block_ids, table.num_blocks, buf.data_ptr(), width,
                     plan.counts, table.ctas, side.cuda_stream, wire.cuda_stream, forwards,
                     fwd_stream.cuda_stream,

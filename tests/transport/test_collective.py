@@ -4,6 +4,7 @@ in time."""
 
 import asyncio
 import itertools
+import re
 import time
 
 import pytest
@@ -266,3 +267,24 @@ def test_the_pipeline_table_is_built_once_per_entries_list_and_again_when_the_li
     with pytest.raises(InvalidInput, match="rows of 64 bytes, but one block of every entry is 72"):
         c._wire_table(entries, 64)
     c.close()
+
+
+def test_the_pipelines_bad_id_codes_are_worded_as_invalid_input() -> None:
+    """The C++ pipeline reports the first bad block id as ``position * 4 + reason`` (it
+    formats no message and throws nothing); the caller raises InvalidInput naming the id, its
+    position and the pool's size, and passes every other result through."""
+    from raykv.transport.collective import _checked
+
+    ids = [3, 99, 3]
+    cases = {
+        1 * 4 + 2: "block id 99 (position 1) is outside the pool's 16 blocks; ids must lie in "
+        "[0, 15]",
+        2 * 4 + 3: "block id 3 appears more than once",
+        0 * 4 + 1: "block id at position 0 is not an int",
+    }
+    for code, words in cases.items():
+        with pytest.raises(InvalidInput, match=re.escape(words)):
+            _checked(lambda *a, c=code: c, "collective receive", ids, 16)(1, 2)
+    assert _checked(lambda *a: -1, "collective send", ids, 16)() is None
+    marker = torch.zeros(1)
+    assert _checked(lambda *a: marker, "collective receive", ids, 16)() is marker

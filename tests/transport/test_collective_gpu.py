@@ -6,6 +6,7 @@ receiver with a ``TransportError`` within the timeout, never a hang."""
 import multiprocessing as mp
 import os
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -55,9 +56,10 @@ def _peer(side: str, addr, q) -> None:
         q.put((got, str(e)[:80], time.monotonic() - t0))
 
 
-def _sender_and_receiver(target) -> tuple:
+def _sender_and_receiver(target, items: int = 1) -> Any:
     """Runs ``target(side, addr, q)`` as the sender ("s", GPU 0) and the receiver ("r", GPU 1),
-    each process seeing only its GPU; returns what the receiver put on the queue."""
+    each process seeing only its GPU; returns what was put on the queue (``items`` > 1: a
+    list of that many)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -74,12 +76,12 @@ def _sender_and_receiver(target) -> tuple:
             del os.environ["CUDA_VISIBLE_DEVICES"]
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = old
-    out = q.get(timeout=120)
+    out = [q.get(timeout=120) for _ in range(items)]
     for p in procs:
         p.join(timeout=10)
         if p.is_alive():
             p.kill()
-    return out
+    return out[0] if items == 1 else out
 
 
 @pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, found {GPUS}")
@@ -95,7 +97,7 @@ def _tamper_peer(side: str, addr, q) -> None:
     from raykv.transport.collective import Collective, Pair
 
     torch.cuda.set_device(0)
-    width, n = 64 << 10, 300  # row messages of 128 and 172 rows, the sums behind the last
+    width, n = 64 << 10, 600  # row messages of 512 and 88 rows, the sums behind the last
     g = torch.Generator().manual_seed(7)
     src = torch.randint(0, 256, (n + 8, width), generator=g, dtype=torch.uint8).cuda()
     coll = Collective(side, "cuda", timeout_s=30)
@@ -104,8 +106,8 @@ def _tamper_peer(side: str, addr, q) -> None:
     ids = list(range(n))
     if side == "s":
 
-        def flip(buf: torch.Tensor) -> None:  # after the gather: row 150 differs on the wire
-            buf[150 * width + 5] ^= 1
+        def flip(buf: torch.Tensor) -> None:  # after the gather: row 530 differs on the wire
+            buf[530 * width + 5] ^= 1
 
         coll.tamper = flip
         loop.run_until_complete(coll.start_send(pair, [src], ids, width))
@@ -115,7 +117,7 @@ def _tamper_peer(side: str, addr, q) -> None:
         return
     dst = torch.zeros_like(src)
     first = loop.run_until_complete(coll.recv_batch(pair, [dst], ids, width))
-    head = bool(torch.equal(dst[:150], src[:150]))
+    head = bool(torch.equal(dst[:530], src[:530]))
     second = loop.run_until_complete(coll.recv_batch(pair, [dst], ids, width))
     q.put((first, head, second, bool(torch.equal(dst[:n], src[:n]))))
 
@@ -125,4 +127,47 @@ def test_a_row_corrupted_on_the_wire_ends_the_batch_there() -> None:
     """The receiver's count of intact rows (the C++ pipeline's kernel where it runs) cuts a
     2-message batch at the first row whose wire sum differs; the next batch is whole."""
     first, head, second, whole = _sender_and_receiver(_tamper_peer)
-    assert (first, head, second, whole) == (150, True, 300, True)
+    assert (first, head, second, whole) == (530, True, 600, True)
+
+
+def _bad_ids_peer(side: str, addr, q) -> None:
+    import asyncio
+
+    from raykv.errors import InvalidInput
+    from raykv.transport.collective import Collective, Pair
+
+    torch.cuda.set_device(0)
+    width, g = 4096, torch.Generator().manual_seed(3)  # the same rows in both processes
+    src = torch.randint(0, 256, (16, width), generator=g, dtype=torch.uint8).cuda()
+    coll = Collective(side, "cuda", timeout_s=10)
+    loop = asyncio.new_event_loop()
+    first, fresh = Pair("s", "r", 0, addr), Pair("s", "r", 1, addr)
+    if side == "s":
+        loop.run_until_complete(coll.start_send(first, [src], [1, 2, 3], width))  # forms it
+        try:  # a formed pair's batch is checked in C++, before anything is enqueued
+            loop.run_until_complete(coll.start_send(first, [src], [1, 16, 3], width))
+            q.put(("s", "no error"))
+        except InvalidInput as e:
+            q.put(("s", str(e)))
+        loop.run_until_complete(coll.start_send(fresh, [src], [1, 2, 3], width))
+        time.sleep(2)
+        return
+    dst = torch.zeros_like(src)
+    loop.run_until_complete(coll.recv_batch(first, [dst], [4, 5, 6], width))
+    try:
+        loop.run_until_complete(coll.recv_batch(first, [dst], [7, 9, 7], width))
+        err = "no error"
+    except InvalidInput as e:
+        err = str(e)
+    got = loop.run_until_complete(coll.recv_batch(fresh, [dst], [10, 11, 12], width))
+    q.put(("r", err, got, bool(torch.equal(dst[10:13], src[1:4]))))
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, found {GPUS}")
+def test_bad_block_ids_on_a_formed_pair_are_refused_at_both_ends() -> None:
+    """An id outside the pool (sender) and an id twice (receiver) are InvalidInput naming the
+    id, refused before anything is enqueued; the next generation of the pair moves a batch."""
+    out = {o[0]: o[1:] for o in _sender_and_receiver(_bad_ids_peer, items=2)}
+    assert "block id 16" in out["s"][0] and "16 blocks" in out["s"][0], out
+    assert "block id 7 appears more than once" in out["r"][0], out
+    assert out["r"][1:] == (3, True), out
