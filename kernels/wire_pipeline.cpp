@@ -103,7 +103,7 @@ bool available() { return nccl().send != nullptr && nccl().recv != nullptr; }
 
 // What `pinned_ids` found wrong with a batch's ids: none, or this reason at `position`. The
 // pipeline returns `position * kBadIdReasons + reason` to Python, which words the message
-// (raykv.transport.collective): nothing is formatted or thrown here for bad input. (A first
+// (raykv.transport.pipeline): nothing is formatted or thrown here for bad input. (A first
 // version threw TORCH_CHECK_VALUE, a second returned a message built with c10::str: both took
 // the process down with a segmentation fault on the device's H100 host, 2 x H100, torch 2.11,
 // instead of reaching Python; this one returned every code there.)
@@ -185,11 +185,11 @@ void check_covered(const std::vector<int64_t>& counts, int64_t n) {
 // Sender. The batch buffer is [rows: n x width | sums: n x int64] at rows_ptr. gather: gather
 // each chunk on the current stream (taking its sums), else the rows are already there. Every
 // message goes out on `wire` (rows chunks in order, the last with the sums behind its rows),
-// each behind its gather. The ids are checked against the pool's num_blocks first.
-int64_t send(int64_t comm, int64_t peer, const torch::Tensor& segs,
-                 const pybind11::handle& ids, int64_t num_blocks, int64_t rows_ptr, int64_t width,
-                 const std::vector<int64_t>& counts, bool gather, int64_t ctas,
-                 int64_t wire_handle) {
+// each behind its gather. The ids are checked against the pool's num_blocks first: -1, or the
+// first bad one's code (`BadId`) with nothing enqueued.
+int64_t send(int64_t comm, int64_t peer, const torch::Tensor& segs, const pybind11::handle& ids,
+             int64_t num_blocks, int64_t rows_ptr, int64_t width,
+             const std::vector<int64_t>& counts, bool gather, int64_t ctas, int64_t wire_handle) {
   if (!available()) fail("ncclSend/ncclRecv not found in this process");
   int64_t bad = -1;
   const torch::Tensor host_ids = pinned_ids(ids, 0, num_blocks, false, bad);
@@ -258,6 +258,7 @@ pybind11::object recv(int64_t comm, int64_t peer, const torch::Tensor& segs,
       torch::empty({2 * n + 1}, torch::dtype(torch::kLong).device(segs.device()));
   int64_t* const id = scratch.data_ptr<int64_t>();
   upload(host, n, id, compute);
+  keep_until_done(host, compute, segs.device().index());  // also if a later step throws
   char* rows = reinterpret_cast<char*>(rows_ptr);
   const int64_t sum_bytes = n * static_cast<int64_t>(sizeof(int64_t));
   int64_t* got = id + n;
@@ -298,7 +299,7 @@ pybind11::object recv(int64_t comm, int64_t peer, const torch::Tensor& segs,
   int64_t* good = host.data_ptr<int64_t>() + n;
   check_cuda(cudaMemcpyAsync(good, got + n, sizeof(int64_t), cudaMemcpyDeviceToHost, compute),
              "cudaMemcpyAsync");
-  keep_until_done(host, compute, segs.device().index());  // read by the upload, written here
+  keep_until_done(host, compute, segs.device().index());  // and until the count is written
   if (!forward_comms.empty()) order(forward, compute);  // done once the copies went on too
   return pybind11::cast(host.narrow(0, n, 1));
 }

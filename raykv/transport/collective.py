@@ -53,6 +53,7 @@ import torch
 
 from raykv import ops
 from raykv.errors import InvalidInput, TransportError
+from raykv.transport.pipeline import pipeline_call
 from raykv.transport.select import GLOO, NCCL
 from raykv.transport.wire import WirePlan, count_intact, leading_matches
 
@@ -115,43 +116,6 @@ class _Pending:
     works: list[Any]
     event: Any = None
     keep: list[Any] = field(default_factory=list)
-
-
-_BAD_ID_REASONS = 4  # kernels/wire_pipeline.cpp: position * 4 + reason
-
-
-def _bad_ids(what: str, block_ids: Sequence[int], num_blocks: int, code: int) -> InvalidInput:
-    """The error for the first bad id the C++ pipeline found (``code``, see ``wire_send``),
-    worded here: the pipeline formats no message and throws nothing for bad input."""
-    at, reason = divmod(code, _BAD_ID_REASONS)
-    if reason == 1:
-        return InvalidInput(f"{what}: block id at position {at} is not an int; pass ints")
-    got = block_ids[at]
-    if reason == 2:
-        return InvalidInput(
-            f"{what}: block id {got} (position {at}) is outside the pool's {num_blocks} "
-            f"blocks; ids must lie in [0, {num_blocks - 1}]"
-        )
-    return InvalidInput(
-        f"{what}: block id {got} appears more than once; each block can receive only one row"
-    )
-
-
-def _checked(
-    fn: Callable[..., Any], what: str, block_ids: Sequence[int], num_blocks: int
-) -> Callable[..., Any]:
-    """``fn`` (a C++ pipeline entry) with the first bad block id it reports (an int code,
-    returned before anything is enqueued) raised as raykv's InvalidInput."""
-
-    def call(*args: Any) -> Any:
-        out = fn(*args)
-        if isinstance(out, int):
-            if out >= 0:
-                raise _bad_ids(what, block_ids, num_blocks, out)
-            return None
-        return out
-
-    return call
 
 
 # --- one process's end of its pairs --------------------------------------------------------
@@ -470,7 +434,8 @@ class Collective:
             if self.tamper is not None:
                 self.tamper(buf)
             wire = self._streams()[0]
-            _checked(table.module.wire_send, "collective send", block_ids, table.num_blocks)(
+            pipeline_call(
+                table.module.wire_send, "collective send",
                 comm, 1, table.table, block_ids, table.num_blocks, buf.data_ptr(), width,
                 plan.counts, gather, table.ctas, wire.cuda_stream,
             )  # fmt: skip
@@ -537,7 +502,8 @@ class Collective:
                 self._stream = torch.cuda.Stream(self.device)
             side = self._stream  # the pipeline orders it after the pool's stream
             good.append(
-                _checked(table.module.wire_recv, "collective receive", block_ids, table.num_blocks)(
+                pipeline_call(
+                    table.module.wire_recv, "collective receive",
                     comm, 0, table.table, block_ids, table.num_blocks, buf.data_ptr(), width,
                     plan.counts, table.ctas, side.cuda_stream, wire.cuda_stream, forwards,
                     fwd_stream.cuda_stream,

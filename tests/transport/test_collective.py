@@ -273,7 +273,7 @@ def test_the_pipelines_bad_id_codes_are_worded_as_invalid_input() -> None:
     """The C++ pipeline reports the first bad block id as ``position * 4 + reason`` (it
     formats no message and throws nothing); the caller raises InvalidInput naming the id, its
     position and the pool's size, and passes every other result through."""
-    from raykv.transport.collective import _checked
+    from raykv.transport.pipeline import pipeline_call
 
     ids = [3, 99, 3]
     cases = {
@@ -284,7 +284,7 @@ def test_the_pipelines_bad_id_codes_are_worded_as_invalid_input() -> None:
     }
     for code, words in cases.items():
         with pytest.raises(InvalidInput, match=re.escape(words)):
-            _checked(lambda *a, c=code: c, "collective receive", ids, 16)(1, 2)
-    assert _checked(lambda *a: -1, "collective send", ids, 16)() is None
+            pipeline_call(lambda *a, c=code: c, "collective receive", 0, 0, None, ids, 16)
+    assert pipeline_call(lambda *a: -1, "collective send", 0, 1, None, ids, 16) is None
     marker = torch.zeros(1)
-    assert _checked(lambda *a: marker, "collective receive", ids, 16)() is marker
+    assert pipeline_call(lambda *a: marker, "collective receive", 0, 0, None, ids, 16) is marker
