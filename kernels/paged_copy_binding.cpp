@@ -2,7 +2,6 @@
 // between host rows and the paged tensors, and the two CUDA runtime queries the Python side
 // needs (the UVA pointer of pinned host memory, peer access). The collective batch pipeline
 // over NCCL (wire_pipeline.cpp) registers itself here too.
-#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -14,6 +13,7 @@
 #include <vector>
 
 #include "paged_copy.h"
+#include "raykv_errors.h"
 
 namespace {
 
@@ -26,24 +26,26 @@ namespace {
 void paged_copy(const torch::Tensor& segs, const torch::Tensor& block_ids, int64_t rows_ptr,
                 int64_t row_bytes, bool gather, int64_t num_ctas, int64_t sums_ptr,
                 int64_t first, int64_t count) {
-  TORCH_CHECK(segs.is_cuda() && segs.scalar_type() == torch::kInt64 && segs.is_contiguous() &&
-                  segs.dim() == 2 && segs.size(1) == 4,
-              "raykv paged_copy: segs must be a contiguous CUDA int64 [S, 4] tensor");
-  TORCH_CHECK(block_ids.is_cuda() && block_ids.scalar_type() == torch::kInt64 &&
-                  block_ids.is_contiguous() && block_ids.get_device() == segs.get_device(),
-              "raykv paged_copy: block_ids must be contiguous int64 on the segments' device");
+  raykv::require(segs.is_cuda() && segs.scalar_type() == torch::kInt64 &&
+                     segs.is_contiguous() && segs.dim() == 2 && segs.size(1) == 4,
+                 "paged_copy: segs must be a contiguous CUDA int64 [S, 4] tensor");
+  raykv::require(block_ids.is_cuda() && block_ids.scalar_type() == torch::kInt64 &&
+                     block_ids.is_contiguous() && block_ids.get_device() == segs.get_device(),
+                 "paged_copy: block_ids must be contiguous int64 on the segments' device");
   const int64_t total = block_ids.numel();
   if (count < 0) count = total - first;
-  TORCH_CHECK(first >= 0 && count >= 0 && first + count <= total,
-              "raykv paged_copy: rows [", first, ", ", first + count, ") outside the ", total,
-              " block ids");
+  if (first < 0 || count < 0 || first + count > total) {
+    raykv::fail("paged_copy: rows [" + std::to_string(first) + ", " +
+                std::to_string(first + count) + ") outside the " + std::to_string(total) +
+                " block ids");
+  }
   const c10::cuda::CUDAGuard guard(segs.device());
   const cudaError_t err = static_cast<cudaError_t>(raykv_paged_copy(
       reinterpret_cast<const RaykvSegment*>(segs.data_ptr<int64_t>()),
       static_cast<int>(segs.size(0)), block_ids.data_ptr<int64_t>() + first, count,
       reinterpret_cast<void*>(rows_ptr), row_bytes, gather ? 1 : 0, static_cast<int>(num_ctas),
       reinterpret_cast<unsigned long long*>(sums_ptr), c10::cuda::getCurrentCUDAStream().stream()));
-  TORCH_CHECK(err == cudaSuccess, "raykv paged_copy launch failed: ", cudaGetErrorString(err));
+  raykv::check_cuda(err, "paged_copy launch");
 }
 
 // Device address of pinned (page-locked, mapped) host memory, 0 where it has none.
@@ -81,13 +83,13 @@ bool enable_peer_access(int64_t device, int64_t peer) {
 // (block, entry) span on the current stream. dst/src/sizes: CPU int64 tensors of equal length.
 void memcpy_loop(const torch::Tensor& dst_ptrs, const torch::Tensor& src_ptrs,
                  const torch::Tensor& sizes) {
-  TORCH_CHECK(!dst_ptrs.is_cuda() && !src_ptrs.is_cuda() && !sizes.is_cuda() &&
-                  dst_ptrs.scalar_type() == torch::kInt64 &&
-                  src_ptrs.scalar_type() == torch::kInt64 &&
-                  sizes.scalar_type() == torch::kInt64 && dst_ptrs.is_contiguous() &&
-                  src_ptrs.is_contiguous() && sizes.is_contiguous() &&
-                  dst_ptrs.numel() == src_ptrs.numel() && sizes.numel() == src_ptrs.numel(),
-              "raykv memcpy_loop: pass three contiguous CPU int64 tensors of one length");
+  raykv::require(!dst_ptrs.is_cuda() && !src_ptrs.is_cuda() && !sizes.is_cuda() &&
+                     dst_ptrs.scalar_type() == torch::kInt64 &&
+                     src_ptrs.scalar_type() == torch::kInt64 &&
+                     sizes.scalar_type() == torch::kInt64 && dst_ptrs.is_contiguous() &&
+                     src_ptrs.is_contiguous() && sizes.is_contiguous() &&
+                     dst_ptrs.numel() == src_ptrs.numel() && sizes.numel() == src_ptrs.numel(),
+                 "memcpy_loop: pass three contiguous CPU int64 tensors of one length");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const int64_t* dst = dst_ptrs.data_ptr<int64_t>();
   const int64_t* src = src_ptrs.data_ptr<int64_t>();
@@ -96,7 +98,7 @@ void memcpy_loop(const torch::Tensor& dst_ptrs, const torch::Tensor& src_ptrs,
     const cudaError_t err =
         cudaMemcpyAsync(reinterpret_cast<void*>(dst[i]), reinterpret_cast<const void*>(src[i]),
                         static_cast<size_t>(size[i]), cudaMemcpyDefault, stream);
-    TORCH_CHECK(err == cudaSuccess, "raykv memcpy_loop: ", cudaGetErrorString(err));
+    raykv::check_cuda(err, "memcpy_loop: cudaMemcpyAsync");
   }
 }
 
@@ -126,7 +128,8 @@ c10::cuda::CUDAStream side_stream(c10::DeviceIndex device, bool gather) {
     std::vector<c10::cuda::CUDAStream> both;
     for (int i = 0; i < 2; ++i) {
       cudaStream_t raw = nullptr;
-      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));
+      raykv::check_cuda(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking),
+                        "cudaStreamCreateWithFlags");
       both.push_back(c10::cuda::getStreamFromExternal(raw, device));
     }
     it = streams.emplace(device, std::move(both)).first;
@@ -149,7 +152,8 @@ class EventPool {
       }
     }
     cudaEvent_t event = nullptr;
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    raykv::check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+                      "cudaEventCreateWithFlags");
     return event;
   }
   void give(c10::DeviceIndex device, cudaEvent_t event) {
@@ -169,8 +173,8 @@ EventPool& event_pool() {
 
 // `waiter` runs its later work only after everything enqueued on `signaller` so far.
 void order(cudaStream_t waiter, cudaStream_t signaller, cudaEvent_t event) {
-  C10_CUDA_CHECK(cudaEventRecord(event, signaller));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(waiter, event, 0));
+  raykv::check_cuda(cudaEventRecord(event, signaller), "cudaEventRecord");
+  raykv::check_cuda(cudaStreamWaitEvent(waiter, event, 0), "cudaStreamWaitEvent");
 }
 
 // One staged gather (paged -> device chunk -> host rows) or scatter (host rows -> device chunk
@@ -189,18 +193,20 @@ class StagedCopy {
         gather_(gather),
         compute_(c10::cuda::getCurrentCUDAStream(device_)),
         side_(side_stream(device_, gather)) {
-    TORCH_CHECK(rows_.device().is_cpu() && rows_.scalar_type() == torch::kUInt8 &&
-                    rows_.dim() == 2 && rows_.is_contiguous(),
-                "raykv StagedCopy: rows must be a contiguous uint8 [N, W] host tensor");
+    raykv::require(rows_.device().is_cpu() && rows_.scalar_type() == torch::kUInt8 &&
+                       rows_.dim() == 2 && rows_.is_contiguous(),
+                   "StagedCopy: rows must be a contiguous uint8 [N, W] host tensor");
     int64_t total = 0, biggest = 0;
     for (const int64_t count : counts_) {
-      TORCH_CHECK(count > 0, "raykv StagedCopy: chunk row counts must be positive");
+      raykv::require(count > 0, "StagedCopy: chunk row counts must be positive");
       starts_.push_back(total);
       total += count;
       biggest = std::max(biggest, count);
     }
-    TORCH_CHECK(!counts_.empty() && total == rows_.size(0),
-                "raykv StagedCopy: the chunks must cover the ", rows_.size(0), " rows");
+    if (counts_.empty() || total != rows_.size(0)) {
+      raykv::fail("StagedCopy: the chunks must cover the " + std::to_string(rows_.size(0)) +
+                  " rows");
+    }
     const c10::cuda::CUDAGuard guard(device_);
     const int64_t slots = std::min<int64_t>(2, static_cast<int64_t>(counts_.size()));
     // one allocation, each chunk 256-byte aligned (odd row widths keep wide vectors and DMA)
@@ -240,14 +246,14 @@ class StagedCopy {
 
   // segs: int64 [S, 4] on the device; block_ids: int64 [N] on the host or the device.
   void run(const torch::Tensor& segs, const torch::Tensor& block_ids, int64_t num_ctas) {
-    TORCH_CHECK(!finished_, "raykv StagedCopy: run() after run() or cancel()");
-    TORCH_CHECK(segs.is_cuda() && segs.get_device() == device_ &&
-                    segs.scalar_type() == torch::kInt64 && segs.is_contiguous() &&
-                    segs.dim() == 2 && segs.size(1) == 4,
-                "raykv StagedCopy: segs must be a contiguous int64 [S, 4] tensor on the device");
-    TORCH_CHECK(block_ids.scalar_type() == torch::kInt64 && block_ids.dim() == 1 &&
-                    block_ids.numel() == rows_.size(0),
-                "raykv StagedCopy: block_ids must be int64 [N], one per row");
+    raykv::require(!finished_, "StagedCopy: run() after run() or cancel()");
+    raykv::require(segs.is_cuda() && segs.get_device() == device_ &&
+                       segs.scalar_type() == torch::kInt64 && segs.is_contiguous() &&
+                       segs.dim() == 2 && segs.size(1) == 4,
+                   "StagedCopy: segs must be a contiguous int64 [S, 4] tensor on the device");
+    raykv::require(block_ids.scalar_type() == torch::kInt64 && block_ids.dim() == 1 &&
+                       block_ids.numel() == rows_.size(0),
+                   "StagedCopy: block_ids must be int64 [N], one per row");
     const c10::cuda::CUDAGuard guard(device_);
     try {
       // uploaded on the compute stream (a scatter's first chunks are already on their way)
@@ -263,12 +269,12 @@ class StagedCopy {
           launch(table, num_segs, id + starts_[i], counts_[i], slot, num_ctas);
           order(side_, compute_, handed_[slot]);
           host_copy(i);
-          C10_CUDA_CHECK(cudaEventRecord(released_[slot], side_));
+          raykv::check_cuda(cudaEventRecord(released_[slot], side_), "cudaEventRecord");
         } else {
           if (i >= sent_) send(i);
           wait(compute_, handed_[slot]);
           launch(table, num_segs, id + starts_[i], counts_[i], slot, num_ctas);
-          C10_CUDA_CHECK(cudaEventRecord(released_[slot], compute_));
+          raykv::check_cuda(cudaEventRecord(released_[slot], compute_), "cudaEventRecord");
         }
       }
     } catch (...) {
@@ -292,7 +298,7 @@ class StagedCopy {
     const size_t slot = i % 2;
     if (i >= 2) wait(side_, released_[slot]);  // the kernel reading its last chunk is done
     host_copy(i);
-    C10_CUDA_CHECK(cudaEventRecord(handed_[slot], side_));
+    raykv::check_cuda(cudaEventRecord(handed_[slot], side_), "cudaEventRecord");
   }
 
   // Chunk i between the host rows and its buffer, on the side stream (torch's copy_, so a
@@ -314,11 +320,11 @@ class StagedCopy {
     const cudaError_t err = static_cast<cudaError_t>(
         raykv_paged_copy(table, num_segs, ids, count, chunk, rows_.size(1), gather_ ? 1 : 0,
                          static_cast<int>(num_ctas), nullptr, compute_.stream()));
-    TORCH_CHECK(err == cudaSuccess, "raykv paged_copy launch failed: ", cudaGetErrorString(err));
+    raykv::check_cuda(err, "paged_copy launch");
   }
 
   static void wait(const c10::cuda::CUDAStream& stream, cudaEvent_t event) {
-    C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), event, 0));
+    raykv::check_cuda(cudaStreamWaitEvent(stream.stream(), event, 0), "cudaStreamWaitEvent");
   }
 
   // Later work on the compute stream sees every byte moved; the buffers and events go back
@@ -334,7 +340,7 @@ class StagedCopy {
     chunks_.clear();
     buffers_ = torch::Tensor();
     rows_ = torch::Tensor();
-    C10_CUDA_CHECK(err);
+    raykv::check_cuda(err, "StagedCopy: ordering the compute stream after the copies");
   }
 
   torch::Tensor rows_, buffers_;

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "paged_copy.h"
+#include "raykv_errors.h"
 
 namespace {
 
@@ -50,13 +51,9 @@ const Nccl& nccl() {
   return lib;
 }
 
-// Failures are thrown as std::runtime_error (RuntimeError in Python) with messages built by
-// string concatenation, never through torch's TORCH_CHECK / C10_CUDA_CHECK: formatting a
-// message with c10::str inside this extension took the process down on the device's H100
-// host (see pinned_ids), where a failed NCCL call or CUDA launch must reach Python.
-[[noreturn]] void fail(const std::string& message) {
-  throw std::runtime_error("raykv wire pipeline: " + message);
-}
+// Failures are raykv::fail / raykv::check_cuda (raykv_errors.h: never torch's TORCH_CHECK or
+// c10::str in this extension), prefixed with what failed.
+[[noreturn]] void fail(const std::string& message) { raykv::fail("wire pipeline: " + message); }
 
 void check_cuda(cudaError_t err, const char* what) {
   if (err != cudaSuccess) fail(std::string(what) + " failed: " + cudaGetErrorString(err));
@@ -207,8 +204,9 @@ int64_t send(int64_t comm, int64_t peer, const torch::Tensor& segs, const pybind
     upload(host_ids, n, device_ids.data_ptr<int64_t>(), compute);
     keep_until_done(host_ids, compute, segs.device().index());
     check_cuda(cudaMemsetAsync(sums, 0, n * sizeof(int64_t), compute), "cudaMemsetAsync");
+  } else {
+    order(compute, wire);  // the rows are there; with gathers, each one orders its message
   }
-  order(compute, wire);
   int64_t start = 0;
   for (const int64_t c : counts) {
     if (gather) {
@@ -249,21 +247,14 @@ pybind11::object recv(int64_t comm, int64_t peer, const torch::Tensor& segs,
   const cudaStream_t compute = as_stream(compute_handle);
   const cudaStream_t wire = as_stream(wire_handle);
   const cudaStream_t forward = as_stream(forward_handle);
-  order(c10::cuda::getCurrentCUDAStream().stream(), compute);  // the pool's work so far
-  // what the scatters use is allocated for `compute`: freed in its order behind them
-  const c10::cuda::CUDAStreamGuard on_compute(
-      c10::cuda::getStreamFromExternal(compute, segs.device().index()));
-  // [ids | recomputed sums | their count of leading matches], on the device
-  const torch::Tensor scratch =
-      torch::empty({2 * n + 1}, torch::dtype(torch::kLong).device(segs.device()));
-  int64_t* const id = scratch.data_ptr<int64_t>();
-  upload(host, n, id, compute);
-  keep_until_done(host, compute, segs.device().index());  // also if a later step throws
+  const cudaStream_t pool = c10::cuda::getCurrentCUDAStream().stream();
+  // Every message is posted first: the sender's data can flow while the host prepares the
+  // scatters (the receiver's host is on a batch's critical path: one at a time, its post
+  // came ~30 us later than the sender's). The buffer was allocated on the pool's stream, so
+  // the wire waits for the pool's work so far.
+  order(pool, wire);
   char* rows = reinterpret_cast<char*>(rows_ptr);
   const int64_t sum_bytes = n * static_cast<int64_t>(sizeof(int64_t));
-  int64_t* got = id + n;
-  check_cuda(cudaMemsetAsync(got, 0, sum_bytes, compute), "cudaMemsetAsync");
-  order(compute, wire);  // the buffer is free to land in
   std::vector<int64_t> message_bytes;
   int64_t start = 0;
   for (size_t k = 0; k < counts.size(); ++k) {  // the last message brings the sums behind its rows
@@ -276,6 +267,18 @@ pybind11::object recv(int64_t comm, int64_t peer, const torch::Tensor& segs,
     message_bytes.push_back(bytes);
     start += c;
   }
+  order(pool, compute);  // the pool's work so far (the scatters write its blocks)
+  // what the scatters use is allocated for `compute`: freed in its order behind them
+  const c10::cuda::CUDAStreamGuard on_compute(
+      c10::cuda::getStreamFromExternal(compute, segs.device().index()));
+  // [ids | recomputed sums | their count of leading matches], on the device
+  const torch::Tensor scratch =
+      torch::empty({2 * n + 1}, torch::dtype(torch::kLong).device(segs.device()));
+  int64_t* const id = scratch.data_ptr<int64_t>();
+  upload(host, n, id, compute);
+  keep_until_done(host, compute, segs.device().index());  // also if a later step throws
+  int64_t* got = id + n;
+  check_cuda(cudaMemsetAsync(got, 0, sum_bytes, compute), "cudaMemsetAsync");
   start = 0;
   for (size_t k = 0; k < counts.size(); ++k) {
     check_cuda(cudaStreamWaitEvent(compute, reusable_event(static_cast<int>(k)), 0),

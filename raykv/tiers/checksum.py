@@ -8,12 +8,12 @@ treats the block as a miss and counts an error; it never scatters the bad bytes 
 
 ``in_background`` runs checksums on the process's one checksum thread, beside a copy on the
 caller's thread (``raykv.tiers.host_copy``): xxhash releases the GIL while it hashes a row of
-a few hundred KiB, and numpy / torch copies release it while they copy.
+a few hundred KiB, and numpy / torch copies release it while they copy. Many rows at once are
+hashed on the host threads (``raykv.ops_threads.in_parallel``).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,7 +25,6 @@ import xxhash
 
 T = TypeVar("T")
 _pool: ThreadPoolExecutor | None = None
-_parallel: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
@@ -49,27 +48,6 @@ def verified_prefix(rows: torch.Tensor, expected: Sequence[int]) -> int:
     got = row_checksums(rows)
     pairs = zip(got, expected, strict=True)
     return next((i for i, (a, b) in enumerate(pairs) if a != b), len(got))
-
-
-def hashing_threads() -> int:
-    """Threads of ``in_parallel``: ``RAYKV_HASH_THREADS``, else half the host's cores, 2 to
-    16 (one thread hashes ~11 GB/s of pinned rows on the H100 device host, 8 threads 49 alone
-    but 34-40 beside a PCIe copy; on a 32-core H200 host a CUDA engine's tier store and load
-    ran 1.4 x faster with 16 threads than with 8)."""
-    env = os.environ.get("RAYKV_HASH_THREADS")
-    if env:
-        return max(1, int(env))
-    return min(16, max(2, (os.cpu_count() or 2) // 2))
-
-
-def in_parallel(fn: Callable[..., T], *args: object) -> Future[T]:
-    """``fn(*args)`` on the process's pool of hashing threads (``hashing_threads``), for
-    copies that outrun one thread's hashing (GPU <-> pinned arena); tasks run side by side."""
-    global _parallel
-    with _pool_lock:
-        if _parallel is None:
-            _parallel = ThreadPoolExecutor(hashing_threads(), thread_name_prefix="raykv-hash")
-        return _parallel.submit(fn, *args)
 
 
 def in_background(fn: Callable[..., T], *args: object) -> Future[T]:

@@ -9,7 +9,7 @@ hands each run of consecutive full-width arena rows to these two instead:
 
 * ``store`` gathers chunk by chunk straight into the arena rows (sizes halving towards the
   end, so the last hashing is short), records an event after each chunk and hashes the
-  chunk's rows on the hashing threads (``raykv.tiers.checksum.in_parallel``) once the event
+  chunk's rows on the hashing threads (``raykv.ops_threads.in_parallel``) once the event
   fired, while the next chunks cross PCIe;
 * ``load`` verifies every key on the hashing threads from the start, in pieces of whole
   keys, and queues the scatter of each span of verified keys as soon as they are verified:
@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from raykv import ops
-from raykv.tiers.checksum import checksums_at, in_parallel
+from raykv.ops_threads import in_parallel
+from raykv.tiers.checksum import checksums_at
 from raykv.tiers.host_copy import key_chunks, within
 
 STORE_FIRST_BYTES = 4 << 20  # a store's last chunk: the hashing left after the copy

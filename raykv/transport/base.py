@@ -34,7 +34,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from raykv.tiers.checksum import in_parallel, verified_prefix
+from raykv.ops_threads import in_parallel
+from raykv.tiers.checksum import verified_prefix
 
 
 @dataclass(frozen=True)

@@ -336,3 +336,21 @@ def test_wire_sums_of_misaligned_spans_fall_back_to_the_same_values(kernel, widt
     sums = torch.empty(37, dtype=torch.int64, device="cuda:0")
     gather_blocks(entries, ids, rows, sums=sums)
     assert torch.equal(sums.cpu(), ops.row_sums(expected))
+
+
+def test_the_extension_refuses_bad_arguments_with_an_error_not_a_crash(kernel):
+    """Python checks every argument first, but the extension's own refusals must reach Python
+    as RuntimeError (kernels/raykv_errors.h: torch's TORCH_CHECK / c10::str took the process
+    down with a segmentation fault on the device's image)."""
+    module = ops._load()
+    segs = torch.zeros((1, 4), dtype=torch.int64, device="cuda:0")
+    ids = torch.zeros(4, dtype=torch.int64, device="cuda:0")
+    with pytest.raises(RuntimeError, match="segs must be a contiguous CUDA int64"):
+        module.paged_copy(segs.cpu(), ids, 0, 16, True, 1)
+    with pytest.raises(RuntimeError, match=r"rows \[2, 7\) outside the 4 block ids"):
+        module.paged_copy(segs, ids, 0, 16, True, 1, 0, 2, 5)
+    rows = torch.empty((4, 16), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="the chunks must cover the 4 rows"):
+        module.StagedCopy(rows, 0, [1, 2], True, 0)
+    with pytest.raises(RuntimeError, match="memcpy_loop: pass three contiguous CPU int64"):
+        module.memcpy_loop(ids, ids.cpu(), ids.cpu())
