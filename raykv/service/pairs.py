@@ -201,7 +201,7 @@ class CollectivePlane:
                 await source.drop_keys.remote(self.model.name, [want[good][0]])
             except ray.exceptions.RayError as e:
                 log.warning("pool %s: cannot tell %s to drop (%s)", self.name, loc.member, e)
-        for j, b in enumerate(blocks[:good]):
-            self._pending_sums[b] = tuple(c[j] for c in sums)
+        # each block's stored checksums, one per copy
+        self._pending_sums.update(zip(blocks[:good], zip(*sums, strict=True), strict=False))
         filled.update(blocks[:good])
         return good, good * width * len(self.writers)
