@@ -70,17 +70,34 @@ class PrefixIndex:
         holder: Hashable = None,
         scope: Hashable = None,
     ) -> None:
+        self._add_many(group_id, (block_hash,), (block_id,), holder, scope)
+
+    def _add_many(
+        self,
+        group_id: int,
+        hashes: Sequence[BlockHash],
+        block_ids: Sequence[int],
+        holder: Hashable,
+        scope: Hashable,
+    ) -> None:
+        """``add`` of each (hash, block id) pair, the group's table and the holder's set
+        looked up once (a stored event names up to thousands of blocks). Nothing changes
+        when the two do not pair up."""
+        if len(hashes) != len(block_ids):
+            raise ValueError(f"{len(hashes)} block hashes for {len(block_ids)} block ids")
         table = self._tables.get((scope, group_id))
         if table is None:
             table = self._tables[scope, group_id] = {}
-        copies = table.get(block_hash)
-        if copies is None:
-            copies = table[block_hash] = {}
-        copies[holder] = block_id
         held = self._held.get(holder)
         if held is None:
             held = self._held[holder] = set()
-        held.add((scope, group_id, block_hash))
+        for h, b in zip(hashes, block_ids, strict=True):
+            copies = table.get(h)
+            if copies is None:
+                table[h] = {holder: b}
+            else:
+                copies[holder] = b
+        held.update((scope, group_id, h) for h in hashes)
 
     def remove(
         self, group_id: int, block_hash: BlockHash, holder: Hashable = None, scope: Hashable = None
@@ -96,8 +113,7 @@ class PrefixIndex:
     def apply(self, event: KVEvent, holder: Hashable = None, scope: Hashable = None) -> None:
         gid = event.group_id
         if isinstance(event, BlockStored):
-            for h, b in zip(event.block_hashes, event.block_ids, strict=True):
-                self.add(gid, h, b, holder, scope)
+            self._add_many(gid, event.block_hashes, event.block_ids, holder, scope)
         else:
             for h in event.block_hashes:
                 self.remove(gid, h, holder, scope)

@@ -462,12 +462,13 @@ class Coordinator:
     ) -> list:
         """Every copy of each block (by group key), best first (a loader falls back when one
         fails), each with the transport ``reader`` (a member's name) fetches it over. A
-        member's route is worked out once per call (a 32k-token prompt names 2048 blocks,
-        mostly of one or two members), and its copies share one endpoint object (pickled
-        once for the answer, not once per block)."""
+        member's route is worked out once per call and all its copies are one shared
+        ``Location`` (a 32k-token prompt names 2048 blocks, mostly of one or two members: the
+        answer pickles each member once, ~10 KB, where a Location per block was ~110 KB, over
+        Ray's 100 KiB inline limit)."""
         await self._up()
         out: list[list[Location]] = []
-        routed: dict[str, tuple | None] = {}  # member -> (rank, node, tier, transport, ep)
+        routed: dict[str, tuple[int, Location] | None] = {}  # member -> (rank, its Location)
         tables: dict[int, Any] = {}
         for key in block_hashes:
             gid, h = split_key(key)
@@ -475,24 +476,24 @@ class Coordinator:
             if table is None:
                 table = tables[gid] = self.index.table(gid, model)
             ranked = []
-            for name, b in table.get(h, {}).items():
+            for name in table.get(h, ()):
                 if name not in routed:
                     m = self.members.get(name)
                     routed[name] = None if m is None else self._routed(m, reader, node_id)
                 r = routed[name]
                 if r is not None:
-                    ranked.append((r[0], Location(name, r[1], r[2], b, r[3], r[4])))
+                    ranked.append(r)
             if len(ranked) > 1:
                 ranked.sort(key=lambda x: x[0])  # stable: equal ranks keep the index's order
             out.append([loc for _, loc in ranked])
         return out
 
-    def _routed(self, m: Member, reader: str | None, node_id: str) -> tuple:
-        """(rank seen from ``node_id``, node, tier, transport, endpoint) of member ``m``'s
-        copies for ``reader``."""
+    def _routed(self, m: Member, reader: str | None, node_id: str) -> tuple[int, Location]:
+        """(rank seen from ``node_id``, the Location) of member ``m``'s copies for
+        ``reader``."""
         kind = CPU if m.kind == "tier" else GPU
         t, ep = self._route(m, reader)
-        return rank(m.node_id, kind, node_id), m.node_id, kind, t, ep
+        return rank(m.node_id, kind, node_id), Location(m.name, m.node_id, kind, t, ep)
 
     # --- stats and shutdown -------------------------------------------------------------
 

@@ -259,7 +259,8 @@ class PoolDataPlane:
                 i += 1  # nobody (else) holds it: a miss; later slots may still be needed
                 continue
             run = i
-            while run < len(want) and any(c.member == loc.member for c in where[run]):
+            # the run of blocks this member also holds (its copies share one Location)
+            while run < len(want) and loc in where[run]:
                 run += 1
             batch = want[i:run]
             before = len(filled)

@@ -25,12 +25,13 @@ _GID = 4  # bytes of the group id in front of a group key
 
 @dataclass(frozen=True)
 class Location:
-    """One copy of one block: the member (actor name) holding it, its node and tier."""
+    """Where a copy of a block is: the member (actor name) holding it, its node and tier,
+    and how a reader fetches it. The member finds the block by its key, so one Location
+    serves every block a member holds (``Coordinator.locate`` answers with shared ones)."""
 
     member: str
     node_id: str
     tier: str  # GPU or CPU
-    block_id: int = -1  # the member's own slot (GPU block id); -1 for a CPU tier
     transport: str = OBJECT_STORE  # how the reader fetches it (``raykv.transport.choose``)
     endpoint: Any = field(default=None, compare=False, hash=False)  # the holder's, for it
 

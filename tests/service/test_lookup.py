@@ -4,6 +4,7 @@ managers' own rule with every copy ranked from the caller's node."""
 from __future__ import annotations
 
 import asyncio
+import pickle
 import unittest.mock
 
 import pytest
@@ -91,13 +92,30 @@ def test_locate_ranks_every_copy_and_a_gone_member_is_no_copy():
         assert asyncio.run(c.events(m, 1, "m", [(key, i)], []))
     where = asyncio.run(c.locate("m", [key], "B"))[0]
     assert [loc.member for loc in where] == ["pB", "tB", "pA", "tA"]
-    assert [loc.block_id for loc in where] == [2, 3, 0, 1]
+    assert [loc.tier for loc in where] == [GPU, CPU, GPU, CPU]
     c._forget("pB")
     assert [loc.member for loc in asyncio.run(c.locate("m", [key], "B"))[0]] == ["tB", "pA", "tA"]
     assert asyncio.run(c.events("tB", 2, "m", [], [key]))  # removed: tB has no copy now
     assert [loc.member for loc in asyncio.run(c.locate("m", [key], "B"))[0]] == ["pA", "tA"]
     with pytest.raises(InvalidInput):
         asyncio.run(c.lookup("m", [key], "B"))
+
+
+def test_locate_answers_one_shared_location_per_member():
+    """A 32k-token prompt's 2048 blocks held by two members: every block's copies are the
+    same two Location objects, so the answer pickles each member once and stays far below
+    Ray's 100 KiB inline limit (a Location per block was ~110 KB: an object-store trip)."""
+    plan = PLANS["full"]
+    c = coordinator(plan)
+    keys = group_keys(plan, BlockHasher(plan.hash_block_size).hash_blocks(list(range(4096))))[0]
+    for m in ("pA", "tB"):
+        assert asyncio.run(c.events(m, 1, "m", [(k, j) for j, k in enumerate(keys)], []))
+    where = asyncio.run(c.locate("m", keys, "B"))
+    assert len(where) == len(keys) == 2048
+    first = where[0]
+    assert [loc.member for loc in first] == ["tB", "pA"]  # the local tier before a remote pool
+    assert all(len(w) == 2 and w[0] is first[0] and w[1] is first[1] for w in where)
+    assert len(pickle.dumps(where, protocol=pickle.HIGHEST_PROTOCOL)) < (100 << 10) // 4
 
 
 def test_packed_lookup_answers_what_lookup_answers_and_refuses_anything_else():
