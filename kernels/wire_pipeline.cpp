@@ -51,13 +51,10 @@ const Nccl& nccl() {
   return lib;
 }
 
-// Failures are raykv::fail / raykv::check_cuda (raykv_errors.h: never torch's TORCH_CHECK or
-// c10::str in this extension), prefixed with what failed.
-[[noreturn]] void fail(const std::string& message) { raykv::fail("wire pipeline: " + message); }
+// Failures are raykv_errors.h's (never torch's TORCH_CHECK or c10::str in this extension).
+using raykv::check_cuda;
 
-void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) fail(std::string(what) + " failed: " + cudaGetErrorString(err));
-}
+[[noreturn]] void fail(const std::string& message) { raykv::fail("wire pipeline: " + message); }
 
 void check_nccl(int result, const char* what) {
   if (result != 0) fail(std::string(what) + " failed with ncclResult_t " + std::to_string(result));
