@@ -21,6 +21,7 @@ BELOW_SERVICE = {
     "ops",
     "ops_checks",
     "ops_reference",
+    "ops_threads",
     "tiers",
     "transport",
     "models",
@@ -31,9 +32,10 @@ MAY_IMPORT: dict[str, set[str]] = {
     "blocks": BASE | {"layout"},
     "ops": BASE | {"layout", "ops_checks", "ops_reference"},
     "ops_checks": BASE | {"ops_reference"},  # ops' argument validation, in a file of its own
-    "ops_reference": set(),  # the torch half of ops, in a file of its own
-    "tiers": BASE | {"layout", "blocks", "ops"},
-    "transport": BASE | {"layout", "tiers", "ops"},
+    "ops_reference": {"ops_threads"},  # the torch half of ops, in a file of its own
+    "ops_threads": set(),  # the host threads ops' host copies (and the hashing) run on
+    "tiers": BASE | {"layout", "blocks", "ops", "ops_threads"},
+    "transport": BASE | {"layout", "tiers", "ops", "ops_threads"},
     "models": BASE | {"layout", "ops"},
     "service": BELOW_SERVICE,
     "client": BELOW_SERVICE | {"service"},
