@@ -491,9 +491,9 @@ class Coordinator:
     def _routed(self, m: Member, reader: str | None, node_id: str) -> tuple[int, Location]:
         """(rank seen from ``node_id``, the Location) of member ``m``'s copies for
         ``reader``."""
-        kind = CPU if m.kind == "tier" else GPU
         t, ep = self._route(m, reader)
-        return rank(m.node_id, kind, node_id), Location(m.name, m.node_id, kind, t, ep)
+        loc = Location(m.name, m.node_id, CPU if m.kind == "tier" else GPU, t, ep)
+        return loc.rank(node_id), loc
 
     # --- stats and shutdown -------------------------------------------------------------
 
