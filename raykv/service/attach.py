@@ -110,9 +110,21 @@ class TierLease:
         return min(self.blocks(i) * g.block_size for i, g in enumerate(plan.groups))
 
     def release(self) -> Any:
-        """Drop the references (not waited for; returns the call's ref)."""
+        """Drop the references (not waited for; returns the call's ref). Nothing is sent
+        once Ray is down (``ray_is_down``)."""
         ops = [("finish_load", lease, 0) for lease in self.leases if lease is not None]
-        return self.tier.apply.remote(self.model, ops, False) if ops else None
+        if not ops or ray_is_down():
+            return None
+        return self.tier.apply.remote(self.model, ops, False)
+
+
+def ray_is_down() -> bool:
+    """Whether this process's Ray has shut down: an engine closing at interpreter exit runs
+    after Ray's own exit hook. A Ray call then starts a new local Ray instance (Ray's
+    auto-init: a vLLM ``LLM`` detaching at exit did, dashboard and all, and 2 of 10 such
+    exits ended in a segmentation fault); instead nothing is sent, and the tier frees what
+    this engine held when the holder's process is gone or at the leases' deadline."""
+    return not ray.is_initialized()
 
 
 class AttachedKV:
@@ -214,7 +226,11 @@ class AttachedKV:
     def close(self) -> int:
         """Detach: send and wait for every call still queued, then have the tier release
         whatever this engine still holds (a store or load cut short). Returns how many
-        leases and reservations that was. Idempotent; store / load after it still work."""
+        leases and reservations that was. Idempotent; store / load after it still work.
+        Once Ray is down (``ray_is_down``: the process is exiting) it sends nothing and
+        returns 0."""
+        if ray_is_down():
+            return 0
         self.flush()
         return ray.get(self.tier.release_holder.remote(self.holder))
 

@@ -192,3 +192,29 @@ def test_a_holder_is_gone_only_when_surely_exited() -> None:
     assert not holders.gone(dataclasses.replace(h, pidns=me.pidns + 1))  # another container
     assert not holders.gone(dataclasses.replace(h, boot="another host"))
     assert not holders.gone("a name") and not holders.gone(None)
+
+
+def test_an_engine_closing_after_ray_shut_down_sends_nothing(svc, monkeypatch) -> None:
+    """An engine that closes once Ray is down (a vLLM engine detaching at interpreter exit,
+    after Ray's own exit hook) sends nothing: a Ray call there would start a new local Ray
+    instance. Its lease stays held until the tier frees it; closed again with Ray up, the
+    engine is released as usual."""
+    from raykv.service import attach
+
+    a, ea, _, ids, _ = setup(svc, "lease-after-ray", 8)
+    _, lease = a.lookup_lease([*ids, 0])
+    held = tier_stats(svc)["leases_held"]
+    assert held >= 1
+
+    def no_ray_call(*args, **kwargs):
+        raise AssertionError("a Ray call after Ray shut down")
+
+    with monkeypatch.context() as m:
+        m.setattr(attach.ray, "is_initialized", lambda: False)  # as after ray.shutdown()
+        m.setattr(attach.ray, "get", no_ray_call)
+        assert lease.release() is None
+        assert ea.close() == 0
+    assert tier_stats(svc)["leases_held"] == held  # nothing was sent
+    ray.get(lease.release())
+    assert tier_stats(svc)["leases_held"] == held - 1
+    ea.close()
