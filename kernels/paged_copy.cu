@@ -32,8 +32,8 @@ __device__ __forceinline__ uint64_t weighted(const T& v, uint64_t word) {
 }
 
 // Copies `bytes`; with kSum also returns this thread's part of the wire sum of the bytes moved
-// (the span's first word is word `word0` of its row).
-template <typename T, bool kSum>
+// (the span's first word is word `word0` of its row). Without kStore it only reads and sums.
+template <typename T, bool kSum, bool kStore = true>
 __device__ __forceinline__ uint64_t copy_span(char* __restrict__ dst, const char* __restrict__ src,
                                               int64_t bytes, uint64_t word0) {
   constexpr int kWords = sizeof(T) / 8;  // 64-bit words per element (sums only)
@@ -50,7 +50,9 @@ __device__ __forceinline__ uint64_t copy_span(char* __restrict__ dst, const char
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) r[u] = s[k + u * kThreads];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) d[k + u * kThreads] = r[u];
+    for (int u = 0; u < kUnroll; ++u) {
+      if constexpr (kStore) d[k + u * kThreads] = r[u];
+    }
     if constexpr (kSum) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
@@ -68,7 +70,7 @@ __device__ __forceinline__ uint64_t copy_span(char* __restrict__ dst, const char
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (k + u * kThreads < n) {
-        d[k + u * kThreads] = r[u];
+        if constexpr (kStore) d[k + u * kThreads] = r[u];
         if constexpr (kSum)
           acc += weighted(r[u], word0 + static_cast<uint64_t>(k + u * kThreads) * kWords);
       }
@@ -106,6 +108,50 @@ __global__ void __launch_bounds__(kThreads)
       const uint64_t acc = (misalign & 15) == 0
                                ? copy_span<uint4, true>(dst, src, seg.bytes, word0)
                                : copy_span<uint2, true>(dst, src, seg.bytes, word0);
+      add_block_total(acc, sums + i);
+    } else if ((misalign & 15) == 0) {
+      copy_span<uint4, false>(dst, src, seg.bytes, 0);
+    } else if ((misalign & 7) == 0) {
+      copy_span<uint2, false>(dst, src, seg.bytes, 0);
+    } else if ((misalign & 3) == 0) {
+      copy_span<uint32_t, false>(dst, src, seg.bytes, 0);
+    } else if ((misalign & 1) == 0) {
+      copy_span<uint16_t, false>(dst, src, seg.bytes, 0);
+    } else {
+      copy_span<uint8_t, false>(dst, src, seg.bytes, 0);
+    }
+  }
+}
+
+// Block to block between two pools of one layout (a peer's pool mapped into this process, and
+// this process's own): row i's span s moves from block src_ids[i] of src_segs[s] to block
+// dst_ids[i] of dst_segs[s], no rows in between. kSum: the row's wire sum as a gather of the
+// source would take it (word positions from the span's row_offset). Without kStore (dst_segs
+// unused) it only sums the source's rows.
+template <bool kSum, bool kStore>
+__global__ void __launch_bounds__(kThreads)
+    pool_copy_kernel(const RaykvSegment* __restrict__ src_segs,
+                     const RaykvSegment* __restrict__ dst_segs, int num_segs,
+                     const int64_t* __restrict__ src_ids, const int64_t* __restrict__ dst_ids,
+                     int64_t num_rows, unsigned long long* __restrict__ sums) {
+  const int total = static_cast<int>(num_rows) * num_segs;  // < 2^31: checked by the launcher
+  for (int w = blockIdx.x; w < total; w += gridDim.x) {
+    const int i = w / num_segs;
+    const int s = w - i * num_segs;
+    const RaykvSegment seg = src_segs[s];
+    const char* src = reinterpret_cast<const char*>(seg.paged_base) + src_ids[i] * seg.block_stride;
+    char* dst = nullptr;
+    if constexpr (kStore) {
+      const RaykvSegment out = dst_segs[s];
+      dst = reinterpret_cast<char*>(out.paged_base) + dst_ids[i] * out.block_stride;
+    }
+    const uint64_t misalign = reinterpret_cast<uint64_t>(dst) | reinterpret_cast<uint64_t>(src) |
+                              static_cast<uint64_t>(seg.bytes);
+    if constexpr (kSum) {
+      const uint64_t word0 = static_cast<uint64_t>(seg.row_offset) / 8;
+      const uint64_t acc = (misalign & 15) == 0
+                               ? copy_span<uint4, true, kStore>(dst, src, seg.bytes, word0)
+                               : copy_span<uint2, true, kStore>(dst, src, seg.bytes, word0);
       add_block_total(acc, sums + i);
     } else if ((misalign & 15) == 0) {
       copy_span<uint4, false>(dst, src, seg.bytes, 0);
@@ -198,4 +244,54 @@ extern "C" int raykv_paged_copy(const RaykvSegment* segs, int num_segs, const in
                                       row_bytes, nullptr)
                 : launch<false, false>(num_ctas, stream, segs, num_segs, block_ids, num_rows,
                                        base, row_bytes, nullptr);
+}
+
+namespace {
+
+template <bool kSum, bool kStore>
+cudaError_t launch_pool(int num_ctas, cudaStream_t stream, const RaykvSegment* src_segs,
+                        const RaykvSegment* dst_segs, int num_segs, const int64_t* src_ids,
+                        const int64_t* dst_ids, int64_t num_rows, unsigned long long* sums) {
+  if (num_ctas <= 0) {  // resident CTAs per SM x SMs, per device and variant, computed once
+    static int cached[64] = {};
+    int device = 0;
+    const cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    int& slot = cached[device >= 0 && device < 64 ? device : 0];
+    if (slot == 0) {
+      int sms = 0, per_sm = 0;
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, pool_copy_kernel<kSum, kStore>,
+                                                    kThreads, 0);
+      slot = (sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
+    }
+    num_ctas = slot;
+  }
+  const int64_t total = num_rows * num_segs;
+  const unsigned grid = static_cast<unsigned>(total < num_ctas ? total : num_ctas);
+  pool_copy_kernel<kSum, kStore><<<grid, kThreads, 0, stream>>>(src_segs, dst_segs, num_segs,
+                                                                src_ids, dst_ids, num_rows, sums);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" int raykv_pool_copy(const RaykvSegment* src_segs, const RaykvSegment* dst_segs,
+                               int num_segs, const int64_t* src_ids, const int64_t* dst_ids,
+                               int64_t num_rows, int num_ctas, unsigned long long* sums,
+                               cudaStream_t stream) {
+  const int64_t total = num_rows * num_segs;
+  if (total <= 0) return cudaSuccess;
+  if (total > INT32_MAX) return cudaErrorInvalidValue;
+  if (dst_segs == nullptr) {
+    if (sums == nullptr) return cudaErrorInvalidValue;
+    return launch_pool<true, false>(num_ctas, stream, src_segs, nullptr, num_segs, src_ids,
+                                    nullptr, num_rows, sums);
+  }
+  if (sums != nullptr) {
+    return launch_pool<true, true>(num_ctas, stream, src_segs, dst_segs, num_segs, src_ids,
+                                   dst_ids, num_rows, sums);
+  }
+  return launch_pool<false, true>(num_ctas, stream, src_segs, dst_segs, num_segs, src_ids,
+                                  dst_ids, num_rows, nullptr);
 }

@@ -41,6 +41,17 @@ int raykv_paged_copy(const RaykvSegment* segs, int num_segs, const int64_t* bloc
 int raykv_leading_matches(const int64_t* got, const int64_t* sent, int64_t n, int64_t* out,
                           cudaStream_t stream);
 
+// Block to block between two pools of one layout (src_segs and dst_segs: the same spans, row
+// offsets and sizes, each over its own pool; the source may be a peer GPU's pool mapped into this
+// process): for every i < num_rows and segment s, the bytes of block src_ids[i] of src_segs[s]
+// go to block dst_ids[i] of dst_segs[s]. sums (nullable, device memory, num_rows entries): each
+// row's wire sum, exactly as raykv_paged_copy's gather takes it, ADDED to sums[i] (zero it
+// first; spans 8-byte aligned). dst_segs == nullptr: nothing is written, only the sums of the
+// source rows are taken (sums then required). num_ctas <= 0 picks a full persistent grid.
+int raykv_pool_copy(const RaykvSegment* src_segs, const RaykvSegment* dst_segs, int num_segs,
+                    const int64_t* src_ids, const int64_t* dst_ids, int64_t num_rows,
+                    int num_ctas, unsigned long long* sums, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

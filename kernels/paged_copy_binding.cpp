@@ -356,9 +356,11 @@ class StagedCopy {
 }  // namespace
 
 void register_wire_pipeline(pybind11::module& m);  // wire_pipeline.cpp
+void register_peer_memory(pybind11::module& m);    // peer_memory.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_wire_pipeline(m);
+  register_peer_memory(m);
   m.def("paged_copy", &paged_copy, "gather (rows <- paged) or scatter (paged <- rows)",
         py::arg("segs"), py::arg("block_ids"), py::arg("rows_ptr"), py::arg("row_bytes"),
         py::arg("gather"), py::arg("num_ctas"), py::arg("sums_ptr") = 0, py::arg("first") = 0,

@@ -1,4 +1,5 @@
-// A collective batch's pipeline (raykv.transport.collective) enqueued in one host call: the
+// A collective batch's pipeline (raykv.transport.collective) enqueued in one host call, and a
+// peer read's block-to-block batch (raykv.transport.peer_read, pool_read below) likewise: the
 // paged gather of each chunk with its wire sums, then that chunk's ncclSend, while the next
 // chunk is gathered; on the receiver every chunk's ncclRecv posted at once and each chunk
 // scattered (its sums recomputed) as soon as it is in. From Python every chunk cost the host
@@ -304,6 +305,60 @@ pybind11::object recv(int64_t comm, int64_t peer, const torch::Tensor& segs,
   return pybind11::cast(host.narrow(0, n, 1));
 }
 
+// A peer read's batch (raykv.transport.peer_read) in one host call: the source ids (and the
+// destination ids, checked distinct; dst_ids None: the sums alone) read from the Python
+// sequences into pinned memory, checked as for the pipeline above, uploaded, then the
+// block-to-block copy with each row's wire sum (raykv_pool_copy) on the current stream and
+// the sums back behind the ids. Returns that pinned int64 [2n] tensor (the sums in [n, 2n),
+// valid once the stream passes this point), or (side, code) for the first bad id: side 0 the
+// source ids, 1 the destination ids; code as wire_send's. Nothing is enqueued for bad ids.
+pybind11::object pool_read(const torch::Tensor& src_segs, const torch::Tensor& dst_segs,
+                           const pybind11::handle& src_ids, const pybind11::handle& dst_ids,
+                           int64_t num_src, int64_t num_dst, int64_t num_ctas) {
+  const bool store = !dst_ids.is_none();
+  raykv::require(src_segs.is_cuda() && src_segs.scalar_type() == torch::kInt64 &&
+                     src_segs.is_contiguous() && src_segs.dim() == 2 && src_segs.size(1) == 4 &&
+                     (!store || (dst_segs.is_cuda() && dst_segs.scalar_type() == torch::kInt64 &&
+                                 dst_segs.is_contiguous() && dst_segs.sizes() == src_segs.sizes())),
+                 "pool_read: segment tables must be contiguous CUDA int64 [S, 4], one S");
+  const Py_ssize_t n = PySequence_Size(src_ids.ptr());
+  if (n < 0) {
+    PyErr_Clear();
+    return pybind11::make_tuple(0, static_cast<int64_t>(kIdNotInt));
+  }
+  int64_t bad = -1;
+  torch::Tensor host = pinned_ids(src_ids, n, num_src, false, bad);  // n slots for the sums
+  if (bad >= 0) return pybind11::make_tuple(0, bad);
+  torch::Tensor targets;
+  if (store) {
+    targets = pinned_ids(dst_ids, 0, num_dst, true, bad);
+    if (bad >= 0) return pybind11::make_tuple(1, bad);
+  }
+  if (n == 0) return pybind11::cast(host);
+  const c10::cuda::CUDAGuard guard(src_segs.device());
+  const c10::DeviceIndex device = src_segs.device().index();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const int64_t k = store ? 2 : 1;  // id rows on the device, then the sums
+  torch::Tensor scratch = torch::empty({(k + 1) * n}, src_segs.options());
+  int64_t* ids = scratch.data_ptr<int64_t>();
+  int64_t* sums = ids + k * n;
+  upload(host, n, ids, stream);
+  if (store) upload(targets, n, ids + n, stream);
+  check_cuda(cudaMemsetAsync(sums, 0, n * sizeof(int64_t), stream), "cudaMemsetAsync");
+  const cudaError_t err = static_cast<cudaError_t>(raykv_pool_copy(
+      reinterpret_cast<const RaykvSegment*>(src_segs.data_ptr<int64_t>()),
+      store ? reinterpret_cast<const RaykvSegment*>(dst_segs.data_ptr<int64_t>()) : nullptr,
+      static_cast<int>(src_segs.size(0)), ids, store ? ids + n : nullptr, n,
+      static_cast<int>(num_ctas), reinterpret_cast<unsigned long long*>(sums), stream));
+  check_cuda(err, "pool_copy launch");
+  check_cuda(cudaMemcpyAsync(host.data_ptr<int64_t>() + n, sums, n * sizeof(int64_t),
+                             cudaMemcpyDeviceToHost, stream),
+             "cudaMemcpyAsync");
+  keep_until_done(host, stream, device);
+  if (store) keep_until_done(targets, stream, device);
+  return pybind11::cast(host);
+}
+
 }  // namespace
 
 void register_wire_pipeline(pybind11::module& m) {
@@ -314,4 +369,8 @@ void register_wire_pipeline(pybind11::module& m) {
   m.def("wire_recv", &recv,
         "enqueue a collective batch's receives + scatters (one host call): the pinned count of "
         "intact rows, or the first bad id's code as wire_send returns it");
+  m.def("pool_read", &pool_read, py::arg("src_segs"), py::arg("dst_segs"), py::arg("src_ids"),
+        py::arg("dst_ids"), py::arg("num_src"), py::arg("num_dst"), py::arg("num_ctas"),
+        "enqueue a peer read's block-to-block copy with sums (one host call): pinned [ids | "
+        "sums], or (side, code) of the first bad id");
 }

@@ -31,6 +31,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -65,13 +66,57 @@ def nccl_gpus() -> int:
 # --- one process -----------------------------------------------------------------------------
 
 
-def _pool(cfg: NcclConfig, device: torch.device, seed: int) -> list[torch.Tensor]:
+def _pool(
+    cfg: NcclConfig, device: torch.device, seed: int, into: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
+    """The paged KV's entries (K and V of each layer), random bytes from ``seed``; ``into``:
+    one uint8 tensor per layer to hold them (memory a peer maps), else fresh tensors."""
     g = torch.Generator().manual_seed(seed)
     shape = (2, cfg.num_blocks, cfg.block_size, cfg.kv_heads, cfg.head_dim)
     out = []
-    for _ in range(cfg.layers):
+    for i in range(cfg.layers):
         raw = torch.randint(0, 256, (*shape[:-1], 2 * cfg.head_dim), generator=g, dtype=torch.uint8)
+        if into is not None:
+            into[i].copy_(raw.view(-1))
+            raw = into[i].view(raw.shape)
         t = raw.to(device).view(torch.bfloat16)
+        out += [t[0], t[1]]
+    return out
+
+
+def _layer_bytes(cfg: NcclConfig) -> int:
+    return 2 * cfg.num_blocks * cfg.block_size * cfg.kv_heads * cfg.head_dim * 2
+
+
+def _shared_pool(cfg: NcclConfig, device: torch.device, seed: int):
+    """(entries, handle): the holder's KV in memory a process of this host maps with
+    ``GpuKV.open_handles``-style handles (a CUDA ``PeerSpec``, CPU shared-memory specs)."""
+    shapes = [(_layer_bytes(cfg),)] * cfg.layers
+    if device.type == "cuda":
+        from raykv.tiers.peer_memory import PeerExport
+
+        export = PeerExport(shapes, device)
+        return _pool(cfg, device, seed, export.tensors), export
+    from raykv.tiers import shm
+
+    made = [shm.create(shape, f"bench{i}") for i, shape in enumerate(shapes)]
+    return _pool(cfg, device, seed, [t for t, _ in made]), [spec for _, spec in made]
+
+
+def _open_pool(cfg: NcclConfig, device: torch.device, handle) -> list[torch.Tensor]:
+    """The holder's entries mapped here (``_shared_pool``'s handle)."""
+    from raykv.tiers import shm
+
+    if isinstance(handle, list):
+        raws = [shm.attach(spec) for spec in handle]
+    else:
+        from raykv.tiers.peer_memory import open_peer
+
+        raws = open_peer(handle, device)
+    shape = (2, cfg.num_blocks, cfg.block_size, cfg.kv_heads, 2 * cfg.head_dim)
+    out = []
+    for raw in raws:
+        t = raw.view(shape).view(torch.bfloat16)
         out += [t[0], t[1]]
     return out
 
@@ -106,9 +151,13 @@ def _nccl_worker(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int], q) -
 
 
 def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> dict:
+    import pickle
+
     import torch.distributed as dist
 
+    from raykv import ops
     from raykv.transport.collective import Collective, Pair
+    from raykv.transport.peer_read import read_blocks, stated_sums
 
     device = torch.device("cuda", 0) if cfg.cuda else torch.device("cpu")
     if cfg.cuda:
@@ -118,7 +167,11 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
     world = _group(store, "world/", r if a else cfg.tp + r, 2 * cfg.tp, False)  # barriers
     base = _group(store, f"base/{r}/", 0 if a else 1, 2, cfg.cuda)
     coll = Collective(me, device, timeout_s=120)
-    entries = _pool(cfg, device, 1000 + r if a else 2000 + r)
+    if a:  # in memory B's processes map too (peer reads)
+        entries, handle = _shared_pool(cfg, device, 1000 + r)
+        store.set(f"peer/{r}", pickle.dumps(handle if isinstance(handle, list) else handle.spec))
+    else:
+        entries = _pool(cfg, device, 2000 + r)
     src_ids, dst_ids = _ids(cfg, 1), _ids(cfg, 2)
     width, n = cfg.row_bytes, cfg.blocks
     loop = asyncio.new_event_loop()
@@ -165,6 +218,27 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
 
     issue: list[float] = []  # seconds the sender's host spent issuing one batch (in flight)
 
+    # peer reads: A (the holder) states its blocks' sums, B copies them from A's mapped pool
+    peer_src = None if a else _open_pool(cfg, device, pickle.loads(store.get(f"peer/{r}")))
+    holder = ops.PoolCopy(entries)  # A: its blocks' sums
+    reader = None if a else ops.PoolCopy(peer_src, entries)  # B: A's blocks into its own
+    stated = [] if a else stated_sums(ops.PoolCopy(peer_src), src_ids)
+
+    def peer_read() -> Any:
+        return read_blocks(reader, src_ids, dst_ids, stated, 120)
+
+    def peer(layout: str) -> int:  # one batch: the holder's sums, then the reader's copy
+        if a:
+            return len(stated_sums(holder, src_ids))
+        return loop.run_until_complete(peer_read())
+
+    def peer_in_flight(layout: str, burst: int) -> int:
+        if a:
+            sums = [holder.start(src_ids) for _ in range(burst)]
+            sync()
+            return len(sums[-1])
+        return loop.run_until_complete(_together([peer_read() for _ in range(burst)]))
+
     def contiguous(layout: str) -> None:  # queued: wait() orders streams, the host goes on
         if layout == "mla" and r:
             return
@@ -208,9 +282,15 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
     }
     if cfg.tp == 1:
         methods["per_block"] = one_by_one(per_block)
+    peers = {"peer": one_by_one(peer), "peer_in_flight": peer_in_flight}
     out: dict = {"device": torch.cuda.get_device_name(device) if cfg.cuda else "cpu"}
     for layout in layouts:
-        for name, fn in methods.items():
+        for name, fn in {**methods, **(peers if layout == "split" else {})}.items():
+            if name == "peer" and not a:  # what the peer reads write is checked on its own
+                ops.scatter_blocks(
+                    torch.zeros((n, width), dtype=torch.uint8, device=device), entries,
+                    torch.tensor(dst_ids),
+                )  # fmt: skip
             burst = 2 if name == "per_block" else cfg.burst
             barrier()
             fn(layout, 1)  # warm: forms the pair's communicator
@@ -218,11 +298,23 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
             times = []
             for _ in range(cfg.rounds):
                 barrier()
-                t0 = time.perf_counter()
-                got = fn(layout, burst)
-                sync()
-                times.append((time.perf_counter() - t0) / burst)
-                if name in ("raykv", "in_flight") and not a:
+                # a peer read's halves run one after the other, as in the service (the
+                # holder's sums answer the control call, then the reader copies): A times
+                # its half while B waits, then B its half
+                mine = not (name in peers and not a)
+                if mine:
+                    t0 = time.perf_counter()
+                    got = fn(layout, burst)
+                    sync()
+                    times.append((time.perf_counter() - t0) / burst)
+                if name in peers:
+                    barrier()
+                if not mine:
+                    t0 = time.perf_counter()
+                    got = fn(layout, burst)
+                    sync()
+                    times.append((time.perf_counter() - t0) / burst)
+                if name in ("raykv", "in_flight", "peer", "peer_in_flight") and not a:
                     out.setdefault(f"{layout}/good", []).append(got)
             out[f"{layout}/{name}"] = statistics.median(times)
         if not a:  # every byte B holds now equals A's (its rank's copy, rank 0's for MLA)
@@ -233,6 +325,12 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
         out["phase/send_issue_ms"] = statistics.median(issue[1:] or issue) * 1e3
     # where one batch's time goes, each phase alone (after the checks: it writes B's blocks)
     out.update(_phases(a, cfg, entries, src_ids if a else dst_ids, width, sync))
+    # the peer read's parts alone, A's then B's (B's blocks were checked above)
+    for turn in (True, False):
+        barrier()
+        if a == turn:
+            out.update(_peer_phases(holder if a else reader, src_ids, dst_ids, sync, loop,
+                                    peer_read))  # fmt: skip
     barrier()
     coll.close()
     return out
@@ -272,6 +370,30 @@ def _phases(sender: bool, cfg: NcclConfig, entries, ids, width: int, sync) -> di
     return {
         "phase/scatter_ms": timed(lambda: ops.scatter_blocks(rows, entries, ids_t)),
         "phase/scatter+sums_ms": timed(lambda: ops.scatter_blocks(rows, entries, ids_t, sums=sums)),
+    }
+
+
+def _peer_phases(copy, src_ids, dst_ids, sync, loop, read) -> dict:
+    """Milliseconds of a peer read's parts alone (median of 20): the holder's sums (with the
+    host's wait for them), the reader's copy with sums (one extension call), and the whole
+    read (``read_blocks``)."""
+    from raykv.transport.peer_read import stated_sums
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(20):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    if copy.dst is None:
+        return {"phase/peer_holder_sums_ms": timed(lambda: stated_sums(copy, src_ids))}
+    return {
+        "phase/peer_copy+sums_ms": timed(lambda: copy.start(src_ids, dst_ids)),
+        "phase/peer_read_ms": timed(lambda: loop.run_until_complete(read())),
     }
 
 
@@ -337,6 +459,18 @@ def nccl_report(cfg: NcclConfig, results: dict) -> dict:
 
         raykv, contig, per_block = rate("raykv"), rate("contiguous"), rate("per_block")
         in_flight, waited = rate("in_flight"), rate("contiguous_waited")
+
+        def peer_rate(method: str, first: bool, layout: str = layout) -> float | None:
+            """The slowest reader's copy; ``first``: after the holder's sums (a block's
+            first export; the holder remembers them while the block stays valid)."""
+            key = f"{layout}/{method}"
+            if key not in readers[0]:
+                return None
+            holder = max(results[("A", r)][key] for r in range(cfg.tp)) if first else 0.0
+            return payload / (holder + max(b[key] for b in readers)) / 1e9
+
+        peer, peer_flight = peer_rate("peer", False), peer_rate("peer_in_flight", False)
+        peer_first = peer_rate("peer", True)
         rows.append({
             "layout": layout,
             "tp": cfg.tp,
@@ -353,6 +487,16 @@ def nccl_report(cfg: NcclConfig, results: dict) -> dict:
             "in_flight": in_flight,
             "in_flight_vs_contiguous": in_flight / contig if contig and in_flight else None,
             "raykv_vs_per_block": raykv / per_block if per_block else None,
+            "peer": peer,
+            "peer_vs_contiguous_waited": peer / waited if peer and waited else None,
+            "peer_first": peer_first,
+            "peer_first_vs_contiguous_waited": (
+                peer_first / waited if peer_first and waited else None
+            ),
+            "peer_in_flight": peer_flight,
+            "peer_in_flight_vs_contiguous": (
+                peer_flight / contig if peer_flight and contig else None
+            ),
             "equal": all(b[f"{layout}/equal"] for b in readers),
             "all_blocks": all(g == cfg.blocks for b in readers for g in b[f"{layout}/good"]),
         })  # fmt: skip
@@ -387,6 +531,16 @@ def nccl_format(report: dict) -> str:
             f"{f(r['raykv_vs_contiguous'], 3)} | {f(r['per_block'])} | "
             f"{f(r['raykv_vs_per_block'])} | {ok} |"
         )
+    for r in report["rows"]:
+        if r.get("peer"):
+            lines.append(
+                f"peer reads (pools of one host: the reader's kernel copies the holder's mapped "
+                f"blocks), {r['layout']}: one at a time {f(r['peer'])} GB/s = "
+                f"{f(r['peer_vs_contiguous_waited'], 3)} x contiguous one at a time; in flight "
+                f"{f(r['peer_in_flight'])} GB/s = {f(r['peer_in_flight_vs_contiguous'], 3)} x "
+                f"contiguous queued; a block's first read (the holder takes its sums first) "
+                f"{f(r['peer_first'])} GB/s = {f(r['peer_first_vs_contiguous_waited'], 3)} x"
+            )
     if report.get("phases"):
         lines.append(
             "phases of one batch alone (rank pair 0, ms): "

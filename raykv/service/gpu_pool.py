@@ -212,6 +212,7 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
 
     def _invalidate(self, block: int) -> bytes | None:
         self.sums.pop(block, None)
+        self.wire_sums.pop(block, None)
         key = self.key_of.pop(block, None)
         if key is not None and self.valid.get(key) == block:
             del self.valid[key]

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from typing import Any
 
 import ray
 
+from raykv import ops
 from raykv.errors import TransportError
 from raykv.service.spec import NAMESPACE
 from raykv.transport.collective import (
@@ -32,6 +35,17 @@ from raykv.transport.collective import (
     CollectiveTransport,
     Pair,
 )
+from raykv.transport.peer_read import (
+    PEER,
+    SWEEP_S,
+    PeerMaps,
+    PeerTransport,
+    enabled,
+    read_blocks,
+    stated_sums,
+)
+
+HOLD_S = 2 * TIMEOUT_S  # a peer read's hold on the holder's blocks, if never released
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +53,6 @@ log = logging.getLogger(__name__)
 def actor_ident(name: str) -> str:
     """An endpoint's ident: its actor name and incarnation (a re-placed actor forms new
     pairs), or the process's when not in an actor."""
-    import os
-
     aid = None
     if ray.is_initialized():  # get_runtime_context() would start a local Ray otherwise
         aid = ray.get_runtime_context().get_actor_id()
@@ -71,6 +83,49 @@ class RankCollective:
             pair, self.entries[gi], block_ids, self.widths[gi], expected, forward
         )
 
+    # --- peer reads (``raykv.transport.peer_read``) ---
+
+    _peers: PeerMaps | None = None
+    _sums_of: list[ops.PoolCopy] | None = None
+
+    def peer_handle(self) -> Any:
+        """What another process of this node needs to map this rank's blocks (a CUDA pool's
+        ``PeerSpec``, a CPU pool's shared-memory specs), or None where they cannot be."""
+        kv = self.kv
+        if kv.export is not None:
+            return kv.export.spec
+        return list(kv.shared_specs) if kv.shared_specs else None
+
+    @staticmethod
+    async def _sweep_peers(peers: PeerMaps) -> None:
+        """Free the mappings of holders that died, also while this rank reads nothing."""
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            peers.sweep()
+
+    def peer_sums(self, gi: int, block_ids: list[int]) -> list[int]:
+        """Each block's wire sum, as a peer reader's copy will take it."""
+        if self._sums_of is None:
+            self._sums_of = [ops.PoolCopy(e) for e in self.entries]
+        return stated_sums(self._sums_of[gi], block_ids)
+
+    async def peer_read(
+        self, gi: int, handle: Any, src_ids: list[int], dst_ids: list[int], sums: list[int]
+    ) -> int:
+        """Copy a peer's blocks (``handle``: its ``peer_handle``) into ours; how many leading
+        ones arrived as the peer stated them."""
+        from raykv.tiers.gpu_kv import GpuKV
+
+        if self._peers is None:
+            self._peers = PeerMaps(lambda h: (GpuKV.open_handles(self.plan, h), {}))
+            asyncio.get_running_loop().create_task(self._sweep_peers(self._peers))
+        peer, copies = self._peers.get(handle)
+        copy = copies.get(gi)
+        if copy is None:  # the pair of pools checked once, its segment tables kept
+            src = peer.entries(self.plan.groups[gi].group_id)
+            copy = copies[gi] = ops.PoolCopy(src, self.entries[gi])
+        return await read_blocks(copy, src_ids, dst_ids, sums, TIMEOUT_S)
+
 
 class CollectivePlane:
     """Mixed into ``GpuPool``: needs ``name``, ``local``, ``_ranks()``, ``_remote()``,
@@ -80,6 +135,20 @@ class CollectivePlane:
     def _init_collective(self) -> None:
         coll = self.local.collective(self.name)
         self.transports[coll.backend] = CollectiveTransport(coll)
+        if (
+            enabled()
+            and self.local.peer_handle() is not None
+            and len(self.writers) == len(self.copy_of)
+        ):
+            # every rank its own copy (an MLA group's replicas stay on NCCL: it moves once)
+            layout = (self.model.name, len(self.copy_of), *self.widths)
+            self.transports[PEER] = PeerTransport(self.node_id, layout)
+        self._holds: dict[int, tuple[list[int], float]] = {}
+        # valid block -> its wire sum per copy, taken at its first peer export (its bytes
+        # cannot change while it stays valid; dropped with it, ``_invalidate``)
+        self.wire_sums: dict[int, tuple[int, ...]] = {}
+        self._hold_seq = 0
+        self._peer_handles: list[Any] | None = None
         self._coll_gen = 0
         self._coll_lock: asyncio.Lock | None = None
         self._coll_idents: list[str] | None = None
@@ -134,11 +203,84 @@ class CollectivePlane:
         self.metrics.moved(model, GPU, len(blocks) * width * len(self.writers))
         return len(blocks), sums, width, idents
 
+    # --- peer reads: the holder's half -------------------------------------------------
+
+    def _expire_holds(self) -> None:
+        now = time.monotonic()
+        for token, (blocks, deadline) in list(self._holds.items()):
+            if deadline < now:
+                del self._holds[token]
+                self.bm.pool.free(blocks)
+
+    async def peer_export(self, model: str, keys: list[bytes]) -> dict[str, Any] | None:
+        """The control call of a peer read: the leading ``keys`` still valid here, held (not
+        evicted, not rewritten) until ``release_peer_hold`` or ``HOLD_S``; returns their
+        blocks, stored checksums and wire sums per copy (taken by the writer ranks at a
+        block's first export, then remembered while it stays valid), the ranks' handles and
+        the hold's token (None: nothing to read)."""
+        from raykv.service.groups import key_group
+        from raykv.service.index import GPU
+
+        self._expire_holds()
+        if self._peer_handles is None:
+            rest = await self._remote([h.peer_handle.remote() for h in self._ranks()])
+            self._peer_handles = [self.local.peer_handle(), *rest]
+        blocks = self._exportable(model, keys)
+        self.metrics.miss(model, GPU, len(keys) - len(blocks))
+        if not blocks:
+            return None
+        self.bm.pool.touch(blocks)  # before anything awaits: nothing can take them now
+        self._hold_seq += 1
+        token = self._hold_seq
+        self._holds[token] = (blocks, time.monotonic() + HOLD_S)
+        gi = self.gindex[key_group(keys[0])]
+        stored = [[self.sums[b][c] for b in blocks] for c in range(len(self.writers))]
+        new = [b for b in blocks if b not in self.wire_sums]
+        if new:  # first export of these blocks: every writer rank states their sums once
+            handles = self._ranks()
+
+            async def here() -> list[int]:
+                return self.local.peer_sums(gi, new)
+
+            try:
+                per_copy = await asyncio.gather(*(
+                    here() if w == 0 else handles[w - 1].peer_sums.remote(gi, new)
+                    for w in self.writers
+                ))  # fmt: skip
+            except BaseException:
+                await self.release_peer_hold(token)
+                raise
+            for j, b in enumerate(new):
+                if b in self.key_of:  # still valid after the await
+                    self.wire_sums[b] = tuple(c[j] for c in per_copy)
+            if any(b not in self.wire_sums for b in blocks):  # invalidated meanwhile: a miss
+                await self.release_peer_hold(token)
+                return None
+        wire = [[self.wire_sums[b][c] for b in blocks] for c in range(len(self.writers))]
+        self.metrics.hit(model, GPU, len(blocks))
+        self.metrics.moved(model, GPU, len(blocks) * self.widths[gi] * len(self.writers))
+        return {
+            "blocks": blocks, "stored": stored, "wire": wire, "hold": token,
+            "handles": [self._peer_handles[w] for w in self.writers],
+        }  # fmt: skip
+
+    async def release_peer_hold(self, token: int) -> None:
+        """A peer reader is done with the blocks of hold ``token`` (a no-op once expired)."""
+        held = self._holds.pop(token, None)
+        if held is not None:
+            self.bm.pool.free(held[0])
+        self._expire_holds()
+
+    # --- reading from another pool ------------------------------------------------------
+
     async def _collective_fetch(
         self, loc: Any, gi: int, want: list[tuple[bytes, int]], filled: set[int], live: Any
     ) -> tuple[int, int]:
         """One batch from ``loc``'s pool over NCCL / gloo, straight into every rank's blocks;
-        (blocks, bytes). TransportError if it could not move (the caller falls back)."""
+        (blocks, bytes). TransportError if it could not move (the caller falls back). A
+        peer route reads the holder's mapped blocks instead (``_peer_fetch``)."""
+        if loc.transport == PEER:
+            return await self._peer_fetch(loc, gi, want, filled, live)
         if self._coll_lock is None:
             self._coll_lock = asyncio.Lock()
         async with self._coll_lock:
@@ -190,7 +332,16 @@ class CollectivePlane:
             if isinstance(e, TransportError):
                 raise
             raise TransportError(f"{loc.transport} batch from {loc.member} failed: {e}") from e
-        good = min(counts)
+        return await self._landed(loc, source, want, min(counts), n, sums, width, filled, live)
+
+    async def _landed(
+        self, loc: Any, source: Any, want: list[tuple[bytes, int]], good: int, n: int,
+        sums: list[list[int]], width: int, filled: set[int], live: Any,
+    ) -> tuple[int, int]:  # fmt: skip
+        """After a batch of ``n`` blocks landed in ours, ``good`` leading ones intact: those
+        become fillable (with their stored checksums, one per copy); a failed check is a
+        miss from there on, counted, and the holder drops that block."""
+        blocks = [b for _, b in want[:n]]
         if not live():
             return 0, 0
         if good < n:  # a row failed its check: a miss from there on, counted
@@ -201,7 +352,45 @@ class CollectivePlane:
                 await source.drop_keys.remote(self.model.name, [want[good][0]])
             except ray.exceptions.RayError as e:
                 log.warning("pool %s: cannot tell %s to drop (%s)", self.name, loc.member, e)
-        # each block's stored checksums, one per copy
         self._pending_sums.update(zip(blocks[:good], zip(*sums, strict=True), strict=False))
         filled.update(blocks[:good])
         return good, good * width * len(self.writers)
+
+    async def _peer_fetch(
+        self, loc: Any, gi: int, want: list[tuple[bytes, int]], filled: set[int], live: Any
+    ) -> tuple[int, int]:
+        """One batch read from ``loc``'s pool on this node: one control call (the holder
+        holds the blocks and states their sums), then each of our ranks copies its rank's
+        blocks straight into ours (``raykv.transport.peer_read``); the hold is released
+        after. TransportError if it could not (the caller falls back)."""
+        source = ray.get_actor(loc.member, namespace=NAMESPACE)
+        keys = [k for k, _ in want]
+        try:
+            got = await asyncio.wait_for(
+                source.peer_export.remote(self.model.name, keys), TIMEOUT_S
+            )
+        except TimeoutError:
+            raise TransportError(f"{loc.member} did not answer a peer export") from None
+        except ray.exceptions.RayError as e:
+            raise TransportError(f"{loc.member} cannot export: {e}") from e
+        if got is None:
+            return 0, 0
+        n = len(got["blocks"])
+        blocks = [b for _, b in want[:n]]
+        args = [(gi, got["handles"][r], got["blocks"], blocks, got["wire"][r])
+                for r in range(len(self.copy_of))]  # fmt: skip
+        calls = [
+            self.local.peer_read(*args[0]),
+            *(h.peer_read.remote(*a) for h, a in zip(self._ranks(), args[1:], strict=True)),
+        ]
+        try:
+            counts = await asyncio.gather(*calls)
+        except Exception as e:
+            if isinstance(e, TransportError):
+                raise
+            raise TransportError(f"peer read from {loc.member} failed: {e}") from e
+        finally:  # the copies are done (or failed): the holder may reuse its blocks
+            source.release_peer_hold.remote(got["hold"])
+        width = self.widths[gi]
+        return await self._landed(loc, source, want, min(counts), n, got["stored"], width,
+                                  filled, live)  # fmt: skip

@@ -39,7 +39,10 @@ class RankKV(RankCollective):
         from raykv.tiers.gpu_kv import GpuKV
 
         self.plan, self.rank = plan, rank
-        self.kv = GpuKV.allocate(plan, device, shared=True)
+        from raykv.transport.peer_read import enabled
+
+        # exportable: other pools of the node map it to read in place (peer reads)
+        self.kv = GpuKV.allocate(plan, device, shared=True, exportable=enabled())
         self.entries = [self.kv.entries(g.group_id) for g in plan.groups]
         self.widths = row_widths(plan)
         self._engine: Any = None
@@ -142,6 +145,19 @@ class RankPool:
 
     def checksums(self, gi: int, block_ids: list[int]) -> tuple[int, ...]:
         return row_checksums(self.kv.gather(gi, block_ids))
+
+    # --- peer reads (``raykv.service.pairs``) ---
+
+    def peer_handle(self) -> Any:
+        return self.kv.peer_handle()
+
+    def peer_sums(self, gi: int, block_ids: list[int]) -> list[int]:
+        return self.kv.peer_sums(gi, block_ids)
+
+    async def peer_read(
+        self, gi: int, handle: Any, src_ids: list[int], dst_ids: list[int], sums: list[int]
+    ) -> int:
+        return await self.kv.peer_read(gi, handle, src_ids, dst_ids, sums)
 
     def store_job(self, arena: Any, job: Any, reservation: Any) -> list[tuple]:
         return self.kv.store_job(arena, job, reservation)

@@ -32,6 +32,7 @@ layout (the vLLM integration names the model after it).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -163,6 +164,7 @@ class GpuKV:
         self.total_bytes = total_bytes
         self.shared_specs: tuple = ()  # set by allocate(shared=True) / attach
         self.raw: tuple[torch.Tensor, ...] = ()
+        self.export: Any = None  # a CUDA pool's PeerExport (allocate(shared=True))
 
     @property
     def num_blocks(self) -> int:
@@ -170,11 +172,21 @@ class GpuKV:
 
     @classmethod
     def allocate(
-        cls, plan: Plan, device: str | torch.device = "cpu", *, shared: bool = False
+        cls,
+        plan: Plan,
+        device: str | torch.device = "cpu",
+        *,
+        shared: bool = False,
+        exportable: bool = False,
     ) -> GpuKV:
         """The plan's tensors on ``device``. ``shared``: on CPU in ``/dev/shm``
         (``raykv.tiers.shm``; ``shared_specs`` maps them in other processes of the node); on
-        CUDA other processes open them with torch's CUDA IPC (``share_handles``)."""
+        CUDA torch tensors shared with torch's CUDA IPC (``share_handles``), or with
+        ``exportable`` (and raykv's extension here) one allocation any process of the host
+        maps for its own GPU (``raykv.tiers.peer_memory``: a peer pool reading blocks over
+        NVLink, an engine)."""
+        from raykv.tiers import peer_memory
+
         device = torch.device(device)
         nb = plan.num_gpu_blocks
         layers: dict[str, LayerTensors] = {}
@@ -182,12 +194,17 @@ class GpuKV:
         pages = tensor_pages(plan)
         total = 0
         specs = []
+        export = None
+        if shared and exportable and peer_memory.available(device):
+            export = peer_memory.PeerExport([(nb, page) for page in pages], device)
         for t, page in enumerate(pages):
             if shared and device.type == "cpu":
                 from raykv.tiers import shm
 
                 raw, shared_spec = shm.create((nb, page), f"kv{t}")
                 specs.append(shared_spec)
+            elif export is not None:
+                raw = export.tensors[t]
             else:
                 raw = torch.zeros((nb, page), dtype=torch.uint8, device=device)
             total += raw.numel()
@@ -214,6 +231,7 @@ class GpuKV:
         kv = cls(plan, layers, entries, device, total)
         kv.shared_specs = tuple(specs)
         kv.raw = tuple(dict.fromkeys(e for es in entries.values() for e in es))
+        kv.export = export
         return kv
 
     @classmethod
@@ -240,17 +258,28 @@ class GpuKV:
         kv.raw = tuple(tensors)
         return kv
 
-    def share_handles(self) -> list:  # pragma: no cover - GPU only
-        """CUDA IPC handles of the raw tensors (torch's ``reduce_tensor``); another process
-        on the same node rebuilds them with ``open_handles``."""
+    def share_handles(self) -> Any:  # pragma: no cover - GPU only
+        """What another process of the host needs to open the raw tensors (``open_handles``):
+        the ``PeerSpec`` of an exportable pool, else torch's CUDA IPC handles."""
+        if self.export is not None:
+            return self.export.spec
         from torch.multiprocessing.reductions import reduce_tensor
 
         return [reduce_tensor(t) for t in self.raw]
 
     @classmethod
-    def open_handles(cls, plan: Plan, handles: Sequence) -> GpuKV:  # pragma: no cover - GPU
-        """The tensors ``share_handles`` exported, opened in this process (CUDA IPC): the
-        same layout and bytes (block ids are the owner's)."""
+    def open_handles(cls, plan: Plan, handles: Any) -> GpuKV:
+        """The tensors another process of the host shares, opened in this process: a CPU
+        pool's ``SharedSpec``s (``attach``), a CUDA pool's ``PeerSpec`` (mapped for this
+        process's current GPU) or torch's CUDA IPC handles: the same layout and bytes (block
+        ids are the owner's)."""
+        from raykv.tiers import peer_memory, shm
+
+        if handles and isinstance(handles, list) and isinstance(handles[0], shm.SharedSpec):
+            return cls.attach(plan, handles)
+        if isinstance(handles, peer_memory.PeerSpec):
+            device = torch.device("cuda", torch.cuda.current_device())
+            return cls._of_raw(plan, peer_memory.open_peer(handles, device))
         return cls._of_raw(plan, [fn(*args) for fn, args in handles])
 
     @classmethod

@@ -16,9 +16,10 @@ from raykv.errors import InvalidInput
 _BAD_ID_REASONS = 4  # kernels/wire_pipeline.cpp: position * 4 + reason
 
 
-def _bad_ids(what: str, block_ids: Sequence[int], num_blocks: int, code: int) -> InvalidInput:
-    """The error for the first bad id the C++ pipeline found (``code``, see ``wire_send``),
-    worded here: the pipeline formats no message and throws nothing for bad input."""
+def bad_ids(what: str, block_ids: Sequence[int], num_blocks: int, code: int) -> InvalidInput:
+    """The error for the first bad id the C++ pipeline found (``code``, see ``wire_send``;
+    ``pool_read`` and ``raykv.ops.PoolCopy`` report theirs alike), worded here: the pipeline
+    formats no message and throws nothing for bad input."""
     at, reason = divmod(code, _BAD_ID_REASONS)
     if reason == 1:
         return InvalidInput(f"{what}: block id at position {at} is not an int; pass ints")
@@ -41,6 +42,6 @@ def pipeline_call(fn: Callable[..., Any], what: str, *args: Any) -> Any:
     out = fn(*args)
     if isinstance(out, int):
         if out >= 0:
-            raise _bad_ids(what, args[3], args[4], out)
+            raise bad_ids(what, args[3], args[4], out)
         return None
     return out

@@ -14,18 +14,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-NCCL, UCX, GLOO, OBJECT_STORE = "nccl", "ucx", "gloo", "object-store"
-# fastest first: NCCL between GPUs, UCX between hosts (CPU tiers), torch.distributed's gloo
-# between CPU pools, Ray's object store last
-PREFERENCE = (NCCL, UCX, GLOO, OBJECT_STORE)
+PEER, NCCL, UCX, GLOO, OBJECT_STORE = "peer", "nccl", "ucx", "gloo", "object-store"
+# fastest first: peer reads between pools of one node (the reader's kernel copies the
+# holder's mapped blocks, ``raykv.transport.peer_read``), NCCL between GPUs, UCX between hosts
+# (CPU tiers), torch.distributed's gloo between CPU pools, Ray's object store last
+PREFERENCE = (PEER, NCCL, UCX, GLOO, OBJECT_STORE)
 COLLECTIVE = (NCCL, GLOO)  # torch.distributed pairs (``raykv.transport.collective``)
 FALLBACK = OBJECT_STORE
 
 
 def choose(holder: Mapping[str, Any], reader: Mapping[str, Any]) -> str:
     """The first transport of ``PREFERENCE`` that both ends advertise (their
-    ``endpoints()``); the object store when they share nothing else."""
+    ``endpoints()``); the object store when they share nothing else. Peer reads only between
+    members of one node whose blocks have one layout (their endpoints say so)."""
     for name in PREFERENCE:
         if name in holder and name in reader:
+            if name == PEER and holder[name] != reader[name]:
+                continue
             return name
     return OBJECT_STORE

@@ -21,7 +21,8 @@ GPUS = nccl_gpus()
 def test_scattered_blocks_arrive_equal_between_two_gpus() -> None:
     rep = nccl_run(NcclConfig(blocks=256, rounds=1, burst=2), timeout_s=240)
     (row,) = rep["rows"]
-    assert row["equal"] and row["all_blocks"], row
+    assert row["equal"] and row["all_blocks"], row  # the peer reads ran last, into zeroes
+    assert row["peer"] > 0 and row["peer_in_flight"] > 0, row
 
 
 @pytest.mark.skipif(GPUS < 4, reason=f"needs 4 GPUs, found {GPUS}")

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from raykv.transport import OBJECT_STORE, PREFERENCE, choose
 
-offers = st.sets(st.sampled_from(PREFERENCE)).map(lambda s: {n: None for n in s})
+offers = st.sets(st.sampled_from(PREFERENCE)).map(lambda s: {n: None for n in s})  # peer: equal
 
 
 @given(offers, offers)
@@ -24,3 +24,14 @@ def test_gpu_pools_pick_nccl_hosts_pick_ucx_and_strangers_the_object_store():
     assert choose(tier, gpu) == "ucx"
     assert choose({OBJECT_STORE: None}, gpu) == OBJECT_STORE
     assert choose({}, {}) == OBJECT_STORE
+
+
+@given(
+    st.sampled_from(["n1", "n2"]), st.sampled_from(["n1", "n2"]),
+    st.sampled_from([("m", 1, 4096), ("m", 2, 2048)]),
+    st.sampled_from([("m", 1, 4096), ("m", 2, 2048)]),
+)  # fmt: skip
+def test_peer_reads_only_between_pools_of_one_node_and_one_layout(n1, n2, l1, l2):
+    holder = {"peer": {"node": n1, "layout": list(l1)}, "nccl": {}, OBJECT_STORE: None}
+    reader = {"peer": {"node": n2, "layout": list(l2)}, "nccl": {}, OBJECT_STORE: None}
+    assert choose(holder, reader) == ("peer" if (n1, l1) == (n2, l2) else "nccl")

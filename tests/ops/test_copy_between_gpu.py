@@ -1,0 +1,64 @@
+"""The CUDA kernel's block-to-block copy (``raykv.ops.copy_between`` / ``block_sums``) matches
+the torch reference bit for bit, its sums included; and an exportable pool's memory, mapped
+again in this process (``raykv.tiers.peer_memory``), reads back the owner's bytes."""
+
+import pytest
+import torch
+from paged_copy_cases import DTYPES, kv_entries, oracle_rows
+
+from raykv import ops
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("kind", ["kv", "mla", "interleaved"])
+@pytest.mark.parametrize("dtype", ["bf16", "u8", "f32"])
+def test_kernel_pool_copy_matches_the_reference(kind, dtype) -> None:
+    assert ops.kernel_available(), ops.kernel_status()
+    gen = torch.Generator().manual_seed(7)
+    src, _ = kv_entries(kind, 40, 16, DTYPES[dtype], 3, gen, device="cuda")
+    dst, _ = kv_entries(kind, 30, 16, DTYPES[dtype], 3, gen, device="cuda")
+    ref_src, ref_dst = [e.cpu() for e in src], [e.cpu() for e in dst]
+    src_ids = torch.randperm(40, generator=gen)[:20].tolist()
+    dst_ids = torch.randperm(30, generator=gen)[:20].tolist()
+    sums = ops.PoolCopy(src, dst).start(src_ids, dst_ids)
+    ref = ops.PoolCopy(ref_src, ref_dst).start(src_ids, dst_ids)
+    torch.cuda.synchronize()
+    assert oracle_rows(dst, list(range(30))) == oracle_rows(ref_dst, list(range(30)))
+    assert sums.tolist() == ref.tolist()
+    alone = ops.PoolCopy(src).start(src_ids)
+    torch.cuda.synchronize()
+    assert alone.tolist() == ref.tolist()
+
+
+def test_kernel_pool_copy_refuses_bad_ids_as_raykv_errors() -> None:
+    from raykv.errors import InvalidInput
+
+    gen = torch.Generator().manual_seed(1)
+    src, _ = kv_entries("kv", 8, 16, torch.bfloat16, 2, gen, device="cuda")
+    dst, _ = kv_entries("kv", 8, 16, torch.bfloat16, 2, gen, device="cuda")
+    before = oracle_rows(dst, list(range(8)))
+    for src_ids, dst_ids, match in (([0, 8], [1, 2], "outside"), ([0, 1], [3, 3], "more than once"),
+                                    (["x", 1], [1, 2], "not an int")):  # fmt: skip
+        with pytest.raises(InvalidInput, match=match):
+            ops.PoolCopy(src, dst).start(src_ids, dst_ids)
+    torch.cuda.synchronize()
+    assert oracle_rows(dst, list(range(8))) == before
+
+
+def test_exportable_memory_maps_again_with_the_same_bytes() -> None:
+    from raykv.tiers import peer_memory
+
+    device = torch.device("cuda", 0)
+    assert peer_memory.available(device)
+    export = peer_memory.PeerExport([(64, 4096), (64, 1000)], device)
+    for i, t in enumerate(export.tensors):
+        t.copy_(torch.randint(0, 255, t.shape, dtype=torch.uint8, device=device) + i)
+    again = peer_memory.open_peer(export.spec, device)
+    assert [tuple(t.shape) for t in again] == [(64, 4096), (64, 1000)]
+    for a, b in zip(export.tensors, again, strict=True):
+        assert a.data_ptr() != b.data_ptr() and torch.equal(a, b)
+    export.tensors[0][3, 5] += 1  # one mapping, one memory
+    torch.cuda.synchronize()
+    assert torch.equal(export.tensors[0], again[0])
+    export.close()

@@ -1,0 +1,58 @@
+"""GPU pools of one node read each other's blocks in place (``raykv.transport.peer_read``,
+``RAYKV_PEER_READS=1``):
+two TP-1 pools on two GPUs, each actor seeing only its own GPU; the route is ``peer``, every
+byte B loads equals what A stored, and A's hold on its blocks is gone after the load."""
+
+import os
+
+import pytest
+from test_gpu_nccl import GPUS, check_read, engine, known, routes, stop_service, write
+
+pytestmark = [pytest.mark.gpu, pytest.mark.ray]
+
+
+@pytest.fixture(scope="module")
+def kv():
+    if GPUS < 2:
+        pytest.skip(f"needs 2 GPUs, found {GPUS}")
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ["RAYKV_PEER_READS"] = "1"  # the actors inherit it
+    import ray
+
+    import raykv
+
+    ray.init(num_cpus=8, num_gpus=GPUS, _node_ip_address="127.0.0.1", include_dashboard=False)
+    try:
+        yield raykv.connect()
+    finally:
+        ray.shutdown()
+        del os.environ["RAYKV_PEER_READS"]
+
+
+def test_two_gpu_pools_of_one_node_read_each_other_in_place(kv) -> None:
+    import ray
+
+    from raykv.layout import FullAttention
+    from raykv.service.spec import NAMESPACE, pool_name
+
+    layers = {f"l{i}": FullAttention("bfloat16", num_kv_heads=8, head_dim=128) for i in range(4)}
+    plan = kv.add_model("p1", layers, max_model_len=8192, pool_bytes=1 << 30, cpu_bytes=1 << 28)
+    a, b = engine(kv, "p1", 0), engine(kv, "p1", 1)
+    n, ids = 256, list(range(1, 256 * 16 + 2))
+    data = known(n, plan.gpu_bytes_per_block, 1)
+    write(a, "w", ids, n, [data])
+    a.free("w")
+    assert b.admit("r", len(ids), ids)
+    tb = b.allocate("r", len(ids), ids)[0]
+    res = b.load("r", ids, into=tb[:n])
+    assert (res.num_tokens, res.bytes) == (n * 16, n * plan.gpu_bytes_per_block)
+    check_read(b, tb, n, [data])
+    b.free("r")
+    assert set(routes(kv).values()) == {"peer"}, routes(kv)
+    node = ray.get_runtime_context().get_node_id()
+    holder = ray.get_actor(pool_name("p1", node, 0), namespace=NAMESPACE)
+    left = ray.get(
+        holder.__ray_call__.remote(lambda self: (len(self._holds), self.bm.pool.num_used_blocks))
+    )
+    assert left == (0, 0), left  # released: nothing held, nothing in use
+    stop_service(kv)
