@@ -87,6 +87,34 @@ __device__ __forceinline__ void add_block_total(uint64_t acc, unsigned long long
   if ((threadIdx.x & 31) == 0) atomicAdd(out, static_cast<unsigned long long>(acc));
 }
 
+// One work item: `bytes` from src to dst with the widest vector the addresses and size allow;
+// with kSum (every span and row 8-byte aligned: the launchers check) the item's wire sum is added
+// to *sum (its first word is word row_offset / 8 of its row). Without kStore only src is read.
+template <bool kSum, bool kStore>
+__device__ __forceinline__ void copy_item(char* dst, const char* src, int64_t bytes,
+                                          int64_t row_offset, unsigned long long* sum) {
+  // The width is uniform across the CTA (one item per CTA at a time): no divergence.
+  const uint64_t misalign = reinterpret_cast<uint64_t>(dst) | reinterpret_cast<uint64_t>(src) |
+                            static_cast<uint64_t>(bytes);
+  if constexpr (kSum) {
+    const uint64_t word0 = static_cast<uint64_t>(row_offset) / 8;
+    const uint64_t acc = (misalign & 15) == 0
+                             ? copy_span<uint4, true, kStore>(dst, src, bytes, word0)
+                             : copy_span<uint2, true, kStore>(dst, src, bytes, word0);
+    add_block_total(acc, sum);
+  } else if ((misalign & 15) == 0) {
+    copy_span<uint4, false>(dst, src, bytes, 0);
+  } else if ((misalign & 7) == 0) {
+    copy_span<uint2, false>(dst, src, bytes, 0);
+  } else if ((misalign & 3) == 0) {
+    copy_span<uint32_t, false>(dst, src, bytes, 0);
+  } else if ((misalign & 1) == 0) {
+    copy_span<uint16_t, false>(dst, src, bytes, 0);
+  } else {
+    copy_span<uint8_t, false>(dst, src, bytes, 0);
+  }
+}
+
 template <bool kGather, bool kSum>
 __global__ void __launch_bounds__(kThreads)
     paged_copy_kernel(const RaykvSegment* __restrict__ segs, int num_segs,
@@ -100,26 +128,7 @@ __global__ void __launch_bounds__(kThreads)
     char* row = rows + int64_t{i} * row_bytes + seg.row_offset;
     char* dst = kGather ? row : paged;
     const char* src = kGather ? paged : row;
-    // The width is uniform across the CTA (one item per CTA at a time): no divergence.
-    const uint64_t misalign = reinterpret_cast<uint64_t>(dst) | reinterpret_cast<uint64_t>(src) |
-                              static_cast<uint64_t>(seg.bytes);
-    if constexpr (kSum) {  // the launcher checked 8-byte alignment of every span and row
-      const uint64_t word0 = static_cast<uint64_t>(seg.row_offset) / 8;
-      const uint64_t acc = (misalign & 15) == 0
-                               ? copy_span<uint4, true>(dst, src, seg.bytes, word0)
-                               : copy_span<uint2, true>(dst, src, seg.bytes, word0);
-      add_block_total(acc, sums + i);
-    } else if ((misalign & 15) == 0) {
-      copy_span<uint4, false>(dst, src, seg.bytes, 0);
-    } else if ((misalign & 7) == 0) {
-      copy_span<uint2, false>(dst, src, seg.bytes, 0);
-    } else if ((misalign & 3) == 0) {
-      copy_span<uint32_t, false>(dst, src, seg.bytes, 0);
-    } else if ((misalign & 1) == 0) {
-      copy_span<uint16_t, false>(dst, src, seg.bytes, 0);
-    } else {
-      copy_span<uint8_t, false>(dst, src, seg.bytes, 0);
-    }
+    copy_item<kSum, true>(dst, src, seg.bytes, seg.row_offset, kSum ? sums + i : nullptr);
   }
 }
 
@@ -145,25 +154,7 @@ __global__ void __launch_bounds__(kThreads)
       const RaykvSegment out = dst_segs[s];
       dst = reinterpret_cast<char*>(out.paged_base) + dst_ids[i] * out.block_stride;
     }
-    const uint64_t misalign = reinterpret_cast<uint64_t>(dst) | reinterpret_cast<uint64_t>(src) |
-                              static_cast<uint64_t>(seg.bytes);
-    if constexpr (kSum) {
-      const uint64_t word0 = static_cast<uint64_t>(seg.row_offset) / 8;
-      const uint64_t acc = (misalign & 15) == 0
-                               ? copy_span<uint4, true, kStore>(dst, src, seg.bytes, word0)
-                               : copy_span<uint2, true, kStore>(dst, src, seg.bytes, word0);
-      add_block_total(acc, sums + i);
-    } else if ((misalign & 15) == 0) {
-      copy_span<uint4, false>(dst, src, seg.bytes, 0);
-    } else if ((misalign & 7) == 0) {
-      copy_span<uint2, false>(dst, src, seg.bytes, 0);
-    } else if ((misalign & 3) == 0) {
-      copy_span<uint32_t, false>(dst, src, seg.bytes, 0);
-    } else if ((misalign & 1) == 0) {
-      copy_span<uint16_t, false>(dst, src, seg.bytes, 0);
-    } else {
-      copy_span<uint8_t, false>(dst, src, seg.bytes, 0);
-    }
+    copy_item<kSum, kStore>(dst, src, seg.bytes, seg.row_offset, kSum ? sums + i : nullptr);
   }
 }
 

@@ -40,6 +40,7 @@ from raykv.ops_checks import (  # argument validation: before anything is touche
     _check_sums,
     _entries_key,
     _entries_shape,
+    bad_ids,
     row_bytes,
 )
 from raykv.ops_reference import (  # the torch reference path, bit-exact with the kernel
@@ -665,8 +666,6 @@ class PoolCopy:
         passes this point). InvalidInput naming the id, its position and the pool's size
         where an id is not an int, lies outside its pool or is written twice, or the counts
         differ; nothing is enqueued then."""
-        from raykv.transport.pipeline import bad_ids
-
         n = len(src_ids)
         if (self.dst is None) != (dst_ids is None) or (dst_ids is not None and len(dst_ids) != n):
             got = "no" if dst_ids is None else len(dst_ids)

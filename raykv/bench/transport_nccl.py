@@ -20,6 +20,14 @@
   raykv one at a time compares with the latter, in flight with the former. The reader's one
   control round trip (a Ray actor call, ~1 ms) is not in these numbers. ``--cpu-smoke``
   runs the same processes with gloo on the CPU (a check of the bench, not a measurement).
+* Peer reads (``raykv.transport.peer_read``, tp 1 rows): A's pool lives in memory B's process
+  maps (``raykv.tiers.peer_memory``; shared memory on the CPU); B's kernel copies A's blocks
+  straight into its own with their wire sums (``raykv.ops.PoolCopy``, one extension call) and
+  checks them against the sums A stated. The halves run one after the other, as in the
+  service: A takes the sums of its blocks (a block's first read; the holder remembers them
+  while the block is valid), then B reads; *peer* is B's read alone (blocks read before),
+  *first read* adds A's half. B's blocks are zeroed before the peer rounds, so the bytes-equal
+  check after them is theirs.
 """
 
 from __future__ import annotations
@@ -341,20 +349,22 @@ async def _together(batches: list) -> int:
     return (await asyncio.gather(*batches))[-1]
 
 
+def _timed(sync, fn) -> float:
+    """Milliseconds of ``fn`` alone, waited for (median of 20)."""
+    times = []
+    for _ in range(20):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 def _phases(sender: bool, cfg: NcclConfig, entries, ids, width: int, sync) -> dict:
     """Milliseconds of each copy of raykv's batch alone, whole batch (median of 20): the
     paged copy with the wire sums taken as it copies, and without them."""
     from raykv import ops
-
-    def timed(fn) -> float:
-        times = []
-        for _ in range(20):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
 
     device = entries[0].device
     rows = torch.empty((len(ids), width), dtype=torch.uint8, device=device)
@@ -362,14 +372,16 @@ def _phases(sender: bool, cfg: NcclConfig, entries, ids, width: int, sync) -> di
     ids_t = torch.tensor(ids)
     if sender:
         return {
-            "phase/gather_ms": timed(lambda: ops.gather_blocks(entries, ids_t, rows)),
-            "phase/gather+sums_ms": timed(
-                lambda: ops.gather_blocks(entries, ids_t, rows, sums=sums)
+            "phase/gather_ms": _timed(sync, lambda: ops.gather_blocks(entries, ids_t, rows)),
+            "phase/gather+sums_ms": _timed(
+                sync, lambda: ops.gather_blocks(entries, ids_t, rows, sums=sums)
             ),
         }
     return {
-        "phase/scatter_ms": timed(lambda: ops.scatter_blocks(rows, entries, ids_t)),
-        "phase/scatter+sums_ms": timed(lambda: ops.scatter_blocks(rows, entries, ids_t, sums=sums)),
+        "phase/scatter_ms": _timed(sync, lambda: ops.scatter_blocks(rows, entries, ids_t)),
+        "phase/scatter+sums_ms": _timed(
+            sync, lambda: ops.scatter_blocks(rows, entries, ids_t, sums=sums)
+        ),
     }
 
 
@@ -379,21 +391,11 @@ def _peer_phases(copy, src_ids, dst_ids, sync, loop, read) -> dict:
     read (``read_blocks``)."""
     from raykv.transport.peer_read import stated_sums
 
-    def timed(fn) -> float:
-        times = []
-        for _ in range(20):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
-
     if copy.dst is None:
-        return {"phase/peer_holder_sums_ms": timed(lambda: stated_sums(copy, src_ids))}
+        return {"phase/peer_holder_sums_ms": _timed(sync, lambda: stated_sums(copy, src_ids))}
     return {
-        "phase/peer_copy+sums_ms": timed(lambda: copy.start(src_ids, dst_ids)),
-        "phase/peer_read_ms": timed(lambda: loop.run_until_complete(read())),
+        "phase/peer_copy+sums_ms": _timed(sync, lambda: copy.start(src_ids, dst_ids)),
+        "phase/peer_read_ms": _timed(sync, lambda: loop.run_until_complete(read())),
     }
 
 

@@ -56,7 +56,8 @@ class SharedSpec:
         return n
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -74,7 +75,7 @@ def sweep() -> int:
             pid = int(f.name[len(PREFIX) :].split("-", 1)[0])
         except ValueError:
             continue
-        if not _alive(pid):
+        if not process_alive(pid):
             with contextlib.suppress(FileNotFoundError):
                 f.unlink()
                 n += 1

@@ -30,6 +30,7 @@ import torch
 
 from raykv import ops
 from raykv.errors import TransportError
+from raykv.tiers.shm import process_alive
 
 PEER = "peer"  # how status names a pair that reads this way
 _SPIN_S, _POLL_S = 0.002, 0.0001
@@ -58,18 +59,6 @@ def owner_pid(handle: Any) -> int | None:
     return None
 
 
-def _alive(pid: int | None) -> bool:
-    if pid is None:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class PeerMaps:
     """The holders' memory this process has mapped, by handle, opened on first use by
     ``open_fn`` (handle -> whatever the caller reads from). A mapping whose owner process is
@@ -84,7 +73,7 @@ class PeerMaps:
     def sweep(self) -> None:
         """Drop the mappings whose owner process is gone."""
         for key, (pid, _) in list(self._maps.items()):
-            if not _alive(pid):
+            if pid is not None and not process_alive(pid):
                 del self._maps[key]
 
     def get(self, handle: Any) -> Any:

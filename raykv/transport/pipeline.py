@@ -8,30 +8,10 @@ device's H100 host). ``pipeline_call`` words that code as raykv's ``InvalidInput
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from raykv.errors import InvalidInput
-
-_BAD_ID_REASONS = 4  # kernels/wire_pipeline.cpp: position * 4 + reason
-
-
-def bad_ids(what: str, block_ids: Sequence[int], num_blocks: int, code: int) -> InvalidInput:
-    """The error for the first bad id the C++ pipeline found (``code``, see ``wire_send``;
-    ``pool_read`` and ``raykv.ops.PoolCopy`` report theirs alike), worded here: the pipeline
-    formats no message and throws nothing for bad input."""
-    at, reason = divmod(code, _BAD_ID_REASONS)
-    if reason == 1:
-        return InvalidInput(f"{what}: block id at position {at} is not an int; pass ints")
-    got = block_ids[at]
-    if reason == 2:
-        return InvalidInput(
-            f"{what}: block id {got} (position {at}) is outside the pool's {num_blocks} "
-            f"blocks; ids must lie in [0, {num_blocks - 1}]"
-        )
-    return InvalidInput(
-        f"{what}: block id {got} appears more than once; each block can receive only one row"
-    )
+from raykv.ops import bad_ids
 
 
 def pipeline_call(fn: Callable[..., Any], what: str, *args: Any) -> Any:

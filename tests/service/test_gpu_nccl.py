@@ -93,12 +93,14 @@ def routes(kv) -> dict:
     return {(r["from"], r["to"]): r["transport"] for r in kv.stats()["routes"]}
 
 
-def test_two_gpu_pools_load_over_nccl(kv) -> None:
+def load_between_two_pools(kv, model: str) -> dict:
+    """Engine A stores 256 known blocks on pool 0, engine B loads them into pool 1 and reads
+    every byte back; returns the routes."""
     from raykv.layout import FullAttention
 
     layers = {f"l{i}": FullAttention("bfloat16", num_kv_heads=8, head_dim=128) for i in range(4)}
-    plan = kv.add_model("n1", layers, max_model_len=8192, pool_bytes=1 << 30, cpu_bytes=1 << 28)
-    a, b = engine(kv, "n1", 0), engine(kv, "n1", 1)
+    plan = kv.add_model(model, layers, max_model_len=8192, pool_bytes=1 << 30, cpu_bytes=1 << 28)
+    a, b = engine(kv, model, 0), engine(kv, model, 1)
     n, ids = 256, list(range(1, 256 * 16 + 2))
     data = known(n, plan.gpu_bytes_per_block, 1)
     write(a, "w", ids, n, [data])
@@ -106,10 +108,15 @@ def test_two_gpu_pools_load_over_nccl(kv) -> None:
     assert b.admit("r", len(ids), ids)
     tb = b.allocate("r", len(ids), ids)[0]
     res = b.load("r", ids, into=tb[:n])
-    assert res.num_tokens == n * 16
+    assert (res.num_tokens, res.bytes) == (n * 16, n * plan.gpu_bytes_per_block)
     check_read(b, tb, n, [data])
     b.free("r")
-    assert "nccl" in routes(kv).values(), routes(kv)
+    return routes(kv)
+
+
+def test_two_gpu_pools_load_over_nccl(kv) -> None:
+    got = load_between_two_pools(kv, "n1")
+    assert "nccl" in got.values(), got
     stop_service(kv)
 
 

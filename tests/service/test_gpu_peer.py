@@ -6,7 +6,7 @@ byte B loads equals what A stored, and A's hold on its blocks is gone after the 
 import os
 
 import pytest
-from test_gpu_nccl import GPUS, check_read, engine, known, routes, stop_service, write
+from test_gpu_nccl import GPUS, load_between_two_pools, stop_service
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ray]
 
@@ -32,27 +32,12 @@ def kv():
 def test_two_gpu_pools_of_one_node_read_each_other_in_place(kv) -> None:
     import ray
 
-    from raykv.layout import FullAttention
     from raykv.service.spec import NAMESPACE, pool_name
 
-    layers = {f"l{i}": FullAttention("bfloat16", num_kv_heads=8, head_dim=128) for i in range(4)}
-    plan = kv.add_model("p1", layers, max_model_len=8192, pool_bytes=1 << 30, cpu_bytes=1 << 28)
-    a, b = engine(kv, "p1", 0), engine(kv, "p1", 1)
-    n, ids = 256, list(range(1, 256 * 16 + 2))
-    data = known(n, plan.gpu_bytes_per_block, 1)
-    write(a, "w", ids, n, [data])
-    a.free("w")
-    assert b.admit("r", len(ids), ids)
-    tb = b.allocate("r", len(ids), ids)[0]
-    res = b.load("r", ids, into=tb[:n])
-    assert (res.num_tokens, res.bytes) == (n * 16, n * plan.gpu_bytes_per_block)
-    check_read(b, tb, n, [data])
-    b.free("r")
-    assert set(routes(kv).values()) == {"peer"}, routes(kv)
+    got = load_between_two_pools(kv, "p1")
+    assert set(got.values()) == {"peer"}, got
     node = ray.get_runtime_context().get_node_id()
     holder = ray.get_actor(pool_name("p1", node, 0), namespace=NAMESPACE)
-    left = ray.get(
-        holder.__ray_call__.remote(lambda self: (len(self._holds), self.bm.pool.num_used_blocks))
-    )
+    left = ray.get(holder.__ray_call__.remote(lambda s: (len(s._holds), s.bm.pool.num_used_blocks)))
     assert left == (0, 0), left  # released: nothing held, nothing in use
     stop_service(kv)
