@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-import numpy as np
 import torch
 
 from raykv.errors import InvalidInput
@@ -40,7 +39,7 @@ from raykv.ops_checks import (  # argument validation: before anything is touche
     _check_sums,
     _entries_key,
     _entries_shape,
-    bad_ids,
+    bad_ids,  # noqa: F401  (the wording of a bad block id, for the C++ callers above ops)
     row_bytes,
 )
 from raykv.ops_reference import (  # the torch reference path, bit-exact with the kernel
@@ -56,7 +55,6 @@ log = logging.getLogger(__name__)
 __all__ = [
     "MAX_SEGMENT_BYTES",
     "MODES",
-    "PoolCopy",
     "gather_blocks",
     "kernel_available",
     "kernel_block_ids",
@@ -124,11 +122,8 @@ def kernel_block_ids(logical_ids: torch.Tensor, blocks_per_block: int) -> torch.
 _PACKAGED_KERNELS = "_kernels"
 _SOURCE_KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 _KERNEL_SOURCES = (
-    "paged_copy_binding.cpp",
-    "paged_copy.cu",
-    "wire_pipeline.cpp",
-    "peer_memory.cpp",
-)
+    "paged_copy_binding.cpp", "paged_copy.cu", "wire_pipeline.cpp", "peer_memory.cpp"
+)  # fmt: skip
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _status: str | None = None  # why the kernel is (not) in use, once decided
@@ -606,102 +601,3 @@ def scatter_blocks(
             return _scatter_reference(src, entries, block_ids, check)
         _reference(entries, block_ids, src, False, sums, chunks, each)
     return block_ids.numel()
-
-
-# --- block to block between two pools of one layout ----------------------------------------
-
-
-class PoolCopy:
-    """Block-to-block copies between two pools of one layout (the source may be another
-    process's pool mapped into this one, ``raykv.tiers.peer_memory``), or the sums alone of
-    one pool's blocks (``dst_entries`` None): the pools checked and the kernel's segment
-    tables prepared once, so a batch costs one extension call that reads its ids straight
-    from the caller's lists (``kernels/wire_pipeline.cpp``, ``pool_read``; a peer reader
-    keeps one per mapped pool). Each row's wire sum comes back exactly as ``gather_blocks``
-    of the source takes it. The torch reference runs where the kernel cannot."""
-
-    def __init__(
-        self, src_entries: Sequence[torch.Tensor], dst_entries: Sequence[torch.Tensor] | None = None
-    ) -> None:
-        self.what = "peer read" if dst_entries is not None else "block sums"
-        self.src = list(src_entries)
-        src_key = _entries_key(self.src, self.what)
-        self.width, self.num_src = _entries_shape(self.src, src_key, self.what)
-        self.dst = list(dst_entries) if dst_entries is not None else None
-        self.num_dst, dst_key = 0, None
-        self.device = self.src[0].device
-        if self.dst is not None:
-            dst_key = _entries_key(self.dst, self.what)
-            width, self.num_dst = _entries_shape(self.dst, dst_key, self.what)
-            spans = [(sg[2], sg[3]) for sg in row_segments(self.src)]
-            if width != self.width or spans != [(sg[2], sg[3]) for sg in row_segments(self.dst)]:
-                raise InvalidInput(
-                    f"{self.what}: the pools' rows differ ({self.width} vs {width} bytes, or "
-                    "spans at other offsets); both must hold one layout (the same plan and rank)"
-                )
-            if self.dst[0].device != self.device:
-                raise InvalidInput(
-                    f"{self.what}: the source is on {self.device} but the destination on "
-                    f"{self.dst[0].device}; map the source into the destination's device"
-                )
-        self._module = None
-        module = _load() if self.device.type == "cuda" else None
-        if (
-            module is not None
-            and hasattr(module, "pool_read")
-            and _spans_aligned(self.src, src_key)
-        ):
-            with torch.cuda.device(self.device):
-                self._src_table = _segment_table(self.src, src_key)
-                self._dst_table = (
-                    _segment_table(self.dst, dst_key) if self.dst is not None
-                    else torch.empty((0, 4), dtype=torch.int64, device=self.device)
-                )  # fmt: skip
-            self._module = module
-
-    def start(self, src_ids: Sequence[int], dst_ids: Sequence[int] | None = None) -> torch.Tensor:
-        """Checks and enqueues one batch on the current stream: block ``dst_ids[i]`` = block
-        ``src_ids[i]`` (no ``dst_ids`` without a destination: nothing is written). Returns
-        the rows' sums, int64 ``[n]`` (on a GPU in pinned host memory, valid once the stream
-        passes this point). InvalidInput naming the id, its position and the pool's size
-        where an id is not an int, lies outside its pool or is written twice, or the counts
-        differ; nothing is enqueued then."""
-        n = len(src_ids)
-        if (self.dst is None) != (dst_ids is None) or (dst_ids is not None and len(dst_ids) != n):
-            got = "no" if dst_ids is None else len(dst_ids)
-            raise InvalidInput(f"{self.what}: {n} source ids but {got} destination ids")
-        if self._module is not None:
-            out = self._module.pool_read(self._src_table, self._dst_table, src_ids, dst_ids,
-                                         self.num_src, self.num_dst, _CTAS)  # fmt: skip
-            if isinstance(out, tuple):
-                side, code = out
-                ids, size = (src_ids, self.num_src) if side == 0 else (dst_ids, self.num_dst)
-                raise bad_ids(f"{self.what} ({('source', 'destination')[side]})", ids, size, code)
-            return out[n:]
-        for side, (ids, size) in enumerate(((src_ids, self.num_src), (dst_ids, self.num_dst))):
-            code = _first_bad(ids, size, distinct=side == 1) if ids is not None else -1
-            if code >= 0:
-                raise bad_ids(f"{self.what} ({('source', 'destination')[side]})", ids, size, code)
-        sums = torch.zeros(n, dtype=torch.int64)
-        if n:  # the torch reference
-            rows = torch.empty((n, self.width), dtype=torch.uint8, device=self.device)
-            _gather_reference(self.src, torch.tensor(src_ids, device=self.device), rows)
-            sums.copy_(row_sums(rows))
-            if self.dst is not None:
-                _scatter_reference(rows, self.dst, torch.tensor(dst_ids, device=self.device))
-        return sums
-
-
-def _first_bad(ids: Sequence[int], num_blocks: int, distinct: bool) -> int:
-    """``kernels/wire_pipeline.cpp``'s check of a batch's ids, in Python (the reference path):
-    -1, or the first bad id's ``position * 4 + reason`` (1 not an int, 2 outside, 3 twice)."""
-    seen: set[int] = set()
-    for i, b in enumerate(ids):
-        if not isinstance(b, int | np.integer) or isinstance(b, bool):
-            return i * 4 + 1
-        if not 0 <= b < num_blocks:
-            return i * 4 + 2
-        if distinct and b in seen:
-            return i * 4 + 3
-        seen.add(int(b))
-    return -1

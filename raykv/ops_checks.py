@@ -172,7 +172,7 @@ _BAD_ID_REASONS = 4  # kernels/wire_pipeline.cpp: position * 4 + reason
 
 def bad_ids(what: str, block_ids: Sequence[int], num_blocks: int, code: int) -> InvalidInput:
     """The error for the first bad id the C++ pipeline found (``code``, see ``wire_send``;
-    ``pool_read`` and ``raykv.ops.PoolCopy`` report theirs alike), worded here: the pipeline
+    ``pool_read`` and ``raykv.ops_pools.PoolCopy`` report theirs alike), worded here: the pipeline
     formats no message and throws nothing for bad input."""
     at, reason = divmod(code, _BAD_ID_REASONS)
     if reason == 1:

@@ -20,6 +20,7 @@ BELOW_SERVICE = {
     "blocks",
     "ops",
     "ops_checks",
+    "ops_pools",
     "ops_reference",
     "ops_threads",
     "tiers",
@@ -34,8 +35,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "ops_checks": BASE | {"ops_reference"},  # ops' argument validation, in a file of its own
     "ops_reference": {"ops_threads"},  # the torch half of ops, in a file of its own
     "ops_threads": set(),  # the host threads ops' host copies (and the hashing) run on
+    "ops_pools": BASE | {"ops", "ops_checks", "ops_reference"},  # block to block, pool to pool
     "tiers": BASE | {"layout", "blocks", "ops", "ops_threads"},
-    "transport": BASE | {"layout", "tiers", "ops", "ops_threads"},
+    "transport": BASE | {"layout", "tiers", "ops", "ops_pools", "ops_threads"},
     "models": BASE | {"layout", "ops"},
     "service": BELOW_SERVICE,
     "client": BELOW_SERVICE | {"service"},

@@ -22,7 +22,7 @@
   runs the same processes with gloo on the CPU (a check of the bench, not a measurement).
 * Peer reads (``raykv.transport.peer_read``, tp 1 rows): A's pool lives in memory B's process
   maps (``raykv.tiers.peer_memory``; shared memory on the CPU); B's kernel copies A's blocks
-  straight into its own with their wire sums (``raykv.ops.PoolCopy``, one extension call) and
+  straight into its own with their wire sums (``raykv.ops_pools.PoolCopy``, one extension call) and
   checks them against the sums A stated. The halves run one after the other, as in the
   service: A takes the sums of its blocks (a block's first read; the holder remembers them
   while the block is valid), then B reads; *peer* is B's read alone (blocks read before),
@@ -164,6 +164,7 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
     import torch.distributed as dist
 
     from raykv import ops
+    from raykv.ops_pools import PoolCopy
     from raykv.transport.collective import Collective, Pair
     from raykv.transport.peer_read import read_blocks, stated_sums
 
@@ -228,9 +229,9 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
 
     # peer reads: A (the holder) states its blocks' sums, B copies them from A's mapped pool
     peer_src = None if a else _open_pool(cfg, device, pickle.loads(store.get(f"peer/{r}")))
-    holder = ops.PoolCopy(entries)  # A: its blocks' sums
-    reader = None if a else ops.PoolCopy(peer_src, entries)  # B: A's blocks into its own
-    stated = [] if a else stated_sums(ops.PoolCopy(peer_src), src_ids)
+    holder = PoolCopy(entries)  # A: its blocks' sums
+    reader = None if a else PoolCopy(peer_src, entries)  # B: A's blocks into its own
+    stated = [] if a else stated_sums(PoolCopy(peer_src), src_ids)
 
     def peer_read() -> Any:
         return read_blocks(reader, src_ids, dst_ids, stated, 120)

@@ -26,8 +26,8 @@ from typing import Any
 
 import ray
 
-from raykv import ops
 from raykv.errors import TransportError
+from raykv.ops_pools import PoolCopy
 from raykv.service.spec import NAMESPACE
 from raykv.transport.collective import (
     TIMEOUT_S,
@@ -86,7 +86,7 @@ class RankCollective:
     # --- peer reads (``raykv.transport.peer_read``) ---
 
     _peers: PeerMaps | None = None
-    _sums_of: list[ops.PoolCopy] | None = None
+    _sums_of: list[PoolCopy] | None = None
 
     def peer_handle(self) -> Any:
         """What another process of this node needs to map this rank's blocks (a CUDA pool's
@@ -106,7 +106,7 @@ class RankCollective:
     def peer_sums(self, gi: int, block_ids: list[int]) -> list[int]:
         """Each block's wire sum, as a peer reader's copy will take it."""
         if self._sums_of is None:
-            self._sums_of = [ops.PoolCopy(e) for e in self.entries]
+            self._sums_of = [PoolCopy(e) for e in self.entries]
         return stated_sums(self._sums_of[gi], block_ids)
 
     async def peer_read(
@@ -123,7 +123,7 @@ class RankCollective:
         copy = copies.get(gi)
         if copy is None:  # the pair of pools checked once, its segment tables kept
             src = peer.entries(self.plan.groups[gi].group_id)
-            copy = copies[gi] = ops.PoolCopy(src, self.entries[gi])
+            copy = copies[gi] = PoolCopy(src, self.entries[gi])
         return await read_blocks(copy, src_ids, dst_ids, sums, TIMEOUT_S)
 
 

@@ -3,11 +3,11 @@
 Between two pools of one host no message needs to cross: the holder's KV is memory the
 reader can map (a CUDA pool's one exportable allocation, ``raykv.tiers.peer_memory``, read
 over NVLink; a CPU pool's ``/dev/shm`` files, ``raykv.tiers.shm``), so the reader's own
-kernel copies block to block (``raykv.ops.copy_between``): one pass over the bytes, no
+kernel copies block to block (``raykv.ops_pools.PoolCopy``): one pass over the bytes, no
 staging, no gather on the holder, no scatter after. The holder takes part only in the
 control call that names the blocks (``raykv.service.pairs``): it holds them (no eviction, no
 rewrite) until the reader releases them or a deadline passes, and states each block's wire
-sum (``raykv.ops.block_sums``). The reader takes the same sums while it copies; only the
+sum (``PoolCopy`` without a destination). The reader takes the same sums while it copies; only the
 leading rows whose sums match become valid, so a block the holder changed after all (its
 hold expired) is a miss, never wrong KV.
 
@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from raykv import ops
 from raykv.errors import TransportError
+from raykv.ops_pools import PoolCopy
 from raykv.tiers.shm import process_alive
 
 PEER = "peer"  # how status names a pair that reads this way
@@ -97,7 +97,7 @@ def leading_equal(got: np.ndarray, sent: Sequence[int]) -> int:
     return int(bad[0]) if bad.size else len(want)
 
 
-def stated_sums(copy: ops.PoolCopy, block_ids: Sequence[int]) -> list[int]:
+def stated_sums(copy: PoolCopy, block_ids: Sequence[int]) -> list[int]:
     """The holder's half: each of its blocks' wire sum (``copy`` has no destination), after
     everything queued on the pool's stream so far, waited for."""
     got = copy.start(block_ids)
@@ -107,7 +107,7 @@ def stated_sums(copy: ops.PoolCopy, block_ids: Sequence[int]) -> list[int]:
 
 
 async def read_blocks(
-    copy: ops.PoolCopy,
+    copy: PoolCopy,
     src_ids: Sequence[int],
     dst_ids: Sequence[int],
     sent_sums: Sequence[int],

@@ -1,4 +1,4 @@
-"""CPU tests of ``raykv.ops.PoolCopy`` (block to block between two pools of one layout, the
+"""CPU tests of ``raykv.ops_pools.PoolCopy`` (block to block between two pools of one layout, the
 peer-read path, and a pool's block sums alone): the torch reference against the byte oracle,
 its sums against the gather's, and bad ids refused before anything moves."""
 
@@ -12,6 +12,7 @@ from paged_copy_cases import DTYPES, kv_entries, oracle_rows
 
 from raykv import ops
 from raykv.errors import InvalidInput
+from raykv.ops_pools import PoolCopy
 
 FAST = settings(max_examples=25, deadline=None)
 layouts = st.fixed_dictionaries(
@@ -50,20 +51,20 @@ def test_pool_copy_moves_exactly_the_listed_blocks_with_the_gathers_sums(case, d
     dst_ids = data.draw(st.permutations(range(case["dst_blocks"])))[:n]
     keep = sorted(set(range(case["dst_blocks"])) - set(dst_ids))
     before, want = oracle_rows(dst, keep), oracle_rows(src, src_ids)
-    sums = ops.PoolCopy(src, dst).start(src_ids, dst_ids)
+    sums = PoolCopy(src, dst).start(src_ids, dst_ids)
     assert oracle_rows(dst, dst_ids) == want
     assert oracle_rows(dst, keep) == before  # nothing else written
     assert sums.tolist() == gathered_sums(src, src_ids)  # what the holder states
-    assert ops.PoolCopy(src).start(src_ids).tolist() == sums.tolist()
+    assert PoolCopy(src).start(src_ids).tolist() == sums.tolist()
 
 
 def test_block_sums_change_with_any_word_of_a_block():
     case = {"kind": "kv", "block_size": 16, "dtype": "u8", "layers": 2, "src_blocks": 4,
             "dst_blocks": 1, "seed": 3}  # fmt: skip
     src, _ = pools(case)
-    before = ops.PoolCopy(src).start([0, 1, 2, 3])
+    before = PoolCopy(src).start([0, 1, 2, 3])
     src[3][2].view(-1)[5] ^= 1  # one bit of block 2, in the second layer's V
-    after = ops.PoolCopy(src).start([0, 1, 2, 3])
+    after = PoolCopy(src).start([0, 1, 2, 3])
     assert [int(a != b) for a, b in zip(before, after, strict=True)] == [0, 0, 1, 0]
 
 
@@ -83,7 +84,7 @@ def test_bad_ids_raise_before_anything_moves(src_ids, dst_ids, match):
     src, dst = pools(case)
     before = oracle_rows(dst, [0, 1, 2])
     with pytest.raises(InvalidInput, match=match):
-        ops.PoolCopy(src, dst).start(src_ids, dst_ids)
+        PoolCopy(src, dst).start(src_ids, dst_ids)
     assert oracle_rows(dst, [0, 1, 2]) == before
 
 
@@ -92,4 +93,4 @@ def test_pools_of_another_layout_are_refused():
             "dst_blocks": 3, "seed": 1}  # fmt: skip
     src, dst = pools(case)
     with pytest.raises(InvalidInput, match="the pools' rows differ"):
-        ops.PoolCopy(src, dst[:-1])
+        PoolCopy(src, dst[:-1])

@@ -1,4 +1,4 @@
-"""The CUDA kernel's block-to-block copy (``raykv.ops.copy_between`` / ``block_sums``) matches
+"""The CUDA kernel's block-to-block copy (``raykv.ops_pools.PoolCopy``, and its sums alone) matches
 the torch reference bit for bit, its sums included; and an exportable pool's memory, mapped
 again in this process (``raykv.tiers.peer_memory``), reads back the owner's bytes."""
 
@@ -7,6 +7,7 @@ import torch
 from paged_copy_cases import DTYPES, kv_entries, oracle_rows
 
 from raykv import ops
+from raykv.ops_pools import PoolCopy
 
 pytestmark = pytest.mark.gpu
 
@@ -21,12 +22,12 @@ def test_kernel_pool_copy_matches_the_reference(kind, dtype) -> None:
     ref_src, ref_dst = [e.cpu() for e in src], [e.cpu() for e in dst]
     src_ids = torch.randperm(40, generator=gen)[:20].tolist()
     dst_ids = torch.randperm(30, generator=gen)[:20].tolist()
-    sums = ops.PoolCopy(src, dst).start(src_ids, dst_ids)
-    ref = ops.PoolCopy(ref_src, ref_dst).start(src_ids, dst_ids)
+    sums = PoolCopy(src, dst).start(src_ids, dst_ids)
+    ref = PoolCopy(ref_src, ref_dst).start(src_ids, dst_ids)
     torch.cuda.synchronize()
     assert oracle_rows(dst, list(range(30))) == oracle_rows(ref_dst, list(range(30)))
     assert sums.tolist() == ref.tolist()
-    alone = ops.PoolCopy(src).start(src_ids)
+    alone = PoolCopy(src).start(src_ids)
     torch.cuda.synchronize()
     assert alone.tolist() == ref.tolist()
 
@@ -41,7 +42,7 @@ def test_kernel_pool_copy_refuses_bad_ids_as_raykv_errors() -> None:
     for src_ids, dst_ids, match in (([0, 8], [1, 2], "outside"), ([0, 1], [3, 3], "more than once"),
                                     (["x", 1], [1, 2], "not an int")):  # fmt: skip
         with pytest.raises(InvalidInput, match=match):
-            ops.PoolCopy(src, dst).start(src_ids, dst_ids)
+            PoolCopy(src, dst).start(src_ids, dst_ids)
     torch.cuda.synchronize()
     assert oracle_rows(dst, list(range(8))) == before
 

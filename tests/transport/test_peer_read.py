@@ -7,7 +7,7 @@ import multiprocessing as mp
 
 import torch
 
-from raykv import ops
+from raykv.ops_pools import PoolCopy
 from raykv.tiers import shm
 from raykv.transport.peer_read import PeerMaps, leading_equal, owner_pid, read_blocks, stated_sums
 
@@ -29,8 +29,8 @@ def test_a_reader_copies_a_live_holders_blocks_and_drops_the_mapping_once_it_is_
     maps = PeerMaps(lambda h: [shm.attach(s) for s in h])
     (src,) = maps.get([spec])
     mine = torch.zeros(8, 256, dtype=torch.uint8)
-    stated = stated_sums(ops.PoolCopy([src]), [3, 9, 12])
-    copy = ops.PoolCopy([src], [mine])
+    stated = stated_sums(PoolCopy([src]), [3, 9, 12])
+    copy = PoolCopy([src], [mine])
     got = asyncio.run(read_blocks(copy, [3, 9, 12], [0, 5, 2], stated, 5.0))
     assert got == 3
     assert [mine[i].tolist() for i in (0, 5, 2)] == [src[b].tolist() for b in (3, 9, 12)]
