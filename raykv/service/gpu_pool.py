@@ -509,7 +509,8 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
     async def kv_share(self, client: str) -> tuple[str, list[Any]]:
         """Rank 0's KV tensors for an engine process of this node (``Client.pool_kv``):
         ("shm", ``SharedSpec``s) on a CPU device (/dev/shm files, ``GpuKV.attach``), else
-        ("cuda_ipc", torch's CUDA IPC handles, ``GpuKV.open_handles``)."""
+        ("cuda_ipc", torch's CUDA IPC handles, or with peer reads on the pool's ``PeerSpec``:
+        ``GpuKV.open_handles`` opens either)."""
         kv = self.local.kv  # ``client``: the caller, as every pool call names it
         if kv.device.type == "cuda":
             return "cuda_ipc", kv.share_handles()
