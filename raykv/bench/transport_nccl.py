@@ -113,14 +113,9 @@ def _shared_pool(cfg: NcclConfig, device: torch.device, seed: int):
 
 def _open_pool(cfg: NcclConfig, device: torch.device, handle) -> list[torch.Tensor]:
     """The holder's entries mapped here (``_shared_pool``'s handle)."""
-    from raykv.tiers import shm
+    from raykv.tiers.peer_memory import open_tensors
 
-    if isinstance(handle, list):
-        raws = [shm.attach(spec) for spec in handle]
-    else:
-        from raykv.tiers.peer_memory import open_peer
-
-        raws = open_peer(handle, device)
+    raws = open_tensors(handle, device)
     shape = (2, cfg.num_blocks, cfg.block_size, cfg.kv_heads, 2 * cfg.head_dim)
     out = []
     for raw in raws:

@@ -238,9 +238,9 @@ class GpuKV:
     def attach(cls, plan: Plan, specs: Sequence) -> GpuKV:
         """Map the tensors another process of this node allocated with ``shared=True`` on
         CPU: the same layout, the same bytes (block ids are the owner's)."""
-        from raykv.tiers import shm
+        from raykv.tiers import peer_memory
 
-        kv = cls._of_raw(plan, [shm.attach(s) for s in specs])
+        kv = cls._of_raw(plan, peer_memory.open_tensors(list(specs), torch.device("cpu")))
         kv.shared_specs = tuple(specs)
         return kv
 
@@ -279,7 +279,7 @@ class GpuKV:
             return cls.attach(plan, handles)
         if isinstance(handles, peer_memory.PeerSpec):
             device = torch.device("cuda", torch.cuda.current_device())
-            return cls._of_raw(plan, peer_memory.open_peer(handles, device))
+            return cls._of_raw(plan, peer_memory.open_tensors(handles, device))
         return cls._of_raw(plan, [fn(*args) for fn, args in handles])
 
     @classmethod

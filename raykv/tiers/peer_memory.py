@@ -150,3 +150,13 @@ def open_peer(spec: PeerSpec, device: torch.device) -> list[torch.Tensor]:
     except RuntimeError as e:
         raise TransportError(f"peer memory: cannot map {spec.socket} here ({e})") from e
     return carve(buf, spec.tensors)
+
+
+def open_tensors(handle: PeerSpec | list, device: torch.device) -> list[torch.Tensor]:
+    """The raw tensors another process of this host shares, mapped here: a ``PeerSpec``
+    (``open_peer``, for ``device``) or a CPU pool's ``SharedSpec`` list (``/dev/shm``)."""
+    if isinstance(handle, PeerSpec):
+        return open_peer(handle, device)
+    from raykv.tiers import shm
+
+    return [shm.attach(spec) for spec in handle]
