@@ -16,6 +16,7 @@
 #include <dlfcn.h>
 #include <torch/extension.h>
 
+#include <cstring>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -105,26 +106,26 @@ bool available() { return nccl().send != nullptr && nccl().recv != nullptr; }
 enum BadId : int64_t { kIdOk = 0, kIdNotInt = 1, kIdOutside = 2, kIdTwice = 3 };
 constexpr int64_t kBadIdReasons = 4;
 
-// A batch's block ids, read straight from the caller's Python sequence into pinned memory
-// (`extra` more int64 slots behind them) in one pass, each checked as it is read: an int, a
-// block of the pool, and where the ids are written (`distinct`) not seen before in the batch.
-// `bad` is set to the code of the first bad id (else -1), before anything is enqueued. The
-// memory comes from torch's caching host allocator (a few us; a std::vector and a torch copy_
-// cost ~20 us more per batch and end).
-torch::Tensor pinned_ids(const pybind11::handle& seq, int64_t extra, int64_t num_blocks,
-                         bool distinct, int64_t& bad) {
+// A batch's block ids, read straight from the caller's Python sequence into `out` (pinned
+// memory) in one pass, each checked as it is read: an int, a block of the pool, and where the
+// ids are written (`distinct`) not seen before in the batch. Returns how many there were (-1
+// if `seq` is no sequence); `bad` is set to the code of the first bad id (else -1), before
+// anything is enqueued. `capacity`: the most `out` holds (-1: the caller sized it by `seq`).
+int64_t read_ids(const pybind11::handle& seq, int64_t* out, int64_t capacity, int64_t num_blocks,
+                 bool distinct, int64_t& bad) {
   bad = -1;
   PyObject* fast = PySequence_Fast(seq.ptr(), "block ids must be a sequence of ints");
   if (fast == nullptr) {
     PyErr_Clear();
     bad = kIdNotInt;  // position 0
-    return {};
+    return -1;
   }
   const pybind11::object items = pybind11::reinterpret_steal<pybind11::object>(fast);
   const int64_t n = PySequence_Fast_GET_SIZE(fast);
+  if (capacity >= 0 && n > capacity) {
+    fail(std::to_string(n) + " ids where " + std::to_string(capacity) + " fit");
+  }
   PyObject** item = PySequence_Fast_ITEMS(fast);
-  torch::Tensor host = torch::empty({n + extra}, torch::dtype(torch::kLong).pinned_memory(true));
-  int64_t* out = host.data_ptr<int64_t>();
   // distinct: one bit per block of the pool, set as ids are read and cleared again before
   // returning (this thread's, so a batch costs O(n), not a sort)
   thread_local std::vector<uint64_t> seen;
@@ -151,6 +152,26 @@ torch::Tensor pinned_ids(const pybind11::handle& seq, int64_t extra, int64_t num
     out[i] = id;
   }
   for (int64_t j = 0; distinct && j < i; ++j) seen[out[j] >> 6] &= ~(1ULL << (out[j] & 63));
+  return n;
+}
+
+torch::Tensor pinned(int64_t count) {
+  return torch::empty({count}, torch::dtype(torch::kLong).pinned_memory(true));
+}
+
+// `read_ids` into fresh pinned memory (`extra` more int64 slots behind the ids), from torch's
+// caching host allocator (a few us; a std::vector and a torch copy_ cost ~20 us more per batch
+// and end); an empty tensor where `bad` is set.
+torch::Tensor pinned_ids(const pybind11::handle& seq, int64_t extra, int64_t num_blocks,
+                         bool distinct, int64_t& bad) {
+  const Py_ssize_t n = PySequence_Check(seq.ptr()) ? PySequence_Size(seq.ptr()) : -1;
+  if (n < 0) {
+    PyErr_Clear();
+    bad = kIdNotInt;
+    return {};
+  }
+  torch::Tensor host = pinned(n + extra);
+  read_ids(seq, host.data_ptr<int64_t>(), n, num_blocks, distinct, bad);
   return bad < 0 ? host : torch::Tensor();
 }
 
@@ -309,53 +330,67 @@ pybind11::object recv(int64_t comm, int64_t peer, const torch::Tensor& segs,
 // destination ids, checked distinct; dst_ids None: the sums alone) read from the Python
 // sequences into pinned memory, checked as for the pipeline above, uploaded, then the
 // block-to-block copy with each row's wire sum (raykv_pool_copy) on the current stream and
-// the sums back behind the ids. Returns that pinned int64 [2n] tensor (the sums in [n, 2n),
-// valid once the stream passes this point), or (side, code) for the first bad id: side 0 the
-// source ids, 1 the destination ids; code as wire_send's. Nothing is enqueued for bad ids.
+// the sums back behind the ids. Returns that pinned int64 tensor (its last n: the sums, valid
+// once the stream passes this point; `done_event`, unless 0, a cudaEvent_t recorded behind it
+// all), or (side, code) for the first bad id: side 0 the source ids, 1 the destination ids;
+// code as wire_send's. Nothing is enqueued for bad ids.
 pybind11::object pool_read(const torch::Tensor& src_segs, const torch::Tensor& dst_segs,
                            const pybind11::handle& src_ids, const pybind11::handle& dst_ids,
-                           int64_t num_src, int64_t num_dst, int64_t num_ctas) {
+                           int64_t num_src, int64_t num_dst, int64_t num_ctas,
+                           int64_t done_event) {
   const bool store = !dst_ids.is_none();
   raykv::require(src_segs.is_cuda() && src_segs.scalar_type() == torch::kInt64 &&
                      src_segs.is_contiguous() && src_segs.dim() == 2 && src_segs.size(1) == 4 &&
                      (!store || (dst_segs.is_cuda() && dst_segs.scalar_type() == torch::kInt64 &&
                                  dst_segs.is_contiguous() && dst_segs.sizes() == src_segs.sizes())),
                  "pool_read: segment tables must be contiguous CUDA int64 [S, 4], one S");
-  const Py_ssize_t n = PySequence_Size(src_ids.ptr());
+  const Py_ssize_t n = PySequence_Check(src_ids.ptr()) ? PySequence_Size(src_ids.ptr()) : -1;
   if (n < 0) {
     PyErr_Clear();
     return pybind11::make_tuple(0, static_cast<int64_t>(kIdNotInt));
   }
+  // One pinned buffer [source ids | destination ids | zeros for the sums | the sums]: its
+  // first three parts go up in one copy (no separate upload per side, no memset: each small
+  // operation on the stream costs a few us of GPU time before the copy can start), the sums
+  // come back behind them.
+  const int64_t k = store ? 2 : 1;
+  torch::Tensor host = pinned((k + 2) * n);
+  int64_t* h = host.data_ptr<int64_t>();
   int64_t bad = -1;
-  torch::Tensor host = pinned_ids(src_ids, n, num_src, false, bad);  // n slots for the sums
-  if (bad >= 0) return pybind11::make_tuple(0, bad);
-  torch::Tensor targets;
+  if (read_ids(src_ids, h, n, num_src, false, bad) < 0 || bad >= 0) {
+    return pybind11::make_tuple(0, bad >= 0 ? bad : static_cast<int64_t>(kIdNotInt));
+  }
   if (store) {
-    targets = pinned_ids(dst_ids, 0, num_dst, true, bad);
-    if (bad >= 0) return pybind11::make_tuple(1, bad);
+    const int64_t got = read_ids(dst_ids, h + n, n, num_dst, true, bad);
+    if (got < 0 || bad >= 0) {
+      return pybind11::make_tuple(1, bad >= 0 ? bad : static_cast<int64_t>(kIdNotInt));
+    }
+    if (got != n) fail("pool_read: " + std::to_string(n) + " source ids but " +
+                       std::to_string(got) + " destination ids");
   }
   if (n == 0) return pybind11::cast(host);
+  std::memset(h + k * n, 0, n * sizeof(int64_t));
   const c10::cuda::CUDAGuard guard(src_segs.device());
   const c10::DeviceIndex device = src_segs.device().index();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-  const int64_t k = store ? 2 : 1;  // id rows on the device, then the sums
   torch::Tensor scratch = torch::empty({(k + 1) * n}, src_segs.options());
   int64_t* ids = scratch.data_ptr<int64_t>();
   int64_t* sums = ids + k * n;
-  upload(host, n, ids, stream);
-  if (store) upload(targets, n, ids + n, stream);
-  check_cuda(cudaMemsetAsync(sums, 0, n * sizeof(int64_t), stream), "cudaMemsetAsync");
+  upload(host, (k + 1) * n, ids, stream);
   const cudaError_t err = static_cast<cudaError_t>(raykv_pool_copy(
       reinterpret_cast<const RaykvSegment*>(src_segs.data_ptr<int64_t>()),
       store ? reinterpret_cast<const RaykvSegment*>(dst_segs.data_ptr<int64_t>()) : nullptr,
       static_cast<int>(src_segs.size(0)), ids, store ? ids + n : nullptr, n,
       static_cast<int>(num_ctas), reinterpret_cast<unsigned long long*>(sums), stream));
   check_cuda(err, "pool_copy launch");
-  check_cuda(cudaMemcpyAsync(host.data_ptr<int64_t>() + n, sums, n * sizeof(int64_t),
+  check_cuda(cudaMemcpyAsync(h + (k + 1) * n, sums, n * sizeof(int64_t),
                              cudaMemcpyDeviceToHost, stream),
              "cudaMemcpyAsync");
+  if (done_event != 0) {  // the caller's event (a torch.cuda.Event's cuda_event) behind it all
+    check_cuda(cudaEventRecord(reinterpret_cast<cudaEvent_t>(done_event), stream),
+               "cudaEventRecord");
+  }
   keep_until_done(host, stream, device);
-  if (store) keep_until_done(targets, stream, device);
   return pybind11::cast(host);
 }
 
@@ -371,6 +406,7 @@ void register_wire_pipeline(pybind11::module& m) {
         "intact rows, or the first bad id's code as wire_send returns it");
   m.def("pool_read", &pool_read, py::arg("src_segs"), py::arg("dst_segs"), py::arg("src_ids"),
         py::arg("dst_ids"), py::arg("num_src"), py::arg("num_dst"), py::arg("num_ctas"),
-        "enqueue a peer read's block-to-block copy with sums (one host call): pinned [ids | "
-        "sums], or (side, code) of the first bad id");
+        py::arg("done_event") = 0,
+        "enqueue a peer read's block-to-block copy with sums (one host call): pinned memory "
+        "ending in the n sums, or (side, code) of the first bad id");
 }

@@ -54,6 +54,7 @@ class PoolCopy:
                     f"{self.what}: the source is on {self.device} but the destination on "
                     f"{self.dst[0].device}; map the source into the destination's device"
                 )
+        self._events: list[torch.cuda.Event] = []  # events whose last record has passed
         self._module = None
         module = _load() if self.device.type == "cuda" else None
         if (
@@ -69,25 +70,31 @@ class PoolCopy:
                 )  # fmt: skip
             self._module = module
 
-    def start(self, src_ids: Sequence[int], dst_ids: Sequence[int] | None = None) -> torch.Tensor:
+    def start(
+        self,
+        src_ids: Sequence[int],
+        dst_ids: Sequence[int] | None = None,
+        done: torch.cuda.Event | None = None,
+    ) -> torch.Tensor:
         """Checks and enqueues one batch on the current stream: block ``dst_ids[i]`` = block
         ``src_ids[i]`` (no ``dst_ids`` without a destination: nothing is written). Returns
         the rows' sums, int64 ``[n]`` (on a GPU in pinned host memory, valid once the stream
-        passes this point). InvalidInput naming the id, its position and the pool's size
-        where an id is not an int, lies outside its pool or is written twice, or the counts
-        differ; nothing is enqueued then."""
+        passes this point; ``done``, an ``event()``, is recorded there). InvalidInput naming
+        the id, its position and the pool's size where an id is not an int, lies outside its
+        pool or is written twice, or the counts differ; nothing is enqueued then."""
         n = len(src_ids)
         if (self.dst is None) != (dst_ids is None) or (dst_ids is not None and len(dst_ids) != n):
             got = "no" if dst_ids is None else len(dst_ids)
             raise InvalidInput(f"{self.what}: {n} source ids but {got} destination ids")
         if self._module is not None:
             out = self._module.pool_read(self._src_table, self._dst_table, src_ids, dst_ids,
-                                         self.num_src, self.num_dst, _CTAS)  # fmt: skip
+                                         self.num_src, self.num_dst, _CTAS,
+                                         done.cuda_event if done is not None else 0)  # fmt: skip
             if isinstance(out, tuple):
                 side, code = out
                 ids, size = (src_ids, self.num_src) if side == 0 else (dst_ids, self.num_dst)
                 raise bad_ids(f"{self.what} ({('source', 'destination')[side]})", ids, size, code)
-            return out[n:]
+            return out[len(out) - n :]
         for side, (ids, size) in enumerate(((src_ids, self.num_src), (dst_ids, self.num_dst))):
             code = _first_bad(ids, size, distinct=side == 1) if ids is not None else -1
             if code >= 0:
@@ -100,6 +107,20 @@ class PoolCopy:
             if self.dst is not None:
                 _scatter_reference(rows, self.dst, torch.tensor(dst_ids, device=self.device))
         return sums
+
+    def event(self) -> torch.cuda.Event:
+        """A CUDA event for ``start``'s ``done``, which the kernel's call records behind its
+        batch on the stream the batch went to (no stream lookup, no fresh event per batch:
+        ~9 us of Python, measured against a 0.14 ms read of 32 MiB); ``reuse`` it once it
+        has passed."""
+        if self._events:
+            return self._events.pop()
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))  # creates its cudaEvent_t here
+        return done
+
+    def reuse(self, done: torch.cuda.Event) -> None:
+        self._events.append(done)
 
 
 def _first_bad(ids: Sequence[int], num_blocks: int, distinct: bool) -> int:

@@ -24,6 +24,7 @@ import os
 import time
 from typing import Any
 
+import numpy as np
 import ray
 
 from raykv.errors import TransportError
@@ -103,14 +104,14 @@ class RankCollective:
             await asyncio.sleep(SWEEP_S)
             peers.sweep()
 
-    def peer_sums(self, gi: int, block_ids: list[int]) -> list[int]:
+    def peer_sums(self, gi: int, block_ids: list[int]) -> np.ndarray:
         """Each block's wire sum, as a peer reader's copy will take it."""
         if self._sums_of is None:
             self._sums_of = [PoolCopy(e) for e in self.entries]
         return stated_sums(self._sums_of[gi], block_ids)
 
     async def peer_read(
-        self, gi: int, handle: Any, src_ids: list[int], dst_ids: list[int], sums: list[int]
+        self, gi: int, handle: Any, src_ids: list[int], dst_ids: list[int], sums: np.ndarray
     ) -> int:
         """Copy a peer's blocks (``handle``: its ``peer_handle``) into ours; how many leading
         ones arrived as the peer stated them."""
@@ -239,7 +240,7 @@ class CollectivePlane:
         if new:  # first export of these blocks: every writer rank states their sums once
             handles = self._ranks()
 
-            async def here() -> list[int]:
+            async def here() -> np.ndarray:
                 return self.local.peer_sums(gi, new)
 
             try:
@@ -256,7 +257,10 @@ class CollectivePlane:
             if any(b not in self.wire_sums for b in blocks):  # invalidated meanwhile: a miss
                 await self.release_peer_hold(token)
                 return None
-        wire = [[self.wire_sums[b][c] for b in blocks] for c in range(len(self.writers))]
+        wire = [
+            np.fromiter((self.wire_sums[b][c] for b in blocks), np.int64, len(blocks))
+            for c in range(len(self.writers))
+        ]  # int64 arrays: the readers compare them as they are
         self.metrics.hit(model, GPU, len(blocks))
         self.metrics.moved(model, GPU, len(blocks) * self.widths[gi] * len(self.writers))
         return {

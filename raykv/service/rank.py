@@ -151,7 +151,7 @@ class RankPool:
     def peer_handle(self) -> Any:
         return self.kv.peer_handle()
 
-    def peer_sums(self, gi: int, block_ids: list[int]) -> list[int]:
+    def peer_sums(self, gi: int, block_ids: list[int]) -> np.ndarray:
         return self.kv.peer_sums(gi, block_ids)
 
     async def peer_read(
