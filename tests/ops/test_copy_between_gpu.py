@@ -32,6 +32,31 @@ def test_kernel_pool_copy_matches_the_reference(kind, dtype) -> None:
     assert alone.tolist() == ref.tolist()
 
 
+def test_the_done_event_passes_behind_the_sums_and_is_reused() -> None:
+    """``start``'s ``done`` event, recorded by the extension call, passes only once the
+    batch's copy and its sums are in (the peer reader waits on nothing else); the copy hands
+    the same event out again once it is given back."""
+    gen = torch.Generator().manual_seed(11)
+    src, _ = kv_entries("kv", 600, 16, torch.bfloat16, 4, gen, device="cuda")
+    dst, _ = kv_entries("kv", 600, 16, torch.bfloat16, 4, gen, device="cuda")
+    ref_src = [e.cpu() for e in src]
+    copy = PoolCopy(src, dst)
+    first = None
+    for seed in range(3):
+        ids = torch.randperm(600, generator=torch.Generator().manual_seed(seed))[:512].tolist()
+        torch.cuda._sleep(2_000_000)  # the batch queues behind ~1 ms of GPU work
+        done = copy.event()
+        first = done if first is None else first
+        assert done is first  # one event, batch after batch
+        sums = copy.start(ids, ids, done)
+        assert not done.query()
+        done.synchronize()
+        ref = PoolCopy(ref_src).start(ids)
+        assert sums.tolist() == ref.tolist()  # read without any other wait
+        assert oracle_rows(dst, ids) == oracle_rows(ref_src, ids)
+        copy.reuse(done)
+
+
 def test_kernel_pool_copy_refuses_bad_ids_as_raykv_errors() -> None:
     from raykv.errors import InvalidInput
 

@@ -5,6 +5,7 @@ sums equal the holder's statement; mappings of holders that are gone are dropped
 import asyncio
 import multiprocessing as mp
 
+import numpy as np
 import torch
 
 from raykv.ops_pools import PoolCopy
@@ -30,6 +31,7 @@ def test_a_reader_copies_a_live_holders_blocks_and_drops_the_mapping_once_it_is_
     (src,) = maps.get([spec])
     mine = torch.zeros(8, 256, dtype=torch.uint8)
     stated = stated_sums(PoolCopy([src]), [3, 9, 12])
+    assert stated.dtype == np.int64 and stated.shape == (3,)  # compared as it is, no conversion
     copy = PoolCopy([src], [mine])
     got = asyncio.run(read_blocks(copy, [3, 9, 12], [0, 5, 2], stated, 5.0))
     assert got == 3
@@ -47,3 +49,5 @@ def test_leading_equal_counts_until_the_first_difference():
     assert leading_equal(torch.tensor([1, 2, 3]).numpy(), [1, 2, 3]) == 3
     assert leading_equal(torch.tensor([1, 5, 3]).numpy(), [1, 2, 3]) == 1
     assert leading_equal(torch.tensor([], dtype=torch.int64).numpy(), []) == 0
+    sent = np.array([1, 2, 4], dtype=np.int64)  # the holder's stated sums as they arrive
+    assert leading_equal(torch.tensor([1, 2, 3]).numpy(), sent) == 2
