@@ -158,35 +158,37 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Resident CTAs per SM x SMs, per device and kernel variant, computed once (device attributes
-// cost a driver call).
-template <bool kGather, bool kSum>
-int full_grid(int device) {
-  static int cached[64] = {};
-  if (device < 0 || device >= 64) return 1024;
-  int& slot = cached[device];
-  if (slot == 0) {
-    int sms = 0, per_sm = 0;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, paged_copy_kernel<kGather, kSum>,
-                                                  kThreads, 0);
-    slot = (sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
+// The grid for `total` work items of `kKernel`: `num_ctas`, or where that is <= 0 every CTA
+// that fits at once (resident CTAs per SM x SMs, per device and kernel variant, computed
+// once: device attributes cost a driver call). 0 with the error where the device is unknown.
+template <auto kKernel>
+cudaError_t grid_for(int num_ctas, int64_t total, unsigned& grid) {
+  if (num_ctas <= 0) {
+    static int cached[64] = {};
+    int device = 0;
+    const cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    int& slot = cached[device >= 0 && device < 64 ? device : 0];
+    if (slot == 0) {
+      int sms = 0, per_sm = 0;
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, 0);
+      slot = (sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
+    }
+    num_ctas = slot;
   }
-  return slot;
+  grid = static_cast<unsigned>(total < num_ctas ? total : num_ctas);
+  return cudaSuccess;
 }
 
 template <bool kGather, bool kSum>
 cudaError_t launch(int num_ctas, cudaStream_t stream, const RaykvSegment* segs, int num_segs,
                    const int64_t* block_ids, int64_t num_rows, char* rows, int64_t row_bytes,
                    unsigned long long* sums) {
-  if (num_ctas <= 0) {
-    int device = 0;
-    const cudaError_t err = cudaGetDevice(&device);
-    if (err != cudaSuccess) return err;
-    num_ctas = full_grid<kGather, kSum>(device);
-  }
-  const int64_t total = num_rows * num_segs;
-  const unsigned grid = static_cast<unsigned>(total < num_ctas ? total : num_ctas);
+  unsigned grid = 0;
+  const cudaError_t err =
+      grid_for<paged_copy_kernel<kGather, kSum>>(num_ctas, num_rows * num_segs, grid);
+  if (err != cudaSuccess) return err;
   paged_copy_kernel<kGather, kSum>
       <<<grid, kThreads, 0, stream>>>(segs, num_segs, block_ids, num_rows, rows, row_bytes, sums);
   return cudaGetLastError();
@@ -243,23 +245,10 @@ template <bool kSum, bool kStore>
 cudaError_t launch_pool(int num_ctas, cudaStream_t stream, const RaykvSegment* src_segs,
                         const RaykvSegment* dst_segs, int num_segs, const int64_t* src_ids,
                         const int64_t* dst_ids, int64_t num_rows, unsigned long long* sums) {
-  if (num_ctas <= 0) {  // resident CTAs per SM x SMs, per device and variant, computed once
-    static int cached[64] = {};
-    int device = 0;
-    const cudaError_t err = cudaGetDevice(&device);
-    if (err != cudaSuccess) return err;
-    int& slot = cached[device >= 0 && device < 64 ? device : 0];
-    if (slot == 0) {
-      int sms = 0, per_sm = 0;
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, pool_copy_kernel<kSum, kStore>,
-                                                    kThreads, 0);
-      slot = (sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
-    }
-    num_ctas = slot;
-  }
-  const int64_t total = num_rows * num_segs;
-  const unsigned grid = static_cast<unsigned>(total < num_ctas ? total : num_ctas);
+  unsigned grid = 0;
+  const cudaError_t err =
+      grid_for<pool_copy_kernel<kSum, kStore>>(num_ctas, num_rows * num_segs, grid);
+  if (err != cudaSuccess) return err;
   pool_copy_kernel<kSum, kStore><<<grid, kThreads, 0, stream>>>(src_segs, dst_segs, num_segs,
                                                                 src_ids, dst_ids, num_rows, sums);
   return cudaGetLastError();
