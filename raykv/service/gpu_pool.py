@@ -373,6 +373,7 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
             return StoreResult(0, num_written, skipped)
         stored, removed = self._validate(rid, written)
         await self.publish(self.model.name, stored, removed)
+        self._sum_soon(stored)
         if offload and self._live(rid, gen):
             keys = self._keys(rid)
             await self._offload(complete_chunks(self.plan, self.bm.block_table(rid), keys))
@@ -456,7 +457,9 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         finally:
             await self._done_writing(busy)
         written = [[b for b in t if b in filled] for t in into_tables]
-        await self.publish(self.model.name, *self._validate(rid, written))
+        valid, removed = self._validate(rid, written)
+        await self.publish(self.model.name, valid, removed)
+        self._sum_soon(valid)
 
         def backed(gi: int, j: int) -> bool:
             b = tables[gi][j]

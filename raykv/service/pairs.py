@@ -145,8 +145,9 @@ class CollectivePlane:
             layout = (self.model.name, len(self.copy_of), *self.widths)
             self.transports[PEER] = PeerTransport(self.node_id, layout)
         self._holds: dict[int, tuple[list[int], float]] = {}
-        # valid block -> its wire sum per copy, taken at its first peer export (its bytes
-        # cannot change while it stays valid; dropped with it, ``_invalidate``)
+        # valid block -> its wire sum per copy, taken when it became valid (``_sum_soon``) or
+        # at its first peer export (its bytes cannot change while it stays valid; dropped
+        # with it, ``_invalidate``)
         self.wire_sums: dict[int, tuple[int, ...]] = {}
         self._hold_seq = 0
         self._peer_handles: list[Any] | None = None
@@ -237,23 +238,12 @@ class CollectivePlane:
         gi = self.gindex[key_group(keys[0])]
         stored = [[self.sums[b][c] for b in blocks] for c in range(len(self.writers))]
         new = [b for b in blocks if b not in self.wire_sums]
-        if new:  # first export of these blocks: every writer rank states their sums once
-            handles = self._ranks()
-
-            async def here() -> np.ndarray:
-                return self.local.peer_sums(gi, new)
-
+        if new:  # not summed since they became valid (``_sum_soon``): the ranks state them now
             try:
-                per_copy = await asyncio.gather(*(
-                    here() if w == 0 else handles[w - 1].peer_sums.remote(gi, new)
-                    for w in self.writers
-                ))  # fmt: skip
+                await self._take_wire_sums(gi, new)
             except BaseException:
                 await self.release_peer_hold(token)
                 raise
-            for j, b in enumerate(new):
-                if b in self.key_of:  # still valid after the await
-                    self.wire_sums[b] = tuple(c[j] for c in per_copy)
             if any(b not in self.wire_sums for b in blocks):  # invalidated meanwhile: a miss
                 await self.release_peer_hold(token)
                 return None
@@ -267,6 +257,49 @@ class CollectivePlane:
             "blocks": blocks, "stored": stored, "wire": wire, "hold": token,
             "handles": [self._peer_handles[w] for w in self.writers],
         }  # fmt: skip
+
+    async def _take_wire_sums(self, gi: int, blocks: list[int]) -> None:
+        """Every writer rank states the wire sums of ``blocks`` (held by the caller: their
+        bytes cannot change meanwhile), remembered for those still valid after the await."""
+        handles = self._ranks()
+
+        async def here() -> np.ndarray:
+            return self.local.peer_sums(gi, blocks)
+
+        per_copy = await asyncio.gather(*(
+            here() if w == 0 else handles[w - 1].peer_sums.remote(gi, blocks)
+            for w in self.writers
+        ))  # fmt: skip
+        for j, b in enumerate(blocks):
+            if b in self.key_of:
+                self.wire_sums[b] = tuple(c[j] for c in per_copy)
+
+    def _sum_soon(self, valid: list[tuple[bytes, int]]) -> None:
+        """Blocks that just became valid (``(key, block)``): where pools of this node read
+        each other in place, their wire sums are taken now, in the background, each group's
+        blocks held meanwhile, so a peer's first read of them waits for no pass over the
+        holder's blocks (and, under TP, no call to its other ranks)."""
+        if PEER not in self.transports or not valid:
+            return
+        from raykv.service.groups import key_group
+
+        by_group: dict[int, list[int]] = {}
+        for key, b in valid:
+            by_group.setdefault(self.gindex[key_group(key)], []).append(b)
+        for gi, blocks in by_group.items():
+            self.bm.pool.touch(blocks)  # before anything awaits: nothing can take them now
+
+            async def take(gi: int = gi, blocks: list[int] = blocks) -> None:
+                try:
+                    await self._take_wire_sums(gi, blocks)
+                except Exception as e:  # a first export takes them then
+                    log.warning("pool %s: wire sums of %d blocks: %s", self.name, len(blocks), e)
+                finally:
+                    self.bm.pool.free(blocks)
+
+            task = asyncio.ensure_future(take())
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
 
     async def release_peer_hold(self, token: int) -> None:
         """A peer reader is done with the blocks of hold ``token`` (a no-op once expired)."""

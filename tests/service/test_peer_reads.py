@@ -65,6 +65,25 @@ def holder_state(ray_cluster):
     return a, ray.get(a.__ray_call__.remote(lambda s: (len(s._holds), s.bm.pool.num_used_blocks)))
 
 
+def summed(holder, ids, n: int) -> tuple[list[int], bool]:
+    """The holder's blocks for the first ``n`` full blocks of ``ids``, and whether their wire
+    sums (taken in the background when they became valid) are in, waited for up to 10 s."""
+
+    def look(self, ids, n):
+        from raykv.service.groups import group_keys
+
+        keys = group_keys(self.plan, self.bm.hasher.hash_blocks(ids))[0][:n]
+        blocks = [self.valid[k] for k in keys]
+        return blocks, all(b in self.wire_sums for b in blocks)
+
+    deadline = time.monotonic() + 10
+    while True:
+        blocks, done = ray.get(holder.__ray_call__.remote(look, ids, n))
+        if done or time.monotonic() > deadline:
+            return blocks, done
+        time.sleep(0.02)
+
+
 def test_two_pools_of_one_node_read_in_place_and_release_the_hold(ray_cluster, two_pools):
     a, b, _ = two_pools
     ids, data = tokens(8 * BS + 1, 1), rows(8, 2)
@@ -87,20 +106,14 @@ def test_a_block_stated_wrongly_is_a_counted_miss(ray_cluster, two_pools):
     ids, data = tokens(6 * BS + 1, 3), rows(6, 4)
     publish(a, "w2", ids, data, 6)
     holder, _ = holder_state(ray_cluster)
+    blocks, done = summed(holder, ids, 6)
+    assert done
     valid = ray.get(holder.__ray_call__.remote(lambda s: len(s.valid)))
 
-    def misstate(self):  # the holder's sums for its 4th block of the batch are off by one
-        real = self.local.peer_sums
+    def misstate(self, block):  # the holder states the 4th block's sum off by one
+        self.wire_sums[block] = tuple(x + 1 for x in self.wire_sums[block])
 
-        def wrong(gi, blocks):
-            sums = real(gi, blocks)
-            if len(sums) > 3:
-                sums[3] += 1
-            return sums
-
-        self.local.peer_sums = wrong
-
-    ray.get(holder.__ray_call__.remote(misstate))
+    ray.get(holder.__ray_call__.remote(misstate, blocks[3]))
     assert b.admit("r2", len(ids), ids)
     table = b.allocate("r2", len(ids), ids)[0]
     res = b.load("r2", ids, into=table[:6])
@@ -109,6 +122,36 @@ def test_a_block_stated_wrongly_is_a_counted_miss(ray_cluster, two_pools):
     b.free("r2")
     # the reader told the holder: the misstated block is unpublished there (a miss from now)
     assert ray.get(holder.__ray_call__.remote(lambda s: len(s.valid))) == valid - 1
+
+
+def test_blocks_are_summed_when_they_become_valid_so_a_first_read_asks_no_rank(
+    ray_cluster, two_pools
+):
+    a, b, _ = two_pools
+    ids, data = tokens(5 * BS + 1, 7), rows(5, 8)
+    publish(a, "w4", ids, data, 5)
+    holder, _ = holder_state(ray_cluster)
+    _, done = summed(holder, ids, 5)
+    assert done  # taken in the background after the store, before any reader asked
+
+    def no_sums(self):  # a rank asked for sums now would fail the read
+        def refuse(gi, blocks):
+            raise AssertionError("sums asked for at export")
+
+        self._real_sums, self.local.peer_sums = self.local.peer_sums, refuse
+
+    ray.get(holder.__ray_call__.remote(no_sums))
+    try:
+        assert b.admit("r4", len(ids), ids)
+        table = b.allocate("r4", len(ids), ids)[0]
+        res = b.load("r4", ids, into=table[:5])
+        assert res.num_tokens == 5 * BS
+        assert torch.equal(b.read(table[:5]), data)
+        b.free("r4")
+    finally:
+        ray.get(holder.__ray_call__.remote(lambda s: setattr(s.local, "peer_sums", s._real_sums)))
+    _, (holds, used) = holder_state(ray_cluster)
+    assert (holds, used) == (0, 0)  # the background sums' holds were let go too
 
 
 def test_a_hold_nobody_releases_expires(ray_cluster, two_pools):
