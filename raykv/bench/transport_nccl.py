@@ -13,21 +13,23 @@
   crosses once, rank 0 to rank 0, and B's rank 0 passes it on to its other ranks; the wire
   bytes are one copy. Timed on the receivers: ``rounds`` of ``burst`` back-to-back batches
   after a barrier, median round; GB/s of payload (the rows) per rank pair. *raykv* waits for
-  each batch before it issues the next (one load at a time); *in flight* issues the burst's
+  each batch before it issues the next (one load at a time; the burst awaited in one run of
+  an event loop, as a pool's loop runs all along); *in flight* issues the burst's
   batches back to back and then waits for them together (several loads at once). Likewise
   *contiguous queued* issues its sends one after another without a host wait (a torch
   ``Work.wait()`` on NCCL only orders streams), *contiguous one at a time* waits for each:
   raykv one at a time compares with the latter, in flight with the former. The reader's one
   control round trip (a Ray actor call, ~1 ms) is not in these numbers. ``--cpu-smoke``
   runs the same processes with gloo on the CPU (a check of the bench, not a measurement).
-* Peer reads (``raykv.transport.peer_read``, tp 1 rows): A's pool lives in memory B's process
+* Peer reads (``raykv.transport.peer_read``, split-heads rows, per rank pair): A's pool lives
+  in memory B's process
   maps (``raykv.tiers.peer_memory``; shared memory on the CPU); B's kernel copies A's blocks
   straight into its own with their wire sums (``raykv.ops_pools.PoolCopy``, one extension call) and
   checks them against the sums A stated. The halves run one after the other, as in the
-  service: A takes the sums of its blocks (a block's first read; the holder remembers them
-  while the block is valid), then B reads; *peer* is B's read alone (blocks read before),
-  *first read* adds A's half. B's blocks are zeroed before the peer rounds, so the bytes-equal
-  check after them is theirs.
+  service: A states the sums of its blocks, then B reads; *peer* is B's read alone (the
+  holder's sums known: a pool takes them as its blocks become valid and keeps them while they
+  stay valid), *unsummed* adds A's pass (a read that comes before those sums are in). B's
+  blocks are zeroed before the peer rounds, so the bytes-equal check after them is theirs.
 """
 
 from __future__ import annotations
@@ -546,7 +548,7 @@ def nccl_format(report: dict) -> str:
                 f"blocks), {r['layout']}: one at a time {f(r['peer'])} GB/s = "
                 f"{f(r['peer_vs_contiguous_waited'], 3)} x contiguous one at a time; in flight "
                 f"{f(r['peer_in_flight'])} GB/s = {f(r['peer_in_flight_vs_contiguous'], 3)} x "
-                f"contiguous queued; a block's first read (the holder takes its sums first) "
+                f"contiguous queued; blocks not summed yet (the holder's pass first) "
                 f"{f(r['peer_first'])} GB/s = {f(r['peer_first_vs_contiguous_waited'], 3)} x"
             )
     if report.get("phases"):
