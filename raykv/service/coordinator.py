@@ -49,7 +49,7 @@ from raykv.service.index import (
 )
 from raykv.service.metrics import ServiceMetrics
 from raykv.service.spec import COORDINATOR, NAMESPACE, ServedModel
-from raykv.transport.select import COLLECTIVE, OBJECT_STORE, choose
+from raykv.transport.select import COLLECTIVE, OBJECT_STORE, PEER, choose
 
 HEARTBEAT_S = 1.0
 WATCH_S = 30.0  # how long one watch call stays open before the next replaces it
@@ -445,9 +445,17 @@ class Coordinator:
         """The transport ``reader`` uses to fetch from ``holder`` (the fastest both
         offer), and the holder's endpoint for it; remembered for ``raykv status``."""
         r = self.members.get(reader) if reader else None
-        name = choose(holder.transports, r.transports if r else {OBJECT_STORE: None})
+        theirs = r.transports if r else {OBJECT_STORE: None}
+        name = choose(holder.transports, theirs)
         if reader:
             self.routes[(holder.name, reader)] = name
+        ep = self._endpoint(holder, name)
+        if name == PEER:  # where a peer read fails, the next one both offer before the store
+            then = choose(holder.transports, theirs, skip=(PEER,))
+            ep = {**ep, "then": (then, self._endpoint(holder, then))}
+        return name, ep
+
+    def _endpoint(self, holder: Member, name: str) -> Any:
         ep = holder.transports.get(name)
         if name in COLLECTIVE:  # pairs of registered pools meet at our store
             if self._rendezvous is None:
@@ -455,7 +463,7 @@ class Coordinator:
 
                 self._rendezvous = serve_rendezvous(ray.util.get_node_ip_address())
             ep = {**(ep or {}), "store": self._rendezvous[1:]}
-        return name, ep
+        return ep
 
     async def locate(
         self, model: str, block_hashes: list[Hashable], node_id: str, reader: str | None = None

@@ -39,6 +39,7 @@ from raykv.service.index import CPU, GPU, Location
 from raykv.service.spec import COORDINATOR, NAMESPACE, tier_name
 from raykv.tiers.jobs import LoadJob, StoreJob
 from raykv.transport import FALLBACK, BlockBatch, Transport, export_rows, fetch_over
+from raykv.transport.select import PEER
 
 log = logging.getLogger(__name__)
 
@@ -293,14 +294,18 @@ class PoolDataPlane:
         scattered to every rank while the next one travels; ``live()`` is checked before
         every chunk is written (a freed request's blocks may be someone else's)."""
         source = loc.member
-        if getattr(self.transports.get(loc.transport), "direct", False):
+        while getattr(self.transports.get(loc.transport), "direct", False):
             try:  # rank to rank into our blocks (``raykv.service.pairs``)
                 return await self._collective_fetch(loc, gi, want, filled, live)
             except TransportError as e:
+                # a peer route carries the next transport both ends offer; else the store
+                then = (loc.endpoint or {}).get("then") if loc.transport == PEER else None
+                nxt = replace(loc, transport=then[0], endpoint=then[1]) if then else None
+                nxt = nxt or replace(loc, transport=FALLBACK)
                 log.warning("pool %s: %s from %s failed (%s); retrying over %s",
-                            self.name, loc.transport, source, e, FALLBACK)  # fmt: skip
+                            self.name, loc.transport, source, e, nxt.transport)  # fmt: skip
                 self.metrics.failed(f"transport_{loc.transport}")
-                loc = replace(loc, transport=FALLBACK)
+                loc = nxt
 
         def fell_back(name: str, e: TransportError) -> None:
             log.warning("pool %s: %s from %s failed (%s); retrying over %s",

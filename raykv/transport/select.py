@@ -6,7 +6,9 @@ coordinator picks, for each (holder, reader) pair, the first name of ``PREFERENC
 advertise (``choose``), hands it out with every ``Location`` of a lookup, and remembers it
 for ``raykv status``. ``OBJECT_STORE`` works on any Ray cluster and is always offered, so a
 pair always has one. A reader whose chosen transport fails for a batch retries that batch on
-the object store (``FALLBACK``) before it counts the source as failed.
+the object store (``FALLBACK``) before it counts the source as failed; a failed peer read
+(the holder's memory cannot be mapped here, say) is retried first over the next transport
+both offer (NCCL between GPU pools), which the coordinator hands out with the peer route.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ COLLECTIVE = (NCCL, GLOO)  # torch.distributed pairs (``raykv.transport.collecti
 FALLBACK = OBJECT_STORE
 
 
-def choose(holder: Mapping[str, Any], reader: Mapping[str, Any]) -> str:
-    """The first transport of ``PREFERENCE`` that both ends advertise (their
+def choose(holder: Mapping[str, Any], reader: Mapping[str, Any], skip: tuple[str, ...] = ()) -> str:
+    """The first transport of ``PREFERENCE`` (but ``skip``) that both ends advertise (their
     ``endpoints()``); the object store when they share nothing else. Peer reads only between
     members of one node whose blocks have one layout (their endpoints say so)."""
     for name in PREFERENCE:
+        if name in skip:
+            continue
         if name in holder and name in reader:
             if name == PEER and holder[name] != reader[name]:
                 continue

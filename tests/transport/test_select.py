@@ -35,3 +35,12 @@ def test_peer_reads_only_between_pools_of_one_node_and_one_layout(n1, n2, l1, l2
     holder = {"peer": {"node": n1, "layout": list(l1)}, "nccl": {}, OBJECT_STORE: None}
     reader = {"peer": {"node": n2, "layout": list(l2)}, "nccl": {}, OBJECT_STORE: None}
     assert choose(holder, reader) == ("peer" if (n1, l1) == (n2, l2) else "nccl")
+
+
+@given(offers, offers, st.sets(st.sampled_from(PREFERENCE)))
+def test_skipped_transports_are_never_chosen_and_the_rest_keep_their_order(holder, reader, skip):
+    skip = tuple(n for n in skip if n != OBJECT_STORE)
+    got = choose(holder, reader, skip=skip)
+    shared = [n for n in PREFERENCE if n in holder and n in reader and n not in skip]
+    assert got == (shared[0] if shared else OBJECT_STORE)
+    assert got not in skip
