@@ -93,9 +93,9 @@ def routes(kv) -> dict:
     return {(r["from"], r["to"]): r["transport"] for r in kv.stats()["routes"]}
 
 
-def load_between_two_pools(kv, model: str) -> dict:
-    """Engine A stores 256 known blocks on pool 0, engine B loads them into pool 1 and reads
-    every byte back; returns the routes."""
+def load_between_two_pools(kv, model: str, before_load=None) -> dict:
+    """Engine A stores 256 known blocks on pool 0, engine B loads them into pool 1 (after
+    ``before_load()``, if given) and reads every byte back; returns the routes."""
     from raykv.layout import FullAttention
 
     layers = {f"l{i}": FullAttention("bfloat16", num_kv_heads=8, head_dim=128) for i in range(4)}
@@ -105,6 +105,8 @@ def load_between_two_pools(kv, model: str) -> dict:
     data = known(n, plan.gpu_bytes_per_block, 1)
     write(a, "w", ids, n, [data])
     a.free("w")
+    if before_load is not None:
+        before_load()
     assert b.admit("r", len(ids), ids)
     tb = b.allocate("r", len(ids), ids)[0]
     res = b.load("r", ids, into=tb[:n])

@@ -1,7 +1,9 @@
 """GPU pools of one node read each other's blocks in place (``raykv.transport.peer_read``,
 ``RAYKV_PEER_READS=1``):
 two TP-1 pools on two GPUs, each actor seeing only its own GPU; the route is ``peer``, every
-byte B loads equals what A stored, and A's hold on its blocks is gone after the load."""
+byte B loads equals what A stored, and A's hold on its blocks is gone after the load. A peer
+read that fails (the holder's memory not mappable) is retried over NCCL, not the object
+store."""
 
 import os
 
@@ -40,4 +42,41 @@ def test_two_gpu_pools_of_one_node_read_each_other_in_place(kv) -> None:
     holder = ray.get_actor(pool_name("p1", node, 0), namespace=NAMESPACE)
     left = ray.get(holder.__ray_call__.remote(lambda s: (len(s._holds), s.bm.pool.num_used_blocks)))
     assert left == (0, 0), left  # released: nothing held, nothing in use
+    stop_service(kv)
+
+
+def _unmappable(pool) -> None:
+    """In the reader: every peer read fails, and so would the object store."""
+    from raykv.errors import TransportError
+    from raykv.transport import FALLBACK
+
+    async def fail(*args, **kwargs):
+        raise TransportError("cannot map the holder's memory (test)")
+
+    class Down:
+        name, direct = FALLBACK, False
+
+        async def stream(self, *args, **kwargs):
+            raise TransportError("object store down (test)")
+            yield
+
+    pool._peer_fetch, pool.transports[FALLBACK] = fail, Down()
+
+
+def test_a_failed_peer_read_is_retried_over_nccl(kv) -> None:
+    import ray
+
+    from raykv.service.spec import NAMESPACE, pool_name
+
+    node = ray.get_runtime_context().get_node_id()
+
+    def reader():
+        return ray.get_actor(pool_name("p2", node, 1), namespace=NAMESPACE)
+
+    got = load_between_two_pools(
+        kv, "p2", before_load=lambda: ray.get(reader().__ray_call__.remote(_unmappable))
+    )  # every byte arrived: over NCCL, since the store moved none
+    assert set(got.values()) == {"peer"}, got  # the route stays; the batch went the next way
+    tally = ray.get(reader().__ray_call__.remote(lambda s: dict(s.metrics.tally)))
+    assert tally["failures_transport_peer"] >= 1, tally
     stop_service(kv)
