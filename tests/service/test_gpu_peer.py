@@ -45,24 +45,6 @@ def test_two_gpu_pools_of_one_node_read_each_other_in_place(kv) -> None:
     stop_service(kv)
 
 
-def _unmappable(pool) -> None:
-    """In the reader: every peer read fails, and so would the object store."""
-    from raykv.errors import TransportError
-    from raykv.transport import FALLBACK
-
-    async def fail(*args, **kwargs):
-        raise TransportError("cannot map the holder's memory (test)")
-
-    class Down:
-        name, direct = FALLBACK, False
-
-        async def stream(self, *args, **kwargs):
-            raise TransportError("object store down (test)")
-            yield
-
-    pool._peer_fetch, pool.transports[FALLBACK] = fail, Down()
-
-
 def test_a_failed_peer_read_is_retried_over_nccl(kv) -> None:
     import ray
 
@@ -70,11 +52,27 @@ def test_a_failed_peer_read_is_retried_over_nccl(kv) -> None:
 
     node = ray.get_runtime_context().get_node_id()
 
+    def unmappable(pool) -> None:  # in the reader (defined here: pickled by value)
+        from raykv.errors import TransportError
+        from raykv.transport import FALLBACK
+
+        async def fail(*args, **kwargs):  # every peer read fails, and so would the store
+            raise TransportError("cannot map the holder's memory (test)")
+
+        class Down:
+            name, direct = FALLBACK, False
+
+            async def stream(self, *args, **kwargs):
+                raise TransportError("object store down (test)")
+                yield
+
+        pool._peer_fetch, pool.transports[FALLBACK] = fail, Down()
+
     def reader():
         return ray.get_actor(pool_name("p2", node, 1), namespace=NAMESPACE)
 
     got = load_between_two_pools(
-        kv, "p2", before_load=lambda: ray.get(reader().__ray_call__.remote(_unmappable))
+        kv, "p2", before_load=lambda: ray.get(reader().__ray_call__.remote(unmappable))
     )  # every byte arrived: over NCCL, since the store moved none
     assert set(got.values()) == {"peer"}, got  # the route stays; the batch went the next way
     tally = ray.get(reader().__ray_call__.remote(lambda s: dict(s.metrics.tally)))
