@@ -8,6 +8,7 @@ store."""
 import os
 
 import pytest
+import reader_faults
 from test_gpu_nccl import GPUS, load_between_two_pools, stop_service
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ray]
@@ -52,29 +53,13 @@ def test_a_failed_peer_read_is_retried_over_nccl(kv) -> None:
 
     node = ray.get_runtime_context().get_node_id()
 
-    def unmappable(pool) -> None:  # in the reader (defined here: pickled by value)
-        from raykv.errors import TransportError
-        from raykv.transport import FALLBACK
-
-        async def fail(*args, **kwargs):  # every peer read fails, and so would the store
-            raise TransportError("cannot map the holder's memory (test)")
-
-        class Down:
-            name, direct = FALLBACK, False
-
-            async def stream(self, *args, **kwargs):
-                raise TransportError("object store down (test)")
-                yield
-
-        pool._peer_fetch, pool.transports[FALLBACK] = fail, Down()
-
     def reader():
         return ray.get_actor(pool_name("p2", node, 1), namespace=NAMESPACE)
 
-    got = load_between_two_pools(
-        kv, "p2", before_load=lambda: ray.get(reader().__ray_call__.remote(unmappable))
-    )  # every byte arrived: over NCCL, since the store moved none
+    def faults() -> None:
+        ray.get(reader().__ray_call__.remote(reader_faults.peer_reads_fail_and_the_store_is_down))
+
+    got = load_between_two_pools(kv, "p2", before_load=faults)  # every byte: over NCCL
     assert set(got.values()) == {"peer"}, got  # the route stays; the batch went the next way
-    tally = ray.get(reader().__ray_call__.remote(lambda s: dict(s.metrics.tally)))
-    assert tally["failures_transport_peer"] >= 1, tally
+    assert ray.get(reader().__ray_call__.remote(reader_faults.peer_failures)) >= 1
     stop_service(kv)

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import ray
+import reader_faults
 import torch
 from kvdata import ROW, rows, tokens
 
@@ -161,33 +162,8 @@ def test_a_failed_peer_read_is_retried_over_the_pools_collective_not_the_object_
     ids, data = tokens(4 * BS + 1, 9), rows(4, 10)
     publish(a, "w5", ids, data, 4)
 
-    def sabotage(self):  # the holder's memory cannot be mapped here; the store is down too
-        from raykv.errors import TransportError
-        from raykv.transport import FALLBACK
-
-        async def unmappable(*args, **kwargs):
-            raise TransportError("cannot map the holder's memory (test)")
-
-        class Down:
-            name, direct = FALLBACK, False
-
-            async def stream(self, *args, **kwargs):
-                raise TransportError("object store down (test)")
-                yield
-
-        self._saved = (self._peer_fetch, self.transports[FALLBACK])
-        self._peer_fetch, self.transports[FALLBACK] = unmappable, Down()
-
-    def restore(self):
-        from raykv.transport import FALLBACK
-
-        self._peer_fetch, self.transports[FALLBACK] = self._saved
-
-    def peer_failures(self):
-        return self.metrics.tally["failures_transport_peer"]
-
-    failed = ray.get(second.__ray_call__.remote(peer_failures))
-    ray.get(second.__ray_call__.remote(sabotage))
+    failed = ray.get(second.__ray_call__.remote(reader_faults.peer_failures))
+    ray.get(second.__ray_call__.remote(reader_faults.peer_reads_fail_and_the_store_is_down))
     try:
         assert b.admit("r5", len(ids), ids)
         table = b.allocate("r5", len(ids), ids)[0]
@@ -196,8 +172,8 @@ def test_a_failed_peer_read_is_retried_over_the_pools_collective_not_the_object_
         assert torch.equal(b.read(table[:4]), data)
         b.free("r5")
     finally:
-        ray.get(second.__ray_call__.remote(restore))
-    assert ray.get(second.__ray_call__.remote(peer_failures)) == failed + 1  # counted, once
+        ray.get(second.__ray_call__.remote(reader_faults.restore))
+    assert ray.get(second.__ray_call__.remote(reader_faults.peer_failures)) == failed + 1
 
 
 def test_a_hold_nobody_releases_expires(ray_cluster, two_pools):
