@@ -163,13 +163,13 @@ class CollectivePlane:
             self._coll_idents = [self.local.collective(self.name).ident, *rest]
         return self._coll_idents
 
-    def _background(self, aw: Any, what: str) -> None:
+    def _background(self, aw: Any, what: str, failure: str = "collective_send") -> None:
         async def run() -> None:
             try:
                 await aw
-            except Exception as e:  # the reader sees it too (its receive fails): a miss
+            except Exception as e:  # a send's reader sees it too (its receive fails): a miss
                 log.warning("pool %s: %s failed: %s", self.name, what, e)
-                self.metrics.failed("collective_send")
+                self.metrics.failed(failure)
 
         task = asyncio.ensure_future(run())
         self._sending.add(task)
@@ -292,14 +292,11 @@ class CollectivePlane:
             async def take(gi: int = gi, blocks: list[int] = blocks) -> None:
                 try:
                     await self._take_wire_sums(gi, blocks)
-                except Exception as e:  # a first export takes them then
-                    log.warning("pool %s: wire sums of %d blocks: %s", self.name, len(blocks), e)
                 finally:
                     self.bm.pool.free(blocks)
 
-            task = asyncio.ensure_future(take())
-            self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
+            # failed: a first export takes them then
+            self._background(take(), f"taking the wire sums of {len(blocks)} blocks", "wire_sums")
 
     async def release_peer_hold(self, token: int) -> None:
         """A peer reader is done with the blocks of hold ``token`` (a no-op once expired)."""
