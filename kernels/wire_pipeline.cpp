@@ -108,9 +108,9 @@ constexpr int64_t kBadIdReasons = 4;
 
 // A batch's block ids, read straight from the caller's Python sequence into `out` (pinned
 // memory) in one pass, each checked as it is read: an int, a block of the pool, and where the
-// ids are written (`distinct`) not seen before in the batch. Returns how many there were (-1
-// if `seq` is no sequence); `bad` is set to the code of the first bad id (else -1), before
-// anything is enqueued. `capacity`: the most `out` holds (-1: the caller sized it by `seq`).
+// ids are written (`distinct`) not seen before in the batch. Returns how many there were;
+// `bad` is set to the code of the first bad id (else -1; a `seq` that is no sequence: position
+// 0, not an int), before anything is enqueued. `capacity`: the most `out` holds.
 int64_t read_ids(const pybind11::handle& seq, int64_t* out, int64_t capacity, int64_t num_blocks,
                  bool distinct, int64_t& bad) {
   bad = -1;
@@ -122,7 +122,7 @@ int64_t read_ids(const pybind11::handle& seq, int64_t* out, int64_t capacity, in
   }
   const pybind11::object items = pybind11::reinterpret_steal<pybind11::object>(fast);
   const int64_t n = PySequence_Fast_GET_SIZE(fast);
-  if (capacity >= 0 && n > capacity) {
+  if (n > capacity) {
     fail(std::to_string(n) + " ids where " + std::to_string(capacity) + " fit");
   }
   PyObject** item = PySequence_Fast_ITEMS(fast);
@@ -357,14 +357,11 @@ pybind11::object pool_read(const torch::Tensor& src_segs, const torch::Tensor& d
   torch::Tensor host = pinned((k + 2) * n);
   int64_t* h = host.data_ptr<int64_t>();
   int64_t bad = -1;
-  if (read_ids(src_ids, h, n, num_src, false, bad) < 0 || bad >= 0) {
-    return pybind11::make_tuple(0, bad >= 0 ? bad : static_cast<int64_t>(kIdNotInt));
-  }
+  read_ids(src_ids, h, n, num_src, false, bad);
+  if (bad >= 0) return pybind11::make_tuple(0, bad);
   if (store) {
     const int64_t got = read_ids(dst_ids, h + n, n, num_dst, true, bad);
-    if (got < 0 || bad >= 0) {
-      return pybind11::make_tuple(1, bad >= 0 ? bad : static_cast<int64_t>(kIdNotInt));
-    }
+    if (bad >= 0) return pybind11::make_tuple(1, bad);
     if (got != n) fail("pool_read: " + std::to_string(n) + " source ids but " +
                        std::to_string(got) + " destination ids");
   }
