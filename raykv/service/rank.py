@@ -155,7 +155,7 @@ class RankPool:
         return self.kv.peer_sums(gi, block_ids)
 
     async def peer_read(
-        self, gi: int, handle: Any, src_ids: list[int], dst_ids: list[int], sums: list[int]
+        self, gi: int, handle: Any, src_ids: list[int], dst_ids: list[int], sums: np.ndarray
     ) -> int:
         return await self.kv.peer_read(gi, handle, src_ids, dst_ids, sums)
 
