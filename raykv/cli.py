@@ -321,22 +321,36 @@ def bench_copy(
 )
 @click.option("--tp", type=int, default=1, show_default=True, help="Ranks per TP group (NCCL).")
 @click.option("--blocks", type=int, default=512, show_default=True, help="Blocks per batch.")
+@click.option(
+    "--preset",
+    default=None,
+    help="NCCL batches in this model preset's KV layout per rank (heads split by --tp; MLA: "
+    "one latent copy per group) instead of synthetic 64 KiB blocks.",
+)
+@click.option(
+    "--tokens", type=int, default=None, help="With --preset: tokens per batch (32768: 32k)."
+)
 @click.option("--rounds", type=int, default=7, show_default=True, help="Timed rounds (median).")
 @click.option("--cpu-smoke", is_flag=True, help="The NCCL section's processes over gloo on CPU.")
 @click.option("--quick", is_flag=True, help="A smaller UCX section (a smoke run).")
 @click.option("--ucx-tls", default="tcp", show_default=True, help="UCX_TLS for the UCX section.")
 @click.option("--json", "json_path", default=None, help="Also write JSON to PATH ('-': only).")
 def bench_transport(
-    nccl: bool | None, ucx: bool | None, tp: int, blocks: int, rounds: int, cpu_smoke: bool,
-    quick: bool, ucx_tls: str, json_path: str | None,
+    nccl: bool | None, ucx: bool | None, tp: int, blocks: int, preset: str | None,
+    tokens: int | None, rounds: int, cpu_smoke: bool, quick: bool, ucx_tls: str,
+    json_path: str | None,
 ) -> None:  # fmt: skip
     """Moving blocks between members: raykv's transports vs raw transfers of the same bytes."""
     from raykv.bench.transport import main as run_transport
+    from raykv.errors import ConfigError
 
-    run_transport(
-        nccl=nccl, ucx=ucx, tp=tp, blocks=blocks, rounds=rounds, cpu_smoke=cpu_smoke,
-        quick=quick, ucx_tls=ucx_tls, json_path=json_path,
-    )  # fmt: skip
+    try:
+        run_transport(
+            nccl=nccl, ucx=ucx, tp=tp, blocks=blocks, rounds=rounds, cpu_smoke=cpu_smoke,
+            quick=quick, ucx_tls=ucx_tls, json_path=json_path, preset=preset, tokens=tokens,
+        )  # fmt: skip
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from e
 
 
 @bench.command("blocks")

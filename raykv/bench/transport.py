@@ -26,6 +26,8 @@ def main(
     quick: bool = False,
     ucx_tls: str = "tcp",
     json_path: str | None = None,
+    preset: str | None = None,
+    tokens: int | None = None,
 ) -> dict[str, Any]:
     """Run the sections asked for (None: those this machine supports); print each table
     (or only JSON with ``json_path='-'``); return every section's report."""
@@ -39,7 +41,7 @@ def main(
         print(text, file=sys.stderr if quiet else sys.stdout, flush=True)
 
     out: dict[str, Any] = {}
-    report = nccl_main(nccl, tp, blocks, rounds, cpu_smoke, echo=say)
+    report = nccl_main(nccl, tp, blocks, rounds, cpu_smoke, say, preset, tokens)
     if report is not None:
         out["nccl"] = report
         if not quiet:

@@ -36,14 +36,18 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import math
 import multiprocessing as mp
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
+
+from raykv.errors import ConfigError
+from raykv.layout.presets import get_preset
 
 NCCL_TARGET = 0.8  # raykv >= 0.8 x one contiguous NCCL send of the same bytes
 
@@ -59,14 +63,60 @@ class NcclConfig:
     rounds: int = 7
     burst: int = 10
     cuda: bool = True
+    preset: str | None = None  # the layout of a model preset (``for_preset``)
+    latent: bool = False  # MLA: one latent entry per layer, the same on every rank
+
+    @classmethod
+    def for_preset(cls, name: str, tokens: int, tp: int = 1, **kw: Any) -> NcclConfig:
+        """A batch of ``tokens`` in preset ``name``'s KV layout, per rank as its TP-``tp``
+        pools hold it (the planner's heads per rank; MLA: the latent, one copy per group):
+        issue 13's cross-group load is ``for_preset("llama-3-8b", 32768, 2)``."""
+        from raykv.layout import MLA, FullAttention
+        from raykv.layout.specs import dtype_bytes
+
+        specs = list(get_preset(name).layers().values())
+        kind = type(specs[0])
+        if kind not in (FullAttention, MLA) or any(s != specs[0] for s in specs):
+            raise ConfigError(
+                f"the NCCL bench takes a preset whose layers are all one full-attention or "
+                f"one MLA spec; {name!r} mixes {sorted({type(s).__name__ for s in specs})}"
+            )
+        spec = specs[0]
+        if dtype_bytes(spec.dtype) != 2:
+            raise ConfigError(f"the NCCL bench moves 2-byte KV; {name!r} is {spec.dtype}")
+        block_size = kw.pop("block_size", cls.block_size)
+        if tokens < block_size or tokens % block_size:
+            raise ConfigError(
+                f"--tokens {tokens} is not a positive multiple of the block size {block_size}"
+            )
+        if kind is MLA:
+            heads, dim = 1, spec.kv_lora_rank + spec.qk_rope_head_dim
+        else:
+            heads, dim = spec.kv_heads_per_rank(tp), spec.head_dim
+        return cls(
+            tp=tp, blocks=tokens // block_size, layers=len(specs), kv_heads=heads,
+            head_dim=dim, block_size=block_size, preset=name, latent=kind is MLA, **kw,
+        )  # fmt: skip
 
     @property
-    def row_bytes(self) -> int:  # K and V of every layer, bf16
-        return self.layers * 2 * self.block_size * self.kv_heads * self.head_dim * 2
+    def kinds(self) -> int:  # entries per layer: K and V, or one latent
+        return 1 if self.latent else 2
+
+    @property
+    def row_bytes(self) -> int:  # every entry of every layer, bf16
+        return self.layers * self.kinds * self.block_size * self.kv_heads * self.head_dim * 2
 
     @property
     def num_blocks(self) -> int:
         return 2 * self.blocks + 8
+
+    @property
+    def layouts(self) -> list[str]:
+        """``split``: each rank pair moves its own rows; ``mla``: one copy per TP group
+        crosses once. A preset has its own; the synthetic layout runs both under TP."""
+        if self.preset is not None:
+            return ["mla" if self.latent else "split"]
+        return ["split", "mla"] if self.tp > 1 else ["split"]
 
 
 def nccl_gpus() -> int:
@@ -82,20 +132,23 @@ def _pool(
     """The paged KV's entries (K and V of each layer), random bytes from ``seed``; ``into``:
     one uint8 tensor per layer to hold them (memory a peer maps), else fresh tensors."""
     g = torch.Generator().manual_seed(seed)
-    shape = (2, cfg.num_blocks, cfg.block_size, cfg.kv_heads, cfg.head_dim)
     out = []
     for i in range(cfg.layers):
-        raw = torch.randint(0, 256, (*shape[:-1], 2 * cfg.head_dim), generator=g, dtype=torch.uint8)
+        raw = torch.randint(0, 256, _layer_shape(cfg), generator=g, dtype=torch.uint8)
         if into is not None:
             into[i].copy_(raw.view(-1))
             raw = into[i].view(raw.shape)
-        t = raw.to(device).view(torch.bfloat16)
-        out += [t[0], t[1]]
+        out += raw.to(device).view(torch.bfloat16).unbind(0)
     return out
 
 
+def _layer_shape(cfg: NcclConfig) -> tuple[int, ...]:
+    """One layer's entries as bytes: ``[kinds, blocks, block_size, heads, 2 * head_dim]``."""
+    return (cfg.kinds, cfg.num_blocks, cfg.block_size, cfg.kv_heads, 2 * cfg.head_dim)
+
+
 def _layer_bytes(cfg: NcclConfig) -> int:
-    return 2 * cfg.num_blocks * cfg.block_size * cfg.kv_heads * cfg.head_dim * 2
+    return math.prod(_layer_shape(cfg))
 
 
 def _shared_pool(cfg: NcclConfig, device: torch.device, seed: int):
@@ -118,12 +171,7 @@ def _open_pool(cfg: NcclConfig, device: torch.device, handle) -> list[torch.Tens
     from raykv.tiers.peer_memory import open_tensors
 
     raws = open_tensors(handle, device)
-    shape = (2, cfg.num_blocks, cfg.block_size, cfg.kv_heads, 2 * cfg.head_dim)
-    out = []
-    for raw in raws:
-        t = raw.view(shape).view(torch.bfloat16)
-        out += [t[0], t[1]]
-    return out
+    return [e for raw in raws for e in raw.view(_layer_shape(cfg)).view(torch.bfloat16).unbind(0)]
 
 
 def _ids(cfg: NcclConfig, seed: int) -> list[int]:
@@ -268,7 +316,7 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
         sync()
         world.allreduce([torch.zeros(1)]).wait()
 
-    layouts = ["split", "mla"] if cfg.tp > 1 else ["split"]
+    layouts = cfg.layouts
 
     def one_by_one(fn):
         def batches(layout: str, burst: int):
@@ -458,7 +506,7 @@ def nccl_report(cfg: NcclConfig, results: dict) -> dict:
     readers = [results[("B", r)] for r in range(cfg.tp)]
     payload = cfg.blocks * cfg.row_bytes
     rows = []
-    for layout in ["split", "mla"] if cfg.tp > 1 else ["split"]:
+    for layout in cfg.layouts:
         crossing = 1 if layout == "mla" else cfg.tp  # rank pairs whose rows cross groups
 
         def rate(method: str, layout: str = layout) -> float | None:
@@ -517,7 +565,13 @@ def nccl_report(cfg: NcclConfig, results: dict) -> dict:
 def nccl_format(report: dict) -> str:
     cfg = report["config"]
     lines = [
-        f"NCCL: {report['device']}, tp {cfg['tp']}, {cfg['blocks']} scattered blocks of "
+        f"NCCL: {report['device']}, tp {cfg['tp']}, "
+        + (
+            f"{cfg['preset']}'s KV layout ({cfg['blocks'] * cfg['block_size']} tokens), "
+            if cfg.get("preset")
+            else ""
+        )
+        + f"{cfg['blocks']} scattered blocks of "
         f"{report['rows'][0]['block_kib']} KiB per rank pair, GB/s of payload (median of "
         f"{cfg['rounds']} rounds of {cfg['burst']} batches); target raykv >= "
         f"{NCCL_TARGET} x contiguous, like for like: one at a time (the host waits for each "
@@ -566,9 +620,19 @@ def nccl_main(
     rounds: int = 7,
     cpu_smoke: bool = False,
     echo=print,
+    preset: str | None = None,
+    tokens: int | None = None,
 ) -> dict | None:
     """The NCCL section if asked for (None: where this machine has 2 x tp GPUs); its report,
-    or None when skipped (said through ``echo``)."""
+    or None when skipped (said through ``echo``). ``preset``: batches of ``tokens`` (default
+    ``blocks`` blocks' worth) in that model's KV layout per rank (``NcclConfig.for_preset``)
+    instead of the synthetic 64 KiB blocks."""
+    if tokens is not None and preset is None:
+        raise ConfigError("--tokens sizes a --preset's batch; give --preset too, or --blocks")
+    cfg = NcclConfig(tp=tp, blocks=blocks, rounds=rounds, cuda=not cpu_smoke)
+    if preset is not None:  # checked before the GPUs are, so a wrong name fails anywhere
+        cfg = NcclConfig.for_preset(preset, tokens or blocks * cfg.block_size, tp, rounds=rounds,
+                                    cuda=not cpu_smoke)  # fmt: skip
     cuda = not cpu_smoke
     if nccl is None:
         nccl = cpu_smoke or nccl_gpus() >= 2 * tp
@@ -580,7 +644,6 @@ def nccl_main(
             f"the NCCL section with --tp {tp} needs {2 * tp} GPUs, this machine has "
             f"{nccl_gpus()}; lower --tp, or --no-nccl"
         )
-    cfg = NcclConfig(tp=tp, blocks=blocks, rounds=rounds, cuda=cuda)
     if cpu_smoke:
-        cfg = NcclConfig(tp=tp, blocks=min(blocks, 32), rounds=2, burst=2, cuda=False)
+        cfg = replace(cfg, blocks=min(cfg.blocks, 32), rounds=2, burst=2)
     return nccl_run(cfg)
