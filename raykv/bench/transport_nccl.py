@@ -129,16 +129,18 @@ def nccl_gpus() -> int:
 def _pool(
     cfg: NcclConfig, device: torch.device, seed: int, into: list[torch.Tensor] | None = None
 ) -> list[torch.Tensor]:
-    """The paged KV's entries (K and V of each layer), random bytes from ``seed``; ``into``:
-    one uint8 tensor per layer to hold them (memory a peer maps), else fresh tensors."""
-    g = torch.Generator().manual_seed(seed)
+    """The paged KV's entries (K and V, or the latent, of each layer), random bytes from
+    ``seed``, made on ``device`` (a preset's pool is GiBs); ``into``: one uint8 tensor per layer
+    to hold them (memory a peer maps), else fresh tensors."""
+    g = torch.Generator(device).manual_seed(seed)
     out = []
     for i in range(cfg.layers):
-        raw = torch.randint(0, 256, _layer_shape(cfg), generator=g, dtype=torch.uint8)
+        raw = torch.randint(0, 256, _layer_shape(cfg), generator=g, dtype=torch.uint8,
+                            device=device)  # fmt: skip
         if into is not None:
             into[i].copy_(raw.view(-1))
             raw = into[i].view(raw.shape)
-        out += raw.to(device).view(torch.bfloat16).unbind(0)
+        out += raw.view(torch.bfloat16).unbind(0)
     return out
 
 
