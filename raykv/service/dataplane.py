@@ -241,9 +241,11 @@ class PoolDataPlane:
         node's CPU tier through the shared arena, other members through the transport."""
         try:
             coord = ray.get_actor(COORDINATOR, namespace=NAMESPACE)
-            where = await coord.locate.remote(
-                self.model.name, [k for k, _ in want], self.node_id, self.name
-            )
+            where = (
+                await coord.locate.remote(
+                    self.model.name, [k for k, _ in want], self.node_id, self.name
+                )
+            ).copies
         except (ray.exceptions.RayError, ValueError) as e:  # coordinator restarting: a miss
             log.warning("pool %s: cannot locate copies (%s); loading nothing", self.name, e)
             self.metrics.copy_failed(self.model.name, GPU, "locate")

@@ -124,6 +124,7 @@ class Member:
         if not stored and not removed:
             return
         self.seq += 1
-        ok = await self._call("events", self.name, self.seq, model, stored, removed)
+        keys, blocks = [k for k, _ in stored], [b for _, b in stored]
+        ok = await self._call("events", self.name, self.seq, model, keys, blocks, removed)
         if ok is False:
             await self._call("register", self.snapshot())

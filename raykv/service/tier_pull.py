@@ -70,7 +70,7 @@ async def _locate(tier: Any, model: str, want: list[bytes]) -> list[list[Any]]:
     within each: a pull stays off the GPUs); nobody if the coordinator cannot say."""
     try:
         coord = ray.get_actor(COORDINATOR, namespace=NAMESPACE)
-        where = await coord.locate.remote(model, want, tier.node_id, tier.name)
+        where = (await coord.locate.remote(model, want, tier.node_id, tier.name)).copies
     except (ray.exceptions.RayError, ValueError) as e:  # coordinator restarting: misses
         log.warning("tier %s: cannot locate copies (%s); pulling nothing", tier.name, e)
         tier.metrics.copy_failed(model, CPU, "locate")

@@ -42,6 +42,12 @@ def coordinator(plan) -> Coordinator:
     return c
 
 
+def events(c, member: str, seq: int, stored: list, removed: tuple = ()) -> bool:
+    """A member's batch of KV events as it sends them: (key, block) pairs as two lists."""
+    keys, blocks = [k for k, _ in stored], [b for _, b in stored]
+    return asyncio.run(c.events(member, seq, "m", keys, blocks, list(removed)))
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     which=st.sampled_from(sorted(PLANS)),
@@ -63,7 +69,7 @@ def test_lookup_is_the_managers_rule_over_the_best_copies(which, n_tokens, held,
             for m in held[j]:
                 batches[m].append((key, j if MEMBERS[m][0] == "pool" else -1))
     for m, stored in batches.items():
-        assert asyncio.run(c.events(m, 1, "m", stored, []))
+        assert events(c, m, 1, stored)
     res = asyncio.run(c.lookup("m", b"".join(chain), node, limit))
 
     mgrs = managers(plan)
@@ -89,14 +95,15 @@ def test_locate_ranks_every_copy_and_a_gone_member_is_no_copy():
     c = coordinator(PLANS["full"])
     key = group_keys(PLANS["full"], BlockHasher(2).hash_blocks([1, 2]))[0][0]
     for i, m in enumerate(MEMBERS):
-        assert asyncio.run(c.events(m, 1, "m", [(key, i)], []))
-    where = asyncio.run(c.locate("m", [key], "B"))[0]
+        assert events(c, m, 1, [(key, i)])
+    where = asyncio.run(c.locate("m", [key], "B")).copies[0]
     assert [loc.member for loc in where] == ["pB", "tB", "pA", "tA"]
     assert [loc.tier for loc in where] == [GPU, CPU, GPU, CPU]
     c._forget("pB")
-    assert [loc.member for loc in asyncio.run(c.locate("m", [key], "B"))[0]] == ["tB", "pA", "tA"]
-    assert asyncio.run(c.events("tB", 2, "m", [], [key]))  # removed: tB has no copy now
-    assert [loc.member for loc in asyncio.run(c.locate("m", [key], "B"))[0]] == ["pA", "tA"]
+    where = asyncio.run(c.locate("m", [key], "B")).copies[0]
+    assert [loc.member for loc in where] == ["tB", "pA", "tA"]
+    assert events(c, "tB", 2, [], [key])  # removed: tB has no copy now
+    assert [loc.member for loc in asyncio.run(c.locate("m", [key], "B")).copies[0]] == ["pA", "tA"]
     with pytest.raises(InvalidInput):
         asyncio.run(c.lookup("m", [key], "B"))
 
@@ -109,13 +116,15 @@ def test_locate_answers_one_shared_location_per_member():
     c = coordinator(plan)
     keys = group_keys(plan, BlockHasher(plan.hash_block_size).hash_blocks(list(range(4096))))[0]
     for m in ("pA", "tB"):
-        assert asyncio.run(c.events(m, 1, "m", [(k, j) for j, k in enumerate(keys)], []))
-    where = asyncio.run(c.locate("m", keys, "B"))
+        assert events(c, m, 1, [(k, j) for j, k in enumerate(keys)])
+    answer = asyncio.run(c.locate("m", keys, "B"))
+    where = answer.copies
     assert len(where) == len(keys) == 2048
     first = where[0]
     assert [loc.member for loc in first] == ["tB", "pA"]  # the local tier before a remote pool
     assert all(len(w) == 2 and w[0] is first[0] and w[1] is first[1] for w in where)
-    assert len(pickle.dumps(where, protocol=pickle.HIGHEST_PROTOCOL)) < (100 << 10) // 4
+    # one object for Ray: pickled whole, each member once (a bare list is sent element by element)
+    assert len(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)) < (100 << 10) // 4
 
 
 def test_packed_lookup_answers_what_lookup_answers_and_refuses_anything_else():
@@ -125,7 +134,7 @@ def test_packed_lookup_answers_what_lookup_answers_and_refuses_anything_else():
     c = coordinator(plan)
     chain = BlockHasher(plan.hash_block_size).hash_blocks(list(range(40)))
     stored = [(k, j) for gk in group_keys(plan, chain) for j, k in enumerate(gk)]
-    assert asyncio.run(c.events("pA", 1, "m", stored, []))
+    assert events(c, "pA", 1, stored)
     args = ("m", b"".join(chain), "B", 30)
     want = asyncio.run(c.lookup(*args))
     assert want["hit_tokens"] == 30

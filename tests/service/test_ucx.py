@@ -132,7 +132,7 @@ def test_a_tier_pulls_another_tiers_blocks_verified(ray_cluster) -> None:
             ray.get_actor("raykv-coordinator", namespace=NAMESPACE).locate.remote(
                 MODEL, keys, ray_cluster.ids[0]
             )
-        )
+        ).copies
         if all(any(c.member == tier_name(ray_cluster.ids[0]) for c in w) for w in where):
             break
         assert time.monotonic() < deadline, where
