@@ -116,6 +116,8 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         self.owner: dict[Hashable, str] = {}
         self._admitted = 0
         self._hashes: dict[Hashable, list[bytes]] = {}
+        # per request, its group keys as of that many hashes (a load or store asks twice)
+        self._group_keys: dict[Hashable, tuple[int, list[list[bytes]]]] = {}
         self.valid: dict[bytes, int] = {}  # group key -> block holding its bytes
         self.key_of: dict[int, bytes] = {}
         self.chunk_of: dict[bytes, Chunk] = {}  # valid key -> a complete chunk it is part of
@@ -165,7 +167,8 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         return gen is not None and self._gen.get(rid) == gen
 
     def _keys(self, rid: Hashable) -> list[list[bytes]]:
-        """Per group, the key of each full block of the request's known tokens."""
+        """Per group, the key of each full block of the request's known tokens (read-only:
+        kept until the request's tokens grow)."""
         tokens = self.tokens.get(rid, [])
         hashes = self._hashes.setdefault(rid, [])
         hbs = self.bm.hasher.hash_block_size
@@ -173,7 +176,10 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
             hashes += self.bm.hasher.hash_blocks(
                 tokens, first_block=len(hashes), parent=hashes[-1] if hashes else None
             )
-        return group_keys(self.plan, hashes)
+        known = self._group_keys.get(rid)
+        if known is None or known[0] != len(hashes):
+            known = self._group_keys[rid] = (len(hashes), group_keys(self.plan, hashes))
+        return known[1]
 
     def _immutable(self, block: int) -> bool:
         """A block nobody may write now: it holds published bytes (valid), or another call
@@ -483,6 +489,7 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         self.owner.pop(rid, None)
         self.tokens.pop(rid, None)
         self._hashes.pop(rid, None)
+        self._group_keys.pop(rid, None)
         self._gen.pop(rid, None)
         self.metrics.used(self.model.name, GPU, self.bm.pool.num_used_blocks)
 
