@@ -123,8 +123,12 @@ def test_locate_answers_one_shared_location_per_member():
     first = where[0]
     assert [loc.member for loc in first] == ["tB", "pA"]  # the local tier before a remote pool
     assert all(len(w) == 2 and w[0] is first[0] and w[1] is first[1] for w in where)
-    # one object for Ray: pickled whole, each member once (a bare list is sent element by element)
-    assert len(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)) < (100 << 10) // 4
+    # one object for Ray, its table one bytes object: each member pickled once
+    blob = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+    assert len(blob) < (100 << 10) // 4
+    back = pickle.loads(blob).copies
+    assert [[loc.member for loc in w] for w in back] == [["tB", "pA"]] * len(keys)
+    assert all(w[0] is back[0][0] for w in back)
 
 
 def test_packed_lookup_answers_what_lookup_answers_and_refuses_anything_else():
