@@ -338,8 +338,8 @@ class Coordinator:
         """Apply one batch of KV events (``stored_keys[i]`` now held in block
         ``stored_blocks[i]``, ``removed``: group keys), as the block pool's events held by
         ``name``, to the one prefix index; False when a batch is missing (send a snapshot).
-        Two flat lists, not (key, block) pairs: Ray sends those natively, where each tuple
-        would be an extension of its own (a 32k-token prompt's 2048 blocks: ~4 ms more)."""
+        Two flat lists, not (key, block) pairs: Ray sends lists of bytes and ints natively,
+        where each tuple would be an extension of its own (2048 blocks: ~4 ms more a call)."""
         await self._up()
         m = self.members.get(name)
         if m is None or seq != m.seq + 1:
