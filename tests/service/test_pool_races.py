@@ -12,7 +12,7 @@ from kvdata import tokens
 from raykv.errors import InvalidInput
 from raykv.layout import FullAttention
 from raykv.service.gpu_pool import GpuPool
-from raykv.service.index import GPU, Location
+from raykv.service.index import GPU, Located, Location
 from raykv.service.spec import ServedModel
 from raykv.tiers.checksum import row_checksums
 from raykv.transport import OBJECT_STORE, BlockBatch
@@ -45,10 +45,10 @@ class FakeCoordinator:
         return None, None  # (arena, no reservation)
 
     async def _locate(self, model, hashes, node_id, reader=None):
-        return [[Location("raykv-pool-elsewhere", "other-node", GPU)] for _ in hashes]
+        return Located([[Location("raykv-pool-elsewhere", "other-node", GPU)] for _ in hashes])
 
-    async def _events(self, name, seq, model, stored, removed):
-        self.stored += stored
+    async def _events(self, name, seq, model, keys, blocks, removed):
+        self.stored += zip(keys, blocks, strict=True)
         self.removed += removed
         return True
 

@@ -14,7 +14,7 @@ import torch
 from raykv.errors import TransportError
 from raykv.layout import FullAttention
 from raykv.service.cpu_tier import CpuTierActor
-from raykv.service.index import CPU, Location
+from raykv.service.index import CPU, Located, Location
 from raykv.service.spec import ServedModel
 from raykv.tiers.checksum import row_checksums
 from raykv.transport import OBJECT_STORE, BlockBatch
@@ -42,10 +42,10 @@ class Coordinator:
         self.events = _Method(self._events)
 
     async def _locate(self, model, keys, node_id, reader=None):
-        return [[Location(SOURCE, "other-node", CPU)] for _ in keys]
+        return Located([[Location(SOURCE, "other-node", CPU)] for _ in keys])
 
-    async def _events(self, name, seq, model, stored, removed):
-        self.stored += [k for k, _ in stored]
+    async def _events(self, name, seq, model, keys, blocks, removed):
+        self.stored += keys
         return True
 
 
