@@ -1,0 +1,125 @@
+"""The NCCL section's report (``raykv.bench.transport_nccl``): GB/s of payload per rank pair
+from the receivers' medians, the like-for-like ratios against the contiguous sends, and the
+table ``raykv bench transport`` prints."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raykv.bench.transport_nccl import NcclConfig
+
+NCCL_TARGET = 0.8  # raykv >= 0.8 x one contiguous NCCL send of the same bytes
+
+
+def nccl_report(cfg: NcclConfig, results: dict) -> dict:
+    """GB/s of payload per rank pair (the receivers' medians) and the ratios."""
+    readers = [results[("B", r)] for r in range(cfg.tp)]
+    payload = cfg.blocks * cfg.row_bytes
+    rows = []
+    for layout in cfg.layouts:
+        crossing = 1 if layout == "mla" else cfg.tp  # rank pairs whose rows cross groups
+
+        def rate(method: str, layout: str = layout) -> float | None:
+            key = f"{layout}/{method}"
+            if key not in readers[0]:
+                return None
+            return payload / max(b[key] for b in readers) / 1e9  # the slowest receiver
+
+        raykv, contig, per_block = rate("raykv"), rate("contiguous"), rate("per_block")
+        in_flight, waited = rate("in_flight"), rate("contiguous_waited")
+
+        def peer_rate(method: str, first: bool, layout: str = layout) -> float | None:
+            """The slowest reader's copy; ``first``: after the holder's sums (a block's
+            first export; the holder remembers them while the block stays valid)."""
+            key = f"{layout}/{method}"
+            if key not in readers[0]:
+                return None
+            holder = max(results[("A", r)][key] for r in range(cfg.tp)) if first else 0.0
+            return payload / (holder + max(b[key] for b in readers)) / 1e9
+
+        peer, peer_flight = peer_rate("peer", False), peer_rate("peer_in_flight", False)
+        peer_first = peer_rate("peer", True)
+        rows.append({
+            "layout": layout,
+            "tp": cfg.tp,
+            "blocks": cfg.blocks,
+            "block_kib": cfg.row_bytes // 1024,
+            "mib_per_pair": payload / 2**20,
+            "wire_mib": crossing * payload / 2**20,
+            "raykv": raykv,
+            "contiguous": contig,
+            "per_block": per_block,
+            "contiguous_waited": waited,
+            "raykv_vs_contiguous_waited": raykv / waited if waited else None,
+            "raykv_vs_contiguous": raykv / contig if contig else None,
+            "in_flight": in_flight,
+            "in_flight_vs_contiguous": in_flight / contig if contig and in_flight else None,
+            "raykv_vs_per_block": raykv / per_block if per_block else None,
+            "peer": peer,
+            "peer_vs_contiguous_waited": peer / waited if peer and waited else None,
+            "peer_first": peer_first,
+            "peer_first_vs_contiguous_waited": (
+                peer_first / waited if peer_first and waited else None
+            ),
+            "peer_in_flight": peer_flight,
+            "peer_in_flight_vs_contiguous": (
+                peer_flight / contig if peer_flight and contig else None
+            ),
+            "equal": all(b[f"{layout}/equal"] for b in readers),
+            "all_blocks": all(g == cfg.blocks for b in readers for g in b[f"{layout}/good"]),
+        })  # fmt: skip
+    phases = {k: v for b in (results[("A", 0)], readers[0]) for k, v in b.items() if "phase/" in k}
+    return {"config": asdict(cfg), "device": readers[0]["device"], "rows": rows, "phases": phases}
+
+
+def nccl_format(report: dict) -> str:
+    cfg = report["config"]
+    lines = [
+        f"NCCL: {report['device']}, tp {cfg['tp']}, "
+        + (
+            f"{cfg['preset']}'s KV layout ({cfg['blocks'] * cfg['block_size']} tokens), "
+            if cfg.get("preset")
+            else ""
+        )
+        + f"{cfg['blocks']} scattered blocks of "
+        f"{report['rows'][0]['block_kib']} KiB per rank pair, GB/s of payload (median of "
+        f"{cfg['rounds']} rounds of {cfg['burst']} batches); target raykv >= "
+        f"{NCCL_TARGET} x contiguous, like for like: one at a time (the host waits for each "
+        "batch) and queued (raykv: in flight)",
+        "| layout | tp | MiB per pair | MiB on the wire | raykv one at a time | contiguous one "
+        "at a time | ratio | raykv in flight | contiguous queued | ratio | raykv one at a time "
+        "/ contiguous queued | per-block | raykv / per-block | bytes equal |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def f(x: float | None, d: int = 2) -> str:
+        return "-" if x is None else f"{x:.{d}f}"
+
+    for r in report["rows"]:
+        ok = "yes" if r["equal"] and r["all_blocks"] else "NO"
+        lines.append(
+            f"| {r['layout']} | {r['tp']} | {r['mib_per_pair']:.0f} | {r['wire_mib']:.0f} | "
+            f"{f(r['raykv'])} | {f(r.get('contiguous_waited'))} | "
+            f"{f(r.get('raykv_vs_contiguous_waited'), 3)} | {f(r.get('in_flight'))} | "
+            f"{f(r['contiguous'])} | {f(r.get('in_flight_vs_contiguous'), 3)} | "
+            f"{f(r['raykv_vs_contiguous'], 3)} | {f(r['per_block'])} | "
+            f"{f(r['raykv_vs_per_block'])} | {ok} |"
+        )
+    for r in report["rows"]:
+        if r.get("peer"):
+            lines.append(
+                f"peer reads (pools of one host: the reader's kernel copies the holder's mapped "
+                f"blocks), {r['layout']}: one at a time {f(r['peer'])} GB/s = "
+                f"{f(r['peer_vs_contiguous_waited'], 3)} x contiguous one at a time; in flight "
+                f"{f(r['peer_in_flight'])} GB/s = {f(r['peer_in_flight_vs_contiguous'], 3)} x "
+                f"contiguous queued; blocks not summed yet (the holder's pass first) "
+                f"{f(r['peer_first'])} GB/s = {f(r['peer_first_vs_contiguous_waited'], 3)} x"
+            )
+    if report.get("phases"):
+        lines.append(
+            "phases of one batch alone (rank pair 0, ms): "
+            + ", ".join(f"{k[6:-3]} {v:.3f}" for k, v in sorted(report["phases"].items()))
+        )
+    return "\n".join(lines)
