@@ -521,14 +521,13 @@ def nccl_main(
     cfg = NcclConfig(tp=tp, blocks=blocks, rounds=rounds, cuda=not cpu_smoke)
     if preset is not None:  # checked before the GPUs are, so a wrong name fails anywhere
         cfg = NcclConfig.for_preset(preset, tokens or blocks * cfg.block_size, tp, rounds=rounds,
-                                    cuda=not cpu_smoke)  # fmt: skip
-    cuda = not cpu_smoke
+                                    cuda=cfg.cuda)  # fmt: skip
     if nccl is None:
         nccl = cpu_smoke or nccl_gpus() >= 2 * tp
     if not nccl:
         echo(f"NCCL: skipped ({nccl_gpus()} GPUs; --tp {tp} needs {2 * tp})")
         return None
-    if cuda and nccl_gpus() < 2 * tp:
+    if cfg.cuda and nccl_gpus() < 2 * tp:
         raise SystemExit(
             f"the NCCL section with --tp {tp} needs {2 * tp} GPUs, this machine has "
             f"{nccl_gpus()}; lower --tp, or --no-nccl"
