@@ -10,8 +10,11 @@
   its sums, while the next one arrives), against one contiguous NCCL send of the same bytes
   per rank pair (queued, and waited for one at a time) and (tp 1) one NCCL send/recv per
   block. With ``--tp N`` also an MLA-like layout (one copy per TP group): it
-  crosses once, rank 0 to rank 0, and B's rank 0 passes it on to its other ranks; the wire
-  bytes are one copy. Timed on the receivers: ``rounds`` of ``burst`` back-to-back batches
+  crosses once, in shares (rank j of A sends share j to rank j of B, which passes it on to
+  its other ranks: ``Collective.recv_shares``); the wire bytes are one copy. Its baselines:
+  one contiguous send of the whole copy over rank pair 0, and the *crossing* alone (each
+  rank pair sends its share contiguously, all at once, nothing passed on). Timed on the
+  receivers: ``rounds`` of ``burst`` back-to-back batches
   after a barrier, median round; GB/s of payload (the rows) per rank pair. *raykv* waits for
   each batch before it issues the next (one load at a time; the burst awaited in one run of
   an event loop, as a pool's loop runs all along); *in flight* issues the burst's
@@ -49,6 +52,7 @@ import torch
 from raykv.bench.transport_nccl_report import nccl_report
 from raykv.errors import ConfigError
 from raykv.layout.presets import get_preset
+from raykv.transport.wire import shares
 
 
 @dataclass(frozen=True)
@@ -237,37 +241,36 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
     def pair(src: str, dst: str) -> Pair:
         return Pair(src, dst, 0, addr)
 
-    async def raykv(layout: str) -> int:
-        if layout == "mla" and a and r:
-            return 0  # one copy per TP group: only rank 0 sends
+    cut = shares(n, cfg.tp)[r]  # this rank pair's share of an MLA copy
+    replicas = [f"B{x}" for x in range(cfg.tp)]
+
+    async def nothing() -> int:
+        return 0
+
+    def batch(layout: str) -> Any:
+        """One batch's awaitable (a send is issued now, a receive once awaited). MLA: each
+        rank of A sends its share of the one copy, each rank of B receives its share and
+        passes it on to its group (``Collective.recv_shares``)."""
         if a:
-            return await coll.start_send(pair(me, f"B{r}"), entries, src_ids, width)
+            ids = src_ids[cut.start : cut.stop] if layout == "mla" else src_ids
+            if not ids:
+                return nothing()
+            return coll.start_send(pair(me, f"B{r}"), entries, ids, width)
         if layout == "mla":
-            feed = pair("A0", "B0") if r == 0 else pair("B0", me)
-            fwd = [pair("B0", f"B{x}") for x in range(1, cfg.tp)] if r == 0 else []
-        else:
-            feed, fwd = pair(f"A{r}", me), []
-        return await coll.recv_batch(feed, entries, dst_ids, width, None, fwd)
+            return coll.recv_shares(pair(f"A{r}", me), replicas, entries, dst_ids, width)
+        return coll.recv_batch(pair(f"A{r}", me), entries, dst_ids, width)
+
+    async def raykv(layout: str) -> int:
+        return await batch(layout)
 
     def in_flight(layout: str, burst: int) -> int:
         """``burst`` batches issued back to back, then awaited together (several requests'
         loads at once): every batch is issued before the first one is waited for."""
-        if layout == "mla" and a and r:
-            return 0
-        if a:
-            t0 = time.perf_counter()
-            sends = [
-                coll.start_send(pair(me, f"B{r}"), entries, src_ids, width) for _ in range(burst)
-            ]  # on a formed pair each call enqueues its batch: the host's cost per batch
+        t0 = time.perf_counter()
+        batches = [batch(layout) for _ in range(burst)]
+        if a:  # on a formed pair each call enqueues its batch: the host's cost per batch
             issue.append((time.perf_counter() - t0) / burst)
-            return loop.run_until_complete(_together(sends))
-        if layout == "mla":
-            feed = pair("A0", "B0") if r == 0 else pair("B0", me)
-            fwd = [pair("B0", f"B{x}") for x in range(1, cfg.tp)] if r == 0 else []
-        else:
-            feed, fwd = pair(f"A{r}", me), []
-        recvs = [coll.recv_batch(feed, entries, dst_ids, width, None, fwd) for _ in range(burst)]
-        return loop.run_until_complete(_together(recvs))
+        return loop.run_until_complete(_together(batches))
 
     issue: list[float] = []  # seconds the sender's host spent issuing one batch (in flight)
 
@@ -299,6 +302,15 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
 
     def contiguous_waited(layout: str) -> None:  # the host waits for each, as raykv's column
         contiguous(layout)
+        sync()
+
+    def crossing(layout: str) -> None:  # MLA: each rank pair its share, contiguous, at once
+        m = flat[cut.start * width : cut.stop * width]
+        if m.numel():
+            (base.send([m], 1, 0) if a else base.recv([m], 0, 0)).wait()
+
+    def crossing_waited(layout: str) -> None:
+        crossing(layout)
         sync()
 
     def per_block(layout: str) -> None:
@@ -347,10 +359,12 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
     }
     if cfg.tp == 1:
         methods["per_block"] = one_by_one(per_block)
+    crossings = {"crossing": one_by_one(crossing), "crossing_waited": one_by_one(crossing_waited)}
     peers = {"peer": awaited_one_by_one(peer), "peer_in_flight": peer_in_flight}
     out: dict = {"device": torch.cuda.get_device_name(device) if cfg.cuda else "cpu"}
     for layout in layouts:
-        for name, fn in {**methods, **(peers if layout == "split" else {})}.items():
+        extra = peers if layout == "split" else crossings if cfg.tp > 1 else {}
+        for name, fn in {**methods, **extra}.items():
             if name == "peer" and not a:  # what the peer reads write is checked on its own
                 ops.scatter_blocks(
                     torch.zeros((n, width), dtype=torch.uint8, device=device), entries,
@@ -382,9 +396,12 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
                 if name in ("raykv", "in_flight", "peer", "peer_in_flight") and not a:
                     out.setdefault(f"{layout}/good", []).append(got)
             out[f"{layout}/{name}"] = statistics.median(times)
-        if not a:  # every byte B holds now equals A's (its rank's copy, rank 0's for MLA)
-            owner = 0 if layout == "mla" else r
-            want = _rows(_pool(cfg, device, 1000 + owner), src_ids, width)
+        if not a:  # every byte B holds now equals A's (its rank's copy; MLA: share j from j)
+            parts = [(r, range(n))] if layout != "mla" else enumerate(shares(n, cfg.tp))
+            want = torch.cat([
+                _rows(_pool(cfg, device, 1000 + j), src_ids[c.start : c.stop], width)
+                for j, c in parts if c
+            ])  # fmt: skip
             out[f"{layout}/equal"] = bool(torch.equal(_rows(entries, dst_ids, width), want))
     if issue:  # the warm-up burst of 1 left out
         out["phase/send_issue_ms"] = statistics.median(issue[1:] or issue) * 1e3

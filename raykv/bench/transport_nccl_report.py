@@ -29,6 +29,7 @@ def nccl_report(cfg: NcclConfig, results: dict) -> dict:
 
         raykv, contig, per_block = rate("raykv"), rate("contiguous"), rate("per_block")
         in_flight, waited = rate("in_flight"), rate("contiguous_waited")
+        cross, cross_waited = rate("crossing"), rate("crossing_waited")
 
         def peer_rate(method: str, first: bool, layout: str = layout) -> float | None:
             """The slowest reader's copy; ``first``: after the holder's sums (a block's
@@ -57,6 +58,10 @@ def nccl_report(cfg: NcclConfig, results: dict) -> dict:
             "in_flight": in_flight,
             "in_flight_vs_contiguous": in_flight / contig if contig and in_flight else None,
             "raykv_vs_per_block": raykv / per_block if per_block else None,
+            "crossing": cross,
+            "crossing_waited": cross_waited,
+            "raykv_vs_crossing_waited": raykv / cross_waited if cross_waited else None,
+            "in_flight_vs_crossing": in_flight / cross if cross and in_flight else None,
             "peer": peer,
             "peer_vs_contiguous_waited": peer / waited if peer and waited else None,
             "peer_first": peer_first,
@@ -107,6 +112,16 @@ def nccl_format(report: dict) -> str:
             f"{f(r['raykv_vs_contiguous'], 3)} | {f(r['per_block'])} | "
             f"{f(r['raykv_vs_per_block'])} | {ok} |"
         )
+    for r in report["rows"]:
+        if r.get("crossing"):
+            lines.append(
+                f"{r['layout']}: the one copy crosses in shares, one per rank pair, and each "
+                f"reader rank passes its share on; against the crossing alone (each rank pair "
+                f"sends its share contiguously, all at once, nothing passed on): one at a time "
+                f"{f(r['crossing_waited'])} GB/s, raykv "
+                f"{f(r['raykv_vs_crossing_waited'], 3)} x; queued {f(r['crossing'])} GB/s, "
+                f"raykv in flight {f(r['in_flight_vs_crossing'], 3)} x"
+            )
     for r in report["rows"]:
         if r.get("peer"):
             lines.append(

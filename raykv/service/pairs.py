@@ -6,14 +6,18 @@ rendezvous store); the holder answers with how many leading blocks it serves, th
 checksums per distinct TP copy, the row width and its ranks' idents, and meanwhile each of
 its writer ranks (the first rank of each distinct copy, ``raykv.layout.tp.writer_ranks``)
 gathers its copy into one staging buffer and sends it to the reader's rank of the same
-index. So a TP-N pair moves rank to rank, each over its own pair group, and an MLA latent
-(one copy per TP group) crosses once: the reader's writer rank passes it on to the other
-ranks of its copy (``Collective.recv_batch(forward=...)``), in its own group. Each receiving rank
-checks the message and scatters the leading intact rows into its blocks; the batch is what
-every rank wrote (the least). One collective fetch at a time per reader pool keeps the
-order of every pair's messages the same at both ends; a failure anywhere bumps the reader's
-generation (fresh groups next time) and is a ``TransportError`` (``_fetch_remote`` retries
-the batch over the object store, then the source counts as failed: misses).
+index. So a TP-N pair moves rank to rank, each over its own pair group. A copy that several
+ranks replicate (an MLA latent: one copy per TP group) crosses once, in shares: each replica
+of the holder sends its share of the batch to the reader's rank of the same index, which
+passes it on to its other replicas as it arrives (``Collective.recv_shares``, in its own
+group), so every link between the groups carries part of the one copy. Each receiving rank
+checks the messages and scatters the leading intact rows into its blocks; the batch is what
+every rank wrote (the least). A holder's replicas hold the same bytes (every way a block
+becomes valid writes each rank's copy alike; an engine's own store is checked for it). One
+collective fetch at a time per reader pool keeps the order of every pair's messages the same
+at both ends; a failure anywhere bumps the reader's generation (fresh groups next time) and
+is a ``TransportError`` (``_fetch_remote`` retries the batch over the object store, then the
+source counts as failed: misses).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from raykv.transport.peer_read import (
     read_blocks,
     stated_sums,
 )
+from raykv.transport.wire import shares
 
 HOLD_S = 2 * TIMEOUT_S  # a peer read's hold on the holder's blocks, if never released
 
@@ -78,11 +83,16 @@ class RankCollective:
         return self.collective(name).start_send(pair, self.entries[gi], block_ids, self.widths[gi])
 
     async def recv(
-        self, name: str, pair: Pair, gi: int, block_ids: list[int], expected, forward
+        self, name: str, pair: Pair, gi: int, block_ids: list[int], expected, replicas=()
     ) -> int:
-        return await self.collective(name).recv_batch(
-            pair, self.entries[gi], block_ids, self.widths[gi], expected, forward
-        )
+        """``pair``'s batch into ours; ``replicas`` (this group's idents of the ranks that
+        hold this rank's copy, more than one): the copy comes in shares (``recv_shares``)."""
+        coll = self.collective(name)
+        if len(replicas) > 1:
+            return await coll.recv_shares(
+                pair, replicas, self.entries[gi], block_ids, self.widths[gi], expected
+            )
+        return await coll.recv_batch(pair, self.entries[gi], block_ids, self.widths[gi], expected)
 
     # --- peer reads (``raykv.transport.peer_read``) ---
 
@@ -193,17 +203,36 @@ class CollectivePlane:
         sums = [[self.sums[b][c] for b in blocks] for c in range(len(self.writers))]
         store = tuple(reader["store"])
         handles = self._ranks()
-        for w in self.writers:
-            pair = Pair(idents[w], reader["idents"][w], int(reader["gen"]), store)
-            if w == 0:
-                send = self.local.start_send(self.name, pair, gi, blocks)
+        for r, share in self._shares(len(blocks)):  # each copy's replicas send a share each
+            if not share:
+                continue
+            part = blocks[share.start : share.stop]
+            pair = Pair(idents[r], reader["idents"][r], int(reader["gen"]), store)
+            if r == 0:
+                send = self.local.start_send(self.name, pair, gi, part)
             else:
-                send = handles[w - 1].coll_send.remote(pair, gi, blocks)
-            self._background(send, f"sending {len(blocks)} blocks to {pair.dst}")
+                send = handles[r - 1].coll_send.remote(pair, gi, part)
+            self._background(send, f"sending {len(part)} blocks to {pair.dst}")
         width = self.widths[gi]
         self.metrics.hit(model, GPU, len(blocks))
         self.metrics.moved(model, GPU, len(blocks) * width * len(self.writers))
         return len(blocks), sums, width, idents
+
+    def _replicas(self, r: int) -> list[int]:
+        """The ranks holding rank ``r``'s copy, in order."""
+        return [x for x in range(len(self.copy_of)) if self.copy_of[x] == self.copy_of[r]]
+
+    def _shares(self, n: int) -> list[tuple[int, range]]:
+        """(rank, its share of a batch of ``n`` rows) for every rank: a copy that several
+        ranks replicate (an MLA latent) crosses in shares, one per replica (a reader's rank
+        receives its share from the holder's rank of the same index and passes it on to its
+        replicas, ``Collective.recv_shares``), so one copy crosses over all the copy's links
+        at once; a rank that holds its own copy sends all of it."""
+        out = []
+        for r in range(len(self.copy_of)):
+            replicas = self._replicas(r)
+            out.append((r, shares(n, len(replicas))[replicas.index(r)]))
+        return out
 
     # --- peer reads: the holder's half -------------------------------------------------
 
@@ -343,22 +372,15 @@ class CollectivePlane:
             return 0, 0
         blocks = [b for _, b in want[:n]]
         calls = []
-        for r in range(len(self.copy_of)):
-            c = self.copy_of[r]
-            w = self.writers[c]
-            if r == w:  # crosses from the holder's rank w; passed on to our replicas of c
-                feed = Pair(src[w], idents[w], gen, store)
-                fwd = [
-                    Pair(idents[w], idents[x], gen, store)
-                    for x in range(len(self.copy_of))
-                    if x != w and self.copy_of[x] == c
-                ]
-            else:  # a replica: from our rank w, inside this group
-                feed, fwd = Pair(idents[w], idents[r], gen, store), []
+        for r in range(len(self.copy_of)):  # rank to rank; a replicated copy in shares
+            feed, c = Pair(src[r], idents[r], gen, store), self.copy_of[r]
+            replicas = [idents[x] for x in self._replicas(r)]  # one: its own copy, whole
             if r == 0:
-                calls.append(self.local.recv(self.name, feed, gi, blocks, sums[c], fwd))
+                calls.append(self.local.recv(self.name, feed, gi, blocks, sums[c], replicas))
             else:
-                calls.append(self._ranks()[r - 1].coll_recv.remote(feed, gi, blocks, sums[c], fwd))
+                calls.append(
+                    self._ranks()[r - 1].coll_recv.remote(feed, gi, blocks, sums[c], replicas)
+                )
         try:
             counts = await asyncio.gather(*calls)
         except Exception as e:  # a rank's receive failed: fresh groups next time

@@ -139,9 +139,9 @@ class RankPool:
         await self.kv.start_send(self.name, pair, gi, block_ids)
 
     async def coll_recv(
-        self, pair: Any, gi: int, block_ids: list[int], expected: Any, forward: Any
+        self, pair: Any, gi: int, block_ids: list[int], expected: Any, replicas: Any = ()
     ) -> int:
-        return await self.kv.recv(self.name, pair, gi, block_ids, expected, forward)
+        return await self.kv.recv(self.name, pair, gi, block_ids, expected, replicas)
 
     def checksums(self, gi: int, block_ids: list[int]) -> tuple[int, ...]:
         return row_checksums(self.kv.gather(gi, block_ids))

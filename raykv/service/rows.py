@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from raykv.errors import InvalidInput
+from raykv.layout import tp
 from raykv.layout.plan import Plan
 from raykv.tiers.jobs import NULL_BLOCK
 from raykv.transport.object_store import as_tensor
@@ -100,7 +101,27 @@ def as_rank_rows(
             else:
                 groups.append(rows_tensor(x, len(real), width, what))
         out.append(groups)
+    _check_replicas(plan, out)
     return out
+
+
+def _check_replicas(plan: Plan, rows: RankRows) -> None:
+    """Ranks that replicate one copy (an MLA latent, a KV head on several ranks) must be
+    given the same bytes: a load reads each share of the copy from a different replica
+    (``Collective.recv_shares``), so replicas that differ would hand out mixed KV."""
+    copy_of = tp.copy_ranks(plan)
+    for r, c in enumerate(copy_of):
+        w = copy_of.index(c)  # the copy's first rank
+        if r == w:
+            continue
+        for gi, (mine, first) in enumerate(zip(rows[r], rows[w], strict=True)):
+            if not torch.equal(mine, first):
+                where = f" (group {gi})" if len(plan.groups) > 1 else ""
+                raise InvalidInput(
+                    f"ranks {w} and {r} hold the same copy of the KV{where} (tp_size="
+                    f"{plan.tp_size}, {max(copy_of) + 1} distinct copies), but their rows "
+                    f"differ; pass rank {r} the same rows as rank {w}"
+                )
 
 
 def to_wire(rows: Any) -> Any:

@@ -55,10 +55,11 @@ from raykv import ops
 from raykv.errors import InvalidInput, TransportError
 from raykv.transport.pipeline import pipeline_call
 from raykv.transport.select import GLOO, NCCL
-from raykv.transport.wire import WirePlan, count_intact, leading_matches
+from raykv.transport.wire import WirePlan, count_intact, leading_matches, shares
 
 TIMEOUT_S = float(os.environ.get("RAYKV_COLLECTIVE_TIMEOUT_S", "30"))
 _SPIN_S, _POLL_S = 0.002, 0.0001  # poll NCCL completion: spin first, then sleep between polls
+CROSS, INNER = 0, 1  # a receiver's lanes: batches from another group / from its own replicas
 log = logging.getLogger(__name__)
 
 
@@ -140,11 +141,12 @@ class Collective:
         self.timeout_s = timeout_s
         self._groups: dict[Pair, Any] = {}
         self._threads: dict[Pair, ThreadPoolExecutor] = {}
-        self._stores: dict[tuple[str, int], Any] = {}
+        self._stores: dict[tuple[str, int, int], Any] = {}  # (host, port, thread): client
         self._lock = threading.Lock()
         self._warmed: set[Pair] = set()  # NCCL pairs whose communicator is up
-        self._stream: Any = None  # the receiver's side stream (GPU)
-        self._wire: Any = None  # the C++ pipeline's streams (GPU)
+        self._sides: dict[int, Any] = {}  # the receiver's side stream per lane (GPU)
+        self._wires: dict[int, Any] = {}  # the C++ pipeline's wire stream per lane (GPU)
+        self._forward: Any = None  # the stream a receiver passes messages on from (GPU)
         self._comms: dict[Pair, int] = {}  # NCCL communicators of formed pairs (0: none)
         self._tables: dict[int, tuple[Any, tuple, ops.WireTable | None]] = {}  # _wire_table
         # tests: called with each message right before it is sent
@@ -153,12 +155,16 @@ class Collective:
     # -- groups --
 
     def _store(self, addr: tuple[str, int]) -> Any:
+        """This thread's client of the rendezvous store at ``addr``: one per pair thread, as a
+        client's blocking wait holds its socket (two pairs forming at once in one process, an
+        MLA share's receive and its replica's, would wait on each other's keys forever)."""
         import torch.distributed as dist
 
         with self._lock:
-            s = self._stores.get(addr)
+            key = (*addr, threading.get_ident())
+            s = self._stores.get(key)
             if s is None:
-                s = self._stores[addr] = dist.TCPStore(
+                s = self._stores[key] = dist.TCPStore(
                     addr[0], int(addr[1]), is_master=False,
                     timeout=datetime.timedelta(seconds=self.timeout_s),
                 )  # fmt: skip
@@ -228,11 +234,13 @@ class Collective:
             )
         return table
 
-    def _streams(self) -> tuple[Any, Any]:
-        """(wire, forward): the streams the C++ pipeline's NCCL calls run on."""
-        if self._wire is None:
-            self._wire = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
-        return self._wire
+    def _streams(self, lane: int = CROSS) -> tuple[Any, Any]:
+        """(wire, forward): the streams the C++ pipeline's NCCL calls of ``lane`` run on."""
+        if lane not in self._wires:
+            self._wires[lane] = torch.cuda.Stream(self.device)
+        if self._forward is None:
+            self._forward = torch.cuda.Stream(self.device)
+        return self._wires[lane], self._forward
 
     def _abort(self, pair: Pair) -> None:
         self._comms.pop(pair, None)
@@ -402,18 +410,21 @@ class Collective:
         ids.numpy()[:] = block_ids
         return ids
 
-    def _side_stream(self) -> Any:
-        """The receiver's own stream (GPU), after what the pool queued so far."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        return self._stream
+    def _side_stream(self, lane: int = CROSS, after_pool: bool = True) -> Any:
+        """The receiver's own stream of ``lane`` (GPU), after what the pool queued so far
+        (``after_pool``; the C++ pipeline orders it itself)."""
+        if lane not in self._sides:
+            self._sides[lane] = torch.cuda.Stream(self.device)
+        if after_pool:
+            self._sides[lane].wait_stream(torch.cuda.current_stream(self.device))
+        return self._sides[lane]
 
-    def _side(self) -> contextlib.AbstractContextManager:
-        """The receiver's stream as the current one on a GPU (nothing on the CPU)."""
+    def _side(self, lane: int = CROSS) -> contextlib.AbstractContextManager:
+        """The receiver's stream of ``lane`` as the current one on a GPU (nothing on the
+        CPU)."""
         if self.device.type != "cuda":
             return contextlib.nullcontext()
-        return torch.cuda.stream(self._side_stream())
+        return torch.cuda.stream(self._side_stream(lane))
 
     def start_send(
         self, pair: Pair, entries: Sequence[torch.Tensor], block_ids: Sequence[int], width: int
@@ -485,22 +496,24 @@ class Collective:
         width: int,
         expected: Sequence[int] | None = None,
         forward: Sequence[Pair] = (),
+        lane: int = CROSS,
     ) -> int:
         """Receive ``len(block_ids)`` rows from ``pair.src`` into ``block_ids``, passing each
         message on to ``forward`` (replicas of the same copy, e.g. an MLA latent: it crossed
         once) as it arrives. Returns how many leading blocks hold intact rows; only those may
         become valid (every row is scattered, the check follows: the blocks are the reader's
-        own and not valid yet)."""
+        own and not valid yet). ``lane``: the GPU streams it runs on, ``CROSS`` for a batch
+        from another group, ``INNER`` for one a replica of this group passes on (see
+        ``recv_shares``: an inner batch waits for the sender's cross batch, so the two must
+        not queue on one stream)."""
         plan, cuda = WirePlan.of(len(block_ids), width), self.device.type == "cuda"
         table = self._wire_table(entries, width)
         buf = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
         good: list[torch.Tensor] = []  # the count of intact rows, once the batch is done
 
         def enqueue(comm: int, forwards: list[int]) -> _Pending:  # the C++ pipeline
-            wire, fwd_stream = self._streams()
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(self.device)
-            side = self._stream  # the pipeline orders it after the pool's stream
+            wire, fwd_stream = self._streams(lane)
+            side = self._side_stream(lane, after_pool=False)  # the pipeline orders it
             good.append(
                 pipeline_call(
                     table.module.wire_recv, "collective receive",
@@ -524,7 +537,7 @@ class Collective:
             feed, fwd = pgs[0], pgs[1:]
             rows, wire_sums = plan.split(buf)
             messages = plan.messages(buf)
-            with self._side():
+            with self._side(lane):
                 recvs = [feed.recv([m], 0, 0) for m in messages]  # all posted at once
                 works = list(recvs) if cuda else []  # gloo: waited below (a second wait hangs)
                 arrived = iter(zip(recvs, messages, strict=True))
@@ -547,6 +560,51 @@ class Collective:
         if cuda:  # the stored xxh3 checksums are not recomputed on a GPU (count_intact)
             return int(good[0][0])
         return count_intact(int(good[0][0]), plan.split(buf)[0], expected)
+
+    async def recv_shares(
+        self,
+        cross: Pair,
+        replicas: Sequence[str],
+        entries: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        width: int,
+        expected: Sequence[int] | None = None,
+    ) -> int:
+        """This rank's receive of a copy that ``replicas`` (the idents of this group's ranks
+        holding it, in rank order; this rank is ``cross.dst``) share, e.g. an MLA latent
+        under TP: share ``j`` of ``block_ids`` (``shares``) crosses from the holder's replica
+        ``j`` to ours, which passes it on to the other replicas as it arrives; the other
+        shares come from them. One copy crosses between the groups, each link carries a share
+        of it, and every replica ends with all of it. Returns how many leading blocks hold
+        intact rows (the count stops in the first share short of intact)."""
+        me = list(replicas).index(cross.dst)
+        cuts = shares(len(block_ids), len(replicas))
+
+        def within(src: int, dst: int) -> Pair:
+            return Pair(replicas[src], replicas[dst], cross.gen, cross.store)
+
+        def part(j: int) -> tuple[list[int], list[int] | None]:
+            cut = cuts[j]
+            ids = list(block_ids[cut.start : cut.stop])
+            return ids, None if expected is None else list(expected[cut.start : cut.stop])
+
+        order = [me] + [j for j in range(len(replicas)) if j != me]  # the crossing share first
+        calls = []
+        for j in (j for j in order if cuts[j]):
+            ids, exp = part(j)
+            if j == me:
+                fwd = [within(me, x) for x in range(len(replicas)) if x != me]
+                calls.append(self.recv_batch(cross, entries, ids, width, exp, fwd, CROSS))
+            else:
+                calls.append(self.recv_batch(within(j, me), entries, ids, width, exp, (), INNER))
+        counts = dict(zip([j for j in order if cuts[j]], await asyncio.gather(*calls),
+                          strict=True))  # fmt: skip
+        good = 0
+        for j, cut in enumerate(cuts):
+            good += counts.get(j, 0)
+            if counts.get(j, 0) < len(cut):
+                break
+        return good
 
     def close(self) -> None:
         for p in list(self._groups):

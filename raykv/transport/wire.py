@@ -84,6 +84,16 @@ def _plan(cls: type[WirePlan], n: int, width: int, first: int, cap: int) -> Wire
     return cls(width, tuple(head + middle + head[::-1]))
 
 
+def shares(n: int, parts: int) -> list[range]:
+    """``n`` rows cut into ``parts`` consecutive shares of near-equal size (row ranges, in
+    order; some empty where ``n < parts``). Share ``j`` of a copy that ``parts`` ranks of a
+    TP group replicate (an MLA latent) crosses from the holder's replica ``j`` to the
+    reader's replica ``j``, which passes it on to its group (``Collective.recv_shares``):
+    one copy crosses between the groups, each of the ``parts`` links carries a share of it.
+    Both ends derive the same cut from ``(n, parts)``."""
+    return [range(j * n // parts, (j + 1) * n // parts) for j in range(parts)]
+
+
 def wire_bytes(n: int, width: int) -> int:
     return n * (width + SUM_BYTES)
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from raykv.blocks import BlockHasher, BlockManager
 from raykv.errors import ConfigError, InvalidInput
-from raykv.layout import FullAttention, Mamba, SlidingWindow, plan
+from raykv.layout import MLA, FullAttention, Mamba, SlidingWindow, plan
 from raykv.service.groups import (
     as_tables,
     check_servable,
@@ -121,6 +121,27 @@ def test_tables_and_rows_forms() -> None:
     assert len(as_rank_rows(tp, stacked, [[1, 2, 3]], rw)) == 2
     with pytest.raises(InvalidInput, match="tp_size=2"):
         as_rank_rows(tp, stacked[0], [[1, 2, 3]], rw)
+
+
+def test_ranks_replicating_one_copy_must_be_given_the_same_rows() -> None:
+    """An MLA latent (and a KV head on several ranks) is one copy on every rank of it: a
+    load reads each share of the copy from a different replica, so a store whose replicas
+    differ is refused before a byte moves; distinct copies may differ."""
+    common = dict(num_gpu_blocks=8, max_model_len=64, max_num_batched_tokens=64, tp_size=4)
+    mla = plan({"a": MLA("float16", kv_lora_rank=32, qk_rope_head_dim=8)}, **common)
+    rw = row_widths(mla)
+    latent = torch.randint(0, 256, (3, rw[0]), dtype=torch.uint8)
+    assert len(as_rank_rows(mla, [latent.clone() for _ in range(4)], [[1, 2, 3]], rw)) == 4
+    other = latent.clone()
+    other[2, 5] ^= 1
+    with pytest.raises(InvalidInput, match=r"ranks 0 and 3 hold the same copy.*pass rank 3"):
+        as_rank_rows(mla, [latent, latent, latent, other], [[1, 2, 3]], rw)
+    heads = plan({"a": FullAttention("float32", 2, 16)}, **common)  # 2 heads on 4 ranks
+    hw = row_widths(heads)
+    k = [torch.full((3, hw[0]), c, dtype=torch.uint8) for c in range(2)]
+    assert len(as_rank_rows(heads, [k[0], k[0], k[1], k[1]], [[1, 2, 3]], hw)) == 4
+    with pytest.raises(InvalidInput, match="ranks 2 and 3 hold the same copy"):
+        as_rank_rows(heads, [k[0], k[0], k[1], k[0]], [[1, 2, 3]], hw)
 
 
 @settings(max_examples=60, deadline=None)

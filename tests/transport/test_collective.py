@@ -26,6 +26,7 @@ from raykv.transport.wire import (
     WirePlan,
     count_intact,
     leading_matches,
+    shares,
     wire_bytes,
 )
 
@@ -184,6 +185,68 @@ def test_a_multi_chunk_batch_arrives_equal_and_a_bad_row_in_a_later_chunk_cuts_i
     finally:
         a.close()
         b.close()
+
+
+@given(st.integers(0, 5000), st.integers(1, 8))
+def test_shares_cut_a_batch_into_consecutive_near_equal_parts(n, parts) -> None:
+    cuts = shares(n, parts)
+    assert len(cuts) == parts and cuts[0].start == 0 and cuts[-1].stop == n
+    assert all(a.stop == b.start for a, b in itertools.pairwise(cuts))
+    assert max(map(len, cuts)) - min(map(len, cuts)) <= 1
+
+
+def share_run(store, tp: int, n: int, tag: str, tamper=None):
+    """A copy ``tp`` replicas share: holder ranks ``A{j}`` send share j of ``n`` blocks (each
+    from its own pool: the bytes tell which replica a row crossed from), reader ranks ``B{r}``
+    receive theirs and pass it on. Returns (holder pools, reader pools, ids, into, counts,
+    bytes each holder rank sent)."""
+    a = [Collective(f"A{j}#{tag}", "cpu", timeout_s=5) for j in range(tp)]
+    b = [Collective(f"B{r}#{tag}", "cpu", timeout_s=5) for r in range(tp)]
+    src = [pool(n + 1, seed=10 + j) for j in range(tp)]
+    dst = [pool(n + 1, seed=50 + r) for r in range(tp)]
+    ids, into = list(range(1, n + 1)), list(range(n, 0, -1))
+    replicas = [c.ident for c in b]
+    if tamper is not None:
+        a[-1].tamper = tamper
+    cuts = shares(n, tp)
+
+    async def run():
+        sends = [a[j].start_send(Pair(a[j].ident, b[j].ident, 0, store), src[j],
+                                 ids[cuts[j].start : cuts[j].stop], W)
+                 for j in range(tp) if cuts[j]]  # fmt: skip
+        recvs = [b[r].recv_shares(Pair(a[r].ident, b[r].ident, 0, store), replicas, dst[r],
+                                  into, W) for r in range(tp)]  # fmt: skip
+        out = await asyncio.gather(*sends, *recvs)
+        return out[len(sends) :], out[: len(sends)]
+
+    try:
+        counts, sent = asyncio.run(run())
+    finally:
+        for c in a + b:
+            c.close()
+    return src, dst, ids, into, counts, sent
+
+
+@pytest.mark.parametrize("tp,n", [(2, 7), (3, 8), (2, 1)])
+def test_a_replicated_copy_crosses_once_in_shares_and_every_replica_gets_all_of_it(
+    store, tp, n
+) -> None:
+    src, dst, ids, into, counts, sent = share_run(store, tp, n, f"s{tp}{n}")
+    cuts = shares(n, tp)
+    want = torch.cat([rows_of(src[j], ids[c.start : c.stop]) for j, c in enumerate(cuts) if c])
+    assert counts == [n] * tp
+    for r in range(tp):  # share j from holder replica j, on every reader replica
+        assert torch.equal(rows_of(dst[r], into), want)
+    # one copy crossed between the groups: each holder rank sent its share only
+    assert sent == [len(c) * (W + 8) for c in cuts if c]
+
+
+def test_a_corrupt_share_ends_the_intact_count_on_every_replica(store) -> None:
+    def flip(msg: torch.Tensor) -> None:
+        msg[W + 3] ^= 0x01  # the last share's second row, after its sum was taken
+
+    *_, counts, _ = share_run(store, 2, 6, "bad", tamper=flip)
+    assert counts == [4, 4]  # share 0 (3 rows) and the first row of share 1
 
 
 @settings(max_examples=30, deadline=None)

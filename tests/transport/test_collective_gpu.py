@@ -1,6 +1,7 @@
 """NCCL pairs between GPUs, each process seeing only its own GPU (as under Ray): scattered
 blocks arrive byte-equal as one message per rank pair (16 MiB), TP-1 and, with
-4 GPUs, TP-2 and MLA (passed on inside the reader's group); a sender that dies leaves its
+4 GPUs (or two groups crossed over 2), TP-2 and MLA (in shares, each passed on inside the
+reader's group); a sender that dies leaves its
 receiver with a ``TransportError`` within the timeout, never a hang."""
 
 import multiprocessing as mp
@@ -31,6 +32,17 @@ def test_tp2_rank_pairs_and_mla_between_two_groups() -> None:
     assert [r["layout"] for r in rep["rows"]] == ["split", "mla"]
     assert all(r["equal"] and r["all_blocks"] for r in rep["rows"]), rep["rows"]
     assert rep["rows"][1]["wire_mib"] == rep["rows"][1]["mib_per_pair"]  # MLA: one copy
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, found {GPUS}")
+def test_tp2_groups_crossed_over_two_gpus_move_rank_pairs_and_mla_shares(monkeypatch) -> None:
+    """Each GPU holds one rank of each TP-2 group (A0 and B1 on GPU 0, A1 and B0 on GPU 1):
+    every pair crosses GPUs, so the MLA shares (each reader rank receives one from A and
+    one from its replica at once, on separate streams) run where only two GPUs are."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,1,0")  # A0, A1, B0, B1
+    rep = nccl_run(NcclConfig(tp=2, blocks=300, rounds=1, burst=3), timeout_s=240)
+    assert [r["layout"] for r in rep["rows"]] == ["split", "mla"]
+    assert all(r["equal"] and r["all_blocks"] for r in rep["rows"]), rep["rows"]
 
 
 def _peer(side: str, addr, q) -> None:
