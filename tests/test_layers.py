@@ -20,6 +20,7 @@ BELOW_SERVICE = {
     "blocks",
     "ops",
     "ops_checks",
+    "ops_kernel",
     "ops_pools",
     "ops_reference",
     "ops_threads",
@@ -31,8 +32,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "errors": set(),
     "layout": BASE,
     "blocks": BASE | {"layout"},
-    "ops": BASE | {"layout", "ops_checks", "ops_reference"},
+    "ops": BASE | {"layout", "ops_checks", "ops_kernel", "ops_reference"},
     "ops_checks": BASE | {"ops_reference"},  # ops' argument validation, in a file of its own
+    "ops_kernel": set(),  # ops' CUDA extension: built on first use, or ruled out, and why
     "ops_reference": {"ops_threads"},  # the torch half of ops, in a file of its own
     "ops_threads": set(),  # the host threads ops' host copies (and the hashing) run on
     "ops_pools": BASE | {"ops", "ops_checks", "ops_reference"},  # block to block, pool to pool

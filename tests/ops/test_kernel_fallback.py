@@ -1,4 +1,5 @@
-"""When a CUDA machine cannot use the CUDA kernel, raykv.ops says so once, at WARNING.
+"""When a CUDA machine cannot use the CUDA kernel, raykv says so once, at WARNING
+(``raykv.ops_kernel``), and ``raykv.ops`` copies with its torch reference.
 
 No GPU here: CUDA's presence and the extension build are monkeypatched; each test starts from
 an undecided kernel state (what a fresh process has) and monkeypatch restores the real one.
@@ -14,16 +15,16 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
-from raykv import ops
+from raykv import ops, ops_kernel
 
-LOGGER = "raykv.ops"
+LOGGER = "raykv.ops_kernel"
 
 
 @pytest.fixture
 def fresh_process(monkeypatch):
     """ops as a new process sees it: the kernel not yet built or ruled out."""
-    monkeypatch.setattr(ops, "_module", None)
-    monkeypatch.setattr(ops, "_status", None)
+    monkeypatch.setattr(ops_kernel, "_module", None)
+    monkeypatch.setattr(ops_kernel, "_status", None)
     monkeypatch.delenv("RAYKV_DISABLE_KERNEL", raising=False)
     monkeypatch.delenv("RAYKV_KERNELS_DIR", raising=False)
     monkeypatch.setenv("RAYKV_CACHE_DIR", "/nonexistent-raykv-cache")  # never used unless built
