@@ -195,13 +195,13 @@ def test_shares_cut_a_batch_into_consecutive_near_equal_parts(n, parts) -> None:
     assert max(map(len, cuts)) - min(map(len, cuts)) <= 1
 
 
-def share_run(store, tp: int, n: int, tag: str, tamper=None):
+def share_run(store, tp: int, n: int, tag: str, tamper=None, silent=(), timeout_s=5):
     """A copy ``tp`` replicas share: holder ranks ``A{j}`` send share j of ``n`` blocks (each
     from its own pool: the bytes tell which replica a row crossed from), reader ranks ``B{r}``
     receive theirs and pass it on. Returns (holder pools, reader pools, ids, into, counts,
     bytes each holder rank sent)."""
-    a = [Collective(f"A{j}#{tag}", "cpu", timeout_s=5) for j in range(tp)]
-    b = [Collective(f"B{r}#{tag}", "cpu", timeout_s=5) for r in range(tp)]
+    a = [Collective(f"A{j}#{tag}", "cpu", timeout_s=timeout_s) for j in range(tp)]
+    b = [Collective(f"B{r}#{tag}", "cpu", timeout_s=timeout_s) for r in range(tp)]
     src = [pool(n + 1, seed=10 + j) for j in range(tp)]
     dst = [pool(n + 1, seed=50 + r) for r in range(tp)]
     ids, into = list(range(1, n + 1)), list(range(n, 0, -1))
@@ -213,10 +213,10 @@ def share_run(store, tp: int, n: int, tag: str, tamper=None):
     async def run():
         sends = [a[j].start_send(Pair(a[j].ident, b[j].ident, 0, store), src[j],
                                  ids[cuts[j].start : cuts[j].stop], W)
-                 for j in range(tp) if cuts[j]]  # fmt: skip
+                 for j in range(tp) if cuts[j] and j not in silent]  # fmt: skip
         recvs = [b[r].recv_shares(Pair(a[r].ident, b[r].ident, 0, store), replicas, dst[r],
                                   into, W) for r in range(tp)]  # fmt: skip
-        out = await asyncio.gather(*sends, *recvs)
+        out = await asyncio.gather(*sends, *recvs, return_exceptions=bool(silent))
         return out[len(sends) :], out[: len(sends)]
 
     try:
@@ -247,6 +247,17 @@ def test_a_corrupt_share_ends_the_intact_count_on_every_replica(store) -> None:
 
     *_, counts, _ = share_run(store, 2, 6, "bad", tamper=flip)
     assert counts == [4, 4]  # share 0 (3 rows) and the first row of share 1
+
+
+def test_a_holder_replica_that_never_sends_fails_every_reader_replica_in_bounded_time(
+    store,
+) -> None:
+    """A1 dies before its share leaves: B1 never gets it, so neither does B0 (B1 passes it
+    on); both end with TransportError within their bounded waits, never a hang."""
+    t0 = time.monotonic()
+    *_, counts, sent = share_run(store, 2, 6, "mute", silent=(1,), timeout_s=2)
+    assert len(sent) == 1 and all(isinstance(c, TransportError) for c in counts), counts
+    assert time.monotonic() - t0 < 15
 
 
 @settings(max_examples=30, deadline=None)
