@@ -241,7 +241,7 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
     def pair(src: str, dst: str) -> Pair:
         return Pair(src, dst, 0, addr)
 
-    cut = shares(n, cfg.tp)[r]  # this rank pair's share of an MLA copy
+    cut = shares(n, cfg.tp, width)[r]  # this rank pair's share of an MLA copy
     replicas = [f"B{x}" for x in range(cfg.tp)]
 
     async def nothing() -> int:
@@ -304,8 +304,10 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
         contiguous(layout)
         sync()
 
+    even = shares(n, cfg.tp, width, 0)[r]  # the crossing alone: an even share per rank pair
+
     def crossing(layout: str) -> None:  # MLA: each rank pair its share, contiguous, at once
-        m = flat[cut.start * width : cut.stop * width]
+        m = flat[even.start * width : even.stop * width]
         if m.numel():
             (base.send([m], 1, 0) if a else base.recv([m], 0, 0)).wait()
 
@@ -397,7 +399,7 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
                     out.setdefault(f"{layout}/good", []).append(got)
             out[f"{layout}/{name}"] = statistics.median(times)
         if not a:  # every byte B holds now equals A's (its rank's copy; MLA: share j from j)
-            parts = [(r, range(n))] if layout != "mla" else enumerate(shares(n, cfg.tp))
+            parts = [(r, range(n))] if layout != "mla" else enumerate(shares(n, cfg.tp, width))
             want = torch.cat([
                 _rows(_pool(cfg, device, 1000 + j), src_ids[c.start : c.stop], width)
                 for j, c in parts if c

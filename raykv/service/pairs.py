@@ -203,7 +203,7 @@ class CollectivePlane:
         sums = [[self.sums[b][c] for b in blocks] for c in range(len(self.writers))]
         store = tuple(reader["store"])
         handles = self._ranks()
-        for r, share in self._shares(len(blocks)):  # each copy's replicas send a share each
+        for r, share in self._shares(len(blocks), self.widths[gi]):  # a share per replica
             if not share:
                 continue
             part = blocks[share.start : share.stop]
@@ -222,16 +222,17 @@ class CollectivePlane:
         """The ranks holding rank ``r``'s copy, in order."""
         return [x for x in range(len(self.copy_of)) if self.copy_of[x] == self.copy_of[r]]
 
-    def _shares(self, n: int) -> list[tuple[int, range]]:
-        """(rank, its share of a batch of ``n`` rows) for every rank: a copy that several
-        ranks replicate (an MLA latent) crosses in shares, one per replica (a reader's rank
-        receives its share from the holder's rank of the same index and passes it on to its
-        replicas, ``Collective.recv_shares``), so one copy crosses over all the copy's links
-        at once; a rank that holds its own copy sends all of it."""
+    def _shares(self, n: int, width: int) -> list[tuple[int, range]]:
+        """(rank, its share of a batch of ``n`` rows of ``width`` bytes) for every rank: a
+        copy that several ranks replicate (an MLA latent) crosses in shares, one per replica
+        (a reader's rank receives its share from the holder's rank of the same index and
+        passes it on to its replicas, ``Collective.recv_shares``), so one copy crosses over
+        all the copy's links at once (a small batch: whole, from the first replica); a rank
+        that holds its own copy sends all of it."""
         out = []
         for r in range(len(self.copy_of)):
             replicas = self._replicas(r)
-            out.append((r, shares(n, len(replicas))[replicas.index(r)]))
+            out.append((r, shares(n, len(replicas), width)[replicas.index(r)]))
         return out
 
     # --- peer reads: the holder's half -------------------------------------------------

@@ -572,13 +572,14 @@ class Collective:
     ) -> int:
         """This rank's receive of a copy that ``replicas`` (the idents of this group's ranks
         holding it, in rank order; this rank is ``cross.dst``) share, e.g. an MLA latent
-        under TP: share ``j`` of ``block_ids`` (``shares``) crosses from the holder's replica
+        under TP: share ``j`` of ``block_ids`` (``shares``; a small batch is one share, of
+        replica 0) crosses from the holder's replica
         ``j`` to ours, which passes it on to the other replicas as it arrives; the other
         shares come from them. One copy crosses between the groups, each link carries a share
         of it, and every replica ends with all of it. Returns how many leading blocks hold
         intact rows (the count stops in the first share short of intact)."""
         me = list(replicas).index(cross.dst)
-        cuts = shares(len(block_ids), len(replicas))
+        cuts = shares(len(block_ids), len(replicas), width)
 
         def within(src: int, dst: int) -> Pair:
             return Pair(replicas[src], replicas[dst], cross.gen, cross.store)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from raykv import ops
 from raykv.errors import InvalidInput, TransportError
 from raykv.tiers.checksum import row_checksums
+from raykv.transport import wire
 from raykv.transport.collective import (
     Collective,
     Pair,
@@ -23,6 +24,7 @@ from raykv.transport.collective import (
 from raykv.transport.wire import (
     FIRST_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
+    SHARE_MIN_BYTES,
     WirePlan,
     count_intact,
     leading_matches,
@@ -187,12 +189,24 @@ def test_a_multi_chunk_batch_arrives_equal_and_a_bad_row_in_a_later_chunk_cuts_i
         b.close()
 
 
-@given(st.integers(0, 5000), st.integers(1, 8))
-def test_shares_cut_a_batch_into_consecutive_near_equal_parts(n, parts) -> None:
-    cuts = shares(n, parts)
+@given(st.integers(0, 5000), st.integers(1, 8), st.sampled_from([64, 1 << 20]))
+def test_shares_cut_a_batch_into_consecutive_parts_even_ones_only_when_large(
+    n, parts, width
+) -> None:
+    cuts = shares(n, parts, width)
     assert len(cuts) == parts and cuts[0].start == 0 and cuts[-1].stop == n
     assert all(a.stop == b.start for a, b in itertools.pairwise(cuts))
-    assert max(map(len, cuts)) - min(map(len, cuts)) <= 1
+    if n * width >= parts * SHARE_MIN_BYTES:  # every share crosses as two messages or more
+        assert max(map(len, cuts)) - min(map(len, cuts)) <= 1
+        assert min(map(len, cuts)) * width >= SHARE_MIN_BYTES - width
+    else:  # small: whole, from the first replica
+        assert cuts[0] == range(n)
+
+
+@pytest.fixture
+def even_shares(monkeypatch):
+    """Tiny rows crossing in shares, as a large batch does."""
+    monkeypatch.setattr(wire, "SHARE_MIN_BYTES", 0)
 
 
 def share_run(store, tp: int, n: int, tag: str, tamper=None, silent=(), timeout_s=5):
@@ -208,7 +222,7 @@ def share_run(store, tp: int, n: int, tag: str, tamper=None, silent=(), timeout_
     replicas = [c.ident for c in b]
     if tamper is not None:
         a[-1].tamper = tamper
-    cuts = shares(n, tp)
+    cuts = shares(n, tp, W)
 
     async def run():
         sends = [a[j].start_send(Pair(a[j].ident, b[j].ident, 0, store), src[j],
@@ -227,12 +241,15 @@ def share_run(store, tp: int, n: int, tag: str, tamper=None, silent=(), timeout_
     return src, dst, ids, into, counts, sent
 
 
-@pytest.mark.parametrize("tp,n", [(2, 7), (3, 8), (2, 1)])
+@pytest.mark.parametrize("tp,n,split", [(2, 7, True), (3, 8, True), (2, 1, True), (2, 5, False)])
 def test_a_replicated_copy_crosses_once_in_shares_and_every_replica_gets_all_of_it(
-    store, tp, n
+    store, monkeypatch, tp, n, split
 ) -> None:
-    src, dst, ids, into, counts, sent = share_run(store, tp, n, f"s{tp}{n}")
-    cuts = shares(n, tp)
+    if split:
+        monkeypatch.setattr(wire, "SHARE_MIN_BYTES", 0)
+    src, dst, ids, into, counts, sent = share_run(store, tp, n, f"s{tp}{n}{split}")
+    cuts = shares(n, tp, W)
+    assert len([c for c in cuts if c]) == (min(tp, n) if split else 1)  # small: one, whole
     want = torch.cat([rows_of(src[j], ids[c.start : c.stop]) for j, c in enumerate(cuts) if c])
     assert counts == [n] * tp
     for r in range(tp):  # share j from holder replica j, on every reader replica
@@ -241,7 +258,7 @@ def test_a_replicated_copy_crosses_once_in_shares_and_every_replica_gets_all_of_
     assert sent == [len(c) * (W + 8) for c in cuts if c]
 
 
-def test_a_corrupt_share_ends_the_intact_count_on_every_replica(store) -> None:
+def test_a_corrupt_share_ends_the_intact_count_on_every_replica(store, even_shares) -> None:
     def flip(msg: torch.Tensor) -> None:
         msg[W + 3] ^= 0x01  # the last share's second row, after its sum was taken
 
@@ -250,7 +267,7 @@ def test_a_corrupt_share_ends_the_intact_count_on_every_replica(store) -> None:
 
 
 def test_a_holder_replica_that_never_sends_fails_every_reader_replica_in_bounded_time(
-    store,
+    store, even_shares
 ) -> None:
     """A1 dies before its share leaves: B1 never gets it, so neither does B0 (B1 passes it
     on); both end with TransportError within their bounded waits, never a hang."""

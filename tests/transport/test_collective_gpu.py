@@ -40,7 +40,8 @@ def test_tp2_groups_crossed_over_two_gpus_move_rank_pairs_and_mla_shares(monkeyp
     every pair crosses GPUs, so the MLA shares (each reader rank receives one from A and
     one from its replica at once, on separate streams) run where only two GPUs are."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,1,0")  # A0, A1, B0, B1
-    rep = nccl_run(NcclConfig(tp=2, blocks=300, rounds=1, burst=3), timeout_s=240)
+    # 2100 x 64 KiB: two shares of 65.6 MiB (>= SHARE_MIN_BYTES), each two messages
+    rep = nccl_run(NcclConfig(tp=2, blocks=2100, rounds=1, burst=3), timeout_s=240)
     assert [r["layout"] for r in rep["rows"]] == ["split", "mla"]
     assert all(r["equal"] and r["all_blocks"] for r in rep["rows"]), rep["rows"]
 
