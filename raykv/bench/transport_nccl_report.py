@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from raykv.transport.wire import SHARE_MIN_BYTES
+
 if TYPE_CHECKING:
     from raykv.bench.transport_nccl import NcclConfig
 
@@ -115,14 +117,14 @@ def nccl_format(report: dict) -> str:
     for r in report["rows"]:
         if r.get("crossing"):
             lines.append(
-                f"{r['layout']}: the one copy crosses in shares, one per rank pair, and each "
-                f"reader rank passes its share on; against the crossing alone (each rank pair "
-                f"sends its share contiguously, all at once, nothing passed on): one at a time "
+                f"{r['layout']}: the one copy crosses in shares, one per rank pair (whole from "
+                f"rank 0 where a share would be under {SHARE_MIN_BYTES >> 20} MiB), passed on "
+                f"inside B's group; against the crossing alone (each rank pair sends an even "
+                f"share contiguously, all at once, nothing passed on): one at a time "
                 f"{f(r['crossing_waited'])} GB/s, raykv "
                 f"{f(r['raykv_vs_crossing_waited'], 3)} x; queued {f(r['crossing'])} GB/s, "
                 f"raykv in flight {f(r['in_flight_vs_crossing'], 3)} x"
             )
-    for r in report["rows"]:
         if r.get("peer"):
             lines.append(
                 f"peer reads (pools of one host: the reader's kernel copies the holder's mapped "
