@@ -215,7 +215,8 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
 
     from raykv import ops
     from raykv.ops_pools import PoolCopy
-    from raykv.transport.collective import Collective, Pair
+    from raykv.transport.collective import Collective
+    from raykv.transport.pair import Pair
     from raykv.transport.peer_read import read_blocks, stated_sums
 
     device = torch.device("cuda", 0) if cfg.cuda else torch.device("cpu")

@@ -34,12 +34,8 @@ import ray
 from raykv.errors import TransportError
 from raykv.ops_pools import PoolCopy
 from raykv.service.spec import NAMESPACE
-from raykv.transport.collective import (
-    TIMEOUT_S,
-    Collective,
-    CollectiveTransport,
-    Pair,
-)
+from raykv.transport.collective import TIMEOUT_S, Collective, CollectiveTransport
+from raykv.transport.pair import Pair
 from raykv.transport.peer_read import (
     PEER,
     SWEEP_S,

@@ -3,7 +3,7 @@
 Every process that holds a rank's KV (a pool and each of its TP ranks) has one
 ``Collective``: its end of raykv's **pairwise** process groups. A group has exactly two
 ranks, the sender (rank 0) and the receiver (rank 1) of one direction between two
-endpoints (``Pair``: source ident, destination ident, generation, rendezvous store). It is
+endpoints (``raykv.transport.pair.Pair``: source, destination, generation, rendezvous). It is
 built directly on a ``PrefixStore`` over the coordinator's ``TCPStore`` (no global
 ``init_process_group``), lazily, the first time the pair moves a batch; an endpoint's ident
 names its actor incarnation, so a re-placed pool simply forms new pairs. Backend NCCL where
@@ -53,6 +53,7 @@ import torch
 
 from raykv import ops
 from raykv.errors import InvalidInput, TransportError
+from raykv.transport.pair import Pair, node_address
 from raykv.transport.pipeline import pipeline_call
 from raykv.transport.select import GLOO, NCCL
 from raykv.transport.wire import WirePlan, count_intact, leading_matches, shares
@@ -66,47 +67,6 @@ log = logging.getLogger(__name__)
 def backend_for(device: torch.device | str) -> str:
     """``nccl`` for KV on a GPU, ``gloo`` for KV in host memory."""
     return NCCL if torch.device(device).type == "cuda" else GLOO
-
-
-def serve_rendezvous(host: str) -> tuple[Any, str, int]:
-    """A ``TCPStore`` server on ``host`` (a free port) for the pairs' rendezvous: the
-    coordinator hosts it; returns (store, host, port)."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore(
-        host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
-    )
-    return store, host, int(store.port)
-
-
-def node_address() -> str:
-    """This node's address as Ray knows it (127.0.0.1 on a loopback cluster), else loopback."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:  # no Ray here: a single-host use
-        pass
-    return "127.0.0.1"
-
-
-@dataclass(frozen=True)
-class Pair:
-    """One direction between two endpoints: ``src`` sends, ``dst`` receives."""
-
-    src: str
-    dst: str
-    gen: int
-    store: tuple[str, int]
-
-    @property
-    def prefix(self) -> str:
-        return f"raykv/{self.src}>{self.dst}/{self.gen}/"
-
-    @property
-    def link(self) -> tuple[str, str]:
-        return self.src, self.dst
 
 
 @dataclass

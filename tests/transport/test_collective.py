@@ -16,11 +16,8 @@ from raykv import ops
 from raykv.errors import InvalidInput, TransportError
 from raykv.tiers.checksum import row_checksums
 from raykv.transport import wire
-from raykv.transport.collective import (
-    Collective,
-    Pair,
-    serve_rendezvous,
-)
+from raykv.transport.collective import Collective
+from raykv.transport.pair import Pair, serve_rendezvous
 from raykv.transport.wire import (
     FIRST_CHUNK_BYTES,
     MAX_CHUNK_BYTES,

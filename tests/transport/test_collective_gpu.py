@@ -50,7 +50,8 @@ def _peer(side: str, addr, q) -> None:
     import asyncio
 
     from raykv.errors import TransportError
-    from raykv.transport.collective import Collective, Pair
+    from raykv.transport.collective import Collective
+    from raykv.transport.pair import Pair
 
     torch.cuda.set_device(0)
     coll = Collective(side, "cuda", timeout_s=5)
@@ -108,7 +109,8 @@ def test_a_dead_sender_is_a_transport_error_within_the_timeout() -> None:
 def _tamper_peer(side: str, addr, q) -> None:
     import asyncio
 
-    from raykv.transport.collective import Collective, Pair
+    from raykv.transport.collective import Collective
+    from raykv.transport.pair import Pair
 
     torch.cuda.set_device(0)
     width, n = 64 << 10, 600  # row messages of 512 and 88 rows, the sums behind the last
@@ -148,7 +150,8 @@ def _bad_ids_peer(side: str, addr, q) -> None:
     import asyncio
 
     from raykv.errors import InvalidInput
-    from raykv.transport.collective import Collective, Pair
+    from raykv.transport.collective import Collective
+    from raykv.transport.pair import Pair
 
     torch.cuda.set_device(0)
     width, g = 4096, torch.Generator().manual_seed(3)  # the same rows in both processes
