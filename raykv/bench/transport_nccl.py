@@ -11,7 +11,8 @@
   per rank pair (queued, and waited for one at a time) and (tp 1) one NCCL send/recv per
   block. With ``--tp N`` also an MLA-like layout (one copy per TP group): it
   crosses once, in shares (rank j of A sends share j to rank j of B, which passes it on to
-  its other ranks: ``Collective.recv_shares``); the wire bytes are one copy. Its baselines:
+  its other ranks: ``Collective.recv_shares``; whole from rank 0 where a share would be under
+  ``SHARE_MIN_BYTES``); the wire bytes are one copy. Its baselines:
   one contiguous send of the whole copy over rank pair 0, and the *crossing* alone (each
   rank pair sends its share contiguously, all at once, nothing passed on). Timed on the
   receivers: ``rounds`` of ``burst`` back-to-back batches

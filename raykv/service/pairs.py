@@ -4,11 +4,11 @@ The reader's leader makes ONE control call to the holder's leader
 (``collective_export``: the keys, its ranks' endpoint idents, the pair generation, the
 rendezvous store); the holder answers with how many leading blocks it serves, their stored
 checksums per distinct TP copy, the row width and its ranks' idents, and meanwhile each of
-its writer ranks (the first rank of each distinct copy, ``raykv.layout.tp.writer_ranks``)
-gathers its copy into one staging buffer and sends it to the reader's rank of the same
-index. So a TP-N pair moves rank to rank, each over its own pair group. A copy that several
-ranks replicate (an MLA latent: one copy per TP group) crosses once, in shares: each replica
-of the holder sends its share of the batch to the reader's rank of the same index, which
+its ranks gathers its part of the batch into one staging buffer and sends it to the reader's
+rank of the same index. So a TP-N pair moves rank to rank, each over its own pair group. A
+copy that several ranks replicate (an MLA latent: one copy per TP group) crosses once, in
+shares (``raykv.transport.wire.shares``; a small batch whole, from the copy's first rank):
+each replica of the holder sends its share to the reader's rank of the same index, which
 passes it on to its other replicas as it arrives (``Collective.recv_shares``, in its own
 group), so every link between the groups carries part of the one copy. Each receiving rank
 checks the messages and scatters the leading intact rows into its blocks; the batch is what

@@ -533,33 +533,26 @@ class Collective:
         """This rank's receive of a copy that ``replicas`` (the idents of this group's ranks
         holding it, in rank order; this rank is ``cross.dst``) share, e.g. an MLA latent
         under TP: share ``j`` of ``block_ids`` (``shares``; a small batch is one share, of
-        replica 0) crosses from the holder's replica
-        ``j`` to ours, which passes it on to the other replicas as it arrives; the other
-        shares come from them. One copy crosses between the groups, each link carries a share
-        of it, and every replica ends with all of it. Returns how many leading blocks hold
-        intact rows (the count stops in the first share short of intact)."""
+        replica 0) crosses from the holder's replica ``j`` to ours, which passes it on to the
+        other replicas as it arrives; the other shares come from them. One copy crosses
+        between the groups, each link carries a share of it, and every replica ends with all
+        of it. Returns how many leading blocks hold intact rows (the count stops in the
+        first share short of intact)."""
         me = list(replicas).index(cross.dst)
         cuts = shares(len(block_ids), len(replicas), width)
-
-        def within(src: int, dst: int) -> Pair:
-            return Pair(replicas[src], replicas[dst], cross.gen, cross.store)
-
-        def part(j: int) -> tuple[list[int], list[int] | None]:
-            cut = cuts[j]
-            ids = list(block_ids[cut.start : cut.stop])
-            return ids, None if expected is None else list(expected[cut.start : cut.stop])
-
-        order = [me] + [j for j in range(len(replicas)) if j != me]  # the crossing share first
+        others = [j for j in range(len(replicas)) if j != me]
+        live = [j for j in [me, *others] if cuts[j]]  # the crossing share issued first
         calls = []
-        for j in (j for j in order if cuts[j]):
-            ids, exp = part(j)
-            if j == me:
-                fwd = [within(me, x) for x in range(len(replicas)) if x != me]
+        for j in live:
+            ids = list(block_ids[cuts[j].start : cuts[j].stop])
+            exp = None if expected is None else list(expected[cuts[j].start : cuts[j].stop])
+            if j == me:  # from the holder's replica, passed on to ours
+                fwd = [Pair(cross.dst, replicas[x], cross.gen, cross.store) for x in others]
                 calls.append(self.recv_batch(cross, entries, ids, width, exp, fwd, CROSS))
-            else:
-                calls.append(self.recv_batch(within(j, me), entries, ids, width, exp, (), INNER))
-        counts = dict(zip([j for j in order if cuts[j]], await asyncio.gather(*calls),
-                          strict=True))  # fmt: skip
+            else:  # from our replica j, which got it from the holder's
+                feed = Pair(replicas[j], cross.dst, cross.gen, cross.store)
+                calls.append(self.recv_batch(feed, entries, ids, width, exp, (), INNER))
+        counts = dict(zip(live, await asyncio.gather(*calls), strict=True))
         good = 0
         for j, cut in enumerate(cuts):
             good += counts.get(j, 0)
