@@ -12,7 +12,8 @@ import torch
 from kvdata import ROW, rows, tokens
 
 from raykv.layout import MLA, FullAttention
-from raykv.service.spec import NAMESPACE, pool_name
+from raykv.service.spec import NAMESPACE, pool_name, rank_name
+from raykv.transport.wire import SHARE_MIN_BYTES
 
 pytestmark = pytest.mark.ray
 RAY_WORKERS = 1
@@ -107,6 +108,32 @@ def test_tp2_moves_rank_to_rank_and_mla_crosses_once(ray_cluster) -> None:
     for r in range(2):  # replicated on arrival
         assert torch.equal(b.read(table[:5], rank=r), latent)
     b.free("r")
+
+
+def test_a_large_mla_batch_crosses_in_shares_from_every_holder_rank(ray_cluster) -> None:
+    """128 MiB of latent (two shares of ``SHARE_MIN_BYTES``): the holder's rank 1 sends a
+    share too (over its own pair), each reader rank receives its share from the holder and
+    the other from its replica; one copy on the wire, every byte on both ranks."""
+    kv = ray_cluster.kv
+    layers = {f"l{i}": MLA("float32", kv_lora_rank=504, qk_rope_head_dim=8) for i in range(8)}
+    row = 8 * BS * 512 * 4  # 256 KiB per block, on every rank
+    n = 2 * SHARE_MIN_BYTES // row
+    kv.add_model("c5", layers, max_model_len=(n + 2) * BS, tp_size=2, pool_bytes=(n + 8) * row,
+                 cpu_bytes=20 * row, max_num_batched_tokens=(n + 2) * BS)  # fmt: skip
+    a, b = pools(ray_cluster)
+    ids = tokens(n * BS + 1, 5)
+    latent = rows(n, 21, row)
+    publish(a, "w", ids, [latent, latent], n)
+    res, table = load(b, "r", ids, n)
+    assert (res.num_tokens, res.bytes) == (n * BS, n * row)  # one copy on the wire
+    for r in range(2):
+        assert torch.equal(b.read(table[:n], rank=r), latent)
+    b.free("r")
+    rank1 = ray.get_actor(rank_name(pool_name("c5", ray_cluster.ids[0], 0), 1), namespace=NAMESPACE)
+    sent = ray.get(rank1.__ray_call__.remote(
+        lambda self: [p.dst for p in self.kv._coll._groups if p.src == self.kv._coll.ident]
+    ))  # fmt: skip
+    assert len(sent) == 1 and "-r1#" in sent[0], sent  # to the reader's rank 1
 
 
 def test_corrupt_in_flight_is_a_counted_miss(ray_cluster) -> None:
