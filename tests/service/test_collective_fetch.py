@@ -118,7 +118,7 @@ def test_a_large_mla_batch_crosses_in_shares_from_every_holder_rank(ray_cluster)
     layers = {f"l{i}": MLA("float32", kv_lora_rank=504, qk_rope_head_dim=8) for i in range(8)}
     row = 8 * BS * 512 * 4  # 256 KiB per block, on every rank
     n = 2 * SHARE_MIN_BYTES // row
-    kv.add_model("c5", layers, max_model_len=(n + 2) * BS, tp_size=2, pool_bytes=(n + 8) * row,
+    kv.add_model("c6", layers, max_model_len=(n + 2) * BS, tp_size=2, pool_bytes=(n + 8) * row,
                  cpu_bytes=20 * row, max_num_batched_tokens=(n + 2) * BS)  # fmt: skip
     a, b = pools(ray_cluster)
     ids = tokens(n * BS + 1, 5)
@@ -129,7 +129,7 @@ def test_a_large_mla_batch_crosses_in_shares_from_every_holder_rank(ray_cluster)
     for r in range(2):
         assert torch.equal(b.read(table[:n], rank=r), latent)
     b.free("r")
-    rank1 = ray.get_actor(rank_name(pool_name("c5", ray_cluster.ids[0], 0), 1), namespace=NAMESPACE)
+    rank1 = ray.get_actor(rank_name(pool_name("c6", ray_cluster.ids[0], 0), 1), namespace=NAMESPACE)
     sent = ray.get(rank1.__ray_call__.remote(
         lambda self: [p.dst for p in self.kv._coll._groups if p.src == self.kv._coll.ident]
     ))  # fmt: skip
