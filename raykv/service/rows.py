@@ -109,9 +109,9 @@ def _check_replicas(plan: Plan, rows: RankRows) -> None:
     """Ranks that replicate one copy (an MLA latent, a KV head on several ranks) must be
     given the same bytes: a load reads each share of the copy from a different replica
     (``Collective.recv_shares``), so replicas that differ would hand out mixed KV."""
-    copy_of = tp.copy_ranks(plan)
+    copy_of, writers = tp.copy_ranks(plan), tp.writer_ranks(plan)
     for r, c in enumerate(copy_of):
-        w = copy_of.index(c)  # the copy's first rank
+        w = writers[c]  # the copy's first rank
         if r == w:
             continue
         for gi, (mine, first) in enumerate(zip(rows[r], rows[w], strict=True)):
@@ -119,7 +119,7 @@ def _check_replicas(plan: Plan, rows: RankRows) -> None:
                 where = f" (group {gi})" if len(plan.groups) > 1 else ""
                 raise InvalidInput(
                     f"ranks {w} and {r} hold the same copy of the KV{where} (tp_size="
-                    f"{plan.tp_size}, {max(copy_of) + 1} distinct copies), but their rows "
+                    f"{plan.tp_size}, {len(writers)} distinct copies), but their rows "
                     f"differ; pass rank {r} the same rows as rank {w}"
                 )
 
