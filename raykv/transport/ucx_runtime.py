@@ -4,15 +4,16 @@ under ``asyncio.run``): one private event loop thread per process owns every ucx
 Why a loop of its own. ucxx's asyncio layer binds its application context to the event
 loop that is current when the context is created: its notifier thread (progress mode
 ``thread``, the default, where a C++ thread progresses the UCX worker and completes requests)
-hands finished requests to that loop with ``run_coroutine_threadsafe``. Created from a Ray
-actor's ``__init__`` (no loop running yet) it binds a fresh loop nobody runs and every send
-hangs; created on the actor's loop it works, but then every transfer's completion competes
-with the actor's own calls, and the loop is blocked by the synchronous gathers, checksums
-and scatters those calls do (tens of ms for a large batch), stalling UCX. So raykv creates
-the context inside a daemon thread running its own loop (``raykv-ucx``) and submits every
-ucxx coroutine there (``call``, from any loop; ``submit``, from plain threads). The
-``polling`` and ``blocking`` modes need the owning loop to spin or wake for progress; the
-``thread`` mode needs nothing from it, which is why it is the one used.
+hands finished requests to that loop with ``run_coroutine_threadsafe`` (with Python futures
+on, ``enable_python_future``; off, ucxx's default, each awaited request spins the loop until
+it is done). Created from a Ray actor's ``__init__`` (no loop running yet) it binds a fresh
+loop nobody runs and every send hangs; created on the actor's loop it works, but then every
+transfer's completion competes with the actor's own calls, and the loop is blocked by the
+synchronous gathers, checksums and scatters those calls do (tens of ms for a large batch),
+stalling UCX. So raykv creates the context inside a daemon thread running its own loop
+(``raykv-ucx``) and submits every ucxx coroutine there (``call``, from any loop; ``submit``,
+from plain threads). The ``polling`` and ``blocking`` modes need the owning loop to spin or
+wake for progress; the ``thread`` mode needs nothing from it, which is why it is the one used.
 
 ``UCX_TLS`` and ``UCX_NET_DEVICES`` come from ``UcxConfig.tls`` / ``net_devices`` (passed to
 ``ucxx.init`` as the context's ``TLS`` / ``NET_DEVICES`` options, so they win over the
@@ -101,8 +102,12 @@ class UcxRuntime:
 
         options = {k: v for k, v in (("TLS", tls), ("NET_DEVICES", net_devices)) if v}
         options |= tcp_options(os.environ)
-        # on this (running) loop: ucxx binds its notifier thread to the current loop
-        ucxx.init(options=options, progress_mode="thread")
+        # on this (running) loop: ucxx binds its notifier thread to the current loop; Python
+        # futures, so an awaited request is completed by that thread (without them ucxx awaits
+        # each request by yielding to the loop until it is done: a process with one receive
+        # posted, as every server's hello receive is, burned a whole core while idle, and a
+        # 2-core host's transfers ran at half speed beside those spinning loops)
+        ucxx.init(options=options, progress_mode="thread", enable_python_future=True)
 
     async def worker_address(self) -> bytes:
         """This process's UCX worker address (what a peer creates an endpoint from)."""

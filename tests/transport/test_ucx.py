@@ -279,6 +279,27 @@ def test_nothing_listens_on_a_non_loopback_address() -> None:
         stop(p)
 
 
+def test_an_idle_server_and_reader_use_no_cpu() -> None:
+    """A server waiting for hellos and for requests on open connections (receives posted),
+    and a reader holding those connections, sleep: ucxx completes their receives from its
+    notifier thread (Python futures). Without them every posted receive was awaited by
+    spinning the loop, a whole core per process as long as it served."""
+    import psutil
+
+    p, where = peer("--blocks", "16", "--block-bytes", str(WIDTH))
+    try:
+        t = UcxTransport(SECRET.encode(), cfg(stripes=2, stripe_min_bytes=1))
+        assert verify(fetch(t, where, KEYS[:16])) == 16  # connections open, receives posted
+        procs = [psutil.Process(p.pid), psutil.Process(os.getpid())]
+        before = [sum(q.cpu_times()[:2]) for q in procs]
+        time.sleep(2.0)
+        used = [sum(q.cpu_times()[:2]) - b for q, b in zip(procs, before, strict=True)]
+        assert max(used) < 0.5, f"CPU seconds in 2 s idle (server, reader): {used}"
+        t.close()
+    finally:
+        stop(p)
+
+
 def test_wrong_secret_and_garbage_hellos_are_refused_and_counted() -> None:
     import numpy as np
     import ucxx
