@@ -71,7 +71,9 @@ async def serve(args: argparse.Namespace) -> None:
         return n, got.unsqueeze(0).numpy(), [[sums[i] for i in idx[:n]]]
 
     secret = os.environ.get("RAYKV_TRANSPORT_SECRET", "").encode()
-    server = UcxServer(secret, export, host=args.host, config=config)
+    # the export runs on this loop, as a tier's runs on its actor's loop (not on UCX's)
+    server = UcxServer(secret, export, host=args.host, config=config,
+                       owner_loop=asyncio.get_running_loop())  # fmt: skip
     server.start()
 
     raw_tag = new_tag()

@@ -43,8 +43,10 @@ from raykv.transport.ucx_runtime import UcxRuntime
 from raykv.transport.ucx_wire import (
     Conn,
     check_header,
+    cuts,
     hello_frame,
     new_tag,
+    next_chunk,
     ranges,
     recv_frame,
     recv_msg,
@@ -210,23 +212,24 @@ class UcxTransport:
         """One fetch on ``peer``: the request, then per chunk its header and rows (in key
         order), each chunk handed on as soon as its rows are in; returns the bytes moved.
 
-        Pipelined: as soon as a chunk's header is in, its rows are posted and so is the next
-        header's receive, so the next chunk's rows are posted while this one's still land
-        (the server sends a header once that chunk is gathered). Receives on stripe 0 are
-        posted in the order the server sends (rows k, header k + 1, rows k + 1: UCX matches
-        one endpoint's messages of one tag in order)."""
+        Pipelined: once a header says ``more``, the next chunk's header receive and its row
+        receives (its size and cuts follow from this chunk: ``ucx_wire.next_chunk``) are
+        posted at once, so its rows land as soon as they are sent, whatever this loop is
+        doing; only the first chunk's rows wait for its header (it tells the row size)."""
         cfg, ep = self.config, peer.eps[0]
+        stripes, min_part = len(peer.eps), cfg.stripe_min_bytes // max(1, len(peer.eps))
         req = {
             "op": "fetch",
             "model": model,
             "keys": [k.hex() for k in keys],
-            "stripes": len(peer.eps),
-            "min_part": cfg.stripe_min_bytes // max(1, len(peer.eps)),
+            "stripes": stripes,
+            "min_part": min_part,
             "chunk_bytes": cfg.chunk_bytes,
         }
         await asyncio.wait_for(send_msg(ep, req), cfg.timeout_s)
-        staging, at, got = None, 0, 0
-        flight: deque[tuple[asyncio.Future, BlockBatch]] = deque()  # rows posted, in order
+        staging, at, got, row = None, 0, 0, 0
+        posted: tuple[asyncio.Future, int, int] | None = None  # rows posted ahead: keys, bytes
+        flight: deque[tuple[asyncio.Future, BlockBatch | None]] = deque()  # rows, in order
         head: asyncio.Future | None = asyncio.ensure_future(recv_msg(ep))
         try:
             while head is not None or flight:
@@ -234,21 +237,40 @@ class UcxTransport:
                     msg = await asyncio.wait_for(head, cfg.timeout_s)
                     n, shape, sums, parts = check_header(msg, len(keys) - got)
                     head = None
-                    if not n:
-                        continue
-                    if staging is None:  # room for every key asked, at this row size
-                        staging = peer.take(len(keys) * shape[0] * shape[2])
-                        # alive until the endpoints are gone (a receive may be posted)
+                    if posted is None:  # the first chunk: its rows are posted now
+                        if not n:
+                            continue
+                        row = shape[0] * shape[2]
+                        # room for every key asked, at this row size; alive until the
+                        # endpoints are gone (a receive may be posted)
+                        staging = peer.take(len(keys) * row)
                         peer.staging = staging.numpy()
-                    size = shape[0] * n * shape[2]
-                    if at + size > staging.numel():
-                        raise TransportError("the UCX peer changed its row size mid-batch")
-                    rows = self._post_rows(peer, peer.staging[at : at + size], parts)
-                    chunk = staging[at : at + size].view(shape)
-                    flight.append((rows, BlockBatch(n, chunk, tuple(tuple(c) for c in sums))))
-                    at, got = at + size, got + n
-                    if msg.get("more"):  # posted after this chunk's rows (matched in order)
+                        posted = (self._post_rows(peer, peer.staging[: n * row], parts), n,
+                                  n * row)  # fmt: skip
+                    rows, want, nbytes = posted
+                    posted = None
+                    if n > want or (n and shape[0] * shape[2] != row):
+                        raise TransportError(
+                            f"the UCX peer sent {n} rows of {shape[0] * shape[2]} bytes where "
+                            f"{want} of {row} were expected (row size changed mid-batch?)"
+                        )
+                    if parts != len(cuts(nbytes, stripes, min_part)):
+                        raise TransportError(f"the UCX peer cut a chunk in {parts} parts")
+                    batch = None  # a short chunk of no rows: its padding only
+                    if n:
+                        chunk = staging[at : at + n * row].view(shape)
+                        batch = BlockBatch(n, chunk, tuple(tuple(c) for c in sums))
+                    flight.append((rows, batch))
+                    at, got = at + nbytes, got + n
+                    if msg.get("more") and n == want:  # the next chunk's receives, now
                         head = asyncio.ensure_future(recv_msg(ep))
+                        size = next_chunk(len(keys) - got, n, max(1, cfg.chunk_bytes // row))
+                        if not 0 < size <= len(keys) - got:
+                            raise TransportError("the UCX peer offered more rows than asked")
+                        dest = peer.staging[at : at + size * row]
+                        posted = (self._post_rows(peer, dest, len(cuts(dest.nbytes, stripes,
+                                                                       min_part))),
+                                  size, dest.nbytes)  # fmt: skip
                     continue
                 rows, chunk = flight[0]  # the oldest chunk's rows, or the next header
                 await asyncio.wait([rows] if head is None else [rows, head],
@@ -256,9 +278,11 @@ class UcxTransport:
                 if rows.done():
                     rows.result()  # TransportError if they did not all arrive in time
                     flight.popleft()
-                    hand(chunk)
+                    if chunk is not None:
+                        hand(chunk)
         finally:
-            for f in [r for r, _ in flight] + ([head] if head is not None else []):
+            late = [posted[0]] if posted is not None else []
+            for f in [r for r, _ in flight] + late + ([head] if head is not None else []):
                 f.cancel()
         peer.staging = None
         return at
@@ -267,14 +291,14 @@ class UcxTransport:
         """Post the receives of one chunk's rows (``parts`` byte ranges on as many stripes,
         into ``dest``) now, in order; returns what completes once they all arrived."""
         cfg = self.config
-        cuts = ranges(dest.nbytes, parts)
-        if len(cuts) > len(peer.eps) or (dest.nbytes and len(cuts) != parts):
+        cuts_ = ranges(dest.nbytes, parts)
+        if len(cuts_) > len(peer.eps) or (dest.nbytes and len(cuts_) != parts):
             raise TransportError(
                 f"the UCX peer striped over {parts} endpoints, we have {len(peer.eps)}"
             )
         # a task's first step posts its receive; tasks start in the order they are created
-        recvs = [asyncio.ensure_future(e.recv(dest[a:b]))
-                 for e, (a, b) in zip(peer.eps, cuts, strict=False)]  # fmt: skip
+        recvs = [asyncio.ensure_future(e.recv_rows(dest[a:b]))
+                 for e, (a, b) in zip(peer.eps, cuts_, strict=False)]  # fmt: skip
 
         async def landed() -> None:
             limit = cfg.transfer_timeout(dest.nbytes)

@@ -31,16 +31,19 @@ from raykv.transport.auth import check_secret, serve_handshake
 from raykv.transport.ucx_config import UcxConfig
 from raykv.transport.ucx_runtime import UcxRuntime
 from raykv.transport.ucx_wire import (
+    FIRST_CHUNK_KEYS,
     MAX_HELLO,
     Conn,
+    cuts,
     new_tag,
+    next_chunk,
     parse_hello,
-    ranges,
+    post_msg,
     recv_frame,
     recv_msg,
+    rows_tag,
     send_frame,
     send_msg,
-    stripes_for,
 )
 
 # export(model, keys, out=buffer or None): ``out`` (uint8, 1-D), when big enough, is where the
@@ -50,18 +53,6 @@ SPARE_BYTES = 256 << 20  # gather buffers a server keeps for its next chunks (fr
 # cost ~40 ms per 128 MiB of page faults on the 2-core box: more than the gather itself)
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 30.0
-FIRST_CHUNK_KEYS = 8  # the first chunk is small: it tells the row size, and starts the wire
-
-
-def next_chunk(remaining: int, prev: int, most: int) -> int:
-    """Keys in a batch's next chunk, after one of ``prev`` keys, ``remaining`` keys to go,
-    at most ``most`` a chunk (``chunk_bytes``). Chunks double from the first (the wire starts
-    early, and each gather overlaps a chunk half its size on the wire) and halve towards the
-    end (the reader verifies and writes the last chunk after its last byte: the smaller it
-    is, the less of that is left when the wire stops)."""
-    if remaining <= 2 * FIRST_CHUNK_KEYS:
-        return max(0, remaining)
-    return max(1, min(2 * prev, most, -(-remaining // 2)))
 
 
 class UcxServer:
@@ -156,7 +147,8 @@ class UcxServer:
             self.config.timeout_s,
         )
         recv_tag = new_tag()
-        while any(c.recv_tag == recv_tag for c in self._eps.values()):
+        taken = {t for c in self._eps.values() for t in (c.recv_tag, rows_tag(c.recv_tag))}
+        while recv_tag in taken or rows_tag(recv_tag) in taken:
             recv_tag = new_tag()
         return Conn(ep, send_tag=client_tag, recv_tag=recv_tag)
 
@@ -243,11 +235,11 @@ class UcxServer:
 
     async def _fetch(self, ep: Any, client: str, req: dict[str, Any]) -> None:
         """Export and send the batch in chunks (``next_chunk``), each one header plus its
-        rows, striped. Once a chunk's header is out and its rows are posted on the wire, the
-        next chunk is gathered (on the owner's loop) while they travel, and its header and
-        rows follow as soon as it is (two chunks on the wire at most): the reader posts the
-        next chunk's receives before the last one's rows are in. A chunk that comes back
-        short ends the batch (the holder's prefix ends there)."""
+        rows, striped. Once a chunk's header and rows are posted on the wire, the next chunk
+        is gathered (on the owner's loop) while they travel, and its header and rows follow
+        as soon as it is (two chunks on the wire at most). A chunk after the first is sent
+        at the size the reader expects (``ucx_wire``: it posted its receives before the
+        header); one that comes back short ends the batch (the holder's prefix ends there)."""
         t = self.config.timeout_s
         try:
             model, keys = str(req["model"]), [bytes.fromhex(k) for k in req["keys"]]
@@ -261,6 +253,7 @@ class UcxServer:
         pending: asyncio.Future | None = asyncio.ensure_future(
             self._export(model, keys[:size], None)
         )
+        expect = 0  # bytes the reader posted for this chunk (0: the first, sized by its header)
         flight: asyncio.Future | None = None  # the previous chunk's rows, still going out
         try:
             while pending is not None:
@@ -274,14 +267,22 @@ class UcxServer:
                 end = start + size
                 more = n == size and end < len(keys)
                 pending = None
-                sent = asyncio.ensure_future(
-                    await self._send(ep, client, rows, n, sums, more, stripes, min_part)
-                )
+                flat = np.ascontiguousarray(rows).reshape(-1)
+                if expect and flat.nbytes > expect:  # not the reader's row size: refuse
+                    self._give_back(buf)
+                    err = f"row size changed mid-batch ({flat.nbytes} > {expect} bytes)"
+                    await asyncio.wait_for(send_msg(ep, {"error": err}), t)
+                    break
+                if expect and flat.nbytes < expect:  # short: sent at the size posted for it
+                    flat = np.concatenate([flat, np.zeros(expect - flat.nbytes, np.uint8)])
+                sent = asyncio.ensure_future(self._send(
+                    ep, client, flat, list(rows.shape), sums, more, stripes, min_part))  # fmt: skip
                 sent.add_done_callback(lambda f, b=buf: _reuse_if_sent(f, b, self._give_back))
                 if more:  # gather the next chunk while this one travels
-                    row = max(1, rows.nbytes // n)
+                    row = rows.shape[0] * rows.shape[2]
                     size = next_chunk(len(keys) - end, size, max(1, chunk_bytes // row))
-                    buf = self._buffer(size * row)
+                    expect = size * row
+                    buf = self._buffer(expect)
                     pending = asyncio.ensure_future(
                         self._export(model, keys[end : end + size], buf)
                     )
@@ -296,28 +297,27 @@ class UcxServer:
                     f.cancel()
             raise
 
-    async def _send(self, ep: Any, client: str, rows: np.ndarray, n: int, sums: list,
-                    more: bool, stripes: int, min_part: int) -> Awaitable[None]:  # fmt: skip
-        """Send a chunk's header, post its rows on the stripes; returns what completes once
-        the rows are out (bounded by ``transfer_timeout``)."""
-        rows = np.ascontiguousarray(rows)
-        flat = rows.reshape(-1)
-        want = stripes_for(flat.nbytes, stripes, min_part)
+    def _send(self, ep: Any, client: str, flat: np.ndarray, shape: list[int], sums: list,
+              more: bool, stripes: int, min_part: int) -> Awaitable[None]:  # fmt: skip
+        """Post a chunk's header (its rows' ``shape``) and its bytes ``flat`` on the stripes
+        now (the bytes do not wait for the header: they match on their own tag); returns
+        what completes once all of it is out (bounded by ``transfer_timeout``)."""
         eps = [ep]
+        want = len(cuts(flat.nbytes, stripes, min_part))
         while len(eps) < want and (client, len(eps)) in self._eps:
             eps.append(self._eps[(client, len(eps))])
-        cuts = ranges(flat.nbytes, len(eps))
+        parts = cuts(flat.nbytes, len(eps), min_part)
         head = {
-            "count": n,
-            "shape": list(rows.shape),
+            "count": shape[1],
+            "shape": shape,
             "sums": [[int(x) for x in c] for c in sums],
-            "parts": max(1, len(cuts)),
+            "parts": max(1, len(parts)),
             "more": more,
         }
-        await asyncio.wait_for(send_msg(ep, head), self.config.timeout_s)
-        # each send is posted (its first step runs) before anything else the loop does next
-        sends = [asyncio.ensure_future(e.send(flat[a:b])) for e, (a, b) in
-                 zip(eps, cuts, strict=False)]  # fmt: skip
+        # each task's first step posts its send, in the order the tasks are created
+        sends = [post_msg(ep, head)]
+        sends += [asyncio.ensure_future(e.send_rows(flat[a:b]))
+                  for e, (a, b) in zip(eps, parts, strict=False)]  # fmt: skip
 
         async def sent() -> None:
             try:

@@ -17,19 +17,29 @@ fails the receive), then ``{"client": id, "stripe": i}`` from the client, acknow
 ``{"op": "bye"}`` from the client ends a connection (the server drops its endpoint).
 
 A fetch, always on the client's stripe 0: the request ``{"op": "fetch", "model", "keys"
-(hex), "stripes": k, "min_part": bytes}``; the header ``{"count": n, "shape": [copies, n,
-width], "sums": [[...] per copy], "parts": p}`` (or ``{"error": text}``); then the rows,
-one contiguous buffer ``[copies, n, width]`` cut into ``p`` byte ranges (``ranges``), range
-``i`` sent on stripe ``i`` of the same client, all in parallel, each received straight into
-its slice of the reader's staging buffer. Control messages are JSON (a uint64 size, then
-the bytes, the size checked before anything is allocated); nothing received is unpickled.
+(hex), "stripes": k, "min_part": bytes, "chunk_bytes": bytes}``; then per chunk the header
+``{"count": n, "shape": [copies, n, width], "sums": [[...] per copy], "parts": p, "more":
+bool}`` (or ``{"error": text}``) and the rows, one contiguous buffer ``[copies, n, width]``
+cut into ``p`` byte ranges (``cuts``), range ``i`` sent on stripe ``i`` of the same client,
+all in parallel, each received straight into its slice of the reader's staging buffer.
+Rows travel on a tag of their own (``rows_tag``: each side's receive tag with its top bit
+flipped), so their receives match apart from the control messages: the reader posts a
+chunk's row receives before its header arrives. Chunk sizes (``next_chunk``) follow from
+the first chunk's row size and the request, so both sides know the next chunk's bytes and
+cuts once a header says ``more``; a chunk that comes back short (the holder's prefix ended)
+is still sent at that size (its count says how many rows are real, the rest is zeros), so
+every posted receive is matched and none is left behind. Control messages are JSON (a
+uint64 size, then the bytes, the size checked before anything is allocated); nothing
+received is unpickled.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import struct
+from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
@@ -42,11 +52,18 @@ HELLO_MAGIC = b"RKVH"
 _HELLO = struct.Struct("<4sQI")  # magic, the client's receive tag, its address's length
 MAX_HELLO = 64 << 10  # a worker address is ~50 bytes over tcp, a few KiB with every transport
 TAG_BYTES = 8
+ROWS_BIT = 1 << 63  # rows_tag(tag): where a connection's rows travel
+FIRST_CHUNK_KEYS = 8  # the first chunk is small: it tells the row size, and starts the wire
 
 
 def new_tag() -> int:
     """A fresh random 64-bit tag (never 0)."""
     return secrets.randbits(64) or 1
+
+
+def rows_tag(tag: int) -> int:
+    """The tag a connection's rows travel on, beside its control messages on ``tag``."""
+    return tag ^ ROWS_BIT
 
 
 class Conn:
@@ -63,6 +80,12 @@ class Conn:
 
     async def recv(self, buf: Any) -> None:
         await self.ep.recv(buf, tag=self.recv_tag, force_tag=True)
+
+    async def send_rows(self, buf: Any) -> None:
+        await self.ep.send(buf, tag=rows_tag(self.send_tag), force_tag=True)
+
+    async def recv_rows(self, buf: Any) -> None:
+        await self.ep.recv(buf, tag=rows_tag(self.recv_tag), force_tag=True)
 
     @property
     def closed(self) -> bool:
@@ -98,10 +121,16 @@ async def recv_frame(ep: Any, n: int) -> bytes:
     return buf.tobytes()
 
 
-async def send_msg(ep: Any, msg: dict[str, Any]) -> None:
+def post_msg(ep: Any, msg: dict[str, Any]) -> Awaitable[Any]:
+    """Post a control message's two sends (its size, its bytes) now, in order (so a message
+    posted later cannot come between them); returns what completes once both are out."""
     raw = json.dumps(msg, separators=(",", ":")).encode()
-    await ep.send(np.array([len(raw)], np.uint64))
-    await send_frame(ep, raw)
+    size = asyncio.ensure_future(ep.send(np.array([len(raw)], np.uint64)))
+    return asyncio.gather(size, asyncio.ensure_future(send_frame(ep, raw)))
+
+
+async def send_msg(ep: Any, msg: dict[str, Any]) -> None:
+    await post_msg(ep, msg)
 
 
 async def recv_msg(ep: Any) -> dict[str, Any]:
@@ -132,6 +161,23 @@ def stripes_for(nbytes: int, wanted: int, min_part: int) -> int:
     """How many stripes a buffer of ``nbytes`` uses: at most ``wanted``, each at least
     ``min_part`` bytes (at least one)."""
     return max(1, min(wanted, nbytes // max(1, min_part)))
+
+
+def cuts(nbytes: int, stripes: int, min_part: int) -> list[tuple[int, int]]:
+    """The byte ranges a chunk of ``nbytes`` travels in, one per stripe used (both sides
+    compute them: the reader posts its receives before the header names ``parts``)."""
+    return ranges(nbytes, stripes_for(nbytes, stripes, min_part))
+
+
+def next_chunk(remaining: int, prev: int, most: int) -> int:
+    """Keys in a batch's next chunk, after one of ``prev`` keys, ``remaining`` keys to go,
+    at most ``most`` a chunk (``chunk_bytes`` over the row size). Chunks double from the
+    first (the wire starts early, and each gather overlaps a chunk half its size on the
+    wire) and halve towards the end (the reader verifies and writes the last chunk after
+    its last byte: the smaller it is, the less of that is left when the wire stops)."""
+    if remaining <= 2 * FIRST_CHUNK_KEYS:
+        return max(0, remaining)
+    return max(1, min(2 * prev, most, -(-remaining // 2)))
 
 
 def check_header(head: dict[str, Any], asked: int) -> tuple[int, list[int], list[list[int]], int]:

@@ -89,6 +89,29 @@ def test_scattered_blocks_arrive_whole_and_verified(stripes) -> None:
         stop(p)
 
 
+@pytest.mark.parametrize("stripes", [1, 3])
+def test_a_holder_s_prefix_ending_in_a_later_chunk_ends_the_batch_there(stripes) -> None:
+    """The reader posts each next chunk's receives before its header: where the holder's
+    prefix ends inside such a chunk (40 of 64 keys held: chunks of 8, 16, then 16 of 20)
+    or right at a chunk's start (8 held: the second chunk has no rows), the chunk still
+    comes at the size posted, its leading rows are handed out and nothing after them; the
+    connections carry the next batch whole (no receive was left posted)."""
+    for held in (40, 8):
+        p, where = peer("--blocks", str(held), "--block-bytes", str(WIDTH))
+        try:
+            t = UcxTransport(SECRET.encode(), cfg(stripes=stripes, stripe_min_bytes=1))
+            want = block_rows(held, WIDTH, 0)
+            for _ in range(2):
+                b = fetch(t, where, KEYS)
+                assert b.count == held and verify(b) == held
+                assert torch.equal(b.rows, want)
+            b = fetch(t, where, KEYS[:held])
+            assert b.count == held and torch.equal(b.rows, want)
+            t.close()
+        finally:
+            stop(p)
+
+
 def test_a_peer_dying_mid_transfer_is_a_transport_error_in_bounded_time() -> None:
     # 64 MiB at >= 0.05 GB/s: the transfer may take ~2 s; the peer dies 50 ms into it
     p, where = peer("--blocks", "256", "--block-bytes", str(256 << 10), "--die-after-ms", "50")

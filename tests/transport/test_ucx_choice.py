@@ -3,12 +3,14 @@ or with ``RAYKV_UCX=0`` (everything then moves over the object store); its setti
 from the node's environment and bad ones name the fix."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from raykv.errors import ConfigError
 from raykv.transport import choose
 from raykv.transport import ucx_runtime as rt
 from raykv.transport.ucx_config import UcxConfig
-from raykv.transport.ucx_wire import ranges, stripes_for
+from raykv.transport.ucx_wire import FIRST_CHUNK_KEYS, next_chunk, ranges, stripes_for
 
 
 async def _export(model, keys):
@@ -61,3 +63,18 @@ def test_stripes_cut_a_buffer_into_few_large_aligned_ranges() -> None:
             assert all(a % 4096 == 0 and b > a for a, b in cuts)
     assert stripes_for(128 << 20, 4, 1 << 20) == 4
     assert stripes_for(1 << 20, 4, 1 << 20) == 1
+
+
+@given(keys=st.integers(0, 5000), most=st.integers(1, 600))
+def test_a_batch_s_chunks_cover_its_keys_once_in_chunks_both_ends_compute(keys, most) -> None:
+    """The chunk schedule the server sends and the reader posts its receives for ahead of
+    each header: from a first chunk of at most FIRST_CHUNK_KEYS, every next chunk is
+    non-empty and at most ``most`` keys (or the small remainder taken whole), and the chunks
+    add up to the batch exactly (a receive posted for a chunk that never comes would be
+    left behind)."""
+    sizes, size = [], min(keys, FIRST_CHUNK_KEYS)
+    while size:
+        sizes.append(size)
+        size = next_chunk(keys - sum(sizes), size, most)
+    assert sum(sizes) == keys
+    assert all(0 < s <= max(most, 2 * FIRST_CHUNK_KEYS) for s in sizes[1:])
