@@ -6,12 +6,13 @@ from it here, connecting by worker address (no sockaddr listener anywhere:
 ``raykv.transport.ucx_wire``). Per peer the reader keeps ``stripes`` authenticated
 connections (connected and authenticated once, reused by every later fetch;
 ``raykv.transport.auth``). A fetch is one request on stripe 0, then the batch in chunks
-(``chunk_bytes``, the source gathering the next while this one travels): per chunk one header
-on stripe 0 (count, shape and stored checksums), then its rows, cut into a few large byte
-ranges sent on the stripes in parallel (on a tag of their own) and received straight into
-the chunk's slice of one staging buffer, posted before the header arrives
-(``raykv.transport.ucx_wire``). No message per block, no round trip per block or chunk. The UCX loop receives (``_fetch``) and hands each chunk to the reader's loop as soon as
-it is in (``stream``), where the reader verifies it and writes it into its blocks
+(``chunk_bytes``, the source gathering the next while this one travels): per chunk one
+header on stripe 0 (count, shape and stored checksums), then its rows, cut into a few large
+byte ranges sent on the stripes in parallel (on a tag of their own) and received straight
+into the chunk's slice of one staging buffer, posted before the header arrives
+(``raykv.transport.ucx_wire``). No message per block, no round trip per block or chunk. The
+UCX loop receives (``_fetch``) and hands each chunk to the reader's loop as soon as it is in
+(``stream``), where the reader verifies it and writes it into its blocks
 (``raykv.transport.base.receive``, invariant 12) while the next chunk is on the wire.
 
 Every step is bounded (``UcxConfig``: connect, handshake and control messages by

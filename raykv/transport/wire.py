@@ -6,15 +6,15 @@ paged-copy kernel while it gathers, recomputed by the kernel while the receiver 
 compared once the last message is in). The buffer is ``[rows | sums]``, so the sums are simply
 the tail of the last message: they are complete once its rows are gathered, and a separate
 message would cost each host one more NCCL call. A batch under twice ``FIRST_CHUNK_BYTES``
-is one message; a larger one starts with that, doubles up to ``MAX_CHUNK_BYTES`` and ends the
-same way in reverse, so the sender's first gather and the receiver's last scatter (the copies
-the wire cannot hide) stay ``FIRST_CHUNK_BYTES`` whatever the batch (below twice that, the
-batch is one message anyway). Not smaller: on
-NVLink (2 x H100, NCCL 2.28) a message costs ~13 us on the GPU before its bytes move (8 MiB
-took 35 us, 16 MiB 57 us, 32 MiB 104 us) plus an NCCL call, a launch and an event on each host,
-so a 32 MiB batch as 8 + 16 + 8 MiB moved slower than as one message, one batch at a time and
-in flight alike. Not capped lower: a 32k-token Llama-3-8B prefix per TP-2 rank pair (2 GiB)
-moved 0.77-0.79 x one contiguous send in 64 MiB messages and 0.82-0.83 x in up to 256 MiB
+is one message; a larger one starts with that, doubles up to ``MAX_CHUNK_BYTES`` and ends
+the same way in reverse, so the sender's first gather and the receiver's last scatter (the
+copies the wire cannot hide) stay ``FIRST_CHUNK_BYTES`` whatever the batch (below twice
+that, the batch is one message anyway). Not smaller: on NVLink (2 x H100, NCCL 2.28) a
+message costs ~13 us on the GPU before its bytes move (8 MiB took 35 us, 16 MiB 57 us,
+32 MiB 104 us) plus an NCCL call, a launch and an event on each host, so a 32 MiB batch as
+8 + 16 + 8 MiB moved slower than as one message, one batch at a time and in flight alike.
+Not capped lower: a 32k-token Llama-3-8B prefix per TP-2 rank pair (2 GiB) moved
+0.77-0.79 x one contiguous send in 64 MiB messages and 0.82-0.83 x in up to 256 MiB
 (4 x H200, one batch at a time; the extra messages' fixed costs). Both ends derive the same
 plan from ``(n, width)``.
 """
