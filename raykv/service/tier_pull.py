@@ -11,9 +11,11 @@ the fetch is cut at its first bad row, which is dropped at the source and counte
 verified rows are written straight into their reserved rows (``_ArenaWriter``: one paged copy
 per run of rows, from the received buffer) while the next chunk is on the wire. After the
 last chunk, the entries whose every row was written are stored with the checksums they were
-verified against and published; every other reserved entry is released, so a source that
-dies or lies mid-transfer leaves no entry behind, never a half-written one readable: those
-keys stay misses. The release runs whatever ends the pull (an error, a cancellation).
+verified against and published (the pull answers once they are stored here; the coordinator
+learns of them in the background, in order); every other reserved entry is released, so a
+source that dies or lies mid-transfer leaves no entry behind, never a half-written one
+readable: those keys stay misses. The release runs whatever ends the pull (an error, a
+cancellation).
 
 Entries are whole chunks (``raykv.service.groups``): ``keys`` start at a chunk boundary (the
 request's first block, as the vLLM connector passes them) and a trailing partial chunk is
@@ -93,7 +95,9 @@ async def _pull(tier: Any, mt: Any, model: str, want: list[bytes], where: list) 
         if writer.todo:
             await _fill(tier, model, want, where, writer)
     finally:
-        await tier.apply(model, writer.finish())
+        # published in the background (in order, as an engine's store): the caller reads
+        # this tier next, not the coordinator's index (measured: 7-30 ms of a 128 MiB pull)
+        await tier.apply(model, writer.finish(), wait_publish=False)
 
 
 async def _fill(tier: Any, model: str, want: list[bytes], where: list, writer: Any) -> None:

@@ -100,6 +100,13 @@ def tier(monkeypatch):
     return t
 
 
+async def pulled(t, ks) -> int:
+    """``t.pull`` of ``ks``, then its publication, which runs after the pull answers."""
+    got = await t.pull("p", ks)
+    await asyncio.gather(*t._publishing)
+    return got
+
+
 def keys(n: int = N) -> list[bytes]:
     return [bytes([0, 0, 0, 0]) + i.to_bytes(28, "little") for i in range(n)]
 
@@ -132,7 +139,7 @@ def arena_rows(t, ks) -> torch.Tensor:
 def test_a_streamed_pull_stores_every_chunk_verified(tier) -> None:
     rows, ks = data(), keys()
     tier.transports = {OBJECT_STORE: Streaming(rows, chunk=5)}  # chunks straddle entries
-    assert asyncio.run(tier.pull("p", ks)) == N
+    assert asyncio.run(pulled(tier, ks)) == N
     assert held(tier, ks) == ks and sorted(tier.coord.stored) == sorted(ks)
     assert torch.equal(arena_rows(tier, ks), rows)
     assert tier.transports[OBJECT_STORE].sent == 3 and used(tier) == N // 2
@@ -146,7 +153,7 @@ def test_a_corrupt_row_mid_batch_keeps_the_leading_intact_entries_only(tier) -> 
     rows, ks = data(), keys()
     t = Streaming(rows, chunk=4, corrupt=7)  # chunk 2 (rows 4..7): 4..6 good, 7 bad
     tier.transports = {OBJECT_STORE: t}
-    assert asyncio.run(tier.pull("p", ks)) == 6  # entries 0..2; entry 3 (rows 6, 7) is not
+    assert asyncio.run(pulled(tier, ks)) == 6  # entries 0..2; entry 3 (rows 6, 7) is not
     assert held(tier, ks) == ks[:6] and sorted(tier.coord.stored) == sorted(ks[:6])
     assert torch.equal(arena_rows(tier, ks[:6]), rows[:6])
     assert t.closed and t.sent == 2  # the stream was closed at the bad row, nothing after
@@ -159,7 +166,7 @@ def test_a_source_dying_mid_transfer_publishes_no_half_written_entry(tier) -> No
     rows, ks = data(), keys()
     t = Streaming(rows, chunk=3, die_after=1)  # rows 0..2 arrive: entry 0 whole, entry 1 half
     tier.transports = {OBJECT_STORE: t}
-    assert asyncio.run(tier.pull("p", ks)) == 2
+    assert asyncio.run(pulled(tier, ks)) == 2
     assert held(tier, ks) == ks[:2] and sorted(tier.coord.stored) == sorted(ks[:2])
     assert torch.equal(arena_rows(tier, ks[:2]), rows[:2])
     assert used(tier) == 1  # entry 1 (row 2 of rows 2, 3) and the rest were released
@@ -167,7 +174,7 @@ def test_a_source_dying_mid_transfer_publishes_no_half_written_entry(tier) -> No
     assert not mt.pending and all(mt.tier.state(k) is None for k in ks[3::2])
     # the keys are misses, not stuck: a later pull from a healthy source takes them
     tier.transports = {OBJECT_STORE: Streaming(rows, chunk=4)}
-    assert asyncio.run(tier.pull("p", ks)) == N
+    assert asyncio.run(pulled(tier, ks)) == N
     assert torch.equal(arena_rows(tier, ks), rows)
 
 
