@@ -229,7 +229,8 @@ class UcxTransport:
         }
         await asyncio.wait_for(send_msg(ep, req), cfg.timeout_s)
         staging, at, got, row = None, 0, 0, 0
-        posted: tuple[asyncio.Future, int, int] | None = None  # rows posted ahead: keys, bytes
+        # rows posted ahead of their header: (landed, keys, bytes, parts)
+        posted: tuple[asyncio.Future, int, int, int] | None = None
         flight: deque[tuple[asyncio.Future, BlockBatch | None]] = deque()  # rows, in order
         head: asyncio.Future | None = asyncio.ensure_future(recv_msg(ep))
         try:
@@ -246,17 +247,19 @@ class UcxTransport:
                         # endpoints are gone (a receive may be posted)
                         staging = peer.take(len(keys) * row)
                         peer.staging = staging.numpy()
-                        posted = (self._post_rows(peer, peer.staging[: n * row], parts), n,
-                                  n * row)  # fmt: skip
-                    rows, want, nbytes = posted
+                        dest = peer.staging[: n * row]
+                        posted = (self._post_rows(peer, dest, parts), n, dest.nbytes, parts)
+                    rows, want, nbytes, cut = posted
                     posted = None
                     if n > want or (n and shape[0] * shape[2] != row):
                         raise TransportError(
                             f"the UCX peer sent {n} rows of {shape[0] * shape[2]} bytes where "
                             f"{want} of {row} were expected (row size changed mid-batch?)"
                         )
-                    if parts != len(cuts(nbytes, stripes, min_part)):
-                        raise TransportError(f"the UCX peer cut a chunk in {parts} parts")
+                    if parts != cut:
+                        raise TransportError(
+                            f"the UCX peer cut a chunk in {parts} parts, not {cut}"
+                        )
                     batch = None  # a short chunk of no rows: its padding only
                     if n:
                         chunk = staging[at : at + n * row].view(shape)
@@ -269,9 +272,8 @@ class UcxTransport:
                         if not 0 < size <= len(keys) - got:
                             raise TransportError("the UCX peer offered more rows than asked")
                         dest = peer.staging[at : at + size * row]
-                        posted = (self._post_rows(peer, dest, len(cuts(dest.nbytes, stripes,
-                                                                       min_part))),
-                                  size, dest.nbytes)  # fmt: skip
+                        cut = len(cuts(dest.nbytes, stripes, min_part))
+                        posted = (self._post_rows(peer, dest, cut), size, dest.nbytes, cut)
                     continue
                 rows, chunk = flight[0]  # the oldest chunk's rows, or the next header
                 await asyncio.wait([rows] if head is None else [rows, head],
@@ -292,14 +294,14 @@ class UcxTransport:
         """Post the receives of one chunk's rows (``parts`` byte ranges on as many stripes,
         into ``dest``) now, in order; returns what completes once they all arrived."""
         cfg = self.config
-        cuts_ = ranges(dest.nbytes, parts)
-        if len(cuts_) > len(peer.eps) or (dest.nbytes and len(cuts_) != parts):
+        spans = ranges(dest.nbytes, parts)
+        if len(spans) > len(peer.eps) or (dest.nbytes and len(spans) != parts):
             raise TransportError(
                 f"the UCX peer striped over {parts} endpoints, we have {len(peer.eps)}"
             )
         # a task's first step posts its receive; tasks start in the order they are created
         recvs = [asyncio.ensure_future(e.recv_rows(dest[a:b]))
-                 for e, (a, b) in zip(peer.eps, cuts_, strict=False)]  # fmt: skip
+                 for e, (a, b) in zip(peer.eps, spans, strict=False)]  # fmt: skip
 
         async def landed() -> None:
             limit = cfg.transfer_timeout(dest.nbytes)

@@ -44,6 +44,7 @@ from raykv.transport.ucx_wire import (
     rows_tag,
     send_frame,
     send_msg,
+    stripes_for,
 )
 
 # export(model, keys, out=buffer or None): ``out`` (uint8, 1-D), when big enough, is where the
@@ -303,7 +304,7 @@ class UcxServer:
         now (the bytes do not wait for the header: they match on their own tag); returns
         what completes once all of it is out (bounded by ``transfer_timeout``)."""
         eps = [ep]
-        want = len(cuts(flat.nbytes, stripes, min_part))
+        want = stripes_for(flat.nbytes, stripes, min_part)
         while len(eps) < want and (client, len(eps)) in self._eps:
             eps.append(self._eps[(client, len(eps))])
         parts = cuts(flat.nbytes, len(eps), min_part)
