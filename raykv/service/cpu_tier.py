@@ -47,7 +47,7 @@ from raykv.service.member import Member
 from raykv.service.metrics import ServiceMetrics
 from raykv.service.spec import tier_name
 from raykv.service.transports import reader_transports
-from raykv.transport import export_rows
+from raykv.transport import Lent, export_rows
 
 Members = tuple[bytes | None, ...]
 Ticket = tuple[str, int, int]  # an engine's apply: (engine, its number, all up to this one ran)
@@ -168,6 +168,7 @@ class _AppliedOrder:
 
 class CpuTierActor(Member):
     kind = "tier"
+    lends_rows = True  # its UCX server sends from the arena where it can (``export_blocks``)
 
     def __init__(self, node_id: str, plans: dict[str, Any] | None = None) -> None:
         super().__init__(tier_name(node_id), node_id)
@@ -400,22 +401,34 @@ class CpuTierActor(Member):
     # --- other nodes ----------------------------------------------------------------------
 
     async def export_blocks(
-        self, model: str, keys: list[bytes], out: np.ndarray | None = None
-    ) -> tuple[int, np.ndarray, list[list[int]]]:
+        self, model: str, keys: list[bytes], out: np.ndarray | None = None, lend: float = 0.0
+    ) -> tuple[int, np.ndarray, list[list[int]]] | Lent:
         """For ``raykv.transport``: the leading block ``keys`` (one group) held here as one
         buffer uint8 [copies, count, row_bytes] (in ``out`` where it fits: a UCX server's
-        reused buffer) with their stored checksums [copies][count]."""
+        reused buffer) with their stored checksums [copies][count]. ``lend`` (a UCX server
+        that sends from the arena: the seconds its send may read them): where the rows are
+        one run of whole rows of the one copy and their lease outlasts that, a ``Lent`` view
+        of them instead, leased (never evicted or rewritten) until released."""
         mt = self.tiers.get(model)
         _, lease, chosen = await self.lease(model, keys) if mt is not None else (0, None, [])
         if lease is None:
             return 0, np.empty((1, 0, 0), np.uint8), []
-        tier = mt.tier
+        tier, view = mt.tier, None
         try:
             width = mt.widths[key_group(keys[0])]
-            rows = tier.read([(lease.blocks[e], s) for e, s in chosen], width, out)
+            picks = [tier.row(lease.blocks[e], s) for e, s in chosen]
             sums = [[lease.checksums[e][c][s] for e, s in chosen] for c in range(tier.copies)]
+            view = None
+            if lend > 0 and tier.copies == 1 and tier.hold_left(lease) > lend:
+                view = tier.run_view(picks, width)
+            if view is not None:
+                released = lease  # the lease now ends with the send
+                return Lent(len(chosen), view.unsqueeze(0).numpy(), sums,
+                            lambda: tier.finish_load(released))  # fmt: skip
+            rows = tier.read([(lease.blocks[e], s) for e, s in chosen], width, out)
         finally:
-            tier.finish_load(lease)
+            if view is None:
+                tier.finish_load(lease)
         return len(chosen), export_rows(rows), sums
 
     async def pull(self, model: str, keys: list[bytes]) -> int:

@@ -9,7 +9,9 @@ nobody reads them, nothing evicts them); the blocks are then fetched through the
 store), chunk by chunk: each chunk is verified as it arrives (``raykv.transport.receive``:
 the fetch is cut at its first bad row, which is dropped at the source and counted) and its
 verified rows are written straight into their reserved rows (``_ArenaWriter``: one paged copy
-per run of rows, from the received buffer) while the next chunk is on the wire. After the
+per run of rows, from the received buffer) while the next chunk is on the wire; over UCX,
+rows whose reserved rows are one run are received there in place (``_ArenaWriter.land``:
+no staging buffer, no copy), and are only verified there. After the
 last chunk, the entries whose every row was written are stored with the checksums they were
 verified against and published (the pull answers once they are stored here; the coordinator
 learns of them in the background, in order); every other reserved entry is released, so a
@@ -115,10 +117,13 @@ async def _fill(tier: Any, model: str, want: list[bytes], where: list, writer: A
         async def sink(at: int, rows: BlockBatch, i: int = i, source: str = loc.member) -> None:
             writer.write(i + at, rows, source)
 
+        def land(at: int, *rest: Any, i: int = i) -> torch.Tensor | None:
+            return writer.land(i + at, *rest)
+
         try:
             got = await fetch_over(
                 tier.transports, loc.transport, loc.member, model, want[i:run], sink,
-                loc.endpoint, _fell_back(tier, loc.member),
+                loc.endpoint, _fell_back(tier, loc.member), land,
             )  # fmt: skip
         except (ray.exceptions.RayActorError, TransportError, ValueError) as e:
             # what arrived before it failed stays (verified); the rest from the next copy
@@ -158,8 +163,25 @@ class _ArenaWriter:
         self.filled = 0  # leading keys written (or skipped)
         self._moved = 0
 
+    def land(
+        self, at: int, count: int, copies: int, width: int, seconds: float
+    ) -> torch.Tensor | None:
+        """Where rows ``at .. at + count`` of the pull may be received in place (a transport's
+        ``Land``, asked on its loop): their reserved arena rows, when they are one run of whole
+        rows of the one TP copy and the reservation outlasts the receive (``seconds``), so no
+        byte ever lands in a row that is not this pull's; else None. Rows landed there are
+        unverified until ``write`` sees them, and never readable before ``finish``."""
+        dests = self.dest[at : at + count]
+        if copies != 1 or self.copies != 1 or width != self.width or len(dests) != count:
+            return None
+        view = self.mt.tier.run_view(dests, width)
+        if view is None or self.mt.tier.hold_left(self.res) <= seconds:
+            return None
+        return view
+
     def write(self, at: int, rows: BlockBatch, source: str) -> None:
-        """Rows ``at .. at + rows.count`` of the pull, verified: into their arena rows."""
+        """Rows ``at .. at + rows.count`` of the pull, verified: into their arena rows (rows
+        received in place, ``land``, are there already)."""
         if at != self.filled:
             raise TransportError(f"{source} sent rows from {at}, expected {self.filled}")
         if not self.mt.tier.current(self.res):  # a pull past the lease timeout: rows not ours
@@ -171,8 +193,11 @@ class _ArenaWriter:
         for first, dests in _runs(self.dest[at : at + rows.count]):
             ids = torch.tensor(dests, dtype=torch.long)
             for c in range(self.copies):
+                src = rows.rows[c, first : first + len(dests)]
+                if _in_place(src, self.mt.tier.run_view(dests, self.width, c)):
+                    continue
                 arena = self.mt.tier.rows(c)[:, : self.width]
-                ops.scatter_blocks(rows.rows[c, first : first + len(dests)], [arena], ids)
+                ops.scatter_blocks(src, [arena], ids)
         self.sums += [tuple(c[j] for c in rows.checksums) for j in range(rows.count)]
         self.filled += rows.count
         self._moved += rows.nbytes
@@ -205,6 +230,16 @@ def _fell_back(tier: Any, source: str) -> Any:
         tier.metrics.failed(f"transport_{name}")
 
     return fell_back
+
+
+def _in_place(src: torch.Tensor, dest: torch.Tensor | None) -> bool:
+    """Whether ``src`` is ``dest`` itself (rows received in place): nothing to copy."""
+    return (
+        dest is not None
+        and src.data_ptr() == dest.data_ptr()
+        and src.shape == dest.shape
+        and src.is_contiguous()
+    )
 
 
 def _runs(dests: list[int]) -> list[tuple[int, list[int]]]:

@@ -54,6 +54,7 @@ def serve_ucx(member: Any) -> Any:
             host=ray.util.get_node_ip_address(),
             owner_loop=asyncio.get_running_loop(),
             on_refused=refused,
+            lends=getattr(member, "lends_rows", False),
         )
     except Exception as e:  # UCX is an optimization: a member never fails over it
         log.warning("%s: no UCX listener (%r); serving over the object store", member.name, e)

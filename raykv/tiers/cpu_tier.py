@@ -169,6 +169,19 @@ class ArenaRows:
     def row(self, block: int, sub: int) -> int:
         return block * self.factor + sub
 
+    def run_view(self, rows: Sequence[int], width: int, copy: int = 0) -> torch.Tensor | None:
+        """Arena ``rows`` of ``copy`` as one view ``[len(rows), width]`` when they are
+        consecutive and ``width`` is the whole row (nothing lies between them), else None:
+        the rows a transport sends from, or receives into, in place."""
+        first = rows[0] if rows else -1
+        if (
+            not 0 <= first <= self.arena.shape[1] - len(rows)
+            or width != self.arena.shape[2]
+            or list(rows) != list(range(first, first + len(rows)))
+        ):
+            return None
+        return self.arena[copy, first : first + len(rows)]
+
     def read(
         self, picks: Sequence[tuple[int, int]], width: int, out: np.ndarray | None = None
     ) -> torch.Tensor:
@@ -236,6 +249,12 @@ class CpuTier(ArenaRows):
     @property
     def total_bytes(self) -> int:
         return self.arena.numel()
+
+    def hold_left(self, held: LoadLease | StoreReservation) -> float:
+        """Seconds before ``held`` reaches its deadline (0 once finished or reclaimed)."""
+        with self._lock:
+            h = self._holds.get(held.hold, STORE if isinstance(held, StoreReservation) else LOAD)
+            return max(0.0, h.deadline - self._clock()) if h is not None else 0.0
 
     # ---------------------------------------------------------------- lookups
     def lookup(self, keys: Sequence[Key]) -> int:

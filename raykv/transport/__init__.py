@@ -10,6 +10,8 @@ secret) plug in behind the same interface; every reader fetches through ``fetch_
 from raykv.transport.base import (
     BlockBatch,
     Fetched,
+    Land,
+    Lent,
     Sink,
     Transport,
     collect,
@@ -27,6 +29,8 @@ __all__ = [
     "PREFERENCE",
     "BlockBatch",
     "Fetched",
+    "Land",
+    "Lent",
     "ObjectStoreTransport",
     "Sink",
     "Transport",

@@ -56,18 +56,43 @@ class BlockBatch:
 
 
 Sink = Callable[[int, BlockBatch], Awaitable[None]]
+# land(position, count, copies, width, seconds): where rows ``position .. position + count``
+# of a fetch may be received in place: a contiguous uint8 CPU tensor of ``copies * count *
+# width`` bytes (the sink's own destination rows, laid out as they travel), or None (they
+# are received into a buffer of the transport's). ``seconds``: how long the transport may
+# still write there (its receive ends or is aborted by then); the rows are handed to the
+# sink unverified, as any chunk, viewing that buffer.
+Land = Callable[[int, int, int, int, float], Any]
+
+
+@dataclass(frozen=True)
+class Lent:
+    """An export served in place: ``rows`` (uint8 ``[copies, count, width]``) view the
+    member's own storage, unchanged (leased) until ``release()`` is called (on the member's
+    loop) once the bytes are out; ``sums`` as stored, ``[copies][count]``."""
+
+    count: int
+    rows: np.ndarray
+    sums: list[list[int]]
+    release: Callable[[], None]
 
 
 class Transport(Protocol):
     name: str
 
     def stream(
-        self, source: str, model: str, keys: Sequence[bytes], endpoint: Any = None
+        self,
+        source: str,
+        model: str,
+        keys: Sequence[bytes],
+        endpoint: Any = None,
+        land: Land | None = None,
     ) -> AsyncIterator[BlockBatch]:
         """The leading ``keys`` (one group, prefix order) that member ``source`` holds, as
         stored (not verified: read them through ``receive``), in one or more chunks in key
         order; ``endpoint`` is what the source advertised for this transport
-        (``Member.endpoints``). Raises ``TransportError`` (or Ray's actor error) if the
+        (``Member.endpoints``); ``land``: where the rows may be received in place (``Land``;
+        a transport that cannot ignores it). Raises ``TransportError`` (or Ray's actor error) if the
         source is gone or the transfer fails; closing the iterator early ends the transfer."""
         ...
 

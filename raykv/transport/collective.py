@@ -583,7 +583,12 @@ class CollectiveTransport:
         return {"ident": self.collective.ident, "device": str(self.collective.device)}
 
     async def stream(
-        self, source: str, model: str, keys: Sequence[bytes], endpoint: Any = None
+        self,
+        source: str,
+        model: str,
+        keys: Sequence[bytes],
+        endpoint: Any = None,
+        land: Any = None,
     ) -> AsyncIterator[Any]:
         raise TransportError(
             f"{self.name} moves batches rank to rank into the reader's blocks (the pool's "

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from raykv.errors import TransportError
-from raykv.transport.base import Fetched, Sink, Transport, receive
+from raykv.transport.base import Fetched, Land, Sink, Transport, receive
 from raykv.transport.select import FALLBACK
 
 
@@ -27,17 +27,19 @@ async def fetch_over(
     sink: Sink,
     endpoint: Any = None,
     on_fallback: Callable[[str, TransportError], None] | None = None,
+    land: Land | None = None,
 ) -> Fetched:
     """The leading ``keys`` ``source`` holds, verified chunk by chunk into ``sink(position in
     keys, rows)``, over ``transports[name]`` (the fallback if this reader has no such
     transport); if it fails, the rest once more over the fallback (``on_fallback(name,
     error)`` is told, to log and count it). Raises what the last try raised; rows that
-    reached the sink before stay there (verified)."""
+    reached the sink before stay there (verified). ``land`` (``Land``): where the first
+    transport may receive rows in place; the fallback receives into its own buffers."""
     fallback = transports[FALLBACK]
     t = transports.get(name, fallback)
     done = Fetched()
     try:
-        return await receive(t.stream(source, model, keys, endpoint), sink, done)
+        return await receive(t.stream(source, model, keys, endpoint, land), sink, done)
     except TransportError as e:
         if t is fallback:
             raise

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from raykv.transport.base import BlockBatch, collect
+from raykv.transport.base import BlockBatch, Land, collect
 from raykv.transport.select import OBJECT_STORE
 
 
@@ -44,7 +44,12 @@ class ObjectStoreTransport:
         return h
 
     async def stream(
-        self, source: str, model: str, keys: Sequence[bytes], endpoint: Any = None
+        self,
+        source: str,
+        model: str,
+        keys: Sequence[bytes],
+        endpoint: Any = None,
+        land: Land | None = None,  # the rows arrive in plasma, read in place: not used
     ) -> AsyncIterator[BlockBatch]:
         import ray
 

@@ -156,7 +156,12 @@ class PeerTransport:
         return dict(self._endpoint)
 
     async def stream(
-        self, source: str, model: str, keys: Sequence[bytes], endpoint: Any = None
+        self,
+        source: str,
+        model: str,
+        keys: Sequence[bytes],
+        endpoint: Any = None,
+        land: Any = None,
     ) -> Any:
         raise TransportError(
             "peer reads copy blocks straight into the reader's blocks (the pool's peer "

@@ -37,7 +37,7 @@ import torch
 
 from raykv.errors import TransportError
 from raykv.transport.auth import AuthError, check_secret, client_handshake
-from raykv.transport.base import BlockBatch, collect
+from raykv.transport.base import BlockBatch, Land, collect
 from raykv.transport.select import UCX
 from raykv.transport.ucx_config import UcxConfig
 from raykv.transport.ucx_runtime import UcxRuntime
@@ -114,12 +114,18 @@ class UcxTransport:
         self._address = b""  # this process's worker address (sent in every hello)
 
     def stream(
-        self, source: str, model: str, keys: Sequence[bytes], endpoint: Any = None
+        self,
+        source: str,
+        model: str,
+        keys: Sequence[bytes],
+        endpoint: Any = None,
+        land: Land | None = None,
     ) -> AsyncIterator[BlockBatch]:
         """The leading ``keys`` that ``source`` (serving at ``endpoint`` = (host, worker
         address hex, hello tag)) holds, chunk by chunk as they arrive (not verified); the next
-        chunk is received (on the UCX loop) while the caller handles this one.
-        TransportError if it cannot be reached, refuses us or fails mid-transfer."""
+        chunk is received (on the UCX loop) while the caller handles this one, in place where
+        ``land`` offers the rows' destination (``raykv.transport.base.Land``; asked on the UCX
+        loop). TransportError if it cannot be reached, refuses us or fails mid-transfer."""
         if not endpoint:
             raise TransportError(f"{source} advertised no UCX endpoint; it serves no UCX")
         try:
@@ -129,7 +135,7 @@ class UcxTransport:
                 f"{source} advertised a UCX endpoint raykv cannot read ({str(endpoint)[:80]}); "
                 "is it an older raykv (host, port)? upgrade every node"
             ) from None
-        return self._stream(source, where, model, list(keys))
+        return self._stream(source, where, model, list(keys), land)
 
     async def fetch(
         self, source: str, model: str, keys: Sequence[bytes], endpoint: Any = None
@@ -145,7 +151,7 @@ class UcxTransport:
         self.runtime.submit(close()).result(self.config.timeout_s)
 
     async def _stream(
-        self, source: str, where: Where, model: str, keys: list[bytes]
+        self, source: str, where: Where, model: str, keys: list[bytes], land: Land | None
     ) -> AsyncIterator[BlockBatch]:
         """The caller's side: chunks the UCX loop hands over, in order. Leaving early (the
         caller stopped, or was cancelled) cancels the transfer there, which drops the
@@ -157,7 +163,7 @@ class UcxTransport:
             with contextlib.suppress(RuntimeError):  # the reader's loop is gone: nobody reads
                 loop.call_soon_threadsafe(handed.put_nowait, item)
 
-        task = self.runtime.submit(self._fetch(source, where, model, keys, hand))
+        task = self.runtime.submit(self._fetch(source, where, model, keys, hand, land))
         try:
             while (item := await handed.get()) is not _END:
                 if isinstance(item, BaseException):
@@ -172,14 +178,20 @@ class UcxTransport:
     # --- on the UCX loop -------------------------------------------------------------------
 
     async def _fetch(
-        self, source: str, where: Where, model: str, keys: list[bytes], hand: Callable
+        self,
+        source: str,
+        where: Where,
+        model: str,
+        keys: list[bytes],
+        hand: Callable,
+        land: Land | None = None,
     ) -> None:
         """Receive the batch's chunks into one staging buffer, ``hand`` each on (then
         ``_END``, or the error that ended the fetch)."""
         try:
             peer = await self._locked(source, where)
             try:
-                nbytes = await self._request(peer, model, keys, hand)
+                nbytes = await self._request(peer, model, keys, hand, land)
             except BaseException as e:  # failed, or the reader left: the stream is cut
                 await asyncio.shield(self._drop(where, peer))
                 if isinstance(e, TransportError | asyncio.CancelledError):
@@ -209,14 +221,17 @@ class UcxTransport:
                 return peer
             peer.lock.release()
 
-    async def _request(self, peer: _Peer, model: str, keys: list[bytes], hand: Callable) -> int:
+    async def _request(
+        self, peer: _Peer, model: str, keys: list[bytes], hand: Callable, land: Land | None
+    ) -> int:
         """One fetch on ``peer``: the request, then per chunk its header and rows (in key
         order), each chunk handed on as soon as its rows are in; returns the bytes moved.
 
         Pipelined: once a header says ``more``, the next chunk's header receive and its row
         receives (its size and cuts follow from this chunk: ``ucx_wire.next_chunk``) are
         posted at once, so its rows land as soon as they are sent, whatever this loop is
-        doing; only the first chunk's rows wait for its header (it tells the row size)."""
+        doing; only the first chunk's rows wait for its header (it tells the row size). Each
+        chunk's rows are received where ``land`` offers, else into the staging buffer."""
         cfg, ep = self.config, peer.eps[0]
         stripes, min_part = len(peer.eps), cfg.stripe_min_bytes // max(1, len(peer.eps))
         req = {
@@ -228,9 +243,9 @@ class UcxTransport:
             "chunk_bytes": cfg.chunk_bytes,
         }
         await asyncio.wait_for(send_msg(ep, req), cfg.timeout_s)
-        staging, at, got, row = None, 0, 0, 0
-        # rows posted ahead of their header: (landed, keys, bytes, parts)
-        posted: tuple[asyncio.Future, int, int, int] | None = None
+        staging, at, got, row, copies, width = None, 0, 0, 0, 0, 0
+        # rows posted ahead of their header: (landed, keys, bytes, parts, where they land)
+        posted: tuple[asyncio.Future, int, int, int, torch.Tensor] | None = None
         flight: deque[tuple[asyncio.Future, BlockBatch | None]] = deque()  # rows, in order
         head: asyncio.Future | None = asyncio.ensure_future(recv_msg(ep))
         try:
@@ -242,14 +257,16 @@ class UcxTransport:
                     if posted is None:  # the first chunk: its rows are posted now
                         if not n:
                             continue
-                        row = shape[0] * shape[2]
+                        copies, width = shape[0], shape[2]
+                        row = copies * width
                         # room for every key asked, at this row size; alive until the
                         # endpoints are gone (a receive may be posted)
                         staging = peer.take(len(keys) * row)
                         peer.staging = staging.numpy()
-                        dest = peer.staging[: n * row]
-                        posted = (self._post_rows(peer, dest, parts), n, dest.nbytes, parts)
-                    rows, want, nbytes, cut = posted
+                        dest = self._into(land, staging, at, got, n, copies, width)
+                        posted = (self._post_rows(peer, dest.numpy(), parts), n, dest.numel(),
+                                  parts, dest)  # fmt: skip
+                    rows, want, nbytes, cut, dest = posted
                     posted = None
                     if n > want or (n and shape[0] * shape[2] != row):
                         raise TransportError(
@@ -262,7 +279,7 @@ class UcxTransport:
                         )
                     batch = None  # a short chunk of no rows: its padding only
                     if n:
-                        chunk = staging[at : at + n * row].view(shape)
+                        chunk = dest[: n * row].view(shape)
                         batch = BlockBatch(n, chunk, tuple(tuple(c) for c in sums))
                     flight.append((rows, batch))
                     at, got = at + nbytes, got + n
@@ -271,9 +288,10 @@ class UcxTransport:
                         size = next_chunk(len(keys) - got, n, max(1, cfg.chunk_bytes // row))
                         if not 0 < size <= len(keys) - got:
                             raise TransportError("the UCX peer offered more rows than asked")
-                        dest = peer.staging[at : at + size * row]
-                        cut = len(cuts(dest.nbytes, stripes, min_part))
-                        posted = (self._post_rows(peer, dest, cut), size, dest.nbytes, cut)
+                        dest = self._into(land, staging, at, got, size, copies, width)
+                        cut = len(cuts(dest.numel(), stripes, min_part))
+                        posted = (self._post_rows(peer, dest.numpy(), cut), size, dest.numel(),
+                                  cut, dest)  # fmt: skip
                     continue
                 rows, chunk = flight[0]  # the oldest chunk's rows, or the next header
                 await asyncio.wait([rows] if head is None else [rows, head],
@@ -289,6 +307,32 @@ class UcxTransport:
                 f.cancel()
         peer.staging = None
         return at
+
+    def _into(
+        self,
+        land: Land | None,
+        staging: torch.Tensor,
+        at: int,
+        got: int,
+        count: int,
+        copies: int,
+        width: int,
+    ) -> torch.Tensor:
+        """Where the rows of keys ``got .. got + count`` are received: the reader's own rows
+        where ``land`` offers them (for as long as the receive may write: its transfer
+        timeout, then the endpoints' abort), else their slice of ``staging`` (from ``at``)."""
+        nbytes = count * copies * width
+        if land is not None:
+            seconds = self.config.transfer_timeout(nbytes) + 2 * BYE_TIMEOUT_S
+            dest = land(got, count, copies, width, seconds)
+            if dest is not None:
+                if dest.dtype != torch.uint8 or dest.numel() != nbytes or not dest.is_contiguous():
+                    raise ValueError(
+                        f"land offered {dest.numel()} bytes ({dest.dtype}) for {count} rows of "
+                        f"{copies} x {width} bytes; it must offer exactly that, contiguous uint8"
+                    )
+                return dest.view(-1)
+        return staging[at : at + nbytes]
 
     def _post_rows(self, peer: _Peer, dest: Any, parts: int) -> asyncio.Future:
         """Post the receives of one chunk's rows (``parts`` byte ranges on as many stripes,

@@ -19,6 +19,7 @@ which bind the addresses of ``UCX_NET_DEVICES`` (``RAYKV_UCX_NET_DEVICES``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections import Counter
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from raykv.transport.auth import check_secret, serve_handshake
+from raykv.transport.base import Lent
 from raykv.transport.ucx_config import UcxConfig
 from raykv.transport.ucx_runtime import UcxRuntime
 from raykv.transport.ucx_wire import (
@@ -47,9 +49,12 @@ from raykv.transport.ucx_wire import (
     stripes_for,
 )
 
-# export(model, keys, out=buffer or None): ``out`` (uint8, 1-D), when big enough, is where the
-# member gathers the rows (a view of it comes back), so a server sends from buffers it reuses
-Export = Callable[..., Awaitable[tuple[int, np.ndarray, list[list[int]]]]]
+# export(model, keys, out=buffer or None[, lend=seconds]): ``out`` (uint8, 1-D), when big
+# enough, is where the member gathers the rows (a view of it comes back), so a server sends
+# from buffers it reuses; a member that ``lends`` may answer with a ``Lent`` (its own rows,
+# leased for longer than ``seconds``, the most its send may take, and released once they are
+# out: no gather)
+Export = Callable[..., Awaitable[tuple[int, np.ndarray, list[list[int]]] | Lent]]
 SPARE_BYTES = 256 << 20  # gather buffers a server keeps for its next chunks (fresh pages
 # cost ~40 ms per 128 MiB of page faults on the 2-core box: more than the gather itself)
 log = logging.getLogger(__name__)
@@ -66,9 +71,11 @@ class UcxServer:
         config: UcxConfig | None = None,
         owner_loop: asyncio.AbstractEventLoop | None = None,
         on_refused: Callable[[str], None] | None = None,
+        lends: bool = False,
     ) -> None:
         self._secret = check_secret(secret)
         self.export = export
+        self.lends = lends  # export takes ``lend=True`` and may answer with a ``Lent``
         self.host = host
         self.config = config or UcxConfig.from_env()
         self.owner_loop = owner_loop
@@ -227,9 +234,37 @@ class UcxServer:
             self._spare.pop()
 
     async def _export(
-        self, model: str, keys: list[bytes], out: np.ndarray | None
-    ) -> tuple[int, np.ndarray, list]:
-        coro = self.export(model, keys, out=out)
+        self, model: str, keys: list[bytes], out: np.ndarray | None, nbytes: int
+    ) -> tuple[int, np.ndarray, list, Callable[[], None] | None]:
+        """(count, rows, sums, release: None, or what ends the lend of rows sent in place)
+        for a chunk of at most ``nbytes``."""
+        # how long its send may read them: its timeout, then the connection's abort
+        seconds = self.config.transfer_timeout(nbytes) + self.config.timeout_s
+        got = await self._exported(model, keys, out, seconds)
+        if isinstance(got, Lent):
+            return got.count, got.rows, got.sums, self._on_owner(got.release)
+        return (*got, None)
+
+    def _on_owner(self, release: Callable[[], None]) -> Callable[[], None]:
+        """``release``, run on the owner's loop (the member's state is its loop's) once."""
+        done = []
+
+        def run() -> None:
+            if done:
+                return
+            done.append(True)
+            if self.owner_loop is None:
+                release()
+            else:
+                with contextlib.suppress(RuntimeError):  # the owner's loop is gone
+                    self.owner_loop.call_soon_threadsafe(release)
+
+        return run
+
+    async def _exported(
+        self, model: str, keys: list[bytes], out: np.ndarray | None, seconds: float
+    ) -> Any:
+        coro = self.export(model, keys, out=out, **({"lend": seconds} if self.lends else {}))
         if self.owner_loop is None or self.owner_loop is asyncio.get_running_loop():
             return await coro
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.owner_loop))
@@ -252,14 +287,14 @@ class UcxServer:
         start, size = 0, min(len(keys), FIRST_CHUNK_KEYS)
         buf: np.ndarray | None = None  # the buffer the pending export gathers into
         pending: asyncio.Future | None = asyncio.ensure_future(
-            self._export(model, keys[:size], None)
+            self._export(model, keys[:size], None, chunk_bytes)
         )
         expect = 0  # bytes the reader posted for this chunk (0: the first, sized by its header)
         flight: asyncio.Future | None = None  # the previous chunk's rows, still going out
         try:
             while pending is not None:
                 try:
-                    n, rows, sums = await pending
+                    n, rows, sums, release = await pending
                 except Exception as e:  # the member refused: the reader misses the rest
                     pending = None
                     self._give_back(buf)
@@ -268,9 +303,14 @@ class UcxServer:
                 end = start + size
                 more = n == size and end < len(keys)
                 pending = None
+                if release is not None:  # sent from the member's own rows: buf not used
+                    self._give_back(buf)
+                    buf = None
                 flat = np.ascontiguousarray(rows).reshape(-1)
                 if expect and flat.nbytes > expect:  # not the reader's row size: refuse
                     self._give_back(buf)
+                    if release is not None:
+                        release()
                     err = f"row size changed mid-batch ({flat.nbytes} > {expect} bytes)"
                     await asyncio.wait_for(send_msg(ep, {"error": err}), t)
                     break
@@ -279,13 +319,15 @@ class UcxServer:
                 sent = asyncio.ensure_future(self._send(
                     ep, client, flat, list(rows.shape), sums, more, stripes, min_part))  # fmt: skip
                 sent.add_done_callback(lambda f, b=buf: _reuse_if_sent(f, b, self._give_back))
+                if release is not None:  # the lease ends once the rows are out (or failed)
+                    sent.add_done_callback(lambda f, r=release: r())
                 if more:  # gather the next chunk while this one travels
                     row = rows.shape[0] * rows.shape[2]
                     size = next_chunk(len(keys) - end, size, max(1, chunk_bytes // row))
                     expect = size * row
                     buf = self._buffer(expect)
                     pending = asyncio.ensure_future(
-                        self._export(model, keys[end : end + size], buf)
+                        self._export(model, keys[end : end + size], buf, expect)
                     )
                 prev, flight, start = flight, sent, end
                 if prev is not None:  # at most two chunks' rows on the wire
@@ -296,6 +338,8 @@ class UcxServer:
             for f in (pending, flight):
                 if f is not None:
                     f.cancel()
+            if pending is not None:  # an export that came back unsent: end its lend now
+                pending.add_done_callback(_release_unsent)
             raise
 
     def _send(self, ep: Any, client: str, flat: np.ndarray, shape: list[int], sums: list,
@@ -341,6 +385,14 @@ def _peer_went(e: BaseException) -> bool:
     return type(e).__module__.startswith("ucxx") or isinstance(e, peer)
 
 
+def _release_unsent(exported: asyncio.Future) -> None:
+    """An export whose rows will not be sent: end its lend, if it lent any."""
+    if not exported.cancelled() and exported.exception() is None:
+        release = exported.result()[3]
+        if release is not None:
+            release()
+
+
 def _reuse_if_sent(
     sent: asyncio.Future, buf: np.ndarray | None, give_back: Callable[[np.ndarray | None], None]
 ) -> None:
@@ -357,6 +409,7 @@ def ucx_server(
     owner_loop: asyncio.AbstractEventLoop | None = None,
     on_refused: Callable[[str], None] | None = None,
     config: UcxConfig | None = None,
+    lends: bool = False,
 ) -> UcxServer | None:
     """A started ``UcxServer`` when this process can serve UCX (ucxx installed, ``RAYKV_UCX``
     not 0, ``RAYKV_TRANSPORT_SECRET`` set: never an unauthenticated listener); else None."""
@@ -376,7 +429,7 @@ def ucx_server(
         return None
     try:
         server = UcxServer(secret, export, host=config.host or host, config=config,
-                           owner_loop=owner_loop, on_refused=on_refused)  # fmt: skip
+                           owner_loop=owner_loop, on_refused=on_refused, lends=lends)  # fmt: skip
         server.start()
     except TransportError as e:
         log.warning("no UCX listener here: %s", e)

@@ -70,7 +70,7 @@ class Streaming:
     def _actor(self, name):
         return self.source
 
-    async def stream(self, source, model, keys, endpoint=None):
+    async def stream(self, source, model, keys, endpoint=None, land=None):
         try:
             idx = [int.from_bytes(k[4:], "little") for k in keys]  # key i: row i
             for at in range(0, len(idx), self.chunk):
@@ -182,7 +182,7 @@ def test_a_pull_cancelled_mid_transfer_releases_what_it_reserved(tier) -> None:
     rows, ks = data(), keys()
 
     class Stalling(Streaming):
-        async def stream(self, source, model, keys, endpoint=None):
+        async def stream(self, source, model, keys, endpoint=None, land=None):
             yield BlockBatch(2, rows[:2].unsqueeze(0), (tuple(row_checksums(rows[:2])),))
             await asyncio.sleep(3600)  # the source stalls; the caller gives up
 
@@ -199,3 +199,106 @@ def test_a_pull_cancelled_mid_transfer_releases_what_it_reserved(tier) -> None:
 
     asyncio.run(run())
     assert used(tier) == 1 and held(tier, ks) == ks[:2]  # the whole entry it got; the rest freed
+
+
+class Landing(Streaming):
+    """Streams as ``Streaming``, but receives each chunk where the reader's ``land`` offers
+    (as the UCX transport does: the bytes copied there, the chunk handed on viewing them);
+    ``seconds``: how long it says it may write there."""
+
+    def __init__(self, rows, chunk, corrupt=None, seconds=1.0) -> None:
+        super().__init__(rows, chunk, corrupt)
+        self.seconds, self.landed, self.offered = seconds, 0, []
+
+    async def stream(self, source, model, keys, endpoint=None, land=None):
+        assert land is not None  # the pull offers its rows
+        at = 0
+        async for b in super().stream(source, model, keys, endpoint):
+            dest = land(at, b.count, 1, ROW, self.seconds)
+            self.offered.append(dest is not None)
+            if dest is not None:
+                dest.view(1, b.count, ROW).copy_(b.rows)
+                self.landed += 1
+                b = BlockBatch(b.count, dest.view(1, b.count, ROW), b.checksums)
+            at += b.count
+            yield b
+
+
+@pytest.fixture
+def copies(monkeypatch) -> list:
+    """The paged copies the pull's writes make (a row received in place needs none)."""
+    from raykv.service import tier_pull
+
+    made: list = []
+    real = tier_pull.ops.scatter_blocks
+
+    def counted(src, dsts, ids):
+        made.append(len(ids))
+        return real(src, dsts, ids)
+
+    monkeypatch.setattr(tier_pull.ops, "scatter_blocks", counted)
+    return made
+
+
+def test_rows_land_in_their_reserved_rows_and_are_never_copied_again(tier, copies) -> None:
+    rows, ks = data(), keys()
+    t = Landing(rows, chunk=5)
+    tier.transports = {OBJECT_STORE: t}
+    assert asyncio.run(pulled(tier, ks)) == N
+    assert t.offered == [True, True, True] and copies == []  # in place, no copy
+    assert held(tier, ks) == ks and torch.equal(arena_rows(tier, ks), rows)
+    mt = tier.tiers["p"]
+    lease = mt.tier.prepare_load([ks[-1]])
+    assert lease.checksums[0][0] == tuple(row_checksums(rows[-2:]))  # the verified sums
+    mt.tier.finish_load(lease)
+
+
+def test_a_corrupt_row_landed_in_place_is_never_readable(tier, copies) -> None:
+    rows, ks = data(), keys()
+    t = Landing(rows, chunk=4, corrupt=7)
+    tier.transports = {OBJECT_STORE: t}
+    assert asyncio.run(pulled(tier, ks)) == 6  # entries 0..2, as when copied
+    assert held(tier, ks) == ks[:6] and torch.equal(arena_rows(tier, ks[:6]), rows[:6])
+    assert t.landed == 2 and copies == []
+    assert used(tier) == 3 and tier.tiers["p"].tier.num_holds == 0  # the rest released
+    assert t.source.dropped == [ks[7]]
+
+
+def test_no_row_lands_where_the_reservation_may_end_first_or_rows_do_not_run(tier, copies):
+    rows, ks = data(), keys()
+    # a transport that may write for longer than the reservation lasts: copied instead
+    t = Landing(rows, chunk=2, seconds=10 * 3600)
+    tier.transports = {OBJECT_STORE: t}
+    assert asyncio.run(pulled(tier, ks[4:6])) == 2  # entry 2 only
+    assert t.offered == [False] and copies == [2]
+    # entry 2 held: a pull of all N reserves no rows for keys 4, 5, so the chunk of keys
+    # 4..7 is copied (keys 6, 7 only); the chunks whose reserved rows run land in place
+    copies.clear()
+    t = Landing(rows, chunk=4)
+    tier.transports = {OBJECT_STORE: t}
+    assert asyncio.run(pulled(tier, ks)) == N
+    assert held(tier, ks) == ks and torch.equal(arena_rows(tier, ks), rows)
+    assert t.offered == [True, False, True] and copies == [2]
+
+
+def test_a_tier_lends_its_rows_in_place_leased_until_released(tier) -> None:
+    """``export_blocks(lend=seconds)`` (a UCX server sending from the arena): the rows
+    themselves, leased until released, where they run and the lease outlasts the send."""
+    from raykv.transport import Lent
+
+    rows, ks = data(), keys()
+    tier.transports = {OBJECT_STORE: Streaming(rows, chunk=4)}
+    assert asyncio.run(pulled(tier, ks)) == N
+    mt = tier.tiers["p"].tier
+    lent = asyncio.run(tier.export_blocks("p", ks[:6], lend=5.0))
+    assert isinstance(lent, Lent) and lent.count == 6
+    assert lent.sums == [list(row_checksums(rows[:6]))]
+    assert lent.rows.ctypes.data == mt.rows(0)[mt.row(0, 0)].data_ptr()  # no gather
+    assert torch.equal(torch.from_numpy(lent.rows[0]), rows[:6]) and mt.num_holds == 1
+    lent.release()
+    assert mt.num_holds == 0
+    # a send that may outlast the lease, or no lend asked: gathered, the lease ended at once
+    for seconds in (3600.0, 0.0):
+        n, got, sums = asyncio.run(tier.export_blocks("p", ks[:6], lend=seconds))
+        assert n == 6 and sums == lent.sums and mt.num_holds == 0
+        assert torch.equal(torch.from_numpy(got[0]), rows[:6])

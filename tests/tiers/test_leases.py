@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -347,3 +347,45 @@ class LeaseMachine(RuleBasedStateMachine):
 
 LeaseMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 test_lease_machine = LeaseMachine.TestCase
+
+
+# --- rows used in place by a transport --------------------------------------------------
+
+
+def test_hold_left_counts_down_to_the_deadline_and_is_zero_once_finished() -> None:
+    """A transport receives into reserved rows (or sends from leased ones) only while the
+    hold outlasts it: ``hold_left`` is what it asks."""
+    clock = Clock()
+    t = tier(4, clock)
+    r = t.prepare_store([b"a", b"b"])
+    clock.now = 3.0
+    assert t.hold_left(r) == pytest.approx(T - 3.0)
+    t.finish_store(r, ok=True)
+    assert t.hold_left(r) == 0.0
+    lease = t.prepare_load([b"a"])
+    assert t.hold_left(lease) == pytest.approx(T)
+    clock.now = 3.0 + T + 1
+    t.reclaim()
+    assert t.hold_left(lease) == 0.0  # reclaimed: nothing left to use
+    t.finish_load(lease)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(st.integers(-1, 12), max_size=8),
+    narrower=st.booleans(),
+    copy=st.integers(0, 1),
+)
+def test_run_view_covers_exactly_the_rows_named_or_none(rows, narrower, copy) -> None:
+    """``run_view`` (what a transport sends from or receives into in place) is a view of
+    exactly the named arena rows, in order, or None: never a byte of a row not named."""
+    t = CpuTier(make_plan("full", tp_size=2, cpu_blocks=6, factor=2))
+    n, row = t.arena.shape[1], t.arena.shape[2]
+    assert n == 12 and t.copies == 2
+    view = t.run_view(rows, row - 8 if narrower else row, copy)
+    run = bool(rows) and rows[0] >= 0 and rows == list(range(rows[0], rows[0] + len(rows)))
+    if not run or rows[-1] >= n or narrower:
+        assert view is None
+        return
+    assert view is not None and view.shape == (len(rows), row) and view.is_contiguous()
+    assert view.data_ptr() == t.arena[copy, rows[0]].data_ptr()

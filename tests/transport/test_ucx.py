@@ -112,6 +112,67 @@ def test_a_holder_s_prefix_ending_in_a_later_chunk_ends_the_batch_there(stripes)
             stop(p)
 
 
+@pytest.mark.parametrize("stripes", [1, 3])
+def test_rows_go_out_in_place_and_land_in_place_nowhere_else(stripes) -> None:
+    """A server that lends (a CPU tier) sends each chunk from the member's own rows, and
+    ends each lend once (after its rows are out); a reader that offers ``land`` receives
+    each chunk there, handed on viewing it. 36 of 64 keys held (the third chunk comes short,
+    padded with zeros), the first chunk not offered: no byte lands outside what was offered."""
+    from raykv.tiers.checksum import row_checksums
+    from raykv.transport import Lent
+    from raykv.transport.ucx_server import UcxServer
+
+    held, sentinel = 36, 0xAB
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randint(0, 256, (1, held, WIDTH), generator=g, dtype=torch.uint8)
+    sums = list(row_checksums(rows[0]))
+    lends, ends, asked = [], [], []
+
+    async def export(model: str, keys: list[bytes], out=None, lend: float = 0.0):
+        idx = [int.from_bytes(k, "little") for k in keys]
+        n = next((i for i, b in enumerate(idx) if b >= held), len(idx))
+        assert lend > 0 and idx[:n] == list(range(idx[0], idx[0] + n))
+        lends.append(n)
+        view = rows[:, idx[0] : idx[0] + n].numpy()
+        return Lent(n, view, [[sums[i] for i in idx[:n]]], lambda: ends.append(n))
+
+    dest = torch.full((BLOCKS, WIDTH), sentinel, dtype=torch.uint8)
+
+    def land(at: int, count: int, copies: int, width: int, seconds: float):
+        asked.append((at, count))
+        assert copies == 1 and width == WIDTH and seconds > 0
+        return None if at == 0 else dest[at : at + count].view(-1)
+
+    c = cfg(stripes=stripes, stripe_min_bytes=1, chunk_bytes=16 * WIDTH)
+    server = UcxServer(SECRET.encode(), export, host="127.0.0.1", config=c, lends=True)
+    ep = server.start()
+    t = UcxTransport(SECRET.encode(), c)
+
+    async def stream():
+        return [(b.count, b.rows.data_ptr(), b.rows.clone(), b.checksums)
+                async for b in t.stream("s", "m", KEYS, ep, land)]  # fmt: skip
+
+    try:
+        got = UcxRuntime.get("tcp").submit(stream()).result(60)
+        assert [n for n, *_ in got] == [8, 16, 12] and asked == [(0, 8), (8, 16), (24, 16)]
+        assert torch.equal(torch.cat([r[0] for _, _, r, _ in got]), rows[0])
+        assert got[0][1] != dest[0].data_ptr()  # not offered: received into staging
+        assert [p for _, p, _, _ in got[1:]] == [dest[8].data_ptr(), dest[24].data_ptr()]
+        assert torch.equal(dest[8:held], rows[0, 8:])  # landed in place
+        assert (dest[held:40] == 0).all()  # the short chunk's padding, in its offered rows
+        assert (dest[:8] == sentinel).all() and (dest[40:] == sentinel).all()
+        assert lends == [8, 16, 12]
+        deadline = time.monotonic() + 10
+        while sorted(ends) != sorted(lends):  # each lend ends once its rows are out
+            assert time.monotonic() < deadline, (lends, ends)
+            time.sleep(0.05)
+        b = fetch(t, {"raykv": ep}, KEYS[:held])  # no land: staging; the connections reused
+        assert b.count == held and torch.equal(b.rows, rows)
+    finally:
+        t.close()
+        server.stop()
+
+
 def test_a_peer_dying_mid_transfer_is_a_transport_error_in_bounded_time() -> None:
     # 64 MiB at >= 0.05 GB/s: the transfer may take ~2 s; the peer dies 50 ms into it
     p, where = peer("--blocks", "256", "--block-bytes", str(256 << 10), "--die-after-ms", "50")
