@@ -6,8 +6,10 @@ nodes over UCX, next to the raw baselines of the same bytes, in one run (``ucx_*
   raykv as a tier's pull does (``UcxTransport.stream`` read through ``receive``: request, then
   per chunk a header and rows striped over 1 or N endpoints into one staging buffer, each
   chunk verified and scattered into a local arena by one paged copy on the reader's own
-  loop while the next one is on the wire) and, on the same transport (``UCX_TLS``), the same
-  bytes as one contiguous buffer over one raw ucxx endpoint.
+  loop while the next one is on the wire); the same in place (``raykv_inplace_*``: blocks
+  whose rows run on both ends, as a tier pull's usually do: sent from the peer's arena,
+  received into the reader's rows, only verified there); and, on the same transport
+  (``UCX_TLS``), the same bytes as one contiguous buffer over one raw ucxx endpoint.
 * ``ucx_cluster`` (2-node local Ray cluster on 127.0.0.1): a CPU tier pulls the blocks
   another node's tier holds (``CpuTierActor.pull``: locate, fetch over UCX, verify, store
   with checksums, publish), next to a raw Ray put/get of the same bytes across the nodes.
@@ -63,7 +65,7 @@ def ucx_pair(
     import asyncio
 
     from raykv import ops
-    from raykv.bench.ucx_peer import block_rows, threads
+    from raykv.bench.ucx_peer import RUNS, block_rows, threads
     from raykv.transport.base import receive
     from raykv.transport.ucx import UcxTransport
     from raykv.transport.ucx_config import UcxConfig
@@ -103,16 +105,29 @@ def ucx_pair(
         async def scatter(at: int, rows: Any) -> None:
             ops.scatter_blocks(rows.rows[0], [local], dest[at : at + rows.count])
 
-        def through_raykv(t: UcxTransport) -> None:
-            got = loop.run_until_complete(receive(t.stream("peer", "m", keys, where["raykv"]),
-                                                  scatter))  # fmt: skip
+        runs = torch.zeros((blocks, block_bytes), dtype=torch.uint8)  # reserved rows, in order
+
+        def land(at: int, count: int, copies: int, width: int, seconds: float) -> Any:
+            return runs[at : at + count].view(-1) if copies == 1 else None
+
+        async def in_place(at: int, rows: Any) -> None:  # landed: nothing to copy
+            if rows.rows.data_ptr() != runs[at].data_ptr():
+                runs[at : at + rows.count] = rows.rows[0]
+
+        def through_raykv(t: UcxTransport, where_rows: bool = False) -> None:
+            stream = (t.stream("peer", RUNS, keys, where["raykv"], land) if where_rows
+                      else t.stream("peer", "m", keys, where["raykv"]))  # fmt: skip
+            got = loop.run_until_complete(receive(stream, in_place if where_rows else scatter))
             assert got.count == blocks, f"{blocks - got.count} blocks failed their checksums"
 
-        calls: dict[str, Callable[[], Any]] = {f"raykv_{k}": (lambda t=t: through_raykv(t))
-                                               for k, t in ts.items()}  # fmt: skip
+        calls: dict[str, Callable[[], Any]] = {}
+        for k, t in ts.items():
+            calls[f"raykv_{k}"] = lambda t=t: through_raykv(t)
+            calls[f"raykv_inplace_{k}"] = lambda t=t: through_raykv(t, where_rows=True)
         calls["raw_ucxx"] = raw.one
         times = _interleaved(calls, reps)
         assert torch.equal(local[dest], want[0]), "raykv moved wrong bytes"
+        assert torch.equal(runs, want[0]), "raykv moved wrong bytes in place"
         out: dict[str, Any] = {"tls": tls or "default", "blocks": blocks, "bytes": nbytes}
         out |= {k: _rate(nbytes, v) for k, v in times.items()}
         for t in ts.values():
@@ -274,8 +289,9 @@ def ucx_format(r: dict[str, Any], machine: str = "") -> str:
     def row(label: str, gbs: float) -> None:
         lines.append(f"{label:<46}{gbs:>7.3f}{gbs / raw:>12.2f}x{gbs / ray_:>15.2f}x")
 
-    for k in sorted(int(x.split("_")[1]) for x in p if x.startswith("raykv_")):
+    for k in sorted(int(x.split("_")[-1]) for x in p if x.startswith("raykv_inplace_")):
         row(f"raykv fetch+verify+scatter, {k} endpoint(s)", p[f"raykv_{k}"]["gb_per_s"])
+        row(f"  the same in place (rows that run), {k}", p[f"raykv_inplace_{k}"]["gb_per_s"])
     row(f"raykv CPU tier -> CPU tier pull ({c['stripes']} endpoints)", c["tier_pull"]["gb_per_s"])
     row("raw ucxx, one contiguous buffer, 1 endpoint", raw)
     row("raw Ray put/get across nodes", ray_)

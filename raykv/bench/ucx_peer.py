@@ -8,7 +8,9 @@ stdin closes. Used by ``raykv bench transport`` (``raykv.bench.transport_ucx.ucx
 two-host test in network namespaces, and by the peer-dies-mid-transfer test
 (``--die-after-ms``: the process exits that long after it starts sending a batch).
 Block ``i`` (key: ``i`` as 8 bytes, little endian) is row ``perm[i]`` of an arena twice as
-large, so a batch is gathered from scattered rows, as a tier's export is.
+large, so a batch is gathered from scattered rows, as a tier's export is. Model ``runs``
+serves the same blocks from an arena where they lie in order (a tier whose store went in
+order): its rows run, so they are lent and sent in place (``Lent``), as a tier's are.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import threading
 
 import numpy as np
 import torch
+
+RUNS = "runs"  # the model whose arena holds the blocks in order (its rows run)
 
 
 def arena(blocks: int, block_bytes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,6 +47,7 @@ async def serve(args: argparse.Namespace) -> None:
     import ucxx
 
     from raykv.tiers.checksum import row_checksums
+    from raykv.transport import Lent
     from raykv.transport.ucx_config import UcxConfig
     from raykv.transport.ucx_runtime import UcxRuntime
     from raykv.transport.ucx_server import UcxServer
@@ -54,11 +59,18 @@ async def serve(args: argparse.Namespace) -> None:
     config = UcxConfig(tls=args.tls, net_devices=args.net_devices, timeout_s=args.timeout_s)
     runtime = UcxRuntime.get(args.tls, args.net_devices)
 
+    in_order = rows[:, perm].contiguous()  # model ``runs``: block i is row i
+
     async def export(
-        model: str, keys: list[bytes], out: np.ndarray | None = None
-    ) -> tuple[int, np.ndarray, list[list[int]]]:
+        model: str, keys: list[bytes], out: np.ndarray | None = None, lend: float = 0.0
+    ) -> tuple[int, np.ndarray, list[list[int]]] | Lent:
         idx = [int.from_bytes(k, "little") for k in keys]
         n = next((i for i, b in enumerate(idx) if not 0 <= b < args.blocks), len(idx))
+        if model == RUNS and n and idx[:n] == list(range(idx[0], idx[0] + n)):
+            if args.die_after_ms:
+                threading.Timer(args.die_after_ms / 1000, os._exit, (3,)).start()
+            view = in_order[:, idx[0] : idx[0] + n].numpy()
+            return Lent(n, view, [[sums[i] for i in idx[:n]]], lambda: None)
         pick = perm[torch.tensor(idx[:n], dtype=torch.long)]
         need = n * rows.shape[2]
         dst = None
@@ -72,7 +84,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     secret = os.environ.get("RAYKV_TRANSPORT_SECRET", "").encode()
     # the export runs on this loop, as a tier's runs on its actor's loop (not on UCX's)
-    server = UcxServer(secret, export, host=args.host, config=config,
+    server = UcxServer(secret, export, host=args.host, config=config, lends=True,
                        owner_loop=asyncio.get_running_loop())  # fmt: skip
     server.start()
 
