@@ -418,13 +418,11 @@ class CpuTierActor(Member):
             width = mt.widths[key_group(keys[0])]
             picks = [tier.row(lease.blocks[e], s) for e, s in chosen]
             sums = [[lease.checksums[e][c][s] for e, s in chosen] for c in range(tier.copies)]
-            view = None
             if lend > 0 and tier.copies == 1 and tier.hold_left(lease) > lend:
                 view = tier.run_view(picks, width)
-            if view is not None:
-                released = lease  # the lease now ends with the send
+            if view is not None:  # the lease now ends with the send
                 return Lent(len(chosen), view.unsqueeze(0).numpy(), sums,
-                            lambda: tier.finish_load(released))  # fmt: skip
+                            lambda: tier.finish_load(lease))  # fmt: skip
             rows = tier.read([(lease.blocks[e], s) for e, s in chosen], width, out)
         finally:
             if view is None:

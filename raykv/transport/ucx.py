@@ -9,7 +9,8 @@ connections (connected and authenticated once, reused by every later fetch;
 (``chunk_bytes``, the source gathering the next while this one travels): per chunk one
 header on stripe 0 (count, shape and stored checksums), then its rows, cut into a few large
 byte ranges sent on the stripes in parallel (on a tag of their own) and received straight
-into the chunk's slice of one staging buffer, posted before the header arrives
+into the chunk's slice of one staging buffer (or, where the reader offers them through
+``land``, straight into the rows they are for), posted before the header arrives
 (``raykv.transport.ucx_wire``). No message per block, no round trip per block or chunk. The
 UCX loop receives (``_fetch``) and hands each chunk to the reader's loop as soon as it is in
 (``stream``), where the reader verifies it and writes it into its blocks

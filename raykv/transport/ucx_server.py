@@ -3,10 +3,14 @@
 The member hands in its ``export(model, keys)`` coroutine (the same one the object store
 transport calls: the leading keys it holds as one gathered buffer plus their stored
 checksums); the server runs it on the member's own event loop (``owner_loop``, a Ray actor's)
-and moves the buffer over UCX as ``raykv.transport.ucx_wire`` describes. Every connection is
-authenticated first (``raykv.transport.auth``, bounded by ``timeout_s``); a peer that fails
-(or whose hello is not raykv's) reads nothing, writes nothing, is logged and counted
-(``refused``, and ``on_refused`` on the owner's loop for its metrics).
+and moves the buffer over UCX as ``raykv.transport.ucx_wire`` describes. A member that
+``lends`` (a CPU tier) may answer with a ``Lent`` instead: its own rows, where they lie one
+after another, sent from where they are (no gather) and released once they are out.
+
+Every connection is authenticated first (``raykv.transport.auth``, bounded by
+``timeout_s``); a peer that fails (or whose hello is not raykv's) reads nothing, writes
+nothing, is logged and counted (``refused``, and ``on_refused`` on the owner's loop for its
+metrics).
 
 No listener. ucxx 0.52's sockaddr listener takes a port but no address and binds the
 wildcard address (every interface of the host). So the server listens on nothing: it
@@ -75,7 +79,7 @@ class UcxServer:
     ) -> None:
         self._secret = check_secret(secret)
         self.export = export
-        self.lends = lends  # export takes ``lend=True`` and may answer with a ``Lent``
+        self.lends = lends  # export takes ``lend=seconds`` and may answer with a ``Lent``
         self.host = host
         self.config = config or UcxConfig.from_env()
         self.owner_loop = owner_loop
@@ -365,9 +369,10 @@ class UcxServer:
                   for e, (a, b) in zip(eps, parts, strict=False)]  # fmt: skip
 
         async def sent() -> None:
+            together = asyncio.gather(*sends)
+            together.add_done_callback(_retrieved)  # its error is the one raised here
             try:
-                await asyncio.wait_for(asyncio.gather(*sends),
-                                       self.config.transfer_timeout(flat.nbytes))  # fmt: skip
+                await asyncio.wait_for(together, self.config.transfer_timeout(flat.nbytes))
             except BaseException:
                 for s in sends:
                     s.cancel()
@@ -383,6 +388,12 @@ def _peer_went(e: BaseException) -> bool:
     spoke nonsense), not from a fault of this server."""
     peer = (ConnectionError, TimeoutError, EOFError, ValueError, KeyError, TypeError)
     return type(e).__module__.startswith("ucxx") or isinstance(e, peer)
+
+
+def _retrieved(f: asyncio.Future) -> None:
+    """Mark a future's outcome seen (the error it ended with is handled where awaited)."""
+    if not f.cancelled():
+        f.exception()
 
 
 def _release_unsent(exported: asyncio.Future) -> None:

@@ -173,6 +173,48 @@ def test_rows_go_out_in_place_and_land_in_place_nowhere_else(stripes) -> None:
         server.stop()
 
 
+def test_a_reader_leaving_mid_batch_ends_every_lend() -> None:
+    """A reader that stops after the first chunk cuts the transfer: every chunk the server
+    lent (sent, on the wire, or exported and never sent) is released, none twice, none
+    left leased."""
+    from raykv.transport import Lent
+    from raykv.transport.ucx_server import UcxServer
+
+    rows = torch.zeros((1, BLOCKS, WIDTH), dtype=torch.uint8)
+    lends, ends = [], []
+
+    async def export(model: str, keys: list[bytes], out=None, lend: float = 0.0):
+        idx = [int.from_bytes(k, "little") for k in keys]
+        token = object()
+        lends.append(token)
+        await asyncio.sleep(0.01)  # the reader leaves while chunks are exported and sent
+        return Lent(len(idx), rows[:, idx[0] : idx[0] + len(idx)].numpy(),
+                    [[0] * len(idx)], lambda: ends.append(token))  # fmt: skip
+
+    # a send to a reader that left ends by its bounded timeout: 2 s here
+    c = cfg(stripes=2, stripe_min_bytes=1, chunk_bytes=8 * WIDTH, timeout_s=2.0)
+    server = UcxServer(SECRET.encode(), export, host="127.0.0.1", config=c, lends=True)
+    ep = server.start()
+    t = UcxTransport(SECRET.encode(), c)
+
+    async def first_only():
+        async for b in t.stream("s", "m", KEYS, ep):
+            return b.count
+
+    try:
+        assert UcxRuntime.get("tcp").submit(first_only()).result(60) == 8
+        deadline = time.monotonic() + 10
+        while len(ends) < len(lends) or not lends:
+            assert time.monotonic() < deadline, (len(lends), len(ends))
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert len(lends) < 8  # the batch was cut (64 keys would take 8 chunks or more)
+        assert sorted(map(id, ends)) == sorted(map(id, lends))  # each once
+    finally:
+        t.close()
+        server.stop()
+
+
 def test_a_peer_dying_mid_transfer_is_a_transport_error_in_bounded_time() -> None:
     # 64 MiB at >= 0.05 GB/s: the transfer may take ~2 s; the peer dies 50 ms into it
     p, where = peer("--blocks", "256", "--block-bytes", str(256 << 10), "--die-after-ms", "50")
