@@ -60,8 +60,9 @@ Sink = Callable[[int, BlockBatch], Awaitable[None]]
 # of a fetch may be received in place: a contiguous uint8 CPU tensor of ``copies * count *
 # width`` bytes (the sink's own destination rows, laid out as they travel), or None (they
 # are received into a buffer of the transport's). ``seconds``: how long the transport may
-# still write there (its receive ends or is aborted by then); the rows are handed to the
-# sink unverified, as any chunk, viewing that buffer.
+# still write there (its receive ends or is aborted by then; and once the stream has ended,
+# exhausted or closed, it writes nothing more there); the rows are handed to the sink
+# unverified, as any chunk, viewing that buffer.
 Land = Callable[[int, int, int, int, float], Any]
 
 

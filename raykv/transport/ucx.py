@@ -26,6 +26,7 @@ out, so nothing half-received is ever read.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import secrets
@@ -156,7 +157,9 @@ class UcxTransport:
     ) -> AsyncIterator[BlockBatch]:
         """The caller's side: chunks the UCX loop hands over, in order. Leaving early (the
         caller stopped, or was cancelled) cancels the transfer there, which drops the
-        connections (the server is mid-batch); the next fetch reconnects."""
+        connections (the server is mid-batch); the next fetch reconnects. Where rows may land
+        in the caller's own rows (``land``), leaving waits until the connections are gone
+        (``timeout_s`` at most): a receive still posted could write there until then."""
         loop = asyncio.get_running_loop()
         handed: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -164,17 +167,27 @@ class UcxTransport:
             with contextlib.suppress(RuntimeError):  # the reader's loop is gone: nobody reads
                 loop.call_soon_threadsafe(handed.put_nowait, item)
 
-        task = self.runtime.submit(self._fetch(source, where, model, keys, hand, land))
+        ended: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        async def start() -> asyncio.Task:
+            # the fetch's own task: leaving cancels it and waits for its real end (a cancelled
+            # ``submit`` future is done at once, before the task it runs has ended)
+            task = asyncio.ensure_future(self._fetch(source, where, model, keys, hand, land))
+            task.add_done_callback(lambda _: ended.done() or ended.set_result(None))
+            return task
+
+        task = await asyncio.wrap_future(self.runtime.submit(start()))
         try:
             while (item := await handed.get()) is not _END:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
         finally:
-            if not task.done():  # the reader left early: cut the transfer, wait (briefly) for it
-                task.cancel()
+            if not ended.done():  # the reader left early: cut the transfer, wait for it
+                self.runtime.loop.call_soon_threadsafe(task.cancel)
+                limit = 2 * BYE_TIMEOUT_S if land is None else self.config.timeout_s
                 with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(asyncio.wrap_future(task), 2 * BYE_TIMEOUT_S)
+                    await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(ended)), limit)
 
     # --- on the UCX loop -------------------------------------------------------------------
 
@@ -321,10 +334,11 @@ class UcxTransport:
     ) -> torch.Tensor:
         """Where the rows of keys ``got .. got + count`` are received: the reader's own rows
         where ``land`` offers them (for as long as the receive may write: its transfer
-        timeout, then the endpoints' abort), else their slice of ``staging`` (from ``at``)."""
+        timeout, then the connections' bye and abort), else their slice of ``staging``
+        (from ``at``)."""
         nbytes = count * copies * width
         if land is not None:
-            seconds = self.config.transfer_timeout(nbytes) + 2 * BYE_TIMEOUT_S
+            seconds = self.config.transfer_timeout(nbytes) + self.config.timeout_s
             dest = land(got, count, copies, width, seconds)
             if dest is not None:
                 if dest.dtype != torch.uint8 or dest.numel() != nbytes or not dest.is_contiguous():

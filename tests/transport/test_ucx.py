@@ -5,6 +5,7 @@ handed out); two hosts in network namespaces joined by a veth pair; nothing list
 non-loopback address (no sockaddr listener: worker-address endpoints, ``UCX_NET_DEVICES=lo``)."""
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -210,6 +211,46 @@ def test_a_reader_leaving_mid_batch_ends_every_lend() -> None:
         time.sleep(0.2)
         assert len(lends) < 8  # the batch was cut (64 keys would take 8 chunks or more)
         assert sorted(map(id, ends)) == sorted(map(id, lends))  # each once
+    finally:
+        t.close()
+        server.stop()
+
+
+def test_a_reader_that_offered_its_rows_leaves_once_no_receive_can_write_them(monkeypatch):
+    """Rows may land in the reader's own rows: a reader that leaves mid-batch returns only
+    once its connections are gone (a receive still posted could write there until then),
+    even when dropping them is slow; one that offered nothing leaves after a short wait."""
+    from raykv.transport.ucx_server import UcxServer
+
+    rows = torch.zeros((1, BLOCKS, WIDTH), dtype=torch.uint8)
+
+    async def export(model: str, keys: list[bytes], out=None):
+        return len(keys), rows[:, : len(keys)].numpy().copy(), [[0] * len(keys)]
+
+    slow_bye = UcxTransport._bye
+
+    async def bye(self, peer) -> None:  # a slow teardown: 3 s before the abort
+        await asyncio.sleep(3.0)
+        await slow_bye(self, peer)
+
+    monkeypatch.setattr(UcxTransport, "_bye", bye)
+    c = cfg(stripes=2, stripe_min_bytes=1, chunk_bytes=8 * WIDTH)
+    server = UcxServer(SECRET.encode(), export, host="127.0.0.1", config=c)
+    ep = server.start()
+    t = UcxTransport(SECRET.encode(), c)
+    dest = torch.empty((BLOCKS, WIDTH), dtype=torch.uint8)
+
+    async def leave_after_one(land) -> bool:
+        async with contextlib.aclosing(t.stream("s", "m", KEYS, ep, land)) as chunks:
+            async for _ in chunks:
+                peer = next(iter(t._peers.values()))
+                break
+        return all(e.closed for e in peer.eps)
+
+    try:
+        run = UcxRuntime.get("tcp").submit
+        assert run(leave_after_one(lambda at, n, c, w, s: dest[at : at + n].view(-1))).result(60)
+        assert not run(leave_after_one(None)).result(60)  # offered nothing: left after 1 s
     finally:
         t.close()
         server.stop()
