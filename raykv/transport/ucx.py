@@ -200,8 +200,8 @@ class UcxTransport:
         hand: Callable,
         land: Land | None = None,
     ) -> None:
-        """Receive the batch's chunks into one staging buffer, ``hand`` each on (then
-        ``_END``, or the error that ended the fetch)."""
+        """Receive the batch's chunks (into one staging buffer, or where ``land`` offers),
+        ``hand`` each on (then ``_END``, or the error that ended the fetch)."""
         try:
             peer = await self._locked(source, where)
             try:
@@ -258,8 +258,8 @@ class UcxTransport:
         }
         await asyncio.wait_for(send_msg(ep, req), cfg.timeout_s)
         staging, at, got, row, copies, width = None, 0, 0, 0, 0, 0
-        # rows posted ahead of their header: (landed, keys, bytes, parts, where they land)
-        posted: tuple[asyncio.Future, int, int, int, torch.Tensor] | None = None
+        # rows posted ahead of their header: (landed, keys, parts, where they land)
+        posted: tuple[asyncio.Future, int, int, torch.Tensor] | None = None
         flight: deque[tuple[asyncio.Future, BlockBatch | None]] = deque()  # rows, in order
         head: asyncio.Future | None = asyncio.ensure_future(recv_msg(ep))
         try:
@@ -278,9 +278,8 @@ class UcxTransport:
                         staging = peer.take(len(keys) * row)
                         peer.staging = staging.numpy()
                         dest = self._into(land, staging, at, got, n, copies, width)
-                        posted = (self._post_rows(peer, dest.numpy(), parts), n, dest.numel(),
-                                  parts, dest)  # fmt: skip
-                    rows, want, nbytes, cut, dest = posted
+                        posted = (self._post_rows(peer, dest.numpy(), parts), n, parts, dest)
+                    rows, want, cut, dest = posted
                     posted = None
                     if n > want or (n and shape[0] * shape[2] != row):
                         raise TransportError(
@@ -296,7 +295,7 @@ class UcxTransport:
                         chunk = dest[: n * row].view(shape)
                         batch = BlockBatch(n, chunk, tuple(tuple(c) for c in sums))
                     flight.append((rows, batch))
-                    at, got = at + nbytes, got + n
+                    at, got = at + dest.numel(), got + n
                     if msg.get("more") and n == want:  # the next chunk's receives, now
                         head = asyncio.ensure_future(recv_msg(ep))
                         size = next_chunk(len(keys) - got, n, max(1, cfg.chunk_bytes // row))
@@ -304,8 +303,7 @@ class UcxTransport:
                             raise TransportError("the UCX peer offered more rows than asked")
                         dest = self._into(land, staging, at, got, size, copies, width)
                         cut = len(cuts(dest.numel(), stripes, min_part))
-                        posted = (self._post_rows(peer, dest.numpy(), cut), size, dest.numel(),
-                                  cut, dest)  # fmt: skip
+                        posted = (self._post_rows(peer, dest.numpy(), cut), size, cut, dest)
                     continue
                 rows, chunk = flight[0]  # the oldest chunk's rows, or the next header
                 await asyncio.wait([rows] if head is None else [rows, head],

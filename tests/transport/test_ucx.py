@@ -225,6 +225,8 @@ def test_a_reader_that_offered_its_rows_leaves_once_no_receive_can_write_them(mo
     rows = torch.zeros((1, BLOCKS, WIDTH), dtype=torch.uint8)
 
     async def export(model: str, keys: list[bytes], out=None):
+        if keys[0] != KEYS[0]:  # the holder stalls after the first chunk: the reader leaves
+            await asyncio.sleep(30)  # with the next chunk's receives posted
         return len(keys), rows[:, : len(keys)].numpy().copy(), [[0] * len(keys)]
 
     slow_bye = UcxTransport._bye
