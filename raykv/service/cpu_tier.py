@@ -416,14 +416,14 @@ class CpuTierActor(Member):
         tier, view = mt.tier, None
         try:
             width = mt.widths[key_group(keys[0])]
-            picks = [tier.row(lease.blocks[e], s) for e, s in chosen]
+            picks = [(lease.blocks[e], s) for e, s in chosen]
             sums = [[lease.checksums[e][c][s] for e, s in chosen] for c in range(tier.copies)]
             if lend > 0 and tier.copies == 1 and tier.hold_left(lease) > lend:
-                view = tier.run_view(picks, width)
+                view = tier.run_view([tier.row(b, s) for b, s in picks], width)
             if view is not None:  # the lease now ends with the send
                 return Lent(len(chosen), view.unsqueeze(0).numpy(), sums,
                             lambda: tier.finish_load(lease))  # fmt: skip
-            rows = tier.read([(lease.blocks[e], s) for e, s in chosen], width, out)
+            rows = tier.read(picks, width, out)
         finally:
             if view is None:
                 tier.finish_load(lease)
