@@ -109,7 +109,7 @@ async def serve(args: argparse.Namespace) -> None:
         serve.raw_task = asyncio.ensure_future(raw())  # kept alive
 
     await asyncio.wrap_future(runtime.submit(accept()))
-    raw_where = [args.host, server.address.hex(), raw_tag]
+    raw_where = [args.host, server.addresses[0].hex(), raw_tag]
     print(json.dumps({"raykv": list(server.endpoint), "raw": raw_where}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until closed
 

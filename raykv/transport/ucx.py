@@ -1,8 +1,10 @@
 """``UcxTransport``: fetch a batch of blocks from another member's UCX server (ucxx).
 
 A member that serves UCX runs a ``UcxServer`` (``raykv.transport.ucx_server``) and advertises
-``{"ucx": (host, worker address hex, hello tag)}`` in ``Member.endpoints``; a reader fetches
-from it here, connecting by worker address (no sockaddr listener anywhere:
+``{"ucx": (host, [worker address hex, ...], hello tag)}`` in ``Member.endpoints``; a reader
+fetches from it here, connecting by worker address (stripe ``i`` from this process's worker
+``i`` to the server's worker ``i``: each worker has its own progress thread, so the stripes
+move in parallel, ``raykv.transport.ucx_runtime``) (no sockaddr listener anywhere:
 ``raykv.transport.ucx_wire``). Per peer the reader keeps ``stripes`` authenticated
 connections (connected and authenticated once, reused by every later fetch;
 ``raykv.transport.auth``). A fetch is one request on stripe 0, then the batch in chunks
@@ -63,10 +65,10 @@ _END = object()  # the last item a fetch hands its reader
 
 
 class Where(NamedTuple):
-    """A UCX server: its host (for logs), worker address and hello tag."""
+    """A UCX server: its host (for logs), its workers' addresses and hello tag."""
 
     host: str
-    address: bytes
+    addresses: tuple[bytes, ...]
     tag: int
 
 
@@ -113,7 +115,6 @@ class UcxTransport:
         self.counts: Counter[str] = Counter()  # refused (servers that failed auth), batches
         self._peers: dict[Where, _Peer] = {}
         self._connecting: dict[Where, asyncio.Lock] = {}
-        self._address = b""  # this process's worker address (sent in every hello)
 
     def stream(
         self,
@@ -123,19 +124,23 @@ class UcxTransport:
         endpoint: Any = None,
         land: Land | None = None,
     ) -> AsyncIterator[BlockBatch]:
-        """The leading ``keys`` that ``source`` (serving at ``endpoint`` = (host, worker
-        address hex, hello tag)) holds, chunk by chunk as they arrive (not verified); the next
+        """The leading ``keys`` that ``source`` (serving at ``endpoint`` = (host, [worker
+        address hex, ...], hello tag)) holds, chunk by chunk as they arrive (not verified); the next
         chunk is received (on the UCX loop) while the caller handles this one, in place where
         ``land`` offers the rows' destination (``raykv.transport.base.Land``; asked on the UCX
         loop). TransportError if it cannot be reached, refuses us or fails mid-transfer."""
         if not endpoint:
             raise TransportError(f"{source} advertised no UCX endpoint; it serves no UCX")
         try:
-            where = Where(str(endpoint[0]), bytes.fromhex(str(endpoint[1])), int(endpoint[2]))
+            addresses = endpoint[1]
+            if isinstance(addresses, str | bytes) or not addresses:
+                raise TypeError("not a list of worker addresses")
+            where = Where(str(endpoint[0]), tuple(bytes.fromhex(str(a)) for a in addresses),
+                          int(endpoint[2]))  # fmt: skip
         except (IndexError, TypeError, ValueError):
             raise TransportError(
                 f"{source} advertised a UCX endpoint raykv cannot read ({str(endpoint)[:80]}); "
-                "is it an older raykv (host, port)? upgrade every node"
+                "is it an older raykv? upgrade every node to the same version"
             ) from None
         return self._stream(source, where, model, list(keys), land)
 
@@ -382,8 +387,6 @@ class UcxTransport:
                 return peer
             if peer is not None:
                 await self._drop(key, peer)
-            if not self._address:
-                self._address = await self.runtime.worker_address()
             client = secrets.token_hex(8)
             # stripe 0 first: a peer that refuses us is asked (and counts us) once
             first = await self._open(source, key, client, 0)
@@ -401,16 +404,21 @@ class UcxTransport:
             return peer
 
     async def _open(self, source: str, where: Where, client: str, stripe: int) -> Conn:
-        """One authenticated connection: hello (our worker address, our receive tag), the
-        server's receive tag back, the handshake, then this connection's stripe."""
+        """One authenticated connection, from our worker ``stripe`` to the server's (of as many
+        as it runs): hello (our worker's address, our receive tag), the server's receive tag
+        back, the handshake, then this connection's stripe."""
         import ucxx
 
         t, ep = self.config.timeout_s, None
         try:
-            address = ucxx.get_ucx_address_from_buffer(where.address)
-            ep = await asyncio.wait_for(ucxx.create_endpoint_from_worker_address(address), t)
+            worker = await self.runtime.worker(stripe)
+            mine = bytes(worker.worker_address.tobytes())
+            address = ucxx.get_ucx_address_from_buffer(
+                where.addresses[stripe % len(where.addresses)]
+            )
+            ep = await asyncio.wait_for(worker.create_endpoint_from_worker_address(address), t)
             conn = Conn(ep, send_tag=where.tag, recv_tag=new_tag())
-            await asyncio.wait_for(send_frame(conn, hello_frame(self._address, conn.recv_tag)), t)
+            await asyncio.wait_for(send_frame(conn, hello_frame(mine, conn.recv_tag)), t)
             conn.send_tag = int.from_bytes(await asyncio.wait_for(recv_frame(conn, 8), t), "little")
         except Exception as e:
             if ep is not None:

@@ -14,10 +14,13 @@ metrics).
 
 No listener. ucxx 0.52's sockaddr listener takes a port but no address and binds the
 wildcard address (every interface of the host). So the server listens on nothing: it
-advertises its UCX worker address and a hello tag (``endpoint``: ``(host, address hex,
-tag)``, ``host`` only for logs), and receives hellos on its worker (``ucxx.recv`` on that
-tag); a reader connects by worker address. The only sockets are UCX's transport sockets,
-which bind the addresses of ``UCX_NET_DEVICES`` (``RAYKV_UCX_NET_DEVICES``).
+advertises the addresses of its UCX workers and a hello tag (``endpoint``: ``(host, [address
+hex per worker], tag)``, ``host`` only for logs), and receives hellos on each worker (on that
+tag); a reader connects by worker address, its stripe ``i`` to worker ``i`` (of as many as the
+server runs: ``stripes``, each with its own progress thread, ``raykv.transport.ucx_runtime``),
+and the server answers each connection from the worker its hello came to. The only sockets
+are UCX's transport sockets, which bind the addresses of ``UCX_NET_DEVICES``
+(``RAYKV_UCX_NET_DEVICES``).
 """
 
 from __future__ import annotations
@@ -85,10 +88,10 @@ class UcxServer:
         self.owner_loop = owner_loop
         self.on_refused = on_refused
         self.runtime = UcxRuntime.get(self.config.tls, self.config.net_devices)
-        self.address = b""  # this process's UCX worker address
+        self.addresses: list[bytes] = []  # this process's UCX workers' addresses, served
         self.tag = 0  # the tag hellos arrive on
         self.counts: Counter[str] = Counter()
-        self._accepting: asyncio.Task | None = None
+        self._accepting: list[asyncio.Task] = []  # one hello receive per worker
         self._tasks: set[asyncio.Task] = set()
         self._eps: dict[tuple[str, int], Conn] = {}  # (client id, stripe) -> connection
         self._ids = itertools.count()
@@ -96,24 +99,27 @@ class UcxServer:
 
     @property
     def endpoint(self) -> tuple[str, str, int]:
-        """What a reader needs: (host, for logs; worker address, hex; hello tag)."""
-        return (self.host, self.address.hex(), self.tag)
+        """What a reader needs: (host, for logs; its workers' addresses, hex; hello tag)."""
+        return (self.host, [a.hex() for a in self.addresses], self.tag)
 
     def start(self) -> tuple[str, str, int]:
-        """Accept hellos (on the worker); returns the endpoint to advertise."""
-        if self._accepting is None:
+        """Accept hellos (on every worker); returns the endpoint to advertise."""
+        if not self._accepting:
             self.runtime.submit(self._listen()).result(START_TIMEOUT_S)
         return self.endpoint
 
     async def _listen(self) -> None:
-        self.address, self.tag = await self.runtime.worker_address(), new_tag()
-        self._accepting = asyncio.ensure_future(self._accept())
+        self.tag = new_tag()
+        for i in range(self.config.stripes):
+            worker = await self.runtime.worker(i)
+            self.addresses.append(bytes(worker.worker_address.tobytes()))
+            self._accepting.append(asyncio.ensure_future(self._accept(worker)))
 
     def stop(self) -> None:
         async def close() -> None:
-            if self._accepting is not None:
-                self._accepting.cancel()
-                self._accepting = None
+            for task in self._accepting:
+                task.cancel()
+            self._accepting = []
             for task in list(self._tasks):
                 task.cancel()
             for conn in list(self._eps.values()):
@@ -131,31 +137,30 @@ class UcxServer:
 
     # --- one connection -------------------------------------------------------------------
 
-    async def _accept(self) -> None:
-        """Receive hellos on the worker, one connection each, until stopped."""
-        import ucxx
-
+    async def _accept(self, worker: Any) -> None:
+        """Receive hellos on ``worker``, one connection each, until stopped."""
         while True:
             buf = np.empty(MAX_HELLO, np.uint8)
             try:
-                await ucxx.recv(buf, self.tag)
+                await worker.recv(buf, self.tag)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a message larger than any hello: not a raykv peer
                 self._refuse(next(self._ids), e)
                 await asyncio.sleep(0.01)  # never a busy loop, whatever arrives
                 continue
-            task = asyncio.ensure_future(self._handle(buf.tobytes()))
+            task = asyncio.ensure_future(self._handle(buf.tobytes(), worker))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _connect(self, hello: bytes) -> Conn:
-        """The reply connection to the client that sent ``hello``."""
+    async def _connect(self, hello: bytes, worker: Any) -> Conn:
+        """The reply connection to the client that sent ``hello`` (to ``worker``), from
+        ``worker``: the client's sends on this connection arrive there."""
         import ucxx
 
         client_tag, address = parse_hello(hello)
         ep = await asyncio.wait_for(
-            ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(address)),
+            worker.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(address)),
             self.config.timeout_s,
         )
         recv_tag = new_tag()
@@ -164,7 +169,7 @@ class UcxServer:
             recv_tag = new_tag()
         return Conn(ep, send_tag=client_tag, recv_tag=recv_tag)
 
-    async def _handle(self, hello: bytes) -> None:
+    async def _handle(self, hello: bytes, worker: Any) -> None:
         conn_id = next(self._ids)
         t = self.config.timeout_s
         conn: Conn | None = None
@@ -176,7 +181,7 @@ class UcxServer:
             return await recv_frame(conn, n)
 
         try:
-            conn = await self._connect(hello)
+            conn = await self._connect(hello, worker)
             await asyncio.wait_for(send_frame(conn, conn.recv_tag.to_bytes(8, "little")), t)
             await asyncio.wait_for(serve_handshake(self._secret, send, recv), t)
         except Exception as e:  # wrong secret, no secret (silence, garbage), a dead peer

@@ -21,6 +21,7 @@ from raykv.service.groups import group_keys
 from raykv.service.spec import NAMESPACE, tier_name
 from raykv.tiers import shm
 from raykv.tiers.checksum import row_checksums
+from raykv.transport.ucx_config import UcxConfig
 
 RAY_WORKERS = 1
 BS = 16
@@ -90,8 +91,10 @@ def stored(ray_cluster, n: int, seed: int):
 def test_members_advertise_ucx_and_a_load_routes_over_it(ray_cluster) -> None:
     _, ids, data, _ = stored(ray_cluster, 6, 1)
     eps = snap(ray_cluster.head)["transports"]
-    host, address, tag = eps["ucx"]  # a worker address and hello tag, not a port
-    assert host == "127.0.0.1" and bytes.fromhex(address) and tag > 0, eps
+    host, addresses, tag = eps["ucx"]  # worker addresses (one per stripe) and a hello tag
+    assert host == "127.0.0.1" and tag > 0, eps
+    assert len(addresses) == len(set(addresses)) == UcxConfig.from_env().stripes, eps
+    assert all(bytes.fromhex(a) for a in addresses), eps
     b = ray_cluster.kv.on(ray_cluster.ids[0])
     assert b.admit("q", len(ids), ids)
     tq = b.allocate("q", len(ids), ids)[0]
@@ -157,7 +160,7 @@ def test_peers_without_the_secret_are_refused_and_counted(ray_cluster) -> None:
 
     async def silent() -> None:  # says hello, then nothing: the handshake times out
         e = await ucxx.create_endpoint_from_worker_address(
-            ucxx.get_ucx_address_from_buffer(bytes.fromhex(ep[1]))
+            ucxx.get_ucx_address_from_buffer(bytes.fromhex(ep[1][0]))
         )
         hello = hello_frame(ucxx.get_worker_address().tobytes(), new_tag())
         await e.send(np.frombuffer(hello, np.uint8), tag=ep[2], force_tag=True)

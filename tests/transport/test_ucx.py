@@ -424,6 +424,48 @@ def test_a_server_gathers_into_buffers_it_reuses_once_their_rows_are_out() -> No
         server.stop()
 
 
+@pytest.mark.parametrize(("served", "read"), [(2, 3), (3, 2)])
+def test_each_stripe_runs_on_a_ucx_worker_of_its_own_on_both_sides(served, read) -> None:
+    """A server runs ``stripes`` UCX workers (each its own progress thread: one worker's
+    socket copies run on one core) and advertises each one's address; a reader's stripe
+    ``i`` goes from its worker ``i`` to the server's worker ``i`` modulo how many the server
+    runs, and the server answers from the worker the hello came to. Either side may run more
+    stripes than the other; the rows arrive whole either way."""
+    from raykv.tiers.checksum import row_checksums
+    from raykv.transport.ucx_server import UcxServer
+
+    g = torch.Generator().manual_seed(11)
+    rows = torch.randint(0, 256, (1, 40, 4096), generator=g, dtype=torch.uint8)
+    sums = list(row_checksums(rows[0]))
+
+    async def export(model: str, keys: list[bytes], out=None):
+        idx = [int.from_bytes(k, "little") for k in keys]
+        return len(idx), rows[:, idx].numpy().copy(), [[sums[i] for i in idx]]
+
+    rt = UcxRuntime.get("tcp")
+    server = UcxServer(SECRET.encode(), export, host="127.0.0.1",
+                       config=cfg(stripes=served, stripe_min_bytes=1))  # fmt: skip
+    ep = server.start()
+    t = UcxTransport(SECRET.encode(), cfg(stripes=read, stripe_min_bytes=1, chunk_bytes=8 * 4096))
+    try:
+        assert len(ep[1]) == len(set(ep[1])) == served
+        b = rt.submit(t.fetch("s", "m", KEYS[:40], ep)).result(60)
+        assert b.count == 40 and verify(b) == 40 and torch.equal(b.rows, rows)
+
+        async def handles() -> list[int]:
+            return [(await rt.worker(i)).worker.handle for i in range(max(served, read))]
+
+        workers = rt.submit(handles()).result(10)
+        (peer,) = t._peers.values()
+        assert [c.ep.ucp_worker for c in peer.eps] == workers[:read]
+        conns = sorted(server._eps.items())
+        assert [i for (_, i), _ in conns] == list(range(read))
+        assert [c.ep.ucp_worker for _, c in conns] == [workers[i % served] for i in range(read)]
+    finally:
+        t.close()
+        server.stop()
+
+
 def _listening(pid: int) -> list[tuple[str, int]]:
     import psutil
 
@@ -488,7 +530,7 @@ def test_wrong_secret_and_garbage_hellos_are_refused_and_counted() -> None:
         assert wrong.counts["refused"] == 1
 
         async def garbage() -> None:  # not a raykv hello: refused before any reply
-            addr = ucxx.get_ucx_address_from_buffer(bytes.fromhex(ep[1]))
+            addr = ucxx.get_ucx_address_from_buffer(bytes.fromhex(ep[1][0]))
             e = await ucxx.create_endpoint_from_worker_address(addr)
             await e.send(np.frombuffer(b"GET / HTTP/1.1\r\n" * 4, np.uint8), tag=ep[2],
                          force_tag=True)  # fmt: skip
