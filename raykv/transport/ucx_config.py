@@ -8,7 +8,9 @@ chart and ``raykv up`` hand to every Ray node).
   raykv's UCX context, e.g. ``lo`` (tests: every UCX socket binds 127.0.0.1), ``eth0``,
   ``mlx5_0:1``. UCX binds its sockets to these devices' addresses only (raykv runs no
   sockaddr listener, so nothing binds the wildcard address).
-* ``RAYKV_UCX_STRIPES`` (4): endpoints per peer; a large batch is striped over them.
+* ``RAYKV_UCX_STRIPES`` (4): endpoints per peer; a large batch is striped over them. Each
+  runs on a UCX worker of its own at both ends (``UcxRuntime.worker``: a progress thread
+  each), so a process runs this many UCX workers.
 * ``RAYKV_UCX_STRIPE_MIN_BYTES`` (4 MiB): batches smaller than this use one endpoint.
 * ``RAYKV_UCX_CHUNK_BYTES`` (16 MiB): a batch is exported and sent in chunks of about this
   size, the next chunk gathered while the previous one is on the wire.
