@@ -54,6 +54,18 @@ def test_settings_come_from_the_environment() -> None:
         UcxConfig.from_env({"RAYKV_UCX_STRIPES": "0"})
 
 
+@pytest.mark.parametrize(("cores", "stripes"), [(1, 1), (2, 1), (7, 1), (8, 2), (12, 3),
+                                                (16, 4), (128, 4)])  # fmt: skip
+def test_stripes_default_to_one_per_4_cores_up_to_4(monkeypatch, cores, stripes) -> None:
+    """Each stripe runs a UCX worker (a progress thread making its socket copies) at each
+    end: one per 4 cores the process may run on, 1 to 4, unless RAYKV_UCX_STRIPES says."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert UcxConfig.from_env({}).stripes == UcxConfig().stripes == stripes
+    assert UcxConfig.from_env({"RAYKV_UCX_STRIPES": "3"}).stripes == 3
+
+
 def test_stripes_cut_a_buffer_into_few_large_aligned_ranges() -> None:
     for nbytes in (0, 1, 4095, 4096, 10**6, 128 << 20):
         for parts in (1, 3, 4, 8):
