@@ -41,7 +41,6 @@ import importlib.util
 import logging
 import os
 import threading
-import weakref
 from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
 
@@ -81,6 +80,7 @@ class UcxRuntime:
         self.tls, self.net_devices = tls, net_devices
         self._options: dict[str, str] = {}
         self._workers: list[Any] = []  # ucxx ApplicationContexts; [0] is ucxx's global one
+        self._progress: list[Any] = []  # the progress threads of workers 1.. (kept alive)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="raykv-ucx", daemon=True)
         self._thread.start()
@@ -128,13 +128,15 @@ class UcxRuntime:
         ``create_endpoint_from_worker_address``, ``recv``), created on first use with the
         process's options. Call on the UCX loop."""
         from ucxx._lib_async import ApplicationContext
+        from ucxx._lib_async.continuous_ucx_progress import ThreadMode
 
         while len(self._workers) <= i:
             ctx = ApplicationContext(self._options, progress_mode="thread",
                                      enable_python_future=True)  # fmt: skip
-            # ucxx progresses only a loop's first context; this one gets a thread of its own
-            ctx.worker.start_progress_thread(polling_mode=False, epoll_timeout=1)
-            weakref.finalize(ctx, ctx.worker.stop_progress_thread)
+            # ucxx progresses only a loop's first context (worker 0's); this one gets its
+            # progress thread the way ucxx starts that one (same start callback; stopped when
+            # the object goes, i.e. at exit: it is kept here)
+            self._progress.append(ThreadMode(ctx.worker, self.loop, polling_mode=False))
             self._workers.append(ctx)
         return self._workers[i]
 
