@@ -2,10 +2,10 @@
 
 A member that serves UCX runs a ``UcxServer`` (``raykv.transport.ucx_server``) and advertises
 ``{"ucx": (host, [worker address hex, ...], hello tag)}`` in ``Member.endpoints``; a reader
-fetches from it here, connecting by worker address (stripe ``i`` from this process's worker
-``i`` to the server's worker ``i``: each worker has its own progress thread, so the stripes
-move in parallel, ``raykv.transport.ucx_runtime``) (no sockaddr listener anywhere:
-``raykv.transport.ucx_wire``). Per peer the reader keeps ``stripes`` authenticated
+fetches from it here, connecting by worker address (no sockaddr listener anywhere:
+``raykv.transport.ucx_wire``), stripe ``i`` from this process's worker ``i`` to the server's
+worker ``i`` (each worker has its own progress thread, so the stripes move in parallel:
+``raykv.transport.ucx_runtime``). Per peer the reader keeps ``stripes`` authenticated
 connections (connected and authenticated once, reused by every later fetch;
 ``raykv.transport.auth``). A fetch is one request on stripe 0, then the batch in chunks
 (``chunk_bytes``, the source gathering the next while this one travels): per chunk one
@@ -412,7 +412,7 @@ class UcxTransport:
         t, ep = self.config.timeout_s, None
         try:
             worker = await self.runtime.worker(stripe)
-            mine = bytes(worker.worker_address.tobytes())
+            mine = await self.runtime.worker_address(stripe)
             address = ucxx.get_ucx_address_from_buffer(
                 where.addresses[stripe % len(where.addresses)]
             )

@@ -68,9 +68,9 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 30.0
 # chunks whose rows may be on the wire while the next one is exported: with the stripes on
 # workers of their own a 16 MiB chunk crosses in ~2 ms, about what a chunk's round of
-# header, receives posted and send completion takes (16-core H100, tcp, 512 x 256 KiB: 3 in
-# flight with whole chunks to the end 0.82 x raw ucxx scattered, 1.13-1.23 x in place;
-# 2 in flight, chunks halved at the end, 0.64-0.67 x and 0.91-0.97 x)
+# header, receives posted and send completion takes (16-core H100, tcp, 512 x 256 KiB,
+# chunks whole to the end, ``next_chunk``: 3 in flight 0.82 x raw ucxx scattered and
+# 1.13-1.23 x in place, 2 in flight 0.73-0.80 x and 1.00-1.19 x)
 CHUNKS_IN_FLIGHT = 3
 
 
@@ -104,21 +104,21 @@ class UcxServer:
         self._spare: list[np.ndarray] = []  # gather buffers whose rows went out
 
     @property
-    def endpoint(self) -> tuple[str, str, int]:
+    def endpoint(self) -> tuple[str, list[str], int]:
         """What a reader needs: (host, for logs; its workers' addresses, hex; hello tag)."""
         return (self.host, [a.hex() for a in self.addresses], self.tag)
 
-    def start(self) -> tuple[str, str, int]:
+    def start(self) -> tuple[str, list[str], int]:
         """Accept hellos (on every worker); returns the endpoint to advertise."""
         if not self._accepting:
             self.runtime.submit(self._listen()).result(START_TIMEOUT_S)
         return self.endpoint
 
     async def _listen(self) -> None:
-        self.tag = new_tag()
+        self.tag, self.addresses = new_tag(), []
         for i in range(self.config.stripes):
+            self.addresses.append(await self.runtime.worker_address(i))
             worker = await self.runtime.worker(i)
-            self.addresses.append(bytes(worker.worker_address.tobytes()))
             self._accepting.append(asyncio.ensure_future(self._accept(worker)))
 
     def stop(self) -> None:
@@ -289,9 +289,9 @@ class UcxServer:
         rows, striped. Once a chunk's header and rows are posted on the wire, the next chunk
         is gathered (on the owner's loop) while they travel, and its header and rows follow
         as soon as it is (``CHUNKS_IN_FLIGHT`` chunks on the wire at most). A chunk after
-        the first is sent
-        at the size the reader expects (``ucx_wire``: it posted its receives before the
-        header); one that comes back short ends the batch (the holder's prefix ends there)."""
+        the first is sent at the size the reader expects (``ucx_wire``: it posted its
+        receives before the header); one that comes back short ends the batch (the holder's
+        prefix ends there)."""
         t = self.config.timeout_s
         try:
             model, keys = str(req["model"]), [bytes.fromhex(k) for k in req["keys"]]

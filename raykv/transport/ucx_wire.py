@@ -175,10 +175,10 @@ def next_chunk(remaining: int, prev: int, most: int) -> int:
     first (the wire starts early, and each gather overlaps a chunk half its size on the
     wire) and stay at ``most`` to the end. Not halved towards the end: each chunk costs
     ~1-2 ms from post to done whatever its size (header, then its receives posted), and the
-    reader verifies a chunk on its hashing threads in well under that; 512 x 256 KiB, 16-core
-    H100, tcp, 4 workers each side, halved (chunks of 36, 18, 9, 9 keys at the end) against
-    not, with 3 chunks on the wire: in place 0.91-0.97 x raw ucxx against 1.13-1.23 x,
-    scattered 0.64-0.67 x against 0.82 x."""
+    reader verifies a chunk on its hashing threads in well under that. 512 x 256 KiB, 16-core
+    H100, tcp, 4 workers each side, 2 chunks on the wire, halved (36, 18, 9, 9 keys at the
+    end) against whole: in place 0.91-0.97 x raw ucxx against 1.00-1.19 x, scattered
+    0.64-0.67 x against 0.73-0.80 x (3 on the wire and whole: 1.13-1.23 x and 0.82 x)."""
     if remaining <= 2 * FIRST_CHUNK_KEYS:
         return max(0, remaining)
     return max(1, min(2 * prev, most, remaining))
