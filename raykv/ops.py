@@ -468,9 +468,11 @@ def scatter_blocks(
     count)`` is called BEFORE each chunk's copy is queued (a pipeline makes the copy wait for
     that chunk's arrival there). ``check(lo, hi)`` (optional, not with sums or chunks) is
     called on the rows ``src[lo:hi]`` before any of them is written and returns how many of
-    them (from ``lo``) may be: the copy stops at the first row refused, so a caller can verify
-    rows as they go (on the host, span by span, while each span is in cache; elsewhere all
-    rows first). Returns the rows written.
+    them (from ``lo``) may be, so a caller can verify rows as they go (on the host, span by
+    span on each host thread, each span right before that thread copies it, while it is in
+    cache: ``check`` must be thread-safe; elsewhere all rows first). A row refused is never
+    written; rows after it may have been (on the host, by other threads: only rows ``check``
+    passed). Returns the rows before the first refused one (all rows: none was).
     """
     mode = _mode(mode, "scatter_blocks")
     entries = list(entries)

@@ -5,8 +5,9 @@ nodes over UCX, next to the raw baselines of the same bytes, in one run (``ucx_*
   scattered blocks (``raykv.bench.ucx_peer``); this process fetches 512 of them through
   raykv as a tier's pull does (``UcxTransport.stream`` read through ``receive``: request, then
   per chunk a header and rows striped over 1 or N endpoints into one staging buffer, each
-  chunk verified and scattered into a local arena by one paged copy on the reader's own
-  loop while the next one is on the wire); the same in place (``raykv_inplace_*``: blocks
+  chunk scattered into a local arena by one paged copy on the reader's own loop, each span
+  verified on the copying thread right before it is written, while the next one is on the
+  wire); the same in place (``raykv_inplace_*``: blocks
   whose rows run on both ends, as a tier pull's usually do: sent from the peer's arena,
   received into the reader's rows, only verified there); and, on the same transport
   (``UCX_TLS``), the same bytes as one contiguous buffer over one raw ucxx endpoint.
@@ -102,8 +103,12 @@ def ucx_pair(
 
         loop = asyncio.new_event_loop()  # the reader's loop (a tier actor's), not UCX's
 
-        async def scatter(at: int, rows: Any) -> None:
-            ops.scatter_blocks(rows.rows[0], [local], dest[at : at + rows.count])
+        async def scatter(at: int, rows: Any, check: Any) -> None:  # as a tier's pull writes
+            ops.scatter_blocks(rows.rows[0], [local], dest[at : at + rows.count],
+                               check=check.span(0))  # fmt: skip
+
+        async def verified(at: int, rows: Any) -> None:  # written (and checked) already
+            pass
 
         runs = torch.zeros((blocks, block_bytes), dtype=torch.uint8)  # reserved rows, in order
 
@@ -117,7 +122,9 @@ def ucx_pair(
         def through_raykv(t: UcxTransport, where_rows: bool = False) -> None:
             stream = (t.stream("peer", RUNS, keys, where["raykv"], land) if where_rows
                       else t.stream("peer", "m", keys, where["raykv"]))  # fmt: skip
-            got = loop.run_until_complete(receive(stream, in_place if where_rows else scatter))
+            fetch = receive(stream, in_place) if where_rows else (
+                receive(stream, verified, write=scatter))  # fmt: skip
+            got = loop.run_until_complete(fetch)
             assert got.count == blocks, f"{blocks - got.count} blocks failed their checksums"
 
         calls: dict[str, Callable[[], Any]] = {}

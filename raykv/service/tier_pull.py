@@ -6,12 +6,13 @@ the pair's transport is chosen as for any reader: UCX between two nodes' tiers w
 it). Entries for the keys somebody holds are reserved up front in this tier's arena (WRITING:
 nobody reads them, nothing evicts them); the blocks are then fetched through the same
 ``raykv.transport.fetch_over`` a GPU pool's load uses (the chosen transport, then the object
-store), chunk by chunk: each chunk is verified as it arrives (``raykv.transport.receive``:
-the fetch is cut at its first bad row, which is dropped at the source and counted) and its
-verified rows are written straight into their reserved rows (``_ArenaWriter``: one paged copy
-per run of rows, from the received buffer) while the next chunk is on the wire; over UCX,
-rows whose reserved rows are one run are received there in place (``_ArenaWriter.land``:
-no staging buffer, no copy), and are only verified there. After the
+store), chunk by chunk: each chunk's rows are written straight into their reserved rows
+(``_ArenaWriter.write``: one paged copy per run of rows, from the received buffer, each span
+verified on the copying thread right before it is written, ``raykv.transport.RowCheck``)
+while the next chunk is on the wire, and only its verified rows count
+(``raykv.transport.receive``: the fetch is cut at its first bad row, which is dropped at the
+source and counted); over UCX, rows whose reserved rows are one run are received there in
+place (``_ArenaWriter.land``: no staging buffer, no copy), and are only verified there. After the
 last chunk, the entries whose every row was written are stored with the checksums they were
 verified against and published (the pull answers once they are stored here; the coordinator
 learns of them in the background, in order); every other reserved entry is released, so a
@@ -37,7 +38,7 @@ from raykv.errors import InvalidInput, TransportError
 from raykv.service.groups import key_group
 from raykv.service.index import CPU
 from raykv.service.spec import COORDINATOR, NAMESPACE
-from raykv.transport import FALLBACK, BlockBatch, fetch_over
+from raykv.transport import FALLBACK, BlockBatch, RowCheck, fetch_over
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,12 @@ async def _fill(tier: Any, model: str, want: list[bytes], where: list, writer: A
         while run < len(want) and any(c.member == loc.member for c in where[run]):
             run += 1
 
-        async def sink(at: int, rows: BlockBatch, i: int = i, source: str = loc.member) -> None:
-            writer.write(i + at, rows, source)
+        async def write(at: int, rows: BlockBatch, check: RowCheck, i: int = i,
+                        source: str = loc.member) -> None:  # fmt: skip
+            writer.write(i + at, rows, check, source)
+
+        async def sink(at: int, rows: BlockBatch, i: int = i) -> None:
+            writer.commit(i + at, rows)
 
         def land(at: int, *rest: Any, i: int = i) -> torch.Tensor | None:
             return writer.land(i + at, *rest)
@@ -123,7 +128,7 @@ async def _fill(tier: Any, model: str, want: list[bytes], where: list, writer: A
         try:
             got = await fetch_over(
                 tier.transports, loc.transport, loc.member, model, want[i:run], sink,
-                loc.endpoint, _fell_back(tier, loc.member), land,
+                loc.endpoint, _fell_back(tier, loc.member), land, write,
             )  # fmt: skip
         except (ray.exceptions.RayActorError, TransportError, ValueError) as e:
             # what arrived before it failed stays (verified); the rest from the next copy
@@ -143,9 +148,9 @@ async def _fill(tier: Any, model: str, want: list[bytes], where: list, writer: A
 
 
 class _ArenaWriter:
-    """The sink of a pull: verified rows, in key order, into the rows reserved for them
-    (``res``; keys of entries stored already are skipped), and the ``finish_store`` calls
-    that store the entries it filled and release the rest."""
+    """Where a pull's rows go: in key order into the rows reserved for them (``res``; keys
+    of entries stored already are skipped; ``write``), counted once verified (``commit``),
+    and the ``finish_store`` calls that store the entries it filled and release the rest."""
 
     def __init__(self, mt: Any, want: list[bytes], res: Any) -> None:
         self.mt, self.res = mt, res
@@ -179,9 +184,11 @@ class _ArenaWriter:
             return None
         return view
 
-    def write(self, at: int, rows: BlockBatch, source: str) -> None:
-        """Rows ``at .. at + rows.count`` of the pull, verified: into their arena rows (rows
-        received in place, ``land``, are there already)."""
+    def write(self, at: int, rows: BlockBatch, check: RowCheck, source: str) -> None:
+        """Rows ``at .. at + rows.count`` of the pull, not verified yet, into their arena rows
+        (rows received in place, ``land``, are there already), each span passed by ``check``
+        on the copying thread right before it is written; the copy ends at the first row
+        refused. None is readable before ``commit`` and ``finish``."""
         if at != self.filled:
             raise TransportError(f"{source} sent rows from {at}, expected {self.filled}")
         if not self.mt.tier.current(self.res):  # a pull past the lease timeout: rows not ours
@@ -191,13 +198,21 @@ class _ArenaWriter:
             raise ValueError(f"{source} sent rows {list(rows.rows.shape)}, this plan's are "
                              f"[{self.copies}, n, {self.width}]")  # fmt: skip
         for first, dests in _runs(self.dest[at : at + rows.count]):
-            ids = torch.tensor(dests, dtype=torch.long)
-            for c in range(self.copies):
+            ids, n = torch.tensor(dests, dtype=torch.long), len(dests)
+            for c in range(self.copies):  # every copy of a row refused in one stays unwritten
                 src = rows.rows[c, first : first + len(dests)]
                 if _in_place(src, self.mt.tier.run_view(dests, self.width, c)):
                     continue
                 arena = self.mt.tier.rows(c)[:, : self.width]
-                ops.scatter_blocks(src, [arena], ids)
+                n = ops.scatter_blocks(src[:n], [arena], ids[:n], check=check.span(c, first))
+            if n < len(dests):
+                return
+
+    def commit(self, at: int, rows: BlockBatch) -> None:
+        """Rows ``at .. at + rows.count`` of the pull, verified (``receive``): written, their
+        checksums kept for the store."""
+        if at != self.filled:
+            raise TransportError(f"rows from {at} verified, expected {self.filled}")
         self.sums += [tuple(c[j] for c in rows.checksums) for j in range(rows.count)]
         self.filled += rows.count
         self._moved += rows.nbytes

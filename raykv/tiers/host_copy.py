@@ -9,9 +9,10 @@ threads, the caller's and the checksum thread (``raykv.tiers.checksum.in_backgro
 * a store copies chunk by chunk and hashes chunk i on the checksum thread while it copies
   chunk i + 1 (``store_chunks``): only the last chunk's hashing is left after the copy;
 * a load keeps ``raykv.ops.scatter_blocks``' span-by-span ``check`` (nothing of a key that
-  fails its checksum is written, nor anything after it, invariant 12) and ``VerifyAhead``
-  answers it: every chunk is verified on the checksum thread ahead of the copy, and a span
-  waits only for the chunks it reaches; only the first chunk's verification is not hidden.
+  fails its checksum is written; keys after it count as not loaded, whatever of them the
+  copy's other threads wrote: invariant 12) and ``VerifyAhead`` answers it: every chunk is
+  verified on the checksum thread ahead of the copy, and a span waits only for the chunks it
+  reaches; only the first chunk's verification is not hidden.
 
 Chunks double from ``FIRST_CHUNK_BYTES`` to ``CHUNK_BYTES`` on key boundaries, laid out so
 that the small one is the exposed end (a load's first, a store's last, ``key_chunks``). Each
@@ -22,6 +23,7 @@ staging buffer's fresh pages and its landing cost more than the copy itself.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
@@ -111,8 +113,9 @@ class VerifyAhead:
     (whole keys) on the checksum thread from the start (on the caller's thread when there is
     one chunk: no hand-over for a small load). ``check(lo, hi)`` waits for the chunks that
     start before ``hi`` (so the key of row ``hi - 1`` is verified whole) and allows the rows
-    before the first failure. ``bad``: that failure's position, once found. ``close`` (always
-    call it) waits for verification still running, so none outlives the caller's lease."""
+    before the first failure (thread-safe: the copy's host threads call it, a span each).
+    ``bad``: that failure's position, once found. ``close`` (always call it) waits for
+    verification still running, so none outlives the caller's lease."""
 
     def __init__(
         self, chunks: Sequence[tuple[int, int]], verify: Callable[[int, int], int | None]
@@ -122,16 +125,18 @@ class VerifyAhead:
             [in_background(verify, a, b) for a, b in self._chunks] if len(self._chunks) > 1 else []
         )
         self._waited = 0  # chunks whose verification came back
+        self._lock = threading.Lock()
         self.bad: int | None = None
 
     def __call__(self, lo: int, hi: int) -> int:
-        while self.bad is None and self._waited < len(self._chunks):
-            a, b = self._chunks[self._waited]
-            if a >= hi:
-                break
-            fut = self._futures[self._waited] if self._futures else None
-            self.bad = fut.result() if fut is not None else self._verify(a, b)
-            self._waited += 1
+        with self._lock:  # chunks are waited for in order, whichever thread asks
+            while self.bad is None and self._waited < len(self._chunks):
+                a, b = self._chunks[self._waited]
+                if a >= hi:
+                    break
+                fut = self._futures[self._waited] if self._futures else None
+                self.bad = fut.result() if fut is not None else self._verify(a, b)
+                self._waited += 1
         if self.bad is not None and self.bad < hi:
             return max(self.bad - lo, 0)
         return hi - lo

@@ -8,11 +8,16 @@ next blocks, every block's bytes for every distinct TP copy in ONE contiguous ui
 ``[copies, count, row_bytes]`` (never one message per block) plus the checksum each row had
 when it was stored (xxh3-64, ``raykv.tiers.checksum``). The chunks are not verified yet.
 
-A reader takes them through ``receive``: each chunk is verified (``verify_soon``, invariant 12)
+A reader takes them through ``receive``: each chunk is verified (``RowCheck``, invariant 12)
 while the transport brings in the next one, and only its verified leading rows reach the
 reader's ``sink`` (``sink(position of its first row, rows)``), which writes them where they
-belong (a tier's reserved arena entries, a pool's blocks). The first bad row ends the fetch:
-it and everything after it are misses, counted as an error by the reader, never wrong KV.
+belong (a tier's reserved arena entries, a pool's blocks) or makes them readable there. A
+reader whose rows land in host memory may pass ``write`` too: it copies the chunk's rows to
+where they belong before they are verified, each span checked on the copying thread right
+before it is written (hashed while it is in cache, not read from memory twice); ``receive``
+verifies whatever it did not, and hands the sink only the rows that passed. The first bad
+row ends the fetch: it and everything after it are misses, counted as an error by the
+reader, never wrong KV.
 ``collect`` is the buffer-returning fetch (the whole batch as one ``BlockBatch``, not
 verified) built on the same stream.
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -56,6 +62,13 @@ class BlockBatch:
 
 
 Sink = Callable[[int, BlockBatch], Awaitable[None]]
+# write(position, rows, check): a reader's copy of a chunk's rows (unverified) to where they
+# belong, each span passed by ``check.span(c)`` (TP copy c) right before it is written
+# (``raykv.ops.scatter_blocks(check=...)``): a row refused is never written; rows it skips
+# (received in place already) ``receive`` verifies after. What it writes must stay unreadable
+# until the sink is handed those rows (a tier's reserved entries, never readable before
+# they are stored).
+Write = Callable[[int, BlockBatch, "RowCheck"], Awaitable[None]]
 # land(position, count, copies, width, seconds): where rows ``position .. position + count``
 # of a fetch may be received in place: a contiguous uint8 CPU tensor of ``copies * count *
 # width`` bytes (the sink's own destination rows, laid out as they travel), or None (they
@@ -109,18 +122,25 @@ class Fetched:
 
 
 async def receive(
-    chunks: AsyncIterator[BlockBatch], sink: Sink, done: Fetched | None = None
+    chunks: AsyncIterator[BlockBatch],
+    sink: Sink,
+    done: Fetched | None = None,
+    write: Write | None = None,
 ) -> Fetched:
-    """Verify each chunk of ``chunks`` as it arrives (on the hashing threads, ``verify_soon``:
-    the loop stays free for the transport meanwhile) and hand its verified leading rows to
-    ``sink(position, rows)`` (positions count from ``done.count``) before the next chunk is
-    taken; stop at the first bad row (``corrupt``). ``done`` is updated as rows reach the
-    sink, so a caller that sees this raise knows how far it got. The stream is closed on the
-    way out, whatever happens."""
+    """Verify each chunk of ``chunks`` as it arrives (as ``write`` copies it, where given, and
+    the rows it did not check on the hashing threads, ``RowCheck.rest``: the loop stays free
+    for the transport meanwhile) and hand its verified leading rows to ``sink(position,
+    rows)`` (positions count from ``done.count``) before the next chunk is taken; stop at the
+    first bad row (``corrupt``). ``done`` is updated as rows reach the sink, so a caller that
+    sees this raise knows how far it got. The stream is closed on the way out, whatever
+    happens."""
     done = done if done is not None else Fetched()
     async with contextlib.aclosing(chunks) as it:  # type: ignore[type-var]
         async for chunk in it:
-            good = await verify_soon(chunk)
+            check = RowCheck(chunk)
+            if write is not None:
+                await write(done.count, chunk, check)
+            good = await check.rest()
             if good:
                 part = chunk if good == chunk.count else chunk.head(good)
                 await sink(done.count, part)
@@ -177,30 +197,63 @@ def export_rows(rows: torch.Tensor) -> np.ndarray:
     return rows.detach().cpu().contiguous().numpy()
 
 
-VERIFY_PIECE_BYTES = 4 << 20  # a chunk is verified in pieces of about this size, side by side
+VERIFY_PIECE_BYTES = 4 << 20  # rows left to verify are hashed in pieces of about this size
 
 
-async def verify_soon(batch: BlockBatch) -> int:
-    """``verify(batch)`` on the process's hashing threads (``in_parallel``; xxh3 releases the
-    GIL), its rows cut into pieces of about ``VERIFY_PIECE_BYTES`` hashed side by side, the
-    awaiting loop free meanwhile. (Measured on a 16-core host: one thread on the reader's loop
-    verified a 16 MiB chunk in 2-5 ms while a UCX fetch ran, as long as the reader then took
-    to write it.)"""
-    width = max(1, batch.rows.shape[2] if batch.rows.dim() == 3 else 1)
-    step = max(1, VERIFY_PIECE_BYTES // width)
-    pieces = [
-        (c, a, min(a + step, batch.count))
-        for c in range(len(batch.checksums))
-        for a in range(0, batch.count, step)
-    ]
-    rows, sums = batch.rows, batch.checksums
-    found = await asyncio.gather(
-        *(asyncio.wrap_future(in_parallel(verified_prefix, rows[c, a:b], sums[c][a:b]))
-          for c, a, b in pieces)
-    )  # fmt: skip
-    # the first bad row of any copy ends the batch's good prefix
-    bad = [a + n for (_, a, b), n in zip(pieces, found, strict=True) if n < b - a]
-    return min([batch.count, *bad])
+class RowCheck:
+    """Which rows of one received chunk match the checksums they were stored with, found as
+    they are checked: by a reader's copy, span by span on its threads (``span(c)``: the
+    ``check`` of ``raykv.ops.scatter_blocks`` for TP copy ``c``, thread-safe), then by
+    ``rest`` for every row left. ``passed``: the leading rows that matched in every copy."""
+
+    def __init__(self, batch: BlockBatch) -> None:
+        self.batch = batch
+        self._ok = np.zeros((len(batch.checksums), batch.count), dtype=bool)
+        self._bad = batch.count  # the first row that failed, in any copy
+        self._lock = threading.Lock()
+
+    def span(self, c: int, first: int = 0) -> Callable[[int, int], int]:
+        """``check(lo, hi)`` of TP copy ``c``'s rows from ``first`` on (a copy of some of the
+        chunk's rows): how many leading rows of ``first + lo .. first + hi`` match."""
+        return lambda lo, hi: self._check(c, first + lo, first + hi)
+
+    def _check(self, c: int, lo: int, hi: int) -> int:
+        n = verified_prefix(self.batch.rows[c, lo:hi], self.batch.checksums[c][lo:hi])
+        self._ok[c, lo : lo + n] = True
+        if lo + n < hi:
+            with self._lock:
+                self._bad = min(self._bad, lo + n)
+        return n
+
+    @property
+    def passed(self) -> int:
+        every = self._ok.all(axis=0)
+        return int(every.argmin()) if not every.all() else self.batch.count
+
+    async def rest(self) -> int:
+        """Check every row not checked yet before the first one that failed, on the process's
+        hashing threads (``in_parallel``; xxh3 releases the GIL), in pieces of about
+        ``VERIFY_PIECE_BYTES`` side by side, the awaiting loop free meanwhile; returns
+        ``passed``. (Measured on a 16-core host: one thread on the reader's loop verified a
+        16 MiB chunk in 2-5 ms while a UCX fetch ran, as long as the reader then took to
+        write it.)"""
+        width = max(1, self.batch.rows.shape[2] if self.batch.rows.dim() == 3 else 1)
+        step = max(1, VERIFY_PIECE_BYTES // width)
+        pieces = [(c, a, min(a + step, b))
+                  for c in range(self._ok.shape[0])
+                  for a0, b in _unset(self._ok[c, : self._bad])
+                  for a in range(a0, b, step)]  # fmt: skip
+        if pieces:
+            await asyncio.gather(
+                *(asyncio.wrap_future(in_parallel(self._check, c, a, b)) for c, a, b in pieces)
+            )
+        return self.passed
+
+
+def _unset(ok: np.ndarray) -> list[tuple[int, int]]:
+    """The runs ``[a, b)`` of False in a bool vector."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([True], ok, [True])).astype(np.int8)))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
 
 
 def verify(batch: BlockBatch) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from raykv.errors import TransportError
-from raykv.transport.base import Fetched, Land, Sink, Transport, receive
+from raykv.transport.base import Fetched, Land, Sink, Transport, Write, receive
 from raykv.transport.select import FALLBACK
 
 
@@ -28,21 +28,23 @@ async def fetch_over(
     endpoint: Any = None,
     on_fallback: Callable[[str, TransportError], None] | None = None,
     land: Land | None = None,
+    write: Write | None = None,
 ) -> Fetched:
     """The leading ``keys`` ``source`` holds, verified chunk by chunk into ``sink(position in
     keys, rows)``, over ``transports[name]`` (the fallback if this reader has no such
     transport); if it fails, the rest once more over the fallback (``on_fallback(name,
     error)`` is told, to log and count it). Raises what the last try raised; rows that
     reached the sink before stay there (verified). ``land`` (``Land``): where the first
-    transport may receive rows in place; the fallback receives into its own buffers."""
+    transport may receive rows in place; the fallback receives into its own buffers.
+    ``write`` (``Write``): the reader's copy of each chunk, checked as it goes."""
     fallback = transports[FALLBACK]
     t = transports.get(name, fallback)
     done = Fetched()
     try:
-        return await receive(t.stream(source, model, keys, endpoint, land), sink, done)
+        return await receive(t.stream(source, model, keys, endpoint, land), sink, done, write)
     except TransportError as e:
         if t is fallback:
             raise
         if on_fallback is not None:
             on_fallback(t.name, e)
-    return await receive(fallback.stream(source, model, keys[done.count :]), sink, done)
+    return await receive(fallback.stream(source, model, keys[done.count :]), sink, done, write)

@@ -94,8 +94,10 @@ layouts = st.fixed_dictionaries(
 @FAST
 @given(case=layouts, data=st.data())
 def test_split_host_copies_move_the_oracle_bytes(case, data):
-    """Gather, scatter and a checked scatter that stops at a refused row, with the host copy
-    cut into pieces of a few rows on several threads: the bytes of one plain copy."""
+    """Gather, scatter and a checked scatter, with the host copy cut into pieces of a few rows
+    on several threads (each checking its own spans): the bytes of one plain copy; a checked
+    scatter counts the rows before the first refused one, never writes a refused row, and
+    writes nothing but the source's rows."""
     gen = torch.Generator().manual_seed(case["seed"])
     entries, _ = kv_entries(
         case["kind"], case["num_blocks"], 16, DTYPES[case["dtype"]], case["layers"], gen
@@ -103,12 +105,15 @@ def test_split_host_copies_move_the_oracle_bytes(case, data):
     width = row_bytes(entries)
     ids = data.draw(st.permutations(range(case["num_blocks"])))
     ids = ids[: data.draw(st.integers(1, len(ids)))]
-    refuse = data.draw(st.integers(0, len(ids)))
+    refused = data.draw(st.sets(st.integers(0, len(ids) - 1), max_size=3))  # rows that fail
+    refuse = min(refused, default=len(ids))
+    span = data.draw(st.integers(1, 3))  # rows per checked span
     env = {"RAYKV_HASH_THREADS": str(case["threads"])}
     piece = case["piece_rows"] * width
     with (
         mock.patch.dict(os.environ, env),
         mock.patch.object(ops_reference, "PARALLEL_PIECE_BYTES", piece),
+        mock.patch.object(ops_reference, "CHECK_SPAN_BYTES", span * width),
     ):
         rows = torch.empty((len(ids), width), dtype=torch.uint8)
         gather_blocks(entries, torch.tensor(ids), rows)
@@ -116,10 +121,16 @@ def test_split_host_copies_move_the_oracle_bytes(case, data):
         src = torch.randint(0, 256, rows.shape, dtype=torch.uint8, generator=gen)
         before = oracle_rows(entries, list(range(case["num_blocks"])))
         written = scatter_blocks(
-            src, entries, torch.tensor(ids), check=lambda lo, hi: max(0, min(hi, refuse) - lo)
+            src,
+            entries,
+            torch.tensor(ids),
+            check=lambda lo, hi: next((r for r in range(lo, hi) if r in refused), hi) - lo,
         )
     assert written == refuse
     assert oracle_rows(entries, ids[:refuse]) == [bytes(r.numpy()) for r in src[:refuse]]
     after = oracle_rows(entries, list(range(case["num_blocks"])))
-    kept = [b for b in range(case["num_blocks"]) if b not in ids[:refuse]]
+    for i, b in enumerate(ids):  # a refused row is never written; a later one may be
+        sent = bytes(src[i].numpy())
+        assert after[b] == before[b] if i in refused else after[b] in (before[b], sent)
+    kept = [b for b in range(case["num_blocks"]) if b not in ids]
     assert [after[b] for b in kept] == [before[b] for b in kept]

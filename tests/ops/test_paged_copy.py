@@ -188,8 +188,9 @@ def test_runs_up_and_down_move_the_oracle_bytes(case, data):
 @FAST
 @given(case=layouts, data=st.data())
 def test_scatter_check_sees_rows_before_they_are_written_and_stops_at_a_refusal(case, data):
-    """``check(lo, hi)`` runs before rows lo..hi reach any block; the copy ends at the first
-    row it refuses: earlier rows are written, that row and every later one are not."""
+    """``check(lo, hi)`` runs before rows lo..hi reach any block; a copy on one thread ends at
+    the first row it refuses: earlier rows are written, that row and every later one are not
+    (several threads: ``test_host_threads``)."""
     from raykv import ops_reference
 
     case = case | {"num_blocks": data.draw(st.integers(2, 24))}

@@ -232,9 +232,9 @@ def copies(monkeypatch) -> list:
     made: list = []
     real = tier_pull.ops.scatter_blocks
 
-    def counted(src, dsts, ids):
+    def counted(src, dsts, ids, **kw):
         made.append(len(ids))
-        return real(src, dsts, ids)
+        return real(src, dsts, ids, **kw)
 
     monkeypatch.setattr(tier_pull.ops, "scatter_blocks", counted)
     return made
@@ -302,3 +302,48 @@ def test_a_tier_lends_its_rows_in_place_leased_until_released(tier) -> None:
         n, got, sums = asyncio.run(tier.export_blocks("p", ks[:6], lend=seconds))
         assert n == 6 and sums == lent.sums and mt.num_holds == 0
         assert torch.equal(torch.from_numpy(got[0]), rows[:6])
+
+
+class TwoCopies(Streaming):
+    """Streams rows of two TP copies (``rows``: ``[2, n, width]``); ``corrupt``: (copy, row)."""
+
+    async def stream(self, source, model, keys, endpoint=None, land=None):
+        idx = [int.from_bytes(k[4:], "little") for k in keys]
+        for at in range(0, len(idx), self.chunk):
+            part = self.rows[:, idx[at : at + self.chunk]].clone()
+            sums = tuple(row_checksums(part[c]) for c in range(2))
+            for j, i in enumerate(idx[at : at + self.chunk]):
+                if self.corrupt is not None and i == self.corrupt[1]:
+                    part[self.corrupt[0], j, 5] ^= 0xFF
+            self.sent += 1
+            yield BlockBatch(part.shape[1], part, sums)
+
+
+@pytest.mark.parametrize("bad_copy", [0, 1])
+def test_a_row_corrupt_in_one_tp_copy_keeps_entries_whole_in_every_copy(monkeypatch, bad_copy):
+    """Heads split over two ranks: a tier entry holds both TP copies. A row corrupt in either
+    copy mid-chunk ends the pull there: the entries before it are stored with both copies'
+    rows as sent (each span checked as it is copied, copy by copy), none after it."""
+    layers = {"l0": FullAttention(dtype="float32", num_kv_heads=2, head_dim=16)}
+    model = ServedModel("p", layers, max_model_len=14 * BS, pool_bytes=16 * ROW, tp_size=2,
+                        cpu_bytes=32 * ROW, offload_block_size=2 * BS)  # fmt: skip
+    plan = model.plan(model.pool_bytes)
+    t = CpuTierActor("this-node", {"p": plan})
+    t.coord = Coordinator()
+    monkeypatch.setattr(ray, "get_actor", lambda *a, **k: t.coord)
+    mt = t.tiers["p"]
+    assert mt.tier.copies == 2
+    width, ks = mt.widths[0], keys()
+    g = torch.Generator().manual_seed(4)
+    rows = torch.randint(0, 256, (2, N, width), generator=g, dtype=torch.uint8)
+    t.transports = {OBJECT_STORE: TwoCopies(rows, chunk=8, corrupt=(bad_copy, 5))}
+    assert asyncio.run(pulled(t, ks)) == 4  # entries 0, 1; entry 2 (rows 4, 5) is not
+    assert held(t, ks) == ks[:4] and t.transports[OBJECT_STORE].source.dropped == [ks[5]]
+    lease = mt.tier.prepare_load([ks[1], ks[3]])
+    try:
+        for c in range(2):
+            got = [mt.tier.rows(c)[mt.tier.row(b, s), :width] for b in lease.blocks for s in (0, 1)]
+            assert torch.equal(torch.stack(got), rows[c, :4])
+    finally:
+        mt.tier.finish_load(lease)
+    assert used(t) == 2

@@ -3,6 +3,7 @@ leading blocks whose every copy matches its stored checksum."""
 
 import asyncio
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from unittest import mock
 
 import pytest
@@ -41,7 +42,54 @@ def test_verify_keeps_the_prefix_before_the_first_corrupt_row(copies, n, flips) 
     # the threaded check (pieces of 1 to 5 rows, side by side) finds the same prefix
     for rows_per_piece in range(1, 6):
         with mock.patch.object(base, "VERIFY_PIECE_BYTES", rows_per_piece * 64):
-            assert asyncio.run(base.verify_soon(b)) == want
+            assert asyncio.run(base.RowCheck(b).rest()) == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    copies=st.integers(1, 3),
+    n=st.integers(1, 16),
+    flips=st.sets(st.tuples(st.integers(0, 2), st.integers(0, 15)), max_size=3),
+    data=st.data(),
+)
+def test_receive_with_a_write_hands_on_only_rows_checked_and_intact(copies, n, flips, data):
+    """A reader's ``write`` copies the chunk's rows, checking the spans it copies (any spans,
+    any order, on several threads) and skipping others (rows landed in place); ``receive``
+    checks every row it skipped, and the sink gets exactly the rows before the first corrupt
+    one: never a row that failed, whoever checked it."""
+    b = _batch(copies, n, 3)
+    bad = {i for c, i in flips if c < copies and i < n}
+    for c, i in flips:
+        if c < copies and i < n:
+            b.rows[c, i, 5] ^= 0x10
+    want = min(bad, default=n)
+    inner = data.draw(st.sets(st.integers(1, n - 1), max_size=4)) if n > 1 else set()
+    cuts = sorted(inner | {0, n})
+    spans = [(c, a, z) for c in range(copies) for a, z in itertools.pairwise(cuts)]
+    checked = data.draw(st.lists(st.sampled_from(spans), unique=True)) if spans else []
+    seen: dict[tuple[int, int, int], int] = {}  # span -> rows its check passed
+
+    async def write(at: int, rows: BlockBatch, check: base.RowCheck) -> None:
+        def run(c: int, a: int, z: int) -> None:
+            seen[(c, a, z)] = check.span(c, a)(0, z - a)
+
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda s: run(*s), checked))
+
+    got: list[BlockBatch] = []
+
+    async def sink(at: int, rows: BlockBatch) -> None:
+        got.append(rows)
+
+    async def stream():
+        yield b
+
+    done = asyncio.run(base.receive(stream(), sink, write=write))
+    assert done.count == want and done.corrupt == (want < n)
+    assert sum(g.count for g in got) == want
+    # each span's check passed exactly its rows before the copy's first corrupt one
+    for (c, a, z), ok in seen.items():
+        assert ok == next((r for r in range(a, z) if (c, r) in flips), z) - a
 
 
 @settings(max_examples=25, deadline=None)
