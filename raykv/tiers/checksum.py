@@ -42,12 +42,21 @@ def checksums_at(table: np.ndarray, rows: Sequence[int], width: int) -> list[int
     return [xxhash.xxh3_64_intdigest(table[r, :width]) for r in rows]
 
 
-def verified_prefix(rows: torch.Tensor, expected: Sequence[int]) -> int:
-    """How many leading ``rows`` match ``expected``, the checksums they were stored with:
-    the first row that does not and every row after it must not be used (invariant 12)."""
-    got = row_checksums(rows)
-    pairs = zip(got, expected, strict=True)
-    return next((i for i, (a, b) in enumerate(pairs) if a != b), len(got))
+def verified_prefix(rows: torch.Tensor | np.ndarray, expected: Sequence[int]) -> int:
+    """How many leading ``rows`` (CPU uint8 ``[n, bytes]``, a tensor or a numpy array) match
+    ``expected``, the checksums they were stored with: the first row that does not and every
+    row after it must not be used (invariant 12). Hashes row by row and stops at the first
+    mismatch; nothing but the hash per row (a reader's copy threads call it span by span)."""
+    if isinstance(rows, torch.Tensor):
+        if rows.device.type != "cpu" or rows.dtype != torch.uint8 or rows.dim() != 2:
+            raise ValueError(f"checksums need CPU uint8 rows, got {rows.dtype} {rows.device}")
+        rows = rows.numpy()
+    if len(rows) != len(expected):
+        raise ValueError(f"{len(rows)} rows but {len(expected)} checksums")
+    for i, want in enumerate(expected):
+        if xxhash.xxh3_64_intdigest(rows[i]) != want:
+            return i
+    return len(expected)
 
 
 def in_background(fn: Callable[..., T], *args: object) -> Future[T]:

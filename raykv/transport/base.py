@@ -208,6 +208,10 @@ class RowCheck:
 
     def __init__(self, batch: BlockBatch) -> None:
         self.batch = batch
+        # numpy and lists, once: a check runs on many threads at once, span by span, and
+        # does nothing but hash (torch indexing there cost more than the hashing, 16 cores)
+        self._rows = batch.rows.numpy() if batch.count else None
+        self._sums = [list(c) for c in batch.checksums]
         self._ok = np.zeros((len(batch.checksums), batch.count), dtype=bool)
         self._bad = batch.count  # the first row that failed, in any copy
         self._lock = threading.Lock()
@@ -218,7 +222,7 @@ class RowCheck:
         return lambda lo, hi: self._check(c, first + lo, first + hi)
 
     def _check(self, c: int, lo: int, hi: int) -> int:
-        n = verified_prefix(self.batch.rows[c, lo:hi], self.batch.checksums[c][lo:hi])
+        n = verified_prefix(self._rows[c, lo:hi], self._sums[c][lo:hi]) if hi > lo else 0
         self._ok[c, lo : lo + n] = True
         if lo + n < hi:
             with self._lock:
