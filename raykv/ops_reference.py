@@ -54,12 +54,13 @@ def _block_rows(e: torch.Tensor) -> torch.Tensor | None:
 
 # A check (scatter only) sees the source rows in spans just before they are written, on the
 # thread that writes them: each host thread walks its piece of the rows in spans, the first of
-# about CHECK_SPAN_BYTES, each next one twice the last up to CHECK_SPAN_MAX_BYTES. Small first
-# spans let the first rows go early and keep a check that hashes the rows it is given in cache
-# for their copy (a fetched chunk's rows verified and scattered in one pass: 0.85-0.93 x raw
-# ucxx where hashing every row first, then copying, gave 0.72-0.79 x; 16-core H100 host, 16 MiB
-# chunks, 2 MiB per thread); large later spans cost fewer Python rounds (a span costs ~4 us
-# per entry: ~8 ms per 128 MiB of 16 entries in 1 MiB spans).
+# about CHECK_SPAN_BYTES, each next one twice the last up to CHECK_SPAN_MAX_BYTES. So a check
+# that hashes its rows makes one pass per thread with the copy, not a round of threads of its
+# own before it (a fetched chunk verified and scattered: 0.71-0.87 x raw ucxx against
+# 0.59-0.75 x hashed first, then copied; 16-core H100 host, 16 MiB chunks, 2 MiB per thread).
+# Small first spans let the first rows go early; large later spans cost fewer Python rounds (a
+# span costs ~4 us per entry: ~8 ms per 128 MiB of 16 entries in 1 MiB spans; spans of one
+# 256 KiB row made that fetch 0.40-0.47 x).
 CHECK_SPAN_BYTES = 1 << 20
 CHECK_SPAN_MAX_BYTES = 8 << 20
 # A host copy of many rows is cut into pieces of at least this many bytes, copied side by side

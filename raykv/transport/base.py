@@ -14,7 +14,7 @@ reader's ``sink`` (``sink(position of its first row, rows)``), which writes them
 belong (a tier's reserved arena entries, a pool's blocks) or makes them readable there. A
 reader whose rows land in host memory may pass ``write`` too: it copies the chunk's rows to
 where they belong before they are verified, each span checked on the copying thread right
-before it is written (hashed while it is in cache, not read from memory twice); ``receive``
+before it is written (one pass per thread, not a round of hashing threads first); ``receive``
 verifies whatever it did not, and hands the sink only the rows that passed. The first bad
 row ends the fetch: it and everything after it are misses, counted as an error by the
 reader, never wrong KV.
