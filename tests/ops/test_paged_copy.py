@@ -188,9 +188,10 @@ def test_runs_up_and_down_move_the_oracle_bytes(case, data):
 @FAST
 @given(case=layouts, data=st.data())
 def test_scatter_check_sees_rows_before_they_are_written_and_stops_at_a_refusal(case, data):
-    """``check(lo, hi)`` runs before rows lo..hi reach any block; a copy on one thread ends at
-    the first row it refuses: earlier rows are written, that row and every later one are not
-    (several threads: ``test_host_threads``)."""
+    """``check(lo, hi)`` runs before rows lo..hi reach any block, each row in one span (spans
+    on several host threads, in any order); the copy counts the rows before the first refused
+    one: earlier rows are written, rows this check refuses (that one and every later one)
+    are not (a check that refuses single rows: ``test_host_threads``)."""
     from raykv import ops_reference
 
     case = case | {"num_blocks": data.draw(st.integers(2, 24))}
@@ -205,12 +206,15 @@ def test_scatter_check_sees_rows_before_they_are_written_and_stops_at_a_refusal(
     def check(lo: int, hi: int) -> int:
         assert oracle_rows(entries, ids[lo:hi]) == oracle_rows(original, ids[lo:hi])
         seen.append((lo, hi))
-        return min(hi, refuse) - lo
+        return max(0, min(hi, refuse) - lo)
 
     with mock.patch.object(ops_reference, "CHECK_SPAN_BYTES", span * row_bytes(entries)):
         written = scatter_blocks(src, entries, torch.tensor(ids, dtype=torch.int64), check=check)
     assert written == refuse
-    assert seen[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(seen))
+    spans = sorted(seen)  # disjoint; every row up to the refused one checked
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    checked = {r for lo, hi in spans for r in range(lo, hi)}
+    assert set(range(min(refuse + 1, len(ids)))) <= checked
     assert oracle_rows(entries, ids[:refuse]) == as_bytes(src[:refuse])
     assert oracle_rows(entries, ids[refuse:]) == oracle_rows(original, ids[refuse:])
 
