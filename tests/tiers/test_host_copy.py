@@ -145,6 +145,36 @@ def test_verify_ahead_lets_through_exactly_the_rows_before_the_first_corrupt_key
     assert [(a, b) for a, b, _ in seen] == chunks[: len(seen)]
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    widths=key_widths.filter(bool),
+    rows=st.integers(1, 8),
+    bad=st.sets(st.integers(0, 39), max_size=3),
+    data=st.data(),
+)
+def test_verify_ahead_answers_spans_asked_from_several_threads_at_once(widths, rows, bad, data):
+    """The copy's host threads ask for their own spans, in any order, at the same time: each
+    span is allowed exactly its rows before the first corrupt key, whoever asks first."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    slots = slots_of(widths)
+    with chunk_sizes(rows, 2 * rows):
+        chunks = host_copy.key_chunks(slots, 1)
+    first_bad = next((i for i, (k, _) in enumerate(slots) if k in bad), len(slots))
+    inner = (
+        data.draw(st.sets(st.integers(1, len(slots) - 1), max_size=6)) if len(slots) > 1 else set()
+    )
+    spans = list(itertools.pairwise(sorted(inner | {0, len(slots)})))
+    order = data.draw(st.permutations(spans))
+    check = host_copy.VerifyAhead(chunks, verifier(slots, bad))
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            got = dict(zip(order, pool.map(lambda s: check(*s), order), strict=True))
+    finally:
+        check.close()
+    assert all(n == max(0, min(hi, first_bad) - lo) for (lo, hi), n in got.items())
+
+
 def test_verify_ahead_close_waits_for_verification_still_running():
     running, finished = threading.Event(), []
 
