@@ -30,10 +30,15 @@ _pool_lock = threading.Lock()
 
 def row_checksums(rows: torch.Tensor) -> tuple[int, ...]:
     """xxh3-64 of each row of a CPU uint8 ``[n, bytes]`` tensor (each row contiguous)."""
+    arr = _host_rows(rows)
+    return tuple(xxhash.xxh3_64_intdigest(arr[i]) for i in range(arr.shape[0]))
+
+
+def _host_rows(rows: torch.Tensor) -> np.ndarray:
+    """A CPU uint8 ``[n, bytes]`` tensor as numpy (no copy); anything else is refused."""
     if rows.device.type != "cpu" or rows.dtype != torch.uint8 or rows.dim() != 2:
         raise ValueError(f"checksums need CPU uint8 rows, got {rows.dtype} {rows.device}")
-    arr = rows.numpy()
-    return tuple(xxhash.xxh3_64_intdigest(arr[i]) for i in range(arr.shape[0]))
+    return rows.numpy()
 
 
 def checksums_at(table: np.ndarray, rows: Sequence[int], width: int) -> list[int]:
@@ -48,9 +53,7 @@ def verified_prefix(rows: torch.Tensor | np.ndarray, expected: Sequence[int]) ->
     row after it must not be used (invariant 12). Hashes row by row and stops at the first
     mismatch; nothing but the hash per row (a reader's copy threads call it span by span)."""
     if isinstance(rows, torch.Tensor):
-        if rows.device.type != "cpu" or rows.dtype != torch.uint8 or rows.dim() != 2:
-            raise ValueError(f"checksums need CPU uint8 rows, got {rows.dtype} {rows.device}")
-        rows = rows.numpy()
+        rows = _host_rows(rows)
     if len(rows) != len(expected):
         raise ValueError(f"{len(rows)} rows but {len(expected)} checksums")
     for i, want in enumerate(expected):
