@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -338,23 +338,42 @@ class CpuTierActor(Member):
         ops: list[tuple],
         wait_publish: bool = True,
         ticket: Ticket | None = None,
+        stored_before: Sequence[bytes] = (),
     ) -> int:
         """Apply the metadata calls an ``OffloadEngine`` on a ``CpuTierView`` queued; publish
         entries that became readable, unpublish corrupt ones. Returns the entries stored.
         ``wait_publish=False`` answers before the coordinator has the events (an engine's
         store needs no index round trip on its path; events stay in order by sequence).
-        ``ticket``: an attached engine's number for this call (``_AppliedOrder``)."""
+        ``ticket``: an attached engine's number for this call (``_AppliedOrder``).
+        ``stored_before``: block keys ``settle`` made available and nobody published yet
+        (a pull's entries stored chunk by chunk), published with these."""
         try:
-            return await self._apply(model, ops, wait_publish)
+            stored, added = self.settle(model, ops)
+            mt = self._tier(model)
+            added = [m for m in stored_before if m in mt.where] + added
+            removed, mt.unpublished = mt.unpublished, []
+            removed = [m for m in removed if m not in mt.where]
+            if added or removed:
+                sent = self.publish(model, [(m, -1) for m in added], removed)
+                if wait_publish:
+                    await sent
+                else:
+                    task = asyncio.get_running_loop().create_task(sent)
+                    self._publishing.add(task)
+                    task.add_done_callback(self._published)
+            return stored
         finally:
             self._order.done(ticket)
 
-    async def _apply(self, model: str, ops: list[tuple], wait_publish: bool) -> int:
+    def settle(self, model: str, ops: list[tuple]) -> tuple[int, list[bytes]]:
+        """``apply``'s work on this tier alone, nothing published: (entries stored, block keys
+        they made available). Entries dropped as corrupt leave the index with the next
+        ``apply``, as evicted ones do."""
         mt = self._tier(model)
         tier = mt.tier
         corrupt = [op[1] for op in ops if op[0] == "drop" and op[2]]
         tier.apply(ops)
-        added, removed, stored = [], [], 0
+        added, stored = [], 0
         for op in ops:
             if op[0] != "finish_store":
                 continue
@@ -367,22 +386,12 @@ class CpuTierActor(Member):
                 elif k in tier:  # every writer done
                     added += mt.note(k, mt.pending.pop(k))
                     stored += 1
-        removed, mt.unpublished = removed + mt.unpublished, []
         for k in corrupt:
-            removed += mt.forget(k)
+            mt.unpublished += mt.forget(k)
         if corrupt:
             self.metrics.checksum_errors(model, CPU, len(corrupt))
         self.metrics.used(model, CPU, tier.num_blocks - tier.num_free)
-        removed = [m for m in removed if m not in mt.where]
-        if added or removed:
-            sent = self.publish(model, [(m, -1) for m in added], removed)
-            if wait_publish:
-                await sent
-            else:
-                task = asyncio.get_running_loop().create_task(sent)
-                self._publishing.add(task)
-                task.add_done_callback(self._published)
-        return stored
+        return stored, added
 
     def _published(self, task: asyncio.Task) -> None:
         self._publishing.discard(task)

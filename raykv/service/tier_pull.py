@@ -3,22 +3,23 @@
 ``CpuTierActor.pull(model, keys)``: for the leading ``keys`` of one group that this tier does
 not hold yet, the coordinator names who does (``locate``, with this tier as the reader, so
 the pair's transport is chosen as for any reader: UCX between two nodes' tiers where both run
-it). Entries for the keys somebody holds are reserved up front in this tier's arena (WRITING:
-nobody reads them, nothing evicts them); the blocks are then fetched through the same
-``raykv.transport.fetch_over`` a GPU pool's load uses (the chosen transport, then the object
-store), chunk by chunk: each chunk's rows are written straight into their reserved rows
-(``_ArenaWriter.write``: one paged copy per run of rows, from the received buffer, each span
-verified on the copying thread right before it is written, ``raykv.transport.RowCheck``)
-while the next chunk is on the wire, and only its verified rows count
-(``raykv.transport.receive``: the fetch is cut at its first bad row, which is dropped at the
-source and counted); over UCX, rows whose reserved rows are one run are received there in
-place (``_ArenaWriter.land``: no staging buffer, no copy), and are only verified there. After the
-last chunk, the entries whose every row was written are stored with the checksums they were
-verified against and published (the pull answers once they are stored here; the coordinator
-learns of them in the background, in order); every other reserved entry is released, so a
-source that dies or lies mid-transfer leaves no entry behind, never a half-written one
-readable: those keys stay misses. The release runs whatever ends the pull (an error, a
-cancellation).
+it). Entries for every key asked are reserved in this tier's arena while that answer is on
+its way (WRITING: nobody reads them, nothing evicts them; a pull is asked for keys a lookup
+found, and those nobody holds after all are released again); the blocks are then fetched
+through the same ``raykv.transport.fetch_over`` a GPU pool's load uses (the chosen
+transport, then the object store), chunk by chunk: each chunk's rows are written straight
+into their reserved rows (``_ArenaWriter.write``: one paged copy per run of rows, from the
+received buffer, each span verified on the copying thread right before it is written,
+``raykv.transport.RowCheck``) while the next chunk is on the wire, and only its verified
+rows count (``raykv.transport.receive``: the fetch is cut at its first bad row, which is
+dropped at the source and counted); over UCX, rows whose reserved rows are one run are
+received there in place (``_ArenaWriter.land``: no staging buffer, no copy), and are only
+verified there. Each entry whose every row is verified is stored right then, with the
+checksums it was verified against (``_ArenaWriter.commit``); after the last chunk every
+other reserved entry is released, so a source that dies or lies mid-transfer leaves no entry
+behind, never a half-written one readable: those keys stay misses. The release runs whatever
+ends the pull (an error, a cancellation). The pull answers once its entries are stored here;
+the coordinator learns of them in the background, in order, in one batch.
 
 Entries are whole chunks (``raykv.service.groups``): ``keys`` start at a chunk boundary (the
 request's first block, as the vLLM connector passes them) and a trailing partial chunk is
@@ -27,7 +28,9 @@ not pulled.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -63,10 +66,25 @@ async def pull(tier: Any, model: str, keys: list[bytes]) -> int:
     if start >= end:
         return have
     want = keys[start:end]
-    where = await _locate(tier, model, want)
-    held = next((i for i, locs in enumerate(where) if not locs), len(want)) // f * f
-    if held:
-        await _pull(tier, mt, model, want[:held], where[:held])
+    # the coordinator's answer is a round trip (~5 ms measured, most of it Ray's); the
+    # reservation for every wanted entry is made meanwhile, on this loop, and what the
+    # answer says nobody holds is released again (a pull is asked for keys a lookup found)
+    locating = asyncio.ensure_future(_locate(tier, model, want))
+    await asyncio.sleep(0)  # the locate call is sent before the reservation's work
+    writer = None
+    try:
+        writer = await _reserve(tier, mt, model, want)
+        where = await locating
+        held = next((i for i, locs in enumerate(where) if not locs), len(want)) // f * f
+        if writer is not None and writer.todo and held:
+            await _fill(tier, model, want[:held], where, writer)
+    finally:
+        locating.cancel()
+        if writer is not None:  # whatever ends the pull: entries not filled are released
+            # published in the background (in order, as an engine's store): the caller reads
+            # this tier next, not the coordinator's index (measured: 7-30 ms of a 128 MiB pull)
+            await tier.apply(model, writer.finish(), wait_publish=False,
+                             stored_before=writer.added)  # fmt: skip
     return held_prefix(mt, keys)
 
 
@@ -80,27 +98,26 @@ async def _locate(tier: Any, model: str, want: list[bytes]) -> list[list[Any]]:
         log.warning("tier %s: cannot locate copies (%s); pulling nothing", tier.name, e)
         tier.metrics.copy_failed(model, CPU, "locate")
         return [[] for _ in want]
-    return [[c for c in sorted(locs, key=lambda c: c.tier != CPU) if c.member != tier.name]
-            for locs in where]  # fmt: skip
+    # keys of one run share their list of Locations (``Located``): ordered once per list
+    order: dict[tuple[int, ...], list[Any]] = {}
+    out = []
+    for locs in where:
+        ids = tuple(map(id, locs))
+        if ids not in order:
+            order[ids] = [c for c in sorted(locs, key=lambda c: c.tier != CPU)
+                          if c.member != tier.name]  # fmt: skip
+        out.append(order[ids])
+    return out
 
 
-async def _pull(tier: Any, mt: Any, model: str, want: list[bytes], where: list) -> None:
-    """Reserve entries for ``want`` (whole chunks), fill them from the sources, then store
-    the filled ones and release the rest (whatever happens in between)."""
+async def _reserve(tier: Any, mt: Any, model: str, want: list[bytes]) -> _ArenaWriter | None:
+    """The writer for ``want``'s entries (whole chunks), each reserved in this tier's arena;
+    None when there is no room (everything is being read): misses, nothing changed."""
     f = mt.tier.factor
     entries = [tuple(want[e : e + f]) for e in range(0, len(want), f)]
     _, res = await tier.reserve(model, tuple(e[-1] for e in entries), tuple(entries),
                                 mt.tier.copies)  # fmt: skip
-    if res is None:  # no room (everything is being read): misses, nothing changed
-        return
-    writer = _ArenaWriter(mt, want, res)
-    try:
-        if writer.todo:
-            await _fill(tier, model, want, where, writer)
-    finally:
-        # published in the background (in order, as an engine's store): the caller reads
-        # this tier next, not the coordinator's index (measured: 7-30 ms of a 128 MiB pull)
-        await tier.apply(model, writer.finish(), wait_publish=False)
+    return None if res is None else _ArenaWriter(mt, want, res, lambda ops: tier.settle(model, ops))
 
 
 async def _fill(tier: Any, model: str, want: list[bytes], where: list, writer: Any) -> None:
@@ -150,10 +167,14 @@ async def _fill(tier: Any, model: str, want: list[bytes], where: list, writer: A
 class _ArenaWriter:
     """Where a pull's rows go: in key order into the rows reserved for them (``res``; keys
     of entries stored already are skipped; ``write``), counted once verified (``commit``),
-    and the ``finish_store`` calls that store the entries it filled and release the rest."""
+    which stores each entry as soon as its every row is (``store``: the tier's ``settle``,
+    nothing published; the block keys it made available pile up in ``added``), and the
+    ``finish_store`` calls that release the entries it did not fill (``finish``)."""
 
-    def __init__(self, mt: Any, want: list[bytes], res: Any) -> None:
-        self.mt, self.res = mt, res
+    def __init__(
+        self, mt: Any, want: list[bytes], res: Any, store: Callable[[list[tuple]], tuple]
+    ) -> None:
+        self.mt, self.res, self.store = mt, res, store  # res: the entries not stored yet
         self.factor, self.copies = mt.tier.factor, mt.tier.copies
         self.width = mt.widths[key_group(want[0])]
         block = res.block_of()
@@ -166,6 +187,7 @@ class _ArenaWriter:
         self.todo = any(d >= 0 for d in self.dest)
         self.sums: list[tuple[int, ...]] = []
         self.filled = 0  # leading keys written (or skipped)
+        self.added: list[bytes] = []  # block keys the entries stored so far made available
         self._moved = 0
 
     def land(
@@ -210,32 +232,34 @@ class _ArenaWriter:
 
     def commit(self, at: int, rows: BlockBatch) -> None:
         """Rows ``at .. at + rows.count`` of the pull, verified (``receive``): written, their
-        checksums kept for the store."""
+        checksums kept; the entries they complete are stored now, with those checksums (the
+        store's work runs while the next chunk is on the wire, not after the last)."""
         if at != self.filled:
             raise TransportError(f"rows from {at} verified, expected {self.filled}")
         self.sums += [tuple(c[j] for c in rows.checksums) for j in range(rows.count)]
         self.filled += rows.count
         self._moved += rows.nbytes
+        whole = self.filled // self.factor
+        done, self.res = self.res.split(lambda k: self.entry_of[k] < whole)
+        if done.keys:
+            f, valid = self.factor, [(True,) * self.factor for _ in done.keys]
+            ops = []
+            for c in range(self.copies):
+                sums = [tuple(self.sums[self.entry_of[k] * f + s][c] for s in range(f))
+                        for k in done.keys]  # fmt: skip
+                ops.append(("finish_store", done, True, valid, sums, c))
+            self.added += self.store(ops)[1]
 
     def take_moved(self) -> int:
         moved, self._moved = self._moved, 0
         return moved
 
     def finish(self) -> list[tuple]:
-        """``finish_store`` ops (one per TP copy): entries whose every row was written are
-        stored with their verified checksums; the others are released (never readable)."""
-        f, whole = self.factor, self.filled // self.factor
-        done, rest = self.res.split(lambda k: self.entry_of[k] < whole)
-        out: list[tuple] = []
-        if done.keys:
-            valid = [(True,) * f for _ in done.keys]
-            for c in range(self.copies):
-                sums = [tuple(self.sums[self.entry_of[k] * f + s][c] for s in range(f))
-                        for k in done.keys]  # fmt: skip
-                out.append(("finish_store", done, True, valid, sums, c))
-        if rest.keys:
-            out += [("finish_store", rest, False, None, None, c) for c in range(self.copies)]
-        return out
+        """``finish_store`` ops (one per TP copy) that release every entry not stored (not
+        filled: never readable)."""
+        rest = self.res
+        return [("finish_store", rest, False, None, None, c) for c in range(self.copies)] \
+            if rest.keys else []  # fmt: skip
 
 
 def _fell_back(tier: Any, source: str) -> Any:
