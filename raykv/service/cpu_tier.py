@@ -180,6 +180,7 @@ class CpuTierActor(Member):
         self._publishing: set[asyncio.Task] = set()
         self._order = _AppliedOrder()
         self.transports = reader_transports()  # for pull: the object store, UCX where it runs
+        self.pull_sources: dict[str, Any] = {}  # model -> where its last pull was sent first
         self._sweeper: asyncio.Task | None = None
 
     async def start(self) -> str:

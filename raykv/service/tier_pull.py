@@ -5,21 +5,25 @@ not hold yet, the coordinator names who does (``locate``, with this tier as the 
 the pair's transport is chosen as for any reader: UCX between two nodes' tiers where both run
 it). Entries for every key asked are reserved in this tier's arena while that answer is on
 its way (WRITING: nobody reads them, nothing evicts them; a pull is asked for keys a lookup
-found, and those nobody holds after all are released again); the blocks are then fetched
-through the same ``raykv.transport.fetch_over`` a GPU pool's load uses (the chosen
-transport, then the object store), chunk by chunk: each chunk's rows are written straight
-into their reserved rows (``_ArenaWriter.write``: one paged copy per run of rows, from the
-received buffer, each span verified on the copying thread right before it is written,
-``raykv.transport.RowCheck``) while the next chunk is on the wire, and only its verified
-rows count (``raykv.transport.receive``: the fetch is cut at its first bad row, which is
-dropped at the source and counted); over UCX, rows whose reserved rows are one run are
-received there in place (``_ArenaWriter.land``: no staging buffer, no copy), and are only
-verified there. Each entry whose every row is verified is stored right then, with the
-checksums it was verified against (``_ArenaWriter.commit``); after the last chunk every
-other reserved entry is released, so a source that dies or lies mid-transfer leaves no entry
-behind, never a half-written one readable: those keys stay misses. The release runs whatever
-ends the pull (an error, a cancellation). The pull answers once its entries are stored here;
-the coordinator learns of them in the background, in order, in one batch.
+found, and those nobody holds after all are released again), and the member the last
+answer named first for this model is asked for them (a prompt's blocks mostly sit where the
+last one's did: the answer's round trip, ~5 ms, is then off the pull's path; it is asked
+once, and forgotten if its route fails); the blocks are fetched, from it and then from the
+copies the answer names for the rest, through the same ``raykv.transport.fetch_over`` a GPU
+pool's load uses (the chosen transport, then the object store), chunk by chunk: each
+chunk's rows are written straight into their reserved rows (``_ArenaWriter.write``: one
+paged copy per run of rows, from the received buffer, each span verified on the copying
+thread right before it is written, ``raykv.transport.RowCheck``) while the next chunk is on
+the wire, and only its verified rows count (``raykv.transport.receive``: the fetch is cut at
+its first bad row, which is dropped at the source and counted); over UCX, rows whose
+reserved rows are one run are received there in place (``_ArenaWriter.land``: no staging
+buffer, no copy), and are only verified there. Each entry whose every row is verified is
+stored right then, with the checksums it was verified against (``_ArenaWriter.commit``);
+after the last chunk every other reserved entry is released, so a source that dies or lies
+mid-transfer leaves no entry behind, never a half-written one readable: those keys stay
+misses. The release runs whatever ends the pull (an error, a cancellation). The pull answers
+once its entries are stored here; the coordinator learns of them in the background, in
+order, in one batch.
 
 Entries are whole chunks (``raykv.service.groups``): ``keys`` start at a chunk boundary (the
 request's first block, as the vLLM connector passes them) and a trailing partial chunk is
@@ -74,9 +78,17 @@ async def pull(tier: Any, model: str, keys: list[bytes]) -> int:
     writer = None
     try:
         writer = await _reserve(tier, mt, model, want)
+        guess = tier.pull_sources.get(model)
+        if writer is not None and writer.todo and guess is not None:
+            # meanwhile the copy the last answer named first is asked (a prompt's blocks
+            # mostly sit where its last ones did): whatever leading keys it holds, verified
+            # as any; the answer then names who holds the rest
+            await _fill(tier, model, want, [[guess]] * len(want), writer, guessed=True)
         where = await locating
+        if where and where[0]:
+            tier.pull_sources[model] = where[0][0]
         held = next((i for i, locs in enumerate(where) if not locs), len(want)) // f * f
-        if writer is not None and writer.todo and held:
+        if writer is not None and writer.filled < held:
             await _fill(tier, model, want[:held], where, writer)
     finally:
         locating.cancel()
@@ -120,8 +132,12 @@ async def _reserve(tier: Any, mt: Any, model: str, want: list[bytes]) -> _ArenaW
     return None if res is None else _ArenaWriter(mt, want, res, lambda ops: tier.settle(model, ops))
 
 
-async def _fill(tier: Any, model: str, want: list[bytes], where: list, writer: Any) -> None:
-    """Stream the leading ``want`` into ``writer``, source by source, until one is missing."""
+async def _fill(
+    tier: Any, model: str, want: list[bytes], where: list, writer: Any, guessed: bool = False
+) -> None:
+    """Stream the leading ``want`` into ``writer``, source by source, until one is missing.
+    ``guessed``: ``where`` is the last answer's first copy, not this pull's answer: it is
+    asked once, and forgotten if its route fails (no retry over the fallback)."""
     failed = {tier.name}
     while writer.filled < len(want):
         i = writer.filled
@@ -145,10 +161,15 @@ async def _fill(tier: Any, model: str, want: list[bytes], where: list, writer: A
         try:
             got = await fetch_over(
                 tier.transports, loc.transport, loc.member, model, want[i:run], sink,
-                loc.endpoint, _fell_back(tier, loc.member), land, write,
+                loc.endpoint, _gave_up if guessed else _fell_back(tier, loc.member), land,
+                write,
             )  # fmt: skip
         except (ray.exceptions.RayActorError, TransportError, ValueError) as e:
             # what arrived before it failed stays (verified); the rest from the next copy
+            if guessed:
+                log.info("tier %s: last pull's source %s failed (%s)", tier.name, loc.member, e)
+                tier.pull_sources.pop(model, None)
+                return
             log.warning("tier %s: copy source %s failed (%s)", tier.name, loc.member, e)
             tier.metrics.copy_failed(model, CPU, "pull")
             failed.add(loc.member)
@@ -260,6 +281,10 @@ class _ArenaWriter:
         rest = self.res
         return [("finish_store", rest, False, None, None, c) for c in range(self.copies)] \
             if rest.keys else []  # fmt: skip
+
+
+def _gave_up(name: str, e: TransportError) -> None:
+    raise e  # a guessed source's route failed: the located copies are asked next
 
 
 def _fell_back(tier: Any, source: str) -> Any:

@@ -1,9 +1,11 @@
 """``CpuTierActor.pull`` driven in-process (no Ray) over a stand-in transport that streams
 chunks: entries are reserved up front and each verified chunk is written as it arrives, each
 entry stored (with its checksums) once its every row is verified; after the last, the stored
-entries are published and every other reserved entry is released. A row that fails its checksum mid-batch
-ends the pull there (the leading intact entries only, the source told to drop the bad one); a
-source that dies mid-transfer leaves no half-written entry readable and nothing reserved."""
+entries are published and every other reserved entry is released. A row that fails its
+checksum mid-batch ends the pull there (the leading intact entries only, the source told to
+drop the bad one); a source that dies mid-transfer leaves no half-written entry readable and
+nothing reserved. Entries are reserved while the locate is out, and the member the last
+answer named first is asked meanwhile."""
 
 import asyncio
 
@@ -242,7 +244,8 @@ def test_an_entry_stored_mid_pull_and_evicted_before_the_publish_is_not_publishe
         while ks[0] not in tier.tiers["p"].where:
             await asyncio.sleep(0.01)
         # another writer needs 3 of the 8 entries: 2 free, entry 0 (readable now) evicted
-        _, res = await tier.reserve("p", tuple(other[1::2]), tuple(zip(other[::2], other[1::2])))
+        entries = tuple(zip(other[::2], other[1::2], strict=True))
+        _, res = await tier.reserve("p", tuple(other[1::2]), entries)
         assert res is not None and res.evicted == (ks[1],)
         go.set()
         return await task
@@ -250,6 +253,60 @@ def test_an_entry_stored_mid_pull_and_evicted_before_the_publish_is_not_publishe
     assert asyncio.run(run()) == 0  # the leading entry is gone: a miss, never wrong KV
     assert held(tier, ks) == ks[2:]
     assert sorted(tier.coord.stored) == sorted(ks[2:])  # the evicted entry never published
+
+
+def test_the_last_answers_first_copy_is_asked_while_the_locate_is_out(tier) -> None:
+    rows, ks = data(), keys()
+    seen = []
+
+    async def locate(model, keys_, node_id, reader=None):
+        await asyncio.sleep(0.05)
+        seen.append(held(tier, keys_))  # what the pull holds when the answer comes
+        return Located([[Location(SOURCE, "other-node", CPU)] for _ in keys_])
+
+    tier.coord.locate = _Method(locate)
+    tier.transports = {OBJECT_STORE: Streaming(rows, chunk=4)}
+    assert asyncio.run(pulled(tier, ks[:4])) == 4  # no pull before: the answer is waited for
+    assert asyncio.run(pulled(tier, ks)) == N  # the rest: from SOURCE, asked right away
+    assert seen == [[], ks[4:]]  # the second answer asks for the rest: it is there already
+    assert torch.equal(arena_rows(tier, ks), rows)
+    assert sorted(tier.coord.stored) == sorted(ks)
+
+
+def test_a_remembered_source_that_lost_the_keys_or_its_route_costs_nothing_but_the_ask(tier):
+    rows, ks = data(), keys()
+
+    class Broken:
+        name, calls = "ucx", 0
+
+        async def stream(self, source, model, keys, endpoint=None, land=None):
+            Broken.calls += 1
+            raise TransportError("the remembered route is gone")
+            yield
+
+    full = Streaming(rows, chunk=4)
+
+    class BySource:  # the fallback: the remembered member holds nothing, SOURCE everything
+        name = OBJECT_STORE
+
+        def _actor(self, name):
+            return full.source
+
+        async def stream(self, source, model, keys, endpoint=None, land=None):
+            if source == SOURCE:
+                async for b in full.stream(source, model, keys):
+                    yield b
+
+    tier.transports = {OBJECT_STORE: BySource(), "ucx": Broken()}
+    tier.pull_sources["p"] = Location("raykv-tier-gone", "n", CPU)  # holds nothing now
+    assert asyncio.run(pulled(tier, ks[:4])) == 4
+    assert tier.pull_sources["p"].member == SOURCE  # the answer's first copy, remembered
+    tier.pull_sources["p"] = Location(SOURCE, "other-node", CPU, "ucx")  # a route that fails
+    assert asyncio.run(pulled(tier, ks)) == N
+    assert Broken.calls == 1 and full.sent == 1 + 2  # asked once, not over the fallback
+    tally = tier.metrics.tally  # a guess that failed is no failure, and is not retried
+    assert tally["failed_pull"] == 0 and tally["failures_transport_ucx"] == 0
+    assert torch.equal(arena_rows(tier, ks), rows)
 
 
 class Landing(Streaming):
