@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
@@ -339,42 +339,23 @@ class CpuTierActor(Member):
         ops: list[tuple],
         wait_publish: bool = True,
         ticket: Ticket | None = None,
-        stored_before: Sequence[bytes] = (),
     ) -> int:
         """Apply the metadata calls an ``OffloadEngine`` on a ``CpuTierView`` queued; publish
         entries that became readable, unpublish corrupt ones. Returns the entries stored.
         ``wait_publish=False`` answers before the coordinator has the events (an engine's
         store needs no index round trip on its path; events stay in order by sequence).
-        ``ticket``: an attached engine's number for this call (``_AppliedOrder``).
-        ``stored_before``: block keys ``settle`` made available and nobody published yet
-        (a pull's entries stored chunk by chunk), published with these."""
+        ``ticket``: an attached engine's number for this call (``_AppliedOrder``)."""
         try:
-            stored, added = self.settle(model, ops)
-            mt = self._tier(model)
-            added = [m for m in stored_before if m in mt.where] + added
-            removed, mt.unpublished = mt.unpublished, []
-            removed = [m for m in removed if m not in mt.where]
-            if added or removed:
-                sent = self.publish(model, [(m, -1) for m in added], removed)
-                if wait_publish:
-                    await sent
-                else:
-                    task = asyncio.get_running_loop().create_task(sent)
-                    self._publishing.add(task)
-                    task.add_done_callback(self._published)
-            return stored
+            return await self._apply(model, ops, wait_publish)
         finally:
             self._order.done(ticket)
 
-    def settle(self, model: str, ops: list[tuple]) -> tuple[int, list[bytes]]:
-        """``apply``'s work on this tier alone, nothing published: (entries stored, block keys
-        they made available). Entries dropped as corrupt leave the index with the next
-        ``apply``, as evicted ones do."""
+    async def _apply(self, model: str, ops: list[tuple], wait_publish: bool) -> int:
         mt = self._tier(model)
         tier = mt.tier
         corrupt = [op[1] for op in ops if op[0] == "drop" and op[2]]
         tier.apply(ops)
-        added, stored = [], 0
+        added, removed, stored = [], [], 0
         for op in ops:
             if op[0] != "finish_store":
                 continue
@@ -387,12 +368,22 @@ class CpuTierActor(Member):
                 elif k in tier:  # every writer done
                     added += mt.note(k, mt.pending.pop(k))
                     stored += 1
+        removed, mt.unpublished = removed + mt.unpublished, []
         for k in corrupt:
-            mt.unpublished += mt.forget(k)
+            removed += mt.forget(k)
         if corrupt:
             self.metrics.checksum_errors(model, CPU, len(corrupt))
         self.metrics.used(model, CPU, tier.num_blocks - tier.num_free)
-        return stored, added
+        removed = [m for m in removed if m not in mt.where]
+        if added or removed:
+            sent = self.publish(model, [(m, -1) for m in added], removed)
+            if wait_publish:
+                await sent
+            else:
+                task = asyncio.get_running_loop().create_task(sent)
+                self._publishing.add(task)
+                task.add_done_callback(self._published)
+        return stored
 
     def _published(self, task: asyncio.Task) -> None:
         self._publishing.discard(task)
