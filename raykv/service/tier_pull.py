@@ -79,7 +79,7 @@ async def pull(tier: Any, model: str, keys: list[bytes]) -> int:
     try:
         writer = await _reserve(tier, mt, model, want)
         guess = tier.pull_sources.get(model)
-        if writer is not None and writer.todo and guess is not None:
+        if writer is not None and writer.todo and guess is not None and not locating.done():
             # meanwhile the copy the last answer named first is asked (a prompt's blocks
             # mostly sit where its last ones did): whatever leading keys it holds, verified
             # as any; the answer then names who holds the rest
