@@ -1,30 +1,30 @@
 """A CPU tier pulls blocks another member holds into its own arena (CPU tier -> CPU tier).
 
 ``CpuTierActor.pull(model, keys)``: for the leading ``keys`` of one group that this tier does
-not hold yet, the coordinator names who does (``locate``, with this tier as the reader, so
-the pair's transport is chosen as for any reader: UCX between two nodes' tiers where both run
-it). Entries for every key asked are reserved in this tier's arena while that answer is on
-its way (WRITING: nobody reads them, nothing evicts them; a pull is asked for keys a lookup
-found, and those nobody holds after all are released again), and the member the last
-answer named first for this model is asked for them (a prompt's blocks mostly sit where the
-last one's did: the answer's round trip, ~5 ms, is then off the pull's path; it is asked
-once, and forgotten if its route fails); the blocks are fetched, from it and then from the
-copies the answer names for the rest, through the same ``raykv.transport.fetch_over`` a GPU
-pool's load uses (the chosen transport, then the object store), chunk by chunk: each
-chunk's rows are written straight into their reserved rows (``_ArenaWriter.write``: one
-paged copy per run of rows, from the received buffer, each span verified on the copying
-thread right before it is written, ``raykv.transport.RowCheck``) while the next chunk is on
-the wire, and only its verified rows count (``raykv.transport.receive``: the fetch is cut at
-its first bad row, which is dropped at the source and counted); over UCX, rows whose
-reserved rows are one run are received there in place (``_ArenaWriter.land``: no staging
-buffer, no copy), and are only verified there. After the last chunk, the entries whose
+not hold yet, the coordinator names who does (``locate``, with this tier as the reader, so the
+pair's transport is chosen as for any reader: UCX between two nodes' tiers where both run it).
+Entries for every key asked are reserved in this tier's arena while that answer is on its way
+(WRITING: nobody reads them, nothing evicts them; a pull is asked for keys a lookup found, and
+those nobody holds after all are released again), and the member the last answer named first
+for this model is asked for them (a prompt's blocks mostly sit where the last one's did: the
+answer's round trip, ~5 ms, is then off the pull's path; it is asked once, forgotten if its
+route fails, and given up on if the answer does not name it); the blocks are fetched, from it
+and then from the copies the answer names for the rest, through the same
+``raykv.transport.fetch_over`` a GPU pool's load uses (the chosen transport, then the object
+store), chunk by chunk: each chunk's rows are written straight into their reserved rows
+(``_ArenaWriter.write``: one paged copy per run of rows, from the received buffer, each span
+verified on the copying thread right before it is written, ``raykv.transport.RowCheck``) while
+the next chunk is on the wire, and only its verified rows count (``raykv.transport.receive``:
+the fetch is cut at its first bad row, which is dropped at the source and counted); over UCX,
+rows whose reserved rows are one run are received there in place (``_ArenaWriter.land``: no
+staging buffer, no copy), and are only verified there. After the last chunk, the entries whose
 every row was written are stored with the checksums they were verified against and published
-(the pull answers once they are stored here; the coordinator learns of them in the
-background, in order); every other reserved entry is released, so a source that dies or lies
-mid-transfer leaves no entry behind, never a half-written one readable: those keys stay
-misses. The release runs whatever ends the pull (an error, a cancellation). (Storing each
-entry as soon as its rows were verified, on the loop while the next chunk is on the wire,
-made a 128 MiB pull ~5 ms slower on a 16-core host: the loop is the receive's.)
+(the pull answers once they are stored here; the coordinator learns of them in the background,
+in order); every other reserved entry is released, so a source that dies or lies mid-transfer
+leaves no entry behind, never a half-written one readable: those keys stay misses. The release
+runs whatever ends the pull (an error, a cancellation). (Storing each entry as soon as its rows
+were verified, on the loop while the next chunk is on the wire, made a 128 MiB pull ~5 ms
+slower on a 16-core host: the loop is the receive's.)
 
 Entries are whole chunks (``raykv.service.groups``): ``keys`` start at a chunk boundary (the
 request's first block, as the vLLM connector passes them) and a trailing partial chunk is
@@ -75,7 +75,7 @@ async def pull(tier: Any, model: str, keys: list[bytes]) -> int:
     # answer says nobody holds is released again (a pull is asked for keys a lookup found)
     locating = asyncio.ensure_future(_locate(tier, model, want))
     await asyncio.sleep(0)  # the locate call is sent before the reservation's work
-    writer = None
+    writer = guessing = None
     try:
         writer = await _reserve(tier, mt, model, want)
         guess = tier.pull_sources.get(model)
@@ -83,8 +83,17 @@ async def pull(tier: Any, model: str, keys: list[bytes]) -> int:
             # meanwhile the copy the last answer named first is asked (a prompt's blocks
             # mostly sit where its last ones did): whatever leading keys it holds, verified
             # as any; the answer then names who holds the rest
-            await _fill(tier, model, want, [[guess]] * len(want), writer, guessed=True)
+            fill = _fill(tier, model, want, [[guess]] * len(want), writer, guessed=True)
+            guessing = asyncio.ensure_future(fill)
+            await asyncio.wait((guessing, locating), return_when=asyncio.FIRST_COMPLETED)
         where = await locating
+        if guessing is not None:
+            at = writer.filled
+            if at >= len(where) or all(c.member != guess.member for c in where[at]):
+                guessing.cancel()  # the answer does not name it (gone, or lost the keys)
+            await asyncio.wait((guessing,))
+            if not guessing.cancelled():
+                guessing.result()  # what it raised, if anything unexpected
         if where and where[0]:
             tier.pull_sources[model] = where[0][0]
         held = next((i for i, locs in enumerate(where) if not locs), len(want)) // f * f
@@ -92,6 +101,9 @@ async def pull(tier: Any, model: str, keys: list[bytes]) -> int:
             await _fill(tier, model, want[:held], where, writer)
     finally:
         locating.cancel()
+        if guessing is not None and not guessing.done():  # its rows land in the reservation
+            guessing.cancel()
+            await asyncio.wait((guessing,))
         if writer is not None:  # whatever ends the pull: entries not filled are released
             # published in the background (in order, as an engine's store): the caller reads
             # this tier next, not the coordinator's index (measured: 7-30 ms of a 128 MiB pull)

@@ -281,6 +281,55 @@ def test_a_remembered_source_that_lost_the_keys_or_its_route_costs_nothing_but_t
     assert torch.equal(arena_rows(tier, ks), rows)
 
 
+def test_a_remembered_source_the_answer_does_not_name_is_given_up_mid_stream(tier) -> None:
+    rows, ks = data(), keys()
+    full, closed = Streaming(rows, chunk=4), []
+
+    class BySource:  # the remembered member sends 2 rows, then stalls; SOURCE has all
+        name = OBJECT_STORE
+
+        def _actor(self, name):
+            return full.source
+
+        async def stream(self, source, model, keys, endpoint=None, land=None):
+            if source == SOURCE:
+                async for b in full.stream(source, model, keys):
+                    yield b
+                return
+            try:
+                part = rows[[int.from_bytes(k[4:], "little") for k in keys[:2]]]
+                yield BlockBatch(2, part.unsqueeze(0), (tuple(row_checksums(part)),))
+                await asyncio.sleep(3600)
+            finally:
+                closed.append(source)
+
+    async def locate(model, keys_, node_id, reader=None):
+        await asyncio.sleep(0.05)
+        return Located([[Location(SOURCE, "other-node", CPU)] for _ in keys_])
+
+    tier.coord.locate = _Method(locate)
+    tier.transports = {OBJECT_STORE: BySource()}
+    tier.pull_sources["p"] = Location("raykv-tier-stalled", "n", CPU)
+
+    async def cancelled() -> None:  # the caller gives up while both stall: all ends first
+        task = asyncio.ensure_future(tier.pull("p", ks))
+        await asyncio.sleep(0.02)  # the guess's 2 rows are in, the answer is not
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert closed == ["raykv-tier-stalled"]
+        assert used(tier) == 1 and held(tier, ks) == ks[:2]  # the entry it got; the rest freed
+
+    asyncio.run(cancelled())
+    closed.clear()
+    tier.pull_sources["p"] = Location("raykv-tier-stalled", "n", CPU)
+    got = asyncio.run(asyncio.wait_for(pulled(tier, ks), 30))  # not the stall's hour
+    assert got == N and closed == ["raykv-tier-stalled"]  # closed before the rest came
+    assert full.sent == 2  # rows 4..11 from SOURCE, 2 and 3 from the first (0, 1: held)
+    assert torch.equal(arena_rows(tier, ks), rows)
+    assert tier.pull_sources["p"].member == SOURCE
+
+
 class Landing(Streaming):
     """Streams as ``Streaming``, but receives each chunk where the reader's ``land`` offers
     (as the UCX transport does: the bytes copied there, the chunk handed on viewing them);
