@@ -226,6 +226,27 @@ def test_entries_are_reserved_while_the_locate_is_out_and_those_nobody_holds_rel
     assert torch.equal(arena_rows(tier, ks[:6]), rows[:6])
 
 
+class BySource:
+    """The fallback transport by source: ``SOURCE`` streams from ``full`` (a ``Streaming``),
+    any other member through ``other(source, keys)`` (an async generator), or holds nothing."""
+
+    name = OBJECT_STORE
+
+    def __init__(self, full, other=None) -> None:
+        self.full, self.other = full, other
+
+    def _actor(self, name):
+        return self.full.source
+
+    async def stream(self, source, model, keys, endpoint=None, land=None):
+        rows = self.full.stream(source, model, keys) if source == SOURCE else None
+        if rows is None and self.other is not None:
+            rows = self.other(source, keys)
+        if rows is not None:
+            async for b in rows:
+                yield b
+
+
 def test_the_last_answers_first_copy_is_asked_while_the_locate_is_out(tier) -> None:
     rows, ks = data(), keys()
     seen = []
@@ -257,19 +278,7 @@ def test_a_remembered_source_that_lost_the_keys_or_its_route_costs_nothing_but_t
             yield
 
     full = Streaming(rows, chunk=4)
-
-    class BySource:  # the fallback: the remembered member holds nothing, SOURCE everything
-        name = OBJECT_STORE
-
-        def _actor(self, name):
-            return full.source
-
-        async def stream(self, source, model, keys, endpoint=None, land=None):
-            if source == SOURCE:
-                async for b in full.stream(source, model, keys):
-                    yield b
-
-    tier.transports = {OBJECT_STORE: BySource(), "ucx": Broken()}
+    tier.transports = {OBJECT_STORE: BySource(full), "ucx": Broken()}
     tier.pull_sources["p"] = Location("raykv-tier-gone", "n", CPU)  # holds nothing now
     assert asyncio.run(pulled(tier, ks[:4])) == 4
     assert tier.pull_sources["p"].member == SOURCE  # the answer's first copy, remembered
@@ -285,30 +294,20 @@ def test_a_remembered_source_the_answer_does_not_name_is_given_up_mid_stream(tie
     rows, ks = data(), keys()
     full, closed = Streaming(rows, chunk=4), []
 
-    class BySource:  # the remembered member sends 2 rows, then stalls; SOURCE has all
-        name = OBJECT_STORE
-
-        def _actor(self, name):
-            return full.source
-
-        async def stream(self, source, model, keys, endpoint=None, land=None):
-            if source == SOURCE:
-                async for b in full.stream(source, model, keys):
-                    yield b
-                return
-            try:
-                part = rows[[int.from_bytes(k[4:], "little") for k in keys[:2]]]
-                yield BlockBatch(2, part.unsqueeze(0), (tuple(row_checksums(part)),))
-                await asyncio.sleep(3600)
-            finally:
-                closed.append(source)
+    async def stalls(source, keys):  # the remembered member sends 2 rows, then stalls
+        try:
+            part = rows[[int.from_bytes(k[4:], "little") for k in keys[:2]]]
+            yield BlockBatch(2, part.unsqueeze(0), (tuple(row_checksums(part)),))
+            await asyncio.sleep(3600)
+        finally:
+            closed.append(source)
 
     async def locate(model, keys_, node_id, reader=None):
         await asyncio.sleep(0.05)
         return Located([[Location(SOURCE, "other-node", CPU)] for _ in keys_])
 
     tier.coord.locate = _Method(locate)
-    tier.transports = {OBJECT_STORE: BySource()}
+    tier.transports = {OBJECT_STORE: BySource(full, stalls)}
     tier.pull_sources["p"] = Location("raykv-tier-stalled", "n", CPU)
 
     async def cancelled() -> None:  # the caller gives up while both stall: all ends first
