@@ -87,21 +87,30 @@ __device__ __forceinline__ void add_block_total(uint64_t acc, unsigned long long
   if ((threadIdx.x & 31) == 0) atomicAdd(out, static_cast<unsigned long long>(acc));
 }
 
-// One work item: `bytes` from src to dst with the widest vector the addresses and size allow;
-// with kSum (every span and row 8-byte aligned: the launchers check) the item's wire sum is added
-// to *sum (its first word is word row_offset / 8 of its row). Without kStore only src is read.
-template <bool kSum, bool kStore>
-__device__ __forceinline__ void copy_item(char* dst, const char* src, int64_t bytes,
-                                          int64_t row_offset, unsigned long long* sum) {
+// The part of a row's wire sum this thread takes while it copies `bytes` from src to dst (only
+// reads src without kStore); the span's first word is word row_offset / 8 of its row. Every span
+// and row is 8-byte aligned here (the launchers check), so 16- or 8-byte vectors.
+template <bool kStore>
+__device__ __forceinline__ uint64_t copy_summed(char* dst, const char* src, int64_t bytes,
+                                                int64_t row_offset) {
   // The width is uniform across the CTA (one item per CTA at a time): no divergence.
   const uint64_t misalign = reinterpret_cast<uint64_t>(dst) | reinterpret_cast<uint64_t>(src) |
                             static_cast<uint64_t>(bytes);
+  const uint64_t word0 = static_cast<uint64_t>(row_offset) / 8;
+  return (misalign & 15) == 0 ? copy_span<uint4, true, kStore>(dst, src, bytes, word0)
+                              : copy_span<uint2, true, kStore>(dst, src, bytes, word0);
+}
+
+// One work item: `bytes` from src to dst with the widest vector the addresses and size allow;
+// with kSum the item's wire sum is added to *sum (its first word is word row_offset / 8 of its
+// row).
+template <bool kSum>
+__device__ __forceinline__ void copy_item(char* dst, const char* src, int64_t bytes,
+                                          int64_t row_offset, unsigned long long* sum) {
+  const uint64_t misalign = reinterpret_cast<uint64_t>(dst) | reinterpret_cast<uint64_t>(src) |
+                            static_cast<uint64_t>(bytes);
   if constexpr (kSum) {
-    const uint64_t word0 = static_cast<uint64_t>(row_offset) / 8;
-    const uint64_t acc = (misalign & 15) == 0
-                             ? copy_span<uint4, true, kStore>(dst, src, bytes, word0)
-                             : copy_span<uint2, true, kStore>(dst, src, bytes, word0);
-    add_block_total(acc, sum);
+    add_block_total(copy_summed<true>(dst, src, bytes, row_offset), sum);
   } else if ((misalign & 15) == 0) {
     copy_span<uint4, false>(dst, src, bytes, 0);
   } else if ((misalign & 7) == 0) {
@@ -128,34 +137,56 @@ __global__ void __launch_bounds__(kThreads)
     char* row = rows + int64_t{i} * row_bytes + seg.row_offset;
     char* dst = kGather ? row : paged;
     const char* src = kGather ? paged : row;
-    copy_item<kSum, true>(dst, src, seg.bytes, seg.row_offset, kSum ? sums + i : nullptr);
+    copy_item<kSum>(dst, src, seg.bytes, seg.row_offset, kSum ? sums + i : nullptr);
   }
 }
 
 // Block to block between two pools of one layout (a peer's pool mapped into this process, and
-// this process's own): row i's span s moves from block src_ids[i] of src_segs[s] to block
-// dst_ids[i] of dst_segs[s], no rows in between. kSum: the row's wire sum as a gather of the
-// source would take it (word positions from the span's row_offset). Without kStore (dst_segs
-// unused) it only sums the source's rows.
-template <bool kSum, bool kStore>
+// this process's own): row i's span s moves from block ids.src[i] of src_segs[s] to block
+// ids.dst[i] of dst_segs[s], no rows in between, and its part of the row's wire sum (as a gather
+// of the source takes it) is added to scratch[i]. The ids come in the launch's parameters
+// (__grid_constant__: read in place), so nothing is uploaded before the copy. The grid's last CTA
+// to finish hands every row's sum to the host (out_sums[i], then out_done[i] = 1: mapped pinned
+// memory, so nothing is copied back) and leaves scratch zero for the next launch, so nothing is
+// zeroed before one either: one fence per thread and one ticket per CTA, at its end (a fence
+// per item stalled each warp's next loads: 2 x the copy's time on one H100). Without kStore
+// (dst_segs unused) it only sums the source's rows.
+template <bool kStore>
 __global__ void __launch_bounds__(kThreads)
     pool_copy_kernel(const RaykvSegment* __restrict__ src_segs,
                      const RaykvSegment* __restrict__ dst_segs, int num_segs,
-                     const int64_t* __restrict__ src_ids, const int64_t* __restrict__ dst_ids,
-                     int64_t num_rows, unsigned long long* __restrict__ sums) {
-  const int total = static_cast<int>(num_rows) * num_segs;  // < 2^31: checked by the launcher
+                     const __grid_constant__ RaykvPoolIds ids, int num_rows,
+                     unsigned long long* __restrict__ scratch, int64_t* __restrict__ out_sums,
+                     int64_t* __restrict__ out_done) {
+  const int total = num_rows * num_segs;  // < 2^31: checked by the launcher
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     const int i = w / num_segs;
     const int s = w - i * num_segs;
     const RaykvSegment seg = src_segs[s];
-    const char* src = reinterpret_cast<const char*>(seg.paged_base) + src_ids[i] * seg.block_stride;
+    const char* src =
+        reinterpret_cast<const char*>(seg.paged_base) + int64_t{ids.src[i]} * seg.block_stride;
     char* dst = nullptr;
     if constexpr (kStore) {
       const RaykvSegment out = dst_segs[s];
-      dst = reinterpret_cast<char*>(out.paged_base) + dst_ids[i] * out.block_stride;
+      dst = reinterpret_cast<char*>(out.paged_base) + int64_t{ids.dst[i]} * out.block_stride;
     }
-    copy_item<kSum, kStore>(dst, src, seg.bytes, seg.row_offset, kSum ? sums + i : nullptr);
+    add_block_total(copy_summed<kStore>(dst, src, seg.bytes, seg.row_offset), scratch + i);
   }
+  // CUDA's threadFenceReduction pattern: every add ordered before this CTA's ticket, every
+  // ticket before the last CTA's reads.
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  unsigned long long* tickets = scratch + RAYKV_POOL_BATCH_ROWS;
+  if (threadIdx.x == 0) last = atomicAdd(tickets, 1ull) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < num_rows; i += kThreads) {
+    out_sums[i] = static_cast<int64_t>(atomicExch(scratch + i, 0ull));
+    out_done[i] = 1;
+  }
+  if (threadIdx.x == 0) atomicExch(tickets, 0ull);
 }
 
 // The grid for `total` work items of `kKernel`: `num_ctas`, or where that is <= 0 every CTA
@@ -241,37 +272,35 @@ extern "C" int raykv_paged_copy(const RaykvSegment* segs, int num_segs, const in
 
 namespace {
 
-template <bool kSum, bool kStore>
+template <bool kStore>
 cudaError_t launch_pool(int num_ctas, cudaStream_t stream, const RaykvSegment* src_segs,
-                        const RaykvSegment* dst_segs, int num_segs, const int64_t* src_ids,
-                        const int64_t* dst_ids, int64_t num_rows, unsigned long long* sums) {
+                        const RaykvSegment* dst_segs, int num_segs, const RaykvPoolIds& ids,
+                        int num_rows, unsigned long long* scratch, int64_t* out_sums,
+                        int64_t* out_done) {
   unsigned grid = 0;
-  const cudaError_t err =
-      grid_for<pool_copy_kernel<kSum, kStore>>(num_ctas, num_rows * num_segs, grid);
+  const cudaError_t err = grid_for<pool_copy_kernel<kStore>>(
+      num_ctas, static_cast<int64_t>(num_rows) * num_segs, grid);
   if (err != cudaSuccess) return err;
-  pool_copy_kernel<kSum, kStore><<<grid, kThreads, 0, stream>>>(src_segs, dst_segs, num_segs,
-                                                                src_ids, dst_ids, num_rows, sums);
+  pool_copy_kernel<kStore><<<grid, kThreads, 0, stream>>>(
+      src_segs, dst_segs, num_segs, ids, num_rows, scratch, out_sums, out_done);
   return cudaGetLastError();
 }
 
 }  // namespace
 
 extern "C" int raykv_pool_copy(const RaykvSegment* src_segs, const RaykvSegment* dst_segs,
-                               int num_segs, const int64_t* src_ids, const int64_t* dst_ids,
-                               int64_t num_rows, int num_ctas, unsigned long long* sums,
+                               int num_segs, const RaykvPoolIds* ids, int num_rows, int num_ctas,
+                               unsigned long long* scratch, int64_t* out_sums, int64_t* out_done,
                                cudaStream_t stream) {
-  const int64_t total = num_rows * num_segs;
-  if (total <= 0) return cudaSuccess;
-  if (total > INT32_MAX) return cudaErrorInvalidValue;
-  if (dst_segs == nullptr) {
-    if (sums == nullptr) return cudaErrorInvalidValue;
-    return launch_pool<true, false>(num_ctas, stream, src_segs, nullptr, num_segs, src_ids,
-                                    nullptr, num_rows, sums);
+  if (num_rows <= 0) return cudaSuccess;
+  if (num_rows > RAYKV_POOL_BATCH_ROWS || ids == nullptr || scratch == nullptr ||
+      out_sums == nullptr || out_done == nullptr ||
+      static_cast<int64_t>(num_rows) * num_segs > INT32_MAX) {
+    return cudaErrorInvalidValue;
   }
-  if (sums != nullptr) {
-    return launch_pool<true, true>(num_ctas, stream, src_segs, dst_segs, num_segs, src_ids,
-                                   dst_ids, num_rows, sums);
-  }
-  return launch_pool<false, true>(num_ctas, stream, src_segs, dst_segs, num_segs, src_ids,
-                                  dst_ids, num_rows, nullptr);
+  return dst_segs == nullptr
+             ? launch_pool<false>(num_ctas, stream, src_segs, nullptr, num_segs, *ids, num_rows,
+                                  scratch, out_sums, out_done)
+             : launch_pool<true>(num_ctas, stream, src_segs, dst_segs, num_segs, *ids, num_rows,
+                                 scratch, out_sums, out_done);
 }

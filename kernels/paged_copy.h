@@ -41,16 +41,34 @@ int raykv_paged_copy(const RaykvSegment* segs, int num_segs, const int64_t* bloc
 int raykv_leading_matches(const int64_t* got, const int64_t* sent, int64_t n, int64_t* out,
                           cudaStream_t stream);
 
+// Rows of one pool-copy launch: their ids travel in the launch's parameters (RaykvPoolIds, 8 KiB
+// where the CUDA runtime takes parameters up to 32 KiB, since 12.1; 3.75 KiB under the 4 KiB
+// limit before). A larger batch is several launches.
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
+#define RAYKV_POOL_BATCH_ROWS 1024
+#else
+#define RAYKV_POOL_BATCH_ROWS 480
+#endif
+
+typedef struct RaykvPoolIds {
+  int32_t src[RAYKV_POOL_BATCH_ROWS];
+  int32_t dst[RAYKV_POOL_BATCH_ROWS];
+} RaykvPoolIds;
+
 // Block to block between two pools of one layout (src_segs and dst_segs: the same spans, row
 // offsets and sizes, each over its own pool; the source may be a peer GPU's pool mapped into this
-// process): for every i < num_rows and segment s, the bytes of block src_ids[i] of src_segs[s]
-// go to block dst_ids[i] of dst_segs[s]. sums (nullable, device memory, num_rows entries): each
-// row's wire sum, exactly as raykv_paged_copy's gather takes it, ADDED to sums[i] (zero it
-// first; spans 8-byte aligned). dst_segs == nullptr: nothing is written, only the sums of the
-// source rows are taken (sums then required). num_ctas <= 0 picks a full persistent grid.
+// process): for every i < num_rows (at most RAYKV_POOL_BATCH_ROWS) and segment s, the bytes of
+// block ids->src[i] of src_segs[s] go to block ids->dst[i] of dst_segs[s]; each row's wire sum,
+// exactly as raykv_paged_copy's gather takes it, is written to out_sums[i] and then out_done[i]
+// is set to 1 (both mapped pinned host memory, device addresses; spans 8-byte aligned).
+// dst_segs == nullptr: nothing is written to a pool, only the source rows' sums are taken.
+// scratch: device memory of RAYKV_POOL_BATCH_ROWS + 1 uint64 (each row's running sum, the
+// grid's count of finished CTAs), zero before the launch and left zero by it; launches that share one scratch must run one after the other (one stream, or
+// ordered). num_ctas <= 0 picks a full persistent grid.
 int raykv_pool_copy(const RaykvSegment* src_segs, const RaykvSegment* dst_segs, int num_segs,
-                    const int64_t* src_ids, const int64_t* dst_ids, int64_t num_rows,
-                    int num_ctas, unsigned long long* sums, cudaStream_t stream);
+                    const RaykvPoolIds* ids, int num_rows, int num_ctas,
+                    unsigned long long* scratch, int64_t* out_sums, int64_t* out_done,
+                    cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -16,6 +16,7 @@
 #include <dlfcn.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <stdexcept>
@@ -328,61 +329,82 @@ pybind11::object recv(int64_t comm, int64_t peer, const torch::Tensor& segs,
 
 // A peer read's batch (raykv.transport.peer_read) in one host call: the source ids (and the
 // destination ids, checked distinct; dst_ids None: the sums alone) read from the Python
-// sequences into pinned memory, checked as for the pipeline above, uploaded, then the
-// block-to-block copy with each row's wire sum (raykv_pool_copy) on the current stream and
-// the sums back behind the ids. Returns that pinned int64 tensor (its last n: the sums, valid
-// once the stream passes this point; `done_event`, unless 0, a cudaEvent_t recorded behind it
-// all), or (side, code) for the first bad id: side 0 the source ids, 1 the destination ids;
-// code as wire_send's. Nothing is enqueued for bad ids.
+// sequences and checked as for the pipeline above, then the block-to-block copy with each
+// row's wire sum (raykv_pool_copy) on the current stream, its ids in the launch's parameters
+// and its sums written by the kernel straight into pinned memory: nothing else is enqueued
+// (an upload, a zeroing and a copy back each cost the GPU a few us before or after the copy,
+// and the host a call). `scratch`: the caller's device int64 [pool_batch_rows + 1], zero (the
+// kernel leaves it so); `state`: the caller's CPU int64 [1], the stream the last batch with
+// this scratch went to (a batch on another stream waits for it: launches sharing a scratch run
+// one after the other). Returns the pinned int64 tensor [2n]: the n sums, then n flags the
+// kernel sets to 1 behind each sum (valid once the stream passes this point; `done_event`,
+// unless 0, a cudaEvent_t recorded behind it all), or (side, code) for the first bad id: side
+// 0 the source ids, 1 the destination ids; code as wire_send's. Nothing is enqueued for bad ids.
 pybind11::object pool_read(const torch::Tensor& src_segs, const torch::Tensor& dst_segs,
                            const pybind11::handle& src_ids, const pybind11::handle& dst_ids,
                            int64_t num_src, int64_t num_dst, int64_t num_ctas,
-                           int64_t done_event) {
+                           int64_t done_event, const torch::Tensor& scratch,
+                           const torch::Tensor& state) {
   const bool store = !dst_ids.is_none();
   raykv::require(src_segs.is_cuda() && src_segs.scalar_type() == torch::kInt64 &&
                      src_segs.is_contiguous() && src_segs.dim() == 2 && src_segs.size(1) == 4 &&
                      (!store || (dst_segs.is_cuda() && dst_segs.scalar_type() == torch::kInt64 &&
                                  dst_segs.is_contiguous() && dst_segs.sizes() == src_segs.sizes())),
                  "pool_read: segment tables must be contiguous CUDA int64 [S, 4], one S");
+  raykv::require(scratch.is_cuda() && scratch.scalar_type() == torch::kInt64 &&
+                     scratch.is_contiguous() && scratch.numel() > RAYKV_POOL_BATCH_ROWS &&
+                     scratch.device() == src_segs.device() && !state.is_cuda() &&
+                     state.scalar_type() == torch::kInt64 && state.numel() >= 1,
+                 "pool_read: scratch must be CUDA int64 [pool_batch_rows + 1] on the pool's "
+                 "device, state CPU int64 [1]");
+  raykv::require(num_src <= INT32_MAX && num_dst <= INT32_MAX,
+                 "pool_read: pools of more than 2^31 blocks");
   const Py_ssize_t n = PySequence_Check(src_ids.ptr()) ? PySequence_Size(src_ids.ptr()) : -1;
   if (n < 0) {
     PyErr_Clear();
     return pybind11::make_tuple(0, static_cast<int64_t>(kIdNotInt));
   }
-  // One pinned buffer [source ids | destination ids | zeros for the sums | the sums]: its
-  // first three parts go up in one copy (no separate upload per side, no memset: each small
-  // operation on the stream costs a few us of GPU time before the copy can start), the sums
-  // come back behind them.
-  const int64_t k = store ? 2 : 1;
-  torch::Tensor host = pinned((k + 2) * n);
-  int64_t* h = host.data_ptr<int64_t>();
+  // Both sides' ids read and checked before anything is enqueued (this thread's buffer).
+  thread_local std::vector<int64_t> ids;
+  if (ids.size() < static_cast<size_t>(2 * n)) ids.resize(2 * n);
   int64_t bad = -1;
-  read_ids(src_ids, h, n, num_src, false, bad);
+  read_ids(src_ids, ids.data(), n, num_src, false, bad);
   if (bad >= 0) return pybind11::make_tuple(0, bad);
   if (store) {
-    const int64_t got = read_ids(dst_ids, h + n, n, num_dst, true, bad);
+    const int64_t got = read_ids(dst_ids, ids.data() + n, n, num_dst, true, bad);
     if (bad >= 0) return pybind11::make_tuple(1, bad);
     if (got != n) fail("pool_read: " + std::to_string(n) + " source ids but " +
                        std::to_string(got) + " destination ids");
   }
+  torch::Tensor host = pinned(2 * n);
   if (n == 0) return pybind11::cast(host);
-  std::memset(h + k * n, 0, n * sizeof(int64_t));
+  int64_t* h = host.data_ptr<int64_t>();
+  std::memset(h + n, 0, n * sizeof(int64_t));  // the flags the kernel sets
   const c10::cuda::CUDAGuard guard(src_segs.device());
   const c10::DeviceIndex device = src_segs.device().index();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-  torch::Tensor scratch = torch::empty({(k + 1) * n}, src_segs.options());
-  int64_t* ids = scratch.data_ptr<int64_t>();
-  int64_t* sums = ids + k * n;
-  upload(host, (k + 1) * n, ids, stream);
-  const cudaError_t err = static_cast<cudaError_t>(raykv_pool_copy(
-      reinterpret_cast<const RaykvSegment*>(src_segs.data_ptr<int64_t>()),
-      store ? reinterpret_cast<const RaykvSegment*>(dst_segs.data_ptr<int64_t>()) : nullptr,
-      static_cast<int>(src_segs.size(0)), ids, store ? ids + n : nullptr, n,
-      static_cast<int>(num_ctas), reinterpret_cast<unsigned long long*>(sums), stream));
-  check_cuda(err, "pool_copy launch");
-  check_cuda(cudaMemcpyAsync(h + (k + 1) * n, sums, n * sizeof(int64_t),
-                             cudaMemcpyDeviceToHost, stream),
-             "cudaMemcpyAsync");
+  int64_t* on_device = nullptr;  // the same memory as the kernel addresses it (UVA: h itself)
+  check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&on_device), h, 0),
+             "cudaHostGetDevicePointer");
+  int64_t& last = *state.data_ptr<int64_t>();
+  if (last != 0 && as_stream(last) != stream) order(as_stream(last), stream);
+  last = reinterpret_cast<int64_t>(stream);
+  RaykvPoolIds chunk;  // filled up to the rows of each launch only
+  for (int64_t start = 0; start < n; start += RAYKV_POOL_BATCH_ROWS) {
+    const int64_t rows = std::min<int64_t>(n - start, RAYKV_POOL_BATCH_ROWS);
+    for (int64_t i = 0; i < rows; ++i) {
+      chunk.src[i] = static_cast<int32_t>(ids[start + i]);
+      chunk.dst[i] = store ? static_cast<int32_t>(ids[n + start + i]) : 0;
+    }
+    const cudaError_t err = static_cast<cudaError_t>(raykv_pool_copy(
+        reinterpret_cast<const RaykvSegment*>(src_segs.data_ptr<int64_t>()),
+        store ? reinterpret_cast<const RaykvSegment*>(dst_segs.data_ptr<int64_t>()) : nullptr,
+        static_cast<int>(src_segs.size(0)), &chunk, static_cast<int>(rows),
+        static_cast<int>(num_ctas),
+        reinterpret_cast<unsigned long long*>(scratch.data_ptr<int64_t>()), on_device + start,
+        on_device + n + start, stream));
+    check_cuda(err, "pool_copy launch");
+  }
   if (done_event != 0) {  // the caller's event (a torch.cuda.Event's cuda_event) behind it all
     check_cuda(cudaEventRecord(reinterpret_cast<cudaEvent_t>(done_event), stream),
                "cudaEventRecord");
@@ -403,7 +425,8 @@ void register_wire_pipeline(pybind11::module& m) {
         "intact rows, or the first bad id's code as wire_send returns it");
   m.def("pool_read", &pool_read, py::arg("src_segs"), py::arg("dst_segs"), py::arg("src_ids"),
         py::arg("dst_ids"), py::arg("num_src"), py::arg("num_dst"), py::arg("num_ctas"),
-        py::arg("done_event") = 0,
+        py::arg("done_event"), py::arg("scratch"), py::arg("state"),
         "enqueue a peer read's block-to-block copy with sums (one host call): pinned memory "
-        "ending in the n sums, or (side, code) of the first bad id");
+        "[2n], the n sums then n flags set behind them, or (side, code) of the first bad id");
+  m.attr("pool_batch_rows") = RAYKV_POOL_BATCH_ROWS;
 }

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from raykv.errors import InvalidInput
+from raykv.errors import InvalidInput, TransportError
 from raykv.ops import _CTAS, _load, _segment_table, _spans_aligned, row_segments
 from raykv.ops_checks import _entries_key, _entries_shape, bad_ids
 from raykv.ops_reference import _gather_reference, _scatter_reference, row_sums
@@ -63,6 +63,11 @@ class PoolCopy:
             and _spans_aligned(self.src, src_key)
         ):
             with torch.cuda.device(self.device):
+                # the kernel's running sums, zero between batches (it leaves them so), and the
+                # stream the last batch went to (a batch on another stream waits for it)
+                self._scratch = torch.zeros(module.pool_batch_rows + 1, dtype=torch.int64,
+                                            device=self.device)  # fmt: skip
+                self._state = torch.zeros(1, dtype=torch.int64)
                 self._src_table = _segment_table(self.src, src_key)
                 self._dst_table = (
                     _segment_table(self.dst, dst_key) if self.dst is not None
@@ -78,8 +83,9 @@ class PoolCopy:
     ) -> torch.Tensor:
         """Checks and enqueues one batch on the current stream: block ``dst_ids[i]`` = block
         ``src_ids[i]`` (no ``dst_ids`` without a destination: nothing is written). Returns
-        the rows' sums, int64 ``[n]`` (on a GPU in pinned host memory, valid once the stream
-        passes this point; ``done``, an ``event()``, is recorded there). InvalidInput naming
+        the batch's result, int64 ``[2n]`` (on a GPU pinned host memory the kernel writes,
+        complete once the stream passes this point; ``done``, an ``event()``, is recorded
+        there): ``sums`` reads the rows' sums from it. InvalidInput naming
         the id, its position and the pool's size where an id is not an int, lies outside its
         pool or is written twice, or the counts differ; nothing is enqueued then."""
         n = len(src_ids)
@@ -89,24 +95,39 @@ class PoolCopy:
         if self._module is not None:
             out = self._module.pool_read(self._src_table, self._dst_table, src_ids, dst_ids,
                                          self.num_src, self.num_dst, _CTAS,
-                                         done.cuda_event if done is not None else 0)  # fmt: skip
+                                         done.cuda_event if done is not None else 0,
+                                         self._scratch, self._state)  # fmt: skip
             if isinstance(out, tuple):
                 side, code = out
                 ids, size = (src_ids, self.num_src) if side == 0 else (dst_ids, self.num_dst)
                 raise bad_ids(f"{self.what} ({('source', 'destination')[side]})", ids, size, code)
-            return out[len(out) - n :]
+            return out
         for side, (ids, size) in enumerate(((src_ids, self.num_src), (dst_ids, self.num_dst))):
             code = _first_bad(ids, size, distinct=side == 1) if ids is not None else -1
             if code >= 0:
                 raise bad_ids(f"{self.what} ({('source', 'destination')[side]})", ids, size, code)
-        sums = torch.zeros(n, dtype=torch.int64)
+        out = torch.ones(2 * n, dtype=torch.int64)  # the sums, then every row's flag set
         if n:  # the torch reference
             rows = torch.empty((n, self.width), dtype=torch.uint8, device=self.device)
             _gather_reference(self.src, torch.tensor(src_ids, device=self.device), rows)
-            sums.copy_(row_sums(rows))
+            out[:n].copy_(row_sums(rows))
             if self.dst is not None:
                 _scatter_reference(rows, self.dst, torch.tensor(dst_ids, device=self.device))
-        return sums
+        return out
+
+    def sums(self, got: torch.Tensor) -> np.ndarray:
+        """The rows' wire sums (int64 ``[n]``, a view of ``got``) from ``start``'s result, once
+        its batch has passed. TransportError where the kernel did not hand back a row's sum
+        (its flag unset): the batch is then no good as a whole (its flags are how a sum left
+        over from an earlier batch in the same pinned memory can never pass for this one's)."""
+        out = got.numpy()
+        n = len(out) // 2
+        if not out[n:].all():
+            raise TransportError(
+                f"{self.what}: the copy handed back {int(np.count_nonzero(out[n:]))} of {n} "
+                "rows' sums (a kernel fault); the batch is a miss"
+            )
+        return out[:n]
 
     def event(self) -> torch.cuda.Event:
         """A CUDA event for ``start``'s ``done``, which the kernel's call records behind its

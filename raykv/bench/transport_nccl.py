@@ -294,7 +294,7 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
         if a:
             sums = [holder.start(src_ids) for _ in range(burst)]
             sync()
-            return len(sums[-1])
+            return len(holder.sums(sums[-1]))
         return loop.run_until_complete(_together([peer_read() for _ in range(burst)]))
 
     def contiguous(layout: str) -> None:  # queued: wait() orders streams, the host goes on

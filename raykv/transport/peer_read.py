@@ -104,7 +104,7 @@ def stated_sums(copy: PoolCopy, block_ids: Sequence[int]) -> np.ndarray:
     got = copy.start(block_ids)
     if copy.device.type == "cuda":
         torch.cuda.current_stream(copy.device).synchronize()
-    return got.numpy().copy()  # the pinned buffer goes back to torch's allocator
+    return copy.sums(got).copy()  # the pinned buffer goes back to torch's allocator
 
 
 async def read_blocks(
@@ -136,7 +136,7 @@ async def read_blocks(
             if now - start > _SPIN_S:
                 await asyncio.sleep(_POLL_S)
         copy.reuse(done)
-    return leading_equal(got.numpy(), sent_sums)
+    return leading_equal(copy.sums(got), sent_sums)
 
 
 class PeerTransport:

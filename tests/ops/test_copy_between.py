@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from paged_copy_cases import DTYPES, kv_entries, oracle_rows
 
 from raykv import ops
-from raykv.errors import InvalidInput
+from raykv.errors import InvalidInput, TransportError
 from raykv.ops_pools import PoolCopy
 
 FAST = settings(max_examples=25, deadline=None)
@@ -51,20 +51,36 @@ def test_pool_copy_moves_exactly_the_listed_blocks_with_the_gathers_sums(case, d
     dst_ids = data.draw(st.permutations(range(case["dst_blocks"])))[:n]
     keep = sorted(set(range(case["dst_blocks"])) - set(dst_ids))
     before, want = oracle_rows(dst, keep), oracle_rows(src, src_ids)
-    sums = PoolCopy(src, dst).start(src_ids, dst_ids)
+    copy, alone = PoolCopy(src, dst), PoolCopy(src)
+    sums = copy.sums(copy.start(src_ids, dst_ids))
     assert oracle_rows(dst, dst_ids) == want
     assert oracle_rows(dst, keep) == before  # nothing else written
     assert sums.tolist() == gathered_sums(src, src_ids)  # what the holder states
-    assert PoolCopy(src).start(src_ids).tolist() == sums.tolist()
+    assert alone.sums(alone.start(src_ids)).tolist() == sums.tolist()
+
+
+def test_a_row_whose_sum_never_came_back_fails_the_batch():
+    """A row whose flag the copy did not set (a kernel fault) fails the whole batch: a sum
+    left in the result's memory from an earlier batch never passes for this one's."""
+    case = {"kind": "kv", "block_size": 16, "dtype": "u8", "layers": 2, "src_blocks": 4,
+            "dst_blocks": 4, "seed": 5}  # fmt: skip
+    src, dst = pools(case)
+    copy = PoolCopy(src, dst)
+    got = copy.start([0, 1, 2], [3, 2, 1])
+    assert copy.sums(got).tolist() == gathered_sums(src, [0, 1, 2])
+    got[4] = 0  # row 1's flag
+    with pytest.raises(TransportError, match="handed back 2 of 3 rows' sums"):
+        copy.sums(got)
 
 
 def test_block_sums_change_with_any_word_of_a_block():
     case = {"kind": "kv", "block_size": 16, "dtype": "u8", "layers": 2, "src_blocks": 4,
             "dst_blocks": 1, "seed": 3}  # fmt: skip
     src, _ = pools(case)
-    before = PoolCopy(src).start([0, 1, 2, 3])
+    copy = PoolCopy(src)
+    before = copy.sums(copy.start([0, 1, 2, 3])).copy()
     src[3][2].view(-1)[5] ^= 1  # one bit of block 2, in the second layer's V
-    after = PoolCopy(src).start([0, 1, 2, 3])
+    after = copy.sums(copy.start([0, 1, 2, 3]))
     assert [int(a != b) for a, b in zip(before, after, strict=True)] == [0, 0, 1, 0]
 
 

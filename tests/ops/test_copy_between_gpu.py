@@ -22,14 +22,16 @@ def test_kernel_pool_copy_matches_the_reference(kind, dtype) -> None:
     ref_src, ref_dst = [e.cpu() for e in src], [e.cpu() for e in dst]
     src_ids = torch.randperm(40, generator=gen)[:20].tolist()
     dst_ids = torch.randperm(30, generator=gen)[:20].tolist()
-    sums = PoolCopy(src, dst).start(src_ids, dst_ids)
-    ref = PoolCopy(ref_src, ref_dst).start(src_ids, dst_ids)
+    copy, ref_copy = PoolCopy(src, dst), PoolCopy(ref_src, ref_dst)
+    sums = copy.start(src_ids, dst_ids)
+    ref = ref_copy.sums(ref_copy.start(src_ids, dst_ids))
     torch.cuda.synchronize()
     assert oracle_rows(dst, list(range(30))) == oracle_rows(ref_dst, list(range(30)))
-    assert sums.tolist() == ref.tolist()
-    alone = PoolCopy(src).start(src_ids)
+    assert copy.sums(sums).tolist() == ref.tolist()
+    alone = PoolCopy(src)
+    got = alone.start(src_ids)
     torch.cuda.synchronize()
-    assert alone.tolist() == ref.tolist()
+    assert alone.sums(got).tolist() == ref.tolist()
 
 
 def test_the_done_event_passes_behind_the_sums_and_is_reused() -> None:
@@ -51,8 +53,9 @@ def test_the_done_event_passes_behind_the_sums_and_is_reused() -> None:
         sums = copy.start(ids, ids, done)
         assert not done.query()
         done.synchronize()
-        ref = PoolCopy(ref_src).start(ids)
-        assert sums.tolist() == ref.tolist()  # read without any other wait
+        ref_copy = PoolCopy(ref_src)
+        ref = ref_copy.sums(ref_copy.start(ids))
+        assert copy.sums(sums).tolist() == ref.tolist()  # read without any other wait
         assert oracle_rows(dst, ids) == oracle_rows(ref_src, ids)
         copy.reuse(done)
 
@@ -88,3 +91,31 @@ def test_exportable_memory_maps_again_with_the_same_bytes() -> None:
     torch.cuda.synchronize()
     assert torch.equal(export.tensors[0], again[0])
     export.close()
+
+
+def test_batches_of_several_launches_on_two_streams_each_get_their_own_sums() -> None:
+    """The kernel hands each row's sum back itself and leaves its running sums zero for the next
+    launch: batches larger than one launch's rows (``pool_batch_rows``), queued back to back
+    and alternating between two streams without a wait, each get exactly the reference's sums
+    and bytes, and the running sums are zero after them."""
+    gen = torch.Generator().manual_seed(13)
+    copy_rows = ops.kernel_module().pool_batch_rows
+    blocks = 2 * copy_rows + 100
+    src, _ = kv_entries("kv", blocks, 16, torch.bfloat16, 2, gen, device="cuda")
+    dst, _ = kv_entries("kv", blocks, 16, torch.bfloat16, 2, gen, device="cuda")
+    ref_src = [e.cpu() for e in src]
+    copy, streams = PoolCopy(src, dst), [torch.cuda.Stream(), torch.cuda.Stream()]
+    batches = []
+    for k, n in enumerate([2 * copy_rows + 37, 1, copy_rows, 700, copy_rows + 1, 3]):
+        ids = torch.randperm(blocks, generator=gen)[:n].tolist()
+        out = torch.randperm(blocks, generator=gen)[:n].tolist()
+        with torch.cuda.stream(streams[k % 2]):
+            torch.cuda._sleep(200_000)  # the batch queues behind other work on its stream
+            batches.append((ids, out, copy.start(ids, out)))
+    torch.cuda.synchronize()
+    ref_copy = PoolCopy(ref_src)
+    for ids, _, got in batches:
+        assert copy.sums(got).tolist() == ref_copy.sums(ref_copy.start(ids)).tolist()
+    ids, out, _ = batches[-1]
+    assert oracle_rows(dst, out) == oracle_rows(ref_src, ids)
+    assert not copy._scratch.any()
