@@ -413,6 +413,25 @@ pybind11::object pool_read(const torch::Tensor& src_segs, const torch::Tensor& d
   return pybind11::cast(host);
 }
 
+// How many leading rows of a pool_read result `got` (int64 [2n]: the sums, then the flags; read
+// once its batch has passed) came back with the sum `sent` states for them (an int64 buffer, one
+// per row compared: the first min(n, len(sent)) rows). One pass without temporaries: numpy's
+// compare, mask and search took ~12 us of host time per 512-row read after its copy.
+int64_t pool_leading(const torch::Tensor& got, const pybind11::buffer& sent) {
+  const pybind11::buffer_info want = sent.request();
+  raykv::require(!got.is_cuda() && got.scalar_type() == torch::kInt64 && got.is_contiguous() &&
+                     want.ndim == 1 && want.itemsize == 8 &&
+                     (want.format == "l" || want.format == "q") && want.strides[0] == 8,
+                 "pool_leading: a pool_read result and a contiguous int64 array of sums");
+  const int64_t n = got.numel() / 2;
+  const int64_t m = std::min<int64_t>(n, want.shape[0]);
+  const int64_t* g = got.data_ptr<int64_t>();
+  const int64_t* s = static_cast<const int64_t*>(want.ptr);
+  int64_t i = 0;
+  while (i < m && g[n + i] != 0 && g[i] == s[i]) ++i;
+  return i;
+}
+
 }  // namespace
 
 void register_wire_pipeline(pybind11::module& m) {
@@ -429,4 +448,6 @@ void register_wire_pipeline(pybind11::module& m) {
         "enqueue a peer read's block-to-block copy with sums (one host call): pinned memory "
         "[2n], the n sums then n flags set behind them, or (side, code) of the first bad id");
   m.attr("pool_batch_rows") = RAYKV_POOL_BATCH_ROWS;
+  m.def("pool_leading", &pool_leading, py::arg("got"), py::arg("sent"),
+        "how many leading rows of a pool_read result came back with the stated sums");
 }

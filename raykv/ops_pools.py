@@ -115,6 +115,20 @@ class PoolCopy:
                 _scatter_reference(rows, self.dst, torch.tensor(dst_ids, device=self.device))
         return out
 
+    def leading_good(self, got: torch.Tensor, sent: Sequence[int] | np.ndarray) -> int:
+        """How many leading rows of ``start``'s result ``got`` (its batch passed) came back
+        with the sum ``sent`` states for each (compared up to ``len(sent)`` rows): only those
+        may become valid; a row whose sum was not handed back ends them. On a GPU one pass in
+        the extension (``pool_leading``; numpy's compare, mask and search cost ~12 us a read)."""
+        want = np.asarray(sent, dtype=np.int64)  # free for the int64 array stated_sums gives
+        if self._module is not None:
+            return self._module.pool_leading(got, want)
+        out = got.numpy()
+        n = len(out) // 2
+        m = min(n, len(want))
+        bad = np.flatnonzero((out[:m] != want[:m]) | (out[n : n + m] == 0))
+        return int(bad[0]) if bad.size else m
+
     def sums(self, got: torch.Tensor) -> np.ndarray:
         """The rows' wire sums (int64 ``[n]``, a view of ``got``) from ``start``'s result, once
         its batch has passed. TransportError where the kernel did not hand back a row's sum

@@ -90,13 +90,6 @@ class PeerMaps:
         return len(self._maps)
 
 
-def leading_equal(got: np.ndarray, sent: Sequence[int] | np.ndarray) -> int:
-    """How many leading rows' sums equal the holder's."""
-    want = np.asarray(sent, dtype=np.int64)  # free for the int64 array stated_sums gives
-    bad = np.flatnonzero(got[: len(want)] != want)
-    return int(bad[0]) if bad.size else len(want)
-
-
 def stated_sums(copy: PoolCopy, block_ids: Sequence[int]) -> np.ndarray:
     """The holder's half: each of its blocks' wire sum (``copy`` has no destination), after
     everything queued on the pool's stream so far, waited for; int64, so the reader compares
@@ -136,7 +129,7 @@ async def read_blocks(
             if now - start > _SPIN_S:
                 await asyncio.sleep(_POLL_S)
         copy.reuse(done)
-    return leading_equal(copy.sums(got), sent_sums)
+    return copy.leading_good(got, sent_sums)
 
 
 class PeerTransport:

@@ -4,6 +4,7 @@ its sums against the gather's, and bad ids refused before anything moves."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -59,6 +60,33 @@ def test_pool_copy_moves_exactly_the_listed_blocks_with_the_gathers_sums(case, d
     assert alone.sums(alone.start(src_ids)).tolist() == sums.tolist()
 
 
+def leading_good_by_hand(sums, flags, sent) -> int:
+    i = 0
+    while i < min(len(sums), len(sent)) and flags[i] and sums[i] == sent[i]:
+        i += 1
+    return i
+
+
+@FAST
+@given(
+    rows=st.lists(st.tuples(st.integers(-(2**63), 2**63 - 1), st.booleans(), st.booleans()),
+                  max_size=40),
+    cut=st.integers(0, 45),
+)  # fmt: skip
+def test_leading_good_counts_rows_back_with_the_stated_sum(rows, cut):
+    """Only leading rows whose sum came back (flag set) and equals the stated one count; the
+    holder may state fewer rows than were copied."""
+    sums = [s for s, _, _ in rows]
+    flags = [int(f) for _, f, _ in rows]
+    sent = [s if same else s ^ 1 for s, _, same in rows][:cut]
+    got = torch.tensor(sums + flags, dtype=torch.int64)
+    src, _ = pools({"kind": "kv", "block_size": 16, "dtype": "u8", "layers": 1,
+                    "src_blocks": 1, "dst_blocks": 1, "seed": 0})  # fmt: skip
+    want = leading_good_by_hand(sums, flags, sent)
+    assert PoolCopy(src).leading_good(got, sent) == want
+    assert PoolCopy(src).leading_good(got, np.array(sent, dtype=np.int64)) == want
+
+
 def test_a_row_whose_sum_never_came_back_fails_the_batch():
     """A row whose flag the copy did not set (a kernel fault) fails the whole batch: a sum
     left in the result's memory from an earlier batch never passes for this one's."""
@@ -68,9 +96,12 @@ def test_a_row_whose_sum_never_came_back_fails_the_batch():
     copy = PoolCopy(src, dst)
     got = copy.start([0, 1, 2], [3, 2, 1])
     assert copy.sums(got).tolist() == gathered_sums(src, [0, 1, 2])
+    stated = copy.sums(got).copy()
+    assert copy.leading_good(got, stated) == 3
     got[4] = 0  # row 1's flag
     with pytest.raises(TransportError, match="handed back 2 of 3 rows' sums"):
         copy.sums(got)
+    assert copy.leading_good(got, stated) == 1  # row 0 only
 
 
 def test_block_sums_change_with_any_word_of_a_block():

@@ -119,3 +119,21 @@ def test_batches_of_several_launches_on_two_streams_each_get_their_own_sums() ->
     ids, out, _ = batches[-1]
     assert oracle_rows(dst, out) == oracle_rows(ref_src, ids)
     assert not copy._scratch.any()
+
+
+def test_the_extensions_leading_good_matches_numpys() -> None:
+    """``pool_leading`` (one pass in the extension) counts exactly what the reference's numpy
+    does, for rows whose sums differ, whose flags are unset, and stated lists of any length."""
+    gen = torch.Generator().manual_seed(17)
+    src, _ = kv_entries("kv", 4, 16, torch.bfloat16, 1, gen, device="cuda")
+    copy = PoolCopy(src)
+    reference = PoolCopy([e.cpu() for e in src])
+    assert copy._module is not None and reference._module is None
+    for _ in range(300):
+        n = int(torch.randint(0, 20, (1,), generator=gen))
+        got = torch.randint(-3, 3, (2 * n,), generator=gen, dtype=torch.int64)
+        got[n:] = (torch.rand(n, generator=gen) < 0.9).long()
+        sent = got[:n].clone()
+        sent[torch.rand(n, generator=gen) < 0.1] += 1
+        sent = sent[: int(torch.randint(0, n + 3, (1,), generator=gen))].numpy()
+        assert copy.leading_good(got, sent) == reference.leading_good(got, sent)

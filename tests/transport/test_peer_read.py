@@ -10,7 +10,7 @@ import torch
 
 from raykv.ops_pools import PoolCopy
 from raykv.tiers import shm
-from raykv.transport.peer_read import PeerMaps, leading_equal, owner_pid, read_blocks, stated_sums
+from raykv.transport.peer_read import PeerMaps, owner_pid, read_blocks, stated_sums
 
 
 def _holder(q, done) -> None:
@@ -43,11 +43,3 @@ def test_a_reader_copies_a_live_holders_blocks_and_drops_the_mapping_once_it_is_
     p.join(30)
     maps.sweep()
     assert len(maps) == 0  # its memory is no longer held here
-
-
-def test_leading_equal_counts_until_the_first_difference():
-    assert leading_equal(torch.tensor([1, 2, 3]).numpy(), [1, 2, 3]) == 3
-    assert leading_equal(torch.tensor([1, 5, 3]).numpy(), [1, 2, 3]) == 1
-    assert leading_equal(torch.tensor([], dtype=torch.int64).numpy(), []) == 0
-    sent = np.array([1, 2, 4], dtype=np.int64)  # the holder's stated sums as they arrive
-    assert leading_equal(torch.tensor([1, 2, 3]).numpy(), sent) == 2
