@@ -63,8 +63,9 @@ typedef struct RaykvPoolIds {
 // is set to 1 (both mapped pinned host memory, device addresses; spans 8-byte aligned).
 // dst_segs == nullptr: nothing is written to a pool, only the source rows' sums are taken.
 // scratch: device memory of RAYKV_POOL_BATCH_ROWS + 1 uint64 (each row's running sum, the
-// grid's count of finished CTAs), zero before the launch and left zero by it; launches that share one scratch must run one after the other (one stream, or
-// ordered). num_ctas <= 0 picks a full persistent grid.
+// grid's count of finished CTAs), zero before the launch and left zero by it; launches that
+// share one scratch must run one after the other (one stream, or ordered). num_ctas <= 0 picks
+// a full persistent grid.
 int raykv_pool_copy(const RaykvSegment* src_segs, const RaykvSegment* dst_segs, int num_segs,
                     const RaykvPoolIds* ids, int num_rows, int num_ctas,
                     unsigned long long* scratch, int64_t* out_sums, int64_t* out_done,

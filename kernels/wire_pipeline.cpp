@@ -390,26 +390,27 @@ pybind11::object pool_read(const torch::Tensor& src_segs, const torch::Tensor& d
   if (last != 0 && as_stream(last) != stream) order(as_stream(last), stream);
   last = reinterpret_cast<int64_t>(stream);
   RaykvPoolIds chunk;  // filled up to the rows of each launch only
-  for (int64_t start = 0; start < n; start += RAYKV_POOL_BATCH_ROWS) {
+  cudaError_t err = cudaSuccess;
+  for (int64_t start = 0; start < n && err == cudaSuccess; start += RAYKV_POOL_BATCH_ROWS) {
     const int64_t rows = std::min<int64_t>(n - start, RAYKV_POOL_BATCH_ROWS);
     for (int64_t i = 0; i < rows; ++i) {
       chunk.src[i] = static_cast<int32_t>(ids[start + i]);
       chunk.dst[i] = store ? static_cast<int32_t>(ids[n + start + i]) : 0;
     }
-    const cudaError_t err = static_cast<cudaError_t>(raykv_pool_copy(
+    err = static_cast<cudaError_t>(raykv_pool_copy(
         reinterpret_cast<const RaykvSegment*>(src_segs.data_ptr<int64_t>()),
         store ? reinterpret_cast<const RaykvSegment*>(dst_segs.data_ptr<int64_t>()) : nullptr,
         static_cast<int>(src_segs.size(0)), &chunk, static_cast<int>(rows),
         static_cast<int>(num_ctas),
         reinterpret_cast<unsigned long long*>(scratch.data_ptr<int64_t>()), on_device + start,
         on_device + n + start, stream));
-    check_cuda(err, "pool_copy launch");
   }
+  keep_until_done(host, stream, device);  // the launches made write into it, even if one failed
+  check_cuda(err, "pool_copy launch");
   if (done_event != 0) {  // the caller's event (a torch.cuda.Event's cuda_event) behind it all
     check_cuda(cudaEventRecord(reinterpret_cast<cudaEvent_t>(done_event), stream),
                "cudaEventRecord");
   }
-  keep_until_done(host, stream, device);
   return pybind11::cast(host);
 }
 
