@@ -95,8 +95,8 @@ def test_a_row_whose_sum_never_came_back_fails_the_batch():
     src, dst = pools(case)
     copy = PoolCopy(src, dst)
     got = copy.start([0, 1, 2], [3, 2, 1])
-    assert copy.sums(got).tolist() == gathered_sums(src, [0, 1, 2])
     stated = copy.sums(got).copy()
+    assert stated.tolist() == gathered_sums(src, [0, 1, 2])
     assert copy.leading_good(got, stated) == 3
     got[4] = 0  # row 1's flag
     with pytest.raises(TransportError, match="handed back 2 of 3 rows' sums"):

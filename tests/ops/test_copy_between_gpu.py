@@ -99,14 +99,14 @@ def test_batches_of_several_launches_on_two_streams_each_get_their_own_sums() ->
     and alternating between two streams without a wait, each get exactly the reference's sums
     and bytes, and the running sums are zero after them."""
     gen = torch.Generator().manual_seed(13)
-    copy_rows = ops.kernel_module().pool_batch_rows
-    blocks = 2 * copy_rows + 100
+    launch_rows = ops.kernel_module().pool_batch_rows
+    blocks = 2 * launch_rows + 100
     src, _ = kv_entries("kv", blocks, 16, torch.bfloat16, 2, gen, device="cuda")
     dst, _ = kv_entries("kv", blocks, 16, torch.bfloat16, 2, gen, device="cuda")
     ref_src = [e.cpu() for e in src]
     copy, streams = PoolCopy(src, dst), [torch.cuda.Stream(), torch.cuda.Stream()]
     batches = []
-    for k, n in enumerate([2 * copy_rows + 37, 1, copy_rows, 700, copy_rows + 1, 3]):
+    for k, n in enumerate([2 * launch_rows + 37, 1, launch_rows, 700, launch_rows + 1, 3]):
         ids = torch.randperm(blocks, generator=gen)[:n].tolist()
         out = torch.randperm(blocks, generator=gen)[:n].tolist()
         with torch.cuda.stream(streams[k % 2]):
