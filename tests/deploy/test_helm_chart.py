@@ -30,6 +30,14 @@ EXTRA_SHAPES = {
         "raykv": {"start": "none"},
     },
     "gpu-and-cpu-groups": {"cpuWorkers": {"enabled": True}, "raykv": {"preset": "llama-3-8b"}},
+    "transport-settings": {
+        "transport": {
+            "ucxTls": "rc,sm,self",
+            "ucxNetDevices": "mlx5_0:1",
+            "ucxStripes": 4,
+            "peerReads": True,
+        },
+    },
     "stock-image-pip-install": {
         "image": {
             "repository": "rayproject/ray",
@@ -137,6 +145,9 @@ def test_crd_check_is_strict_about_unknown_fields(render, crd_validators):
         ({"gpuWorkers": {"gpus": 0}}, ["gpuWorkers/gpus"]),
         ({"raykv": {"start": "postStart"}}, ["raykv/start"]),
         ({"auth": {"rayAuthToken": "short"}}, ["auth/rayAuthToken"]),
+        ({"transport": {"peerRead": True}}, ["transport", "peerRead"]),
+        ({"transport": {"ucxTls": "rc; touch /x"}}, ["transport/ucxTls"]),
+        ({"transport": {"ucxStripes": -1}}, ["transport/ucxStripes"]),
     ],
     ids=[
         "misspelled-worker-key",
@@ -147,6 +158,9 @@ def test_crd_check_is_strict_about_unknown_fields(render, crd_validators):
         "gpu-worker-without-gpus",
         "unknown-start-mode",
         "short-token",
+        "misspelled-transport-key",
+        "ucx-tls-not-a-list-of-names",
+        "negative-stripes",
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(helm_run, values, names):
@@ -260,6 +274,53 @@ def test_token_auth_off_leaves_only_the_transport_secret(render):
 
 def pod_specs_of(objects: list[dict]) -> list[dict]:
     return [spec for obj in objects for spec in pod_specs(obj)]
+
+
+def ray_node_containers(objects: list[dict]) -> list[dict]:
+    return [c for spec in pod_specs(one(objects, "RayCluster")) for c in spec["containers"]]
+
+
+def plain_env(container: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def test_transport_values_reach_every_ray_node_as_raykv_reads_them(render, monkeypatch):
+    """``transport`` becomes the environment of every Ray node (head and each worker group),
+    in the names and forms raykv's own readers take there: the UCX settings and the switch
+    for peer reads."""
+    from raykv.transport import peer_read
+    from raykv.transport.ucx_config import UcxConfig
+
+    values = {
+        "transport": {"ucx": False, "ucxTls": "rc,sm,self", "ucxNetDevices": "mlx5_0:1",
+                      "ucxStripes": 2, "peerReads": True},
+        "cpuWorkers": {"enabled": True},
+    }  # fmt: skip
+    nodes = ray_node_containers(render(values=values))
+    assert len(nodes) == 3  # the head, the GPU group, the CPU group
+    for container in nodes:
+        env = plain_env(container)
+        config = UcxConfig.from_env(env)
+        assert (config.enabled, config.tls, config.net_devices, config.stripes) == (
+            False, "rc,sm,self", "mlx5_0:1", 2,
+        )  # fmt: skip
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert peer_read.enabled()
+        for name in env:
+            monkeypatch.delenv(name)
+
+
+def test_default_transport_values_leave_raykvs_own_defaults(render, monkeypatch):
+    from raykv.transport import peer_read
+    from raykv.transport.ucx_config import UcxConfig
+
+    for container in ray_node_containers(render(values={"cpuWorkers": {"enabled": True}})):
+        env = plain_env(container)
+        assert not [k for k in env if k.startswith("RAYKV_UCX") or k == "RAYKV_PEER_READS"]
+        assert UcxConfig.from_env(env) == UcxConfig.from_env({})
+        monkeypatch.delenv("RAYKV_PEER_READS", raising=False)
+        assert not peer_read.enabled()
 
 
 def test_secret_values_given_are_used_and_missing_ones_generated(render):

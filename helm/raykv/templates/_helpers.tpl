@@ -135,7 +135,8 @@ exit 1
 {{- end -}}
 {{- end -}}
 
-{{/* Env of the Ray nodes (head and workers): auth plus the secret raykv's transport uses. */}}
+{{/* Env of the Ray nodes (head and workers): auth, the secret raykv's transport uses and the
+transport settings of `transport` (only those that differ from raykv's defaults). */}}
 {{- define "raykv.nodeEnv" -}}
 {{- with (include "raykv.rayAuthEnv" .) }}
 {{- . }}
@@ -145,6 +146,28 @@ exit 1
     secretKeyRef:
       name: {{ include "raykv.secretName" . }}
       key: raykv-transport-secret
+{{- with .Values.transport }}
+{{- if not .ucx }}
+- name: RAYKV_UCX
+  value: "0"
+{{- end }}
+{{- if .ucxTls }}
+- name: RAYKV_UCX_TLS
+  value: {{ .ucxTls | quote }}
+{{- end }}
+{{- if .ucxNetDevices }}
+- name: RAYKV_UCX_NET_DEVICES
+  value: {{ .ucxNetDevices | quote }}
+{{- end }}
+{{- if .ucxStripes }}
+- name: RAYKV_UCX_STRIPES
+  value: {{ .ucxStripes | quote }}
+{{- end }}
+{{- if .peerReads }}
+- name: RAYKV_PEER_READS
+  value: "1"
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{- define "raykv.podSecurityContext" -}}
