@@ -44,7 +44,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,13 +53,13 @@ import torch
 
 from raykv import ops
 from raykv.errors import InvalidInput, TransportError
+from raykv.transport import completion
 from raykv.transport.pair import Pair, node_address
 from raykv.transport.pipeline import pipeline_call
 from raykv.transport.select import GLOO, NCCL
 from raykv.transport.wire import WirePlan, count_intact, leading_matches, shares
 
 TIMEOUT_S = float(os.environ.get("RAYKV_COLLECTIVE_TIMEOUT_S", "30"))
-_SPIN_S, _POLL_S = 0.002, 0.0001  # poll NCCL completion: spin first, then sleep between polls
 CROSS, INNER = 0, 1  # a receiver's lanes: batches from another group / from its own replicas
 log = logging.getLogger(__name__)
 
@@ -243,29 +243,20 @@ class Collective:
             else:
                 w.wait()
 
-    def _pauses(self, pending: _Pending) -> Iterator[float]:
-        """How long to pause before each next completion check of ``pending`` (spin first,
-        then sleep between polls) until it is done; TimeoutError after ``timeout_s``."""
-        now = time.monotonic()
-        deadline, spin = now + self.timeout_s, now + _SPIN_S
-        while not self._done(pending):
-            now = time.monotonic()
-            if now > deadline:
-                raise TimeoutError(f"no completion within {self.timeout_s:.0f}s")
-            yield 0.0 if now < spin else _POLL_S
-
     def _wait_here(self, pending: _Pending) -> None:
         """Block this (pair) thread until ``pending`` is done, at most ``timeout_s``."""
         if self.backend == NCCL:  # NCCL: wait() would only order streams; poll
-            for pause in self._pauses(pending):
-                if pause:
-                    time.sleep(pause)
+            deadline = time.monotonic() + self.timeout_s
+            while not self._done(pending):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no completion within {self.timeout_s:.0f}s")
+                time.sleep(completion.POLL_S)
         self._settle(pending)
 
     async def _wait_loop(self, pending: _Pending) -> None:
-        """The same from the event loop, without blocking it (NCCL only)."""
-        for pause in self._pauses(pending):
-            await asyncio.sleep(pause)
+        """The same from the event loop, without blocking it (NCCL only; spun on the loop
+        first, then checked on the watcher thread: ``raykv.transport.completion``)."""
+        await completion.until_done(lambda: self._done(pending), self.timeout_s)
         self._settle(pending)
 
     # -- running a batch's ops over its pairs --
