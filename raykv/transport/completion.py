@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -86,6 +87,14 @@ def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
 
 
 _watcher = Watcher()
+
+
+def _fresh_watcher() -> None:  # a forked child has the list but not the thread
+    global _watcher
+    _watcher = Watcher()
+
+
+os.register_at_fork(after_in_child=_fresh_watcher)
 
 
 async def until_done(

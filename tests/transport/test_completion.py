@@ -89,3 +89,25 @@ def test_an_error_of_the_check_reaches_the_waiter_and_the_watcher_goes_on():
     done, _ = _after(0.01)  # the watcher still serves the next wait
     asyncio.run(completion.until_done(done, timeout_s=5, spin_s=0))
     assert done()
+
+
+def test_a_forked_child_waits_with_a_watcher_of_its_own():
+    import multiprocessing as mp
+
+    done, _ = _after(0.01)  # the parent's watcher thread is running
+    asyncio.run(completion.until_done(done, timeout_s=5, spin_s=0))
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_waits, args=(q,))
+    p.start()
+    p.join(20)
+    assert q.get(timeout=5) == "done"
+
+
+def _child_waits(q) -> None:
+    done, askers = _after(0.01)
+    try:
+        asyncio.run(completion.until_done(done, timeout_s=5, spin_s=0))
+        q.put("done" if "raykv-completion" in askers else f"not watched: {askers}")
+    except Exception as e:
+        q.put(repr(e))
