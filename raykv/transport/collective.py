@@ -43,7 +43,6 @@ import datetime
 import logging
 import os
 import threading
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -246,11 +245,7 @@ class Collective:
     def _wait_here(self, pending: _Pending) -> None:
         """Block this (pair) thread until ``pending`` is done, at most ``timeout_s``."""
         if self.backend == NCCL:  # NCCL: wait() would only order streams; poll
-            deadline = time.monotonic() + self.timeout_s
-            while not self._done(pending):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no completion within {self.timeout_s:.0f}s")
-                time.sleep(completion.POLL_S)
+            completion.block_until_done(lambda: self._done(pending), self.timeout_s)
         self._settle(pending)
 
     async def _wait_loop(self, pending: _Pending) -> None:

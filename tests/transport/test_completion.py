@@ -1,5 +1,6 @@
-"""``raykv.transport.completion``: waits for queued work spin, then go to the watcher thread,
-never to asyncio's millisecond timers; they end, time out and fail as the caller needs."""
+"""``raykv.transport.completion``: a wait for queued work spins, then goes to the watcher
+thread, never to asyncio's millisecond timers; it ends, times out and fails as the caller
+needs."""
 
 from __future__ import annotations
 
@@ -111,3 +112,11 @@ def _child_waits(q) -> None:
         q.put("done" if "raykv-completion" in askers else f"not watched: {askers}")
     except Exception as e:
         q.put(repr(e))
+
+
+def test_a_blocking_wait_ends_with_its_work_or_times_out():
+    done, askers = _after(0.005)
+    completion.block_until_done(done, timeout_s=5)
+    assert done() and askers == {threading.current_thread().name}
+    with pytest.raises(TimeoutError, match="no completion within"):
+        completion.block_until_done(lambda: False, timeout_s=0.01)
