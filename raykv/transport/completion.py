@@ -21,6 +21,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
+
 SPIN_S = 0.002  # checked on the loop this long first
 POLL_S = 50e-6  # then on the watcher thread, this often
 
@@ -28,21 +30,26 @@ POLL_S = 50e-6  # then on the watcher thread, this often
 class Watcher:
     """One thread that checks the registered ``done`` callables every ``poll_s`` and
     resolves each one's future on its loop once it returns true (or raises: the future gets
-    the error). A future cancelled meanwhile (its waiter timed out) is dropped unchecked."""
+    the error). A future cancelled meanwhile (its waiter timed out) is dropped unchecked.
+    Each check runs with the CUDA device its waiter had current: a thread that never set one
+    would make device 0's context current (and create it, if the process had not) to query
+    an event of another GPU."""
 
     def __init__(self, poll_s: float = POLL_S) -> None:
         self.poll_s = poll_s
-        self._items: list[tuple[Callable[[], bool], asyncio.AbstractEventLoop, asyncio.Future]]
-        self._items = []
+        self._items: list[tuple[Callable[[], bool], int | None, asyncio.AbstractEventLoop,
+                                asyncio.Future]] = []  # fmt: skip
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._device: int | None = None  # the watcher thread's current CUDA device
 
     def watch(self, done: Callable[[], bool]) -> asyncio.Future[None]:
         """A future of the running loop, resolved once ``done()`` is true."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         with self._cv:
-            self._items.append((done, loop, fut))
+            self._items.append((done, device, loop, fut))
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="raykv-completion", daemon=True
@@ -59,11 +66,14 @@ class Watcher:
                 items = list(self._items)
             finished = []
             for item in items:
-                done, loop, fut = item
+                done, device, loop, fut = item
                 if fut.done():  # cancelled: its waiter gave up
                     finished.append(item)
                     continue
                 try:
+                    if device is not None and device != self._device:
+                        torch.cuda.set_device(device)
+                        self._device = device
                     ok, error = bool(done()), None
                 except Exception as e:  # surfaces on the waiter's loop
                     ok, error = True, e

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -120,3 +121,22 @@ def test_a_blocking_wait_ends_with_its_work_or_times_out():
     assert done() and askers == {threading.current_thread().name}
     with pytest.raises(TimeoutError, match="no completion within"):
         completion.block_until_done(lambda: False, timeout_s=0.01)
+
+
+def test_the_watcher_checks_with_the_waiters_cuda_device(monkeypatch):
+    set_on: list[tuple[int, str]] = []
+    monkeypatch.setattr(completion, "_watcher", completion.Watcher())
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda d: set_on.append((d, threading.current_thread().name))
+    )
+    done, askers = _after(0.01)
+
+    def checked() -> bool:  # the device is current before the first check there
+        if threading.current_thread().name == "raykv-completion":
+            assert set_on == [(3, "raykv-completion")]
+        return done()
+
+    asyncio.run(completion.until_done(checked, timeout_s=5, spin_s=0))
+    assert set_on == [(3, "raykv-completion")] and "raykv-completion" in askers
