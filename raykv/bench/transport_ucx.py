@@ -60,9 +60,11 @@ def ucx_pair(
     reps: int = 5,
     prefix: Sequence[str] = (),
     host: str = "127.0.0.1",
+    chunk_bytes: int | None = None,
 ) -> dict[str, Any]:
     """raykv's UCX fetch (per stripe count) vs raw ucxx, two processes, same bytes and TLS.
-    ``prefix``: run the peer under it (``ip netns exec NS``); ``host``: its address."""
+    ``prefix``: run the peer under it (``ip netns exec NS``); ``host``: its address;
+    ``chunk_bytes``: the reader's chunk size (``RAYKV_UCX_CHUNK_BYTES``, else its default)."""
     import asyncio
 
     from raykv import ops
@@ -96,8 +98,9 @@ def ucx_pair(
         local = torch.zeros((2 * blocks, block_bytes), dtype=torch.uint8)
         dest = torch.randperm(2 * blocks)[:blocks]  # scattered, as in a tier's arena
         runtime = UcxRuntime.get(tls, devs)
+        chunk = chunk_bytes or UcxConfig.from_env().chunk_bytes
         ts = {k: UcxTransport(secret.encode(), UcxConfig(tls=tls, net_devices=devs, stripes=k,
-                                                         stripe_min_bytes=1))
+                                                         stripe_min_bytes=1, chunk_bytes=chunk))
               for k in stripes}  # fmt: skip
         raw = _RawUcxx(runtime, where["raw"], nbytes)
 
@@ -135,7 +138,8 @@ def ucx_pair(
         times = _interleaved(calls, reps)
         assert torch.equal(local[dest], want[0]), "raykv moved wrong bytes"
         assert torch.equal(runs, want[0]), "raykv moved wrong bytes in place"
-        out: dict[str, Any] = {"tls": tls or "default", "blocks": blocks, "bytes": nbytes}
+        out: dict[str, Any] = {"tls": tls or "default", "blocks": blocks, "bytes": nbytes,
+                               "chunk_bytes": chunk}  # fmt: skip
         out |= {k: _rate(nbytes, v) for k, v in times.items()}
         for t in ts.values():
             t.close()
@@ -316,17 +320,19 @@ def ucx_pairs_main(argv: list[str] | None = None) -> None:
     p.add_argument("--blocks", type=int, default=512)
     p.add_argument("--stripes", default="1,4")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--chunk-bytes", type=int, default=None)
     a = p.parse_args(argv)
     tlss = a.tls or ["tcp"]
     if len(tlss) > 1:  # UCX's transports are fixed per process: one process per UCX_TLS
         for tls in tlss:
             rest = ["--blocks", str(a.blocks), "--stripes", a.stripes, "--reps", str(a.reps)]
+            rest += ["--chunk-bytes", str(a.chunk_bytes)] if a.chunk_bytes else []
             subprocess.run([sys.executable, "-m", __spec__.name, "--tls", tls, *rest], check=False)
         return
     for tls in tlss:
         stripes = tuple(int(x) for x in a.stripes.split(","))
         try:
-            r = ucx_pair(tls, a.blocks, stripes=stripes, reps=a.reps)
+            r = ucx_pair(tls, a.blocks, stripes=stripes, reps=a.reps, chunk_bytes=a.chunk_bytes)
         except Exception as e:  # one transport missing on this host: say so, go on
             r = {"tls": tls, "error": f"{type(e).__name__}: {e}"}
         print(json.dumps(r), flush=True)
