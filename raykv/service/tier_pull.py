@@ -6,9 +6,12 @@ pair's transport is chosen as for any reader: UCX between two nodes' tiers where
 Entries for every key asked are reserved in this tier's arena while that answer is on its way
 (WRITING: nobody reads them, nothing evicts them; a pull is asked for keys a lookup found, and
 those nobody holds after all are released again), and the member the last answer named first
-for this model is asked for them (a prompt's blocks mostly sit where the last one's did: the
-answer's round trip, ~5 ms, is then off the pull's path; it is asked once, forgotten if its
-route fails, and given up on if the answer does not name it); the blocks are fetched, from it
+for this model is asked for them before the reservation is made (a prompt's blocks mostly sit
+where the last one's did: the answer's round trip, ~5 ms, is then off the pull's path, and the
+reservation overlaps the request's way to the source and its first chunk's export; rows in
+before the reservation are received into the transport's buffer and copied after it; it is
+asked once, forgotten if its route fails, and given up on if the answer does not name it, or
+if nothing was reserved after all); the blocks are fetched, from it
 and then from the copies the answer names for the rest, through the same
 ``raykv.transport.fetch_over`` a GPU pool's load uses (the chosen transport, then the object
 store), chunk by chunk: each chunk's rows are written straight into their reserved rows
@@ -76,15 +79,25 @@ async def pull(tier: Any, model: str, keys: list[bytes]) -> int:
     locating = asyncio.ensure_future(_locate(tier, model, want))
     await asyncio.sleep(0)  # the locate call is sent before the reservation's work
     writer = guessing = None
+    pending = _ArenaWriter(mt, want)  # nothing reserved yet: it lands nothing, writes wait
     try:
-        writer = await _reserve(tier, mt, model, want)
         guess = tier.pull_sources.get(model)
-        if writer is not None and writer.todo and guess is not None and not locating.done():
-            # meanwhile the copy the last answer named first is asked (a prompt's blocks
-            # mostly sit where its last ones did): whatever leading keys it holds, verified
-            # as any; the answer then names who holds the rest
-            fill = _fill(tier, model, want, [[guess]] * len(want), writer, guessed=True)
+        if guess is not None and not locating.done():
+            # the copy the last answer named first is asked before the reservation's work (a
+            # prompt's blocks mostly sit where its last ones did): whatever leading keys it
+            # holds, verified as any; the answer then names who holds the rest. Its request
+            # and the source's first chunk overlap the reservation (rows in before it is
+            # made are received into the transport's buffer and copied once it is)
+            fill = _fill(tier, model, want, [[guess]] * len(want), pending, guessed=True)
             guessing = asyncio.ensure_future(fill)
+            await asyncio.sleep(0)  # its request is on its way (the UCX loop sends it)
+        res = await _reserve(tier, mt, model, want)
+        writer = None if res is None else pending.reserved(res)
+        if guessing is not None and (writer is None or not writer.todo):
+            guessing.cancel()  # no room, or nothing to write: nothing lands in the arena
+            await asyncio.wait((guessing,))
+            guessing = None
+        if guessing is not None:
             await asyncio.wait((guessing, locating), return_when=asyncio.FIRST_COMPLETED)
         where = await locating
         if guessing is not None:
@@ -133,14 +146,14 @@ async def _locate(tier: Any, model: str, want: list[bytes]) -> list[list[Any]]:
     return out
 
 
-async def _reserve(tier: Any, mt: Any, model: str, want: list[bytes]) -> _ArenaWriter | None:
-    """The writer for ``want``'s entries (whole chunks), each reserved in this tier's arena;
-    None when there is no room (everything is being read): misses, nothing changed."""
+async def _reserve(tier: Any, mt: Any, model: str, want: list[bytes]) -> Any:
+    """The reservation of ``want``'s entries (whole chunks) in this tier's arena; None when
+    there is no room (everything is being read): misses, nothing changed."""
     f = mt.tier.factor
     entries = [tuple(want[e : e + f]) for e in range(0, len(want), f)]
     _, res = await tier.reserve(model, tuple(e[-1] for e in entries), tuple(entries),
                                 mt.tier.copies)  # fmt: skip
-    return None if res is None else _ArenaWriter(mt, want, res)
+    return res
 
 
 async def _fill(
@@ -161,6 +174,7 @@ async def _fill(
 
         async def write(at: int, rows: BlockBatch, check: RowCheck, i: int = i,
                         source: str = loc.member) -> None:  # fmt: skip
+            await writer.ready.wait()  # a guessed source's rows may come before the reservation
             writer.write(i + at, rows, check, source)
 
         async def sink(at: int, rows: BlockBatch, i: int = i) -> None:
@@ -201,21 +215,33 @@ class _ArenaWriter:
     of entries stored already are skipped; ``write``), counted once verified (``commit``),
     and the ``finish_store`` calls that store the entries it filled and release the rest."""
 
-    def __init__(self, mt: Any, want: list[bytes], res: Any) -> None:
-        self.mt, self.res = mt, res
+    def __init__(self, mt: Any, want: list[bytes]) -> None:
+        self.mt, self.want, self.res = mt, want, None
         self.factor, self.copies = mt.tier.factor, mt.tier.copies
         self.width = mt.widths[key_group(want[0])]
-        block = res.block_of()
-        self.entry_of = {e: i // self.factor for i, e in enumerate(want) if i % self.factor ==
-                         self.factor - 1}  # fmt: skip
-        last = [want[(i // self.factor + 1) * self.factor - 1] for i in range(len(want))]
-        # per key: its arena row, or -1 (its entry is stored already: nothing to write)
-        self.dest = [mt.tier.row(block[e], i % self.factor) if e in block else -1
-                     for i, e in enumerate(last)]  # fmt: skip
-        self.todo = any(d >= 0 for d in self.dest)
+        self.entry_of: dict[bytes, int] = {}
+        # per key: its arena row, or -1 (its entry is stored already: nothing to write); None
+        # until ``reserved``: nothing lands and nothing is written before
+        self.dest: list[int] | None = None
+        self.todo = False
+        self.ready = asyncio.Event()
         self.sums: list[tuple[int, ...]] = []
         self.filled = 0  # leading keys written (or skipped)
         self._moved = 0
+
+    def reserved(self, res: Any) -> _ArenaWriter:
+        """Take the pull's reservation ``res``: from now on rows land in and are written to
+        the rows reserved for them."""
+        want, f = self.want, self.factor
+        block = res.block_of()
+        self.entry_of = {e: i // f for i, e in enumerate(want) if i % f == f - 1}
+        last = [want[(i // f + 1) * f - 1] for i in range(len(want))]
+        dest = [self.mt.tier.row(block[e], i % f) if e in block else -1
+                for i, e in enumerate(last)]  # fmt: skip
+        self.res, self.todo = res, any(d >= 0 for d in dest)
+        self.dest = dest  # last: ``land`` reads it on the transport's loop
+        self.ready.set()
+        return self
 
     def land(
         self, at: int, count: int, copies: int, width: int, seconds: float
@@ -224,7 +250,10 @@ class _ArenaWriter:
         ``Land``, asked on its loop): their reserved arena rows, when they are one run of whole
         rows of the one TP copy and the reservation outlasts the receive (``seconds``), so no
         byte ever lands in a row that is not this pull's; else None. Rows landed there are
-        unverified until ``write`` sees them, and never readable before ``finish``."""
+        unverified until ``write`` sees them, and never readable before ``finish``. None while
+        nothing is reserved yet."""
+        if self.dest is None:
+            return None
         dests = self.dest[at : at + count]
         if copies != 1 or self.copies != 1 or width != self.width or len(dests) != count:
             return None

@@ -404,9 +404,57 @@ def test_no_row_lands_where_the_reservation_may_end_first_or_rows_do_not_run(tie
     copies.clear()
     t = Landing(rows, chunk=4)
     tier.transports = {OBJECT_STORE: t}
+    tier.pull_sources.clear()  # the answer waited for: reserved before any row comes
     assert asyncio.run(pulled(tier, ks)) == N
     assert held(tier, ks) == ks and torch.equal(arena_rows(tier, ks), rows)
     assert t.offered == [True, False, True] and copies == [2]
+
+
+class Asked(Landing):
+    """``Landing`` that records the entries in use in the tier when it is asked."""
+
+    def __init__(self, rows, chunk) -> None:
+        super().__init__(rows, chunk)
+        self.used_when_asked: list[int] = []
+        self.tier = None
+
+    async def stream(self, source, model, keys, endpoint=None, land=None):
+        self.used_when_asked.append(used(self.tier))
+        async for b in super().stream(source, model, keys, endpoint, land):
+            yield b
+
+
+def test_the_remembered_source_is_asked_before_the_reservation_its_early_rows_copied(
+    tier, copies
+) -> None:
+    rows, ks = data(), keys()
+    t = Asked(rows, chunk=4)
+    t.tier, tier.transports = tier, {OBJECT_STORE: t}
+    assert asyncio.run(pulled(tier, ks[:4])) == 4  # no pull before: the answer is waited for
+    assert t.used_when_asked == [2] and t.offered == [True] and copies == []
+    assert asyncio.run(pulled(tier, ks)) == N  # keys 4..11 from the remembered source
+    # asked while only the first pull's 2 entries were in use: before this pull's 4 were
+    # reserved; its first chunk came before them, so it was copied there, the next landed
+    assert t.used_when_asked == [2, 2] and t.offered == [True, False, True] and copies == [4]
+    assert held(tier, ks) == ks and torch.equal(arena_rows(tier, ks), rows)
+    assert used(tier) == N // 2 and not tier.tiers["p"].pending
+
+
+def test_a_remembered_source_asked_when_there_is_no_room_writes_nothing(tier, copies) -> None:
+    rows, ks = data(20), keys(20)
+    t = Asked(rows, chunk=4)
+    t.tier, tier.transports = tier, {OBJECT_STORE: t}
+    assert asyncio.run(pulled(tier, ks[:16])) == 16  # the arena's 8 entries, all in use
+    mt = tier.tiers["p"]
+    lease = mt.tier.prepare_load([ks[i] for i in range(1, 16, 2)])  # all being read
+    before = mt.tier.rows(0).clone()
+    offered = len(t.offered)
+    assert asyncio.run(asyncio.wait_for(pulled(tier, ks[16:]), 30)) == 0  # no room: misses
+    assert t.closed and t.used_when_asked == [8, 8]  # it was asked, then cut off
+    assert t.offered[offered:] in ([], [False]) and copies == []  # nothing landed or written
+    assert torch.equal(mt.tier.rows(0), before) and held(tier, ks[16:]) == []
+    assert not mt.pending
+    mt.tier.finish_load(lease)
 
 
 def test_a_tier_lends_its_rows_in_place_leased_until_released(tier) -> None:
