@@ -6,12 +6,13 @@ pair's transport is chosen as for any reader: UCX between two nodes' tiers where
 Entries for every key asked are reserved in this tier's arena while that answer is on its way
 (WRITING: nobody reads them, nothing evicts them; a pull is asked for keys a lookup found, and
 those nobody holds after all are released again), and the member the last answer named first
-for this model is asked for them before the reservation is made (a prompt's blocks mostly sit
-where the last one's did: the answer's round trip, ~5 ms, is then off the pull's path, and the
-reservation overlaps the request's way to the source and its first chunk's export; rows in
-before the reservation are received into the transport's buffer and copied after it; it is
-asked once, forgotten if its route fails, and given up on if the answer does not name it, or
-if nothing was reserved after all); the blocks are fetched, from it
+for this model is asked for them before either (a prompt's blocks mostly sit where the last
+one's did: the answer's round trip, ~5 ms, is then off the pull's path, and the locate and the
+reservation overlap the request's way to the source and its first chunk's export; the pull's
+own Python waits until that request is sent, ``_ask``; rows in before the reservation are
+received into the transport's buffer and copied after it; it is asked once, forgotten if its
+route fails, and given up on if the answer does not name it, or if nothing was reserved after
+all); the blocks are fetched, from it
 and then from the copies the answer names for the rest, through the same
 ``raykv.transport.fetch_over`` a GPU pool's load uses (the chosen transport, then the object
 store), chunk by chunk: each chunk's rows are written straight into their reserved rows
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -51,6 +53,7 @@ from raykv.service.spec import COORDINATOR, NAMESPACE
 from raykv.transport import FALLBACK, BlockBatch, RowCheck, fetch_over
 
 log = logging.getLogger(__name__)
+ASK_WAIT_S = 0.005  # the most a pull waits for its guessed source's request to be sent
 
 
 def held_prefix(mt: Any, keys: list[bytes]) -> int:
@@ -73,24 +76,22 @@ async def pull(tier: Any, model: str, keys: list[bytes]) -> int:
     if start >= end:
         return have
     want = keys[start:end]
-    # the coordinator's answer is a round trip (~5 ms measured, most of it Ray's); the
-    # reservation for every wanted entry is made meanwhile, on this loop, and what the
-    # answer says nobody holds is released again (a pull is asked for keys a lookup found)
-    locating = asyncio.ensure_future(_locate(tier, model, want))
-    await asyncio.sleep(0)  # the locate call is sent before the reservation's work
-    writer = guessing = None
+    writer = guessing = locating = None
     pending = _ArenaWriter(mt, want)  # nothing reserved yet: it lands nothing, writes wait
+    guess = tier.pull_sources.get(model)
     try:
-        guess = tier.pull_sources.get(model)
-        if guess is not None and not locating.done():
-            # the copy the last answer named first is asked before the reservation's work (a
-            # prompt's blocks mostly sit where its last ones did): whatever leading keys it
-            # holds, verified as any; the answer then names who holds the rest. Its request
-            # and the source's first chunk overlap the reservation (rows in before it is
-            # made are received into the transport's buffer and copied once it is)
-            fill = _fill(tier, model, want, [[guess]] * len(want), pending, guessed=True)
-            guessing = asyncio.ensure_future(fill)
-            await asyncio.sleep(0)  # its request is on its way (the UCX loop sends it)
+        if guess is not None:
+            # the copy the last answer named first is asked before anything else (a prompt's
+            # blocks mostly sit where its last ones did): whatever leading keys it holds,
+            # verified as any; the answer then names who holds the rest. Its request and the
+            # source's first chunk overlap the locate and the reservation (rows in before it
+            # is made are received into the transport's buffer and copied once it is)
+            guessing = await _ask(tier, model, want, guess, pending)
+        # the coordinator's answer is a round trip (~5 ms measured, most of it Ray's); the
+        # reservation for every wanted entry is made meanwhile, on this loop, and what the
+        # answer says nobody holds is released again (a pull is asked for keys a lookup found)
+        locating = asyncio.ensure_future(_locate(tier, model, want))
+        await asyncio.sleep(0)  # the locate call is sent before the reservation's work
         res = await _reserve(tier, mt, model, want)
         writer = None if res is None else pending.reserved(res)
         if guessing is not None and (writer is None or not writer.todo):
@@ -113,7 +114,8 @@ async def pull(tier: Any, model: str, keys: list[bytes]) -> int:
         if writer is not None and writer.filled < held:
             await _fill(tier, model, want[:held], where, writer)
     finally:
-        locating.cancel()
+        if locating is not None:
+            locating.cancel()
         if guessing is not None and not guessing.done():  # its rows land in the reservation
             guessing.cancel()
             await asyncio.wait((guessing,))
@@ -122,6 +124,32 @@ async def pull(tier: Any, model: str, keys: list[bytes]) -> int:
             # this tier next, not the coordinator's index (measured: 7-30 ms of a 128 MiB pull)
             await tier.apply(model, writer.finish(), wait_publish=False)
     return held_prefix(mt, keys)
+
+
+async def _ask(
+    tier: Any, model: str, want: list[bytes], guess: Any, pending: _ArenaWriter
+) -> asyncio.Task:
+    """The fetch of ``want`` from ``guess`` into ``pending``, started; returns once its request
+    is on its way (``ASK_WAIT_S`` at most: a first connection is slower). The UCX loop sends it
+    from a thread of its own that shares the GIL with this loop: the pull's own Python work
+    after this (the locate's call, the reservation: ~4 ms for 512 keys) held the request back
+    by 3-5 ms (16-core H200, 128 MiB pulls); waiting for it costs ~0.3 ms."""
+    loop = asyncio.get_running_loop()
+    asked = asyncio.Event()
+    fill = _fill(tier, model, want, [[guess]] * len(want), pending, guessed=True,
+                 asked=lambda: loop.call_soon_threadsafe(asked.set))  # fmt: skip
+    guessing = asyncio.ensure_future(fill)
+    sent = asyncio.ensure_future(asked.wait())
+    try:
+        await asyncio.wait((guessing, sent), timeout=ASK_WAIT_S,
+                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+    except BaseException:  # the pull was cancelled: so is its ask (nothing was reserved)
+        guessing.cancel()
+        await asyncio.wait((guessing,))
+        raise
+    finally:
+        sent.cancel()
+    return guessing
 
 
 async def _locate(tier: Any, model: str, want: list[bytes]) -> list[list[Any]]:
@@ -157,11 +185,18 @@ async def _reserve(tier: Any, mt: Any, model: str, want: list[bytes]) -> Any:
 
 
 async def _fill(
-    tier: Any, model: str, want: list[bytes], where: list, writer: Any, guessed: bool = False
+    tier: Any,
+    model: str,
+    want: list[bytes],
+    where: list,
+    writer: Any,
+    guessed: bool = False,
+    asked: Callable[[], None] | None = None,
 ) -> None:
     """Stream the leading ``want`` into ``writer``, source by source, until one is missing.
     ``guessed``: ``where`` is the last answer's first copy, not this pull's answer: it is
-    asked once, and forgotten if its route fails (no retry over the fallback)."""
+    asked once, and forgotten if its route fails (no retry over the fallback). ``asked``:
+    told once the first source's request is on its way (``raykv.transport.base.Asked``)."""
     failed = {tier.name}
     while writer.filled < len(want):
         i = writer.filled
@@ -187,8 +222,9 @@ async def _fill(
             got = await fetch_over(
                 tier.transports, loc.transport, loc.member, model, want[i:run], sink,
                 loc.endpoint, _gave_up if guessed else _fell_back(tier, loc.member), land,
-                write,
+                write, asked,
             )  # fmt: skip
+            asked = None
         except (ray.exceptions.RayActorError, TransportError, ValueError) as e:
             # what arrived before it failed stays (verified); the rest from the next copy
             if guessed:

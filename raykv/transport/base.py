@@ -77,6 +77,10 @@ Write = Callable[[int, BlockBatch, "RowCheck"], Awaitable[None]]
 # exhausted or closed, it writes nothing more there); the rows are handed to the sink
 # unverified, as any chunk, viewing that buffer.
 Land = Callable[[int, int, int, int, float], Any]
+# asked(): the request is on its way to the source (called once, from any thread: a transport
+# may run its own loop). A reader whose loop shares the GIL with that loop's thread waits for
+# it before its own Python work, so the request is not held back behind that work.
+Asked = Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -101,12 +105,14 @@ class Transport(Protocol):
         keys: Sequence[bytes],
         endpoint: Any = None,
         land: Land | None = None,
+        asked: Asked | None = None,
     ) -> AsyncIterator[BlockBatch]:
         """The leading ``keys`` (one group, prefix order) that member ``source`` holds, as
         stored (not verified: read them through ``receive``), in one or more chunks in key
         order; ``endpoint`` is what the source advertised for this transport
         (``Member.endpoints``); ``land``: where the rows may be received in place (``Land``;
-        a transport that cannot ignores it). Raises ``TransportError`` (or Ray's actor error) if the
+        a transport that cannot ignores it); ``asked`` is called once the request is on its
+        way (``Asked``; not if it never is). Raises ``TransportError`` (or Ray's actor error) if the
         source is gone or the transfer fails; closing the iterator early ends the transfer."""
         ...
 

@@ -575,6 +575,7 @@ class CollectiveTransport:
         keys: Sequence[bytes],
         endpoint: Any = None,
         land: Any = None,
+        asked: Any = None,
     ) -> AsyncIterator[Any]:
         raise TransportError(
             f"{self.name} moves batches rank to rank into the reader's blocks (the pool's "

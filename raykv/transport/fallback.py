@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from raykv.errors import TransportError
-from raykv.transport.base import Fetched, Land, Sink, Transport, Write, receive
+from raykv.transport.base import Asked, Fetched, Land, Sink, Transport, Write, receive
 from raykv.transport.select import FALLBACK
 
 
@@ -29,6 +29,7 @@ async def fetch_over(
     on_fallback: Callable[[str, TransportError], None] | None = None,
     land: Land | None = None,
     write: Write | None = None,
+    asked: Asked | None = None,
 ) -> Fetched:
     """The leading ``keys`` ``source`` holds, verified chunk by chunk into ``sink(position in
     keys, rows)``, over ``transports[name]`` (the fallback if this reader has no such
@@ -36,12 +37,14 @@ async def fetch_over(
     error)`` is told, to log and count it). Raises what the last try raised; rows that
     reached the sink before stay there (verified). ``land`` (``Land``): where the first
     transport may receive rows in place; the fallback receives into its own buffers.
-    ``write`` (``Write``): the reader's copy of each chunk, checked as it goes."""
+    ``write`` (``Write``): the reader's copy of each chunk, checked as it goes. ``asked``
+    (``Asked``): told once the first transport's request is on its way."""
     fallback = transports[FALLBACK]
     t = transports.get(name, fallback)
     done = Fetched()
     try:
-        return await receive(t.stream(source, model, keys, endpoint, land), sink, done, write)
+        chunks = t.stream(source, model, keys, endpoint, land, asked)
+        return await receive(chunks, sink, done, write)
     except TransportError as e:
         if t is fallback:
             raise

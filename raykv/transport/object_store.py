@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from raykv.transport.base import BlockBatch, Land, collect
+from raykv.transport.base import Asked, BlockBatch, Land, collect
 from raykv.transport.select import OBJECT_STORE
 
 
@@ -50,11 +50,15 @@ class ObjectStoreTransport:
         keys: Sequence[bytes],
         endpoint: Any = None,
         land: Land | None = None,  # the rows arrive in plasma, read in place: not used
+        asked: Asked | None = None,
     ) -> AsyncIterator[BlockBatch]:
         import ray
 
         try:
-            n, rows, sums = await self._actor(source).export_blocks.remote(model, list(keys))
+            exported = self._actor(source).export_blocks.remote(model, list(keys))
+            if asked is not None:
+                asked()
+            n, rows, sums = await exported
         except ray.exceptions.RayActorError:
             self._handles.pop(source, None)  # a re-placed member is a new actor
             raise

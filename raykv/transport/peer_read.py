@@ -151,6 +151,7 @@ class PeerTransport:
         keys: Sequence[bytes],
         endpoint: Any = None,
         land: Any = None,
+        asked: Any = None,
     ) -> Any:
         raise TransportError(
             "peer reads copy blocks straight into the reader's blocks (the pool's peer "

@@ -41,7 +41,7 @@ import torch
 
 from raykv.errors import TransportError
 from raykv.transport.auth import AuthError, check_secret, client_handshake
-from raykv.transport.base import BlockBatch, Land, collect
+from raykv.transport.base import Asked, BlockBatch, Land, collect
 from raykv.transport.select import UCX
 from raykv.transport.ucx_config import UcxConfig
 from raykv.transport.ucx_runtime import UcxRuntime
@@ -123,12 +123,14 @@ class UcxTransport:
         keys: Sequence[bytes],
         endpoint: Any = None,
         land: Land | None = None,
+        asked: Asked | None = None,
     ) -> AsyncIterator[BlockBatch]:
         """The leading ``keys`` that ``source`` (serving at ``endpoint`` = (host, [worker
         address hex, ...], hello tag)) holds, chunk by chunk as they arrive (not verified); the next
         chunk is received (on the UCX loop) while the caller handles this one, in place where
         ``land`` offers the rows' destination (``raykv.transport.base.Land``; asked on the UCX
-        loop). TransportError if it cannot be reached, refuses us or fails mid-transfer."""
+        loop). ``asked`` is called on the UCX loop once the request is sent. TransportError
+        if it cannot be reached, refuses us or fails mid-transfer."""
         if not endpoint:
             raise TransportError(f"{source} advertised no UCX endpoint; it serves no UCX")
         try:
@@ -142,7 +144,7 @@ class UcxTransport:
                 f"{source} advertised a UCX endpoint raykv cannot read ({str(endpoint)[:80]}); "
                 "is it an older raykv? upgrade every node to the same version"
             ) from None
-        return self._stream(source, where, model, list(keys), land)
+        return self._stream(source, where, model, list(keys), land, asked)
 
     async def fetch(
         self, source: str, model: str, keys: Sequence[bytes], endpoint: Any = None
@@ -158,7 +160,13 @@ class UcxTransport:
         self.runtime.submit(close()).result(self.config.timeout_s)
 
     async def _stream(
-        self, source: str, where: Where, model: str, keys: list[bytes], land: Land | None
+        self,
+        source: str,
+        where: Where,
+        model: str,
+        keys: list[bytes],
+        land: Land | None,
+        asked: Asked | None,
     ) -> AsyncIterator[BlockBatch]:
         """The caller's side: chunks the UCX loop hands over, in order. Leaving early (the
         caller stopped, or was cancelled) cancels the transfer there, which drops the
@@ -177,7 +185,8 @@ class UcxTransport:
         async def start() -> asyncio.Task:
             # the fetch's own task: leaving cancels it and waits for its real end (a cancelled
             # ``submit`` future is done at once, before the task it runs has ended)
-            task = asyncio.ensure_future(self._fetch(source, where, model, keys, hand, land))
+            fetch = self._fetch(source, where, model, keys, hand, land, asked)
+            task = asyncio.ensure_future(fetch)
             task.add_done_callback(lambda _: ended.done() or ended.set_result(None))
             return task
 
@@ -204,13 +213,14 @@ class UcxTransport:
         keys: list[bytes],
         hand: Callable,
         land: Land | None = None,
+        asked: Asked | None = None,
     ) -> None:
         """Receive the batch's chunks (into one staging buffer, or where ``land`` offers),
         ``hand`` each on (then ``_END``, or the error that ended the fetch)."""
         try:
             peer = await self._locked(source, where)
             try:
-                nbytes = await self._request(peer, model, keys, hand, land)
+                nbytes = await self._request(peer, model, keys, hand, land, asked)
             except BaseException as e:  # failed, or the reader left: the stream is cut
                 await asyncio.shield(self._drop(where, peer))
                 if isinstance(e, TransportError | asyncio.CancelledError):
@@ -241,7 +251,13 @@ class UcxTransport:
             peer.lock.release()
 
     async def _request(
-        self, peer: _Peer, model: str, keys: list[bytes], hand: Callable, land: Land | None
+        self,
+        peer: _Peer,
+        model: str,
+        keys: list[bytes],
+        hand: Callable,
+        land: Land | None,
+        asked: Asked | None,
     ) -> int:
         """One fetch on ``peer``: the request, then per chunk its header and rows (in key
         order), each chunk handed on as soon as its rows are in; returns the bytes moved.
@@ -262,6 +278,8 @@ class UcxTransport:
             "chunk_bytes": cfg.chunk_bytes,
         }
         await asyncio.wait_for(send_msg(ep, req), cfg.timeout_s)
+        if asked is not None:
+            asked()
         staging, at, got, row, copies, width = None, 0, 0, 0, 0, 0
         # rows posted ahead of their header: (landed, keys, parts, where they land)
         posted: tuple[asyncio.Future, int, int, torch.Tensor] | None = None

@@ -75,7 +75,7 @@ def test_a_load_whose_request_is_freed_and_readmitted_writes_and_publishes_nothi
     class RacingTransport:
         name = OBJECT_STORE
 
-        async def stream(self, source, model, keys, endpoint=None, land=None):
+        async def stream(self, source, model, keys, endpoint=None, land=None, asked=None):
             # while the rows travel, the engine aborts "r" and reuses its id for a new prompt
             await pool.free(ENGINE, "r")
             assert await pool.admit(ENGINE, "r", len(second), second)

@@ -4,10 +4,12 @@ the last, the entries whose every row arrived are stored (with their checksums) 
 every other reserved entry is released. A row that fails its checksum mid-batch ends the pull
 there (the leading intact entries only, the source told to drop the bad one); a source that
 dies mid-transfer leaves no half-written entry readable and nothing reserved. Entries are
-reserved while the locate is out, and the member the last answer named first is asked
-meanwhile."""
+reserved while the locate is out; the member the last answer named first is asked before
+either, and the pull's own work waits until that request is sent."""
 
 import asyncio
+import threading
+import time
 
 import pytest
 import ray
@@ -73,7 +75,7 @@ class Streaming:
     def _actor(self, name):
         return self.source
 
-    async def stream(self, source, model, keys, endpoint=None, land=None):
+    async def stream(self, source, model, keys, endpoint=None, land=None, asked=None):
         try:
             idx = [int.from_bytes(k[4:], "little") for k in keys]  # key i: row i
             for at in range(0, len(idx), self.chunk):
@@ -185,7 +187,7 @@ def test_a_pull_cancelled_mid_transfer_releases_what_it_reserved(tier) -> None:
     rows, ks = data(), keys()
 
     class Stalling(Streaming):
-        async def stream(self, source, model, keys, endpoint=None, land=None):
+        async def stream(self, source, model, keys, endpoint=None, land=None, asked=None):
             yield BlockBatch(2, rows[:2].unsqueeze(0), (tuple(row_checksums(rows[:2])),))
             await asyncio.sleep(3600)  # the source stalls; the caller gives up
 
@@ -238,7 +240,7 @@ class BySource:
     def _actor(self, name):
         return self.full.source
 
-    async def stream(self, source, model, keys, endpoint=None, land=None):
+    async def stream(self, source, model, keys, endpoint=None, land=None, asked=None):
         rows = self.full.stream(source, model, keys) if source == SOURCE else None
         if rows is None and self.other is not None:
             rows = self.other(source, keys)
@@ -272,7 +274,7 @@ def test_a_remembered_source_that_lost_the_keys_or_its_route_costs_nothing_but_t
     class Broken:
         name, calls = "ucx", 0
 
-        async def stream(self, source, model, keys, endpoint=None, land=None):
+        async def stream(self, source, model, keys, endpoint=None, land=None, asked=None):
             Broken.calls += 1
             raise TransportError("the remembered route is gone")
             yield
@@ -338,7 +340,7 @@ class Landing(Streaming):
         super().__init__(rows, chunk, corrupt)
         self.seconds, self.landed, self.offered = seconds, 0, []
 
-    async def stream(self, source, model, keys, endpoint=None, land=None):
+    async def stream(self, source, model, keys, endpoint=None, land=None, asked=None):
         assert land is not None  # the pull offers its rows
         at = 0
         async for b in super().stream(source, model, keys, endpoint):
@@ -418,7 +420,7 @@ class Asked(Landing):
         self.used_when_asked: list[int] = []
         self.tier = tier
 
-    async def stream(self, source, model, keys, endpoint=None, land=None):
+    async def stream(self, source, model, keys, endpoint=None, land=None, asked=None):
         self.used_when_asked.append(used(self.tier))
         async for b in super().stream(source, model, keys, endpoint, land):
             yield b
@@ -436,6 +438,41 @@ def test_the_remembered_source_is_asked_before_the_reservation_its_early_rows_co
     # asked while only the first pull's 2 entries were in use: before this pull's 4 were
     # reserved; its first chunk came before them, so it was copied there, the next landed
     assert t.used_when_asked == [2, 2] and t.offered == [True, False, True] and copies == [4]
+    assert held(tier, ks) == ks and torch.equal(arena_rows(tier, ks), rows)
+    assert used(tier) == N // 2 and not tier.tiers["p"].pending
+
+
+class SentLate(Asked):
+    """``Asked`` whose request is sent (``asked``) from another thread a little later, as the
+    UCX loop's thread sends it: records the entries in use at that moment."""
+
+    def __init__(self, rows, chunk, tier) -> None:
+        super().__init__(rows, chunk, tier)
+        self.used_when_sent: list[int] = []
+
+    async def stream(self, source, model, keys, endpoint=None, land=None, asked=None):
+        def send() -> None:
+            time.sleep(0.001)
+            self.used_when_sent.append(used(self.tier))
+            asked()
+
+        if asked is not None:
+            threading.Thread(target=send).start()
+        async for b in super().stream(source, model, keys, endpoint, land):
+            yield b
+
+
+def test_the_pull_waits_for_the_remembered_sources_request_to_be_sent(tier, copies) -> None:
+    """The pull's own work (the locate's call, the reservation) waits until the request to
+    the remembered source is sent: it is not held back behind that work (the transport's
+    loop shares the GIL)."""
+    rows, ks = data(), keys()
+    t = SentLate(rows, chunk=4, tier=tier)
+    tier.transports = {OBJECT_STORE: t}
+    assert asyncio.run(pulled(tier, ks[:4])) == 4  # no pull before: nothing to ask first
+    assert t.used_when_sent == []
+    assert asyncio.run(pulled(tier, ks)) == N  # keys 4..11 from the remembered source
+    assert t.used_when_sent == [2]  # sent before this pull's 4 entries were reserved
     assert held(tier, ks) == ks and torch.equal(arena_rows(tier, ks), rows)
     assert used(tier) == N // 2 and not tier.tiers["p"].pending
 
@@ -484,7 +521,7 @@ def test_a_tier_lends_its_rows_in_place_leased_until_released(tier) -> None:
 class TwoCopies(Streaming):
     """Streams rows of two TP copies (``rows``: ``[2, n, width]``); ``corrupt``: (copy, row)."""
 
-    async def stream(self, source, model, keys, endpoint=None, land=None):
+    async def stream(self, source, model, keys, endpoint=None, land=None, asked=None):
         idx = [int.from_bytes(k[4:], "little") for k in keys]
         for at in range(0, len(idx), self.chunk):
             part = self.rows[:, idx[at : at + self.chunk]].clone()

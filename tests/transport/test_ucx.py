@@ -149,12 +149,17 @@ def test_rows_go_out_in_place_and_land_in_place_nowhere_else(stripes) -> None:
     ep = server.start()
     t = UcxTransport(SECRET.encode(), c)
 
+    sent: list[int] = []  # chunks handed when the request was sent (``asked``)
+
     async def stream():
-        return [(b.count, b.rows.data_ptr(), b.rows.clone(), b.checksums)
-                async for b in t.stream("s", "m", KEYS, ep, land)]  # fmt: skip
+        got = []
+        async for b in t.stream("s", "m", KEYS, ep, land, lambda: sent.append(len(got))):
+            got.append((b.count, b.rows.data_ptr(), b.rows.clone(), b.checksums))
+        return got
 
     try:
         got = UcxRuntime.get("tcp").submit(stream()).result(60)
+        assert sent == [0]  # told once, before any chunk
         assert [n for n, *_ in got] == [8, 16, 12] and asked == [(0, 8), (8, 16), (24, 16)]
         assert torch.equal(torch.cat([r[0] for _, _, r, _ in got]), rows[0])
         assert got[0][1] != dest[0].data_ptr()  # not offered: received into staging
