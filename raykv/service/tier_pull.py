@@ -262,7 +262,10 @@ class _ArenaWriter:
         self.todo = False
         self.ready = asyncio.Event()
         self.sums: list[tuple[int, ...]] = []
-        self.filled = 0  # leading keys written (or skipped)
+        self.filled = 0  # leading keys written (or skipped) and verified
+        # keys written (or skipped), verified or not: a fetch writes a chunk before the one
+        # ahead of it is verified (``raykv.transport.receive``)
+        self.written = 0
         self._moved = 0
 
     def reserved(self, res: Any) -> _ArenaWriter:
@@ -303,14 +306,15 @@ class _ArenaWriter:
         (rows received in place, ``land``, are there already), each span passed by ``check``
         on the copying thread right before it is written; the copy ends at the first row
         refused. None is readable before ``commit`` and ``finish``."""
-        if at != self.filled:
-            raise TransportError(f"{source} sent rows from {at}, expected {self.filled}")
+        if at not in (self.written, self.filled):  # the next chunk, or a fetch (re)starting
+            raise TransportError(f"{source} sent rows from {at}, expected {self.written}")
         if not self.mt.tier.current(self.res):  # a pull past the lease timeout: rows not ours
             raise TransportError(f"the pull from {source} outlived its reservation; a miss")
         shape = tuple(rows.rows.shape[::2])
         if shape != (self.copies, self.width):
             raise ValueError(f"{source} sent rows {list(rows.rows.shape)}, this plan's are "
                              f"[{self.copies}, n, {self.width}]")  # fmt: skip
+        self.written = at + rows.count
         for first, dests in _runs(self.dest[at : at + rows.count]):
             ids, n = torch.tensor(dests, dtype=torch.long), len(dests)
             for c in range(self.copies):  # every copy of a row refused in one stays unwritten

@@ -9,7 +9,8 @@ next blocks, every block's bytes for every distinct TP copy in ONE contiguous ui
 when it was stored (xxh3-64, ``raykv.tiers.checksum``). The chunks are not verified yet.
 
 A reader takes them through ``receive``: each chunk is verified (``RowCheck``, invariant 12)
-while the transport brings in the next one, and only its verified leading rows reach the
+while the transport brings in the next one (and while the chunk before it is handed on), and
+only its verified leading rows reach the
 reader's ``sink`` (``sink(position of its first row, rows)``), which writes them where they
 belong (a tier's reserved arena entries, a pool's blocks) or makes them readable there. A
 reader whose rows land in host memory may pass ``write`` too: it copies the chunk's rows to
@@ -136,26 +137,63 @@ async def receive(
     """Verify each chunk of ``chunks`` as it arrives (as ``write`` copies it, where given, and
     the rows it did not check on the hashing threads, ``RowCheck.rest``: the loop stays free
     for the transport meanwhile) and hand its verified leading rows to ``sink(position,
-    rows)`` (positions count from ``done.count``) before the next chunk is taken; stop at the
-    first bad row (``corrupt``). ``done`` is updated as rows reach the sink, so a caller that
-    sees this raise knows how far it got. The stream is closed on the way out, whatever
-    happens."""
+    rows)``, in order (positions count from ``done.count``); stop at the first bad row
+    (``corrupt``). A chunk is handed on by a task of its own: the next chunk is taken,
+    written (at the position that follows, as if every row before it passes) and its
+    verification started meanwhile, so the hashing threads go from one chunk to the next
+    without waiting for the loop, and a sink's copy overlaps the next chunk's hashing (two
+    chunks at most; one taken after a bad one is written but never handed to the sink).
+    ``done`` is updated as rows reach the sink, so a caller that sees this raise knows how
+    far it got: a chunk that came before a failure of the stream (or of ``write``) is handed
+    on first. The stream is closed on the way out, whatever happens."""
     done = done if done is not None else Fetched()
-    async with contextlib.aclosing(chunks) as it:  # type: ignore[type-var]
-        async for chunk in it:
-            check = RowCheck(chunk)
-            if write is not None:
-                await write(done.count, chunk, check)
-            good = await check.rest()
-            if good:
-                part = chunk if good == chunk.count else chunk.head(good)
-                await sink(done.count, part)
-                done.count += good
-                done.nbytes += part.nbytes
-            if good < chunk.count:
-                done.corrupt = True
-                break
+    at = done.count  # where the next chunk's rows go, if every row before them passes
+    handing: asyncio.Future[bool] | None = None  # the chunk before: verified, then handed on
+    verifying: asyncio.Future[int] | None = None
+    try:
+        async with contextlib.aclosing(chunks) as it:  # type: ignore[type-var]
+            while True:
+                try:
+                    chunk = await anext(it)
+                    check = RowCheck(chunk)
+                    if write is not None:
+                        await write(at, chunk, check)
+                except StopAsyncIteration:
+                    break
+                except Exception:  # what came before the failure is handed on first
+                    if handing is not None and not await handing:
+                        return done  # a bad row before it ended the fetch there
+                    raise
+                verifying = asyncio.ensure_future(check.rest())
+                if handing is not None and not await handing:
+                    verifying.cancel()  # after a bad row: never handed on
+                    break
+                handing = asyncio.ensure_future(_hand(chunk, verifying, sink, done))
+                at += chunk.count
+            if handing is not None:
+                await handing
+    finally:
+        for task in (handing, verifying):  # cancelled (or an error): so are they
+            if task is not None and not task.done():
+                task.cancel()
     return done
+
+
+async def _hand(
+    chunk: BlockBatch, verifying: asyncio.Future[int], sink: Sink, done: Fetched
+) -> bool:
+    """Hand ``chunk``'s verified leading rows to ``sink`` once its check (``verifying``) is
+    done; False (and ``done.corrupt``) if a row of it failed."""
+    good = await verifying
+    if good:
+        part = chunk if good == chunk.count else chunk.head(good)
+        await sink(done.count, part)
+        done.count += good
+        done.nbytes += part.nbytes
+    if good < chunk.count:
+        done.corrupt = True
+        return False
+    return True
 
 
 async def collect(chunks: AsyncIterator[BlockBatch]) -> BlockBatch:

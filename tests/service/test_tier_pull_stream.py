@@ -161,7 +161,9 @@ def test_a_corrupt_row_mid_batch_keeps_the_leading_intact_entries_only(tier) -> 
     assert asyncio.run(pulled(tier, ks)) == 6  # entries 0..2; entry 3 (rows 6, 7) is not
     assert held(tier, ks) == ks[:6] and sorted(tier.coord.stored) == sorted(ks[:6])
     assert torch.equal(arena_rows(tier, ks[:6]), rows[:6])
-    assert t.closed and t.sent == 2  # the stream was closed at the bad row, nothing after
+    # the stream was closed at the bad row: the chunk after it was taken (and written into
+    # rows that were released, never readable), nothing after that
+    assert t.closed and t.sent == 3
     assert t.source.dropped == [ks[7]]  # the source drops its bad copy
     assert used(tier) == 3  # entry 3 (row 6 written, 7 not) and the rest were released
     assert tier.metrics.tally["checksum_errors"] == 1
@@ -389,7 +391,7 @@ def test_a_corrupt_row_landed_in_place_is_never_readable(tier, copies) -> None:
     tier.transports = {OBJECT_STORE: t}
     assert asyncio.run(pulled(tier, ks)) == 6  # entries 0..2, as when copied
     assert held(tier, ks) == ks[:6] and torch.equal(arena_rows(tier, ks[:6]), rows[:6])
-    assert t.landed == 2 and copies == []
+    assert t.landed == 3 and copies == []  # the chunk after the bad one too: released
     assert used(tier) == 3 and tier.tiers["p"].tier.num_holds == 0  # the rest released
     assert t.source.dropped == [ks[7]]
 

@@ -95,10 +95,13 @@ def test_receive_with_a_write_hands_on_only_rows_checked_and_intact(copies, n, f
 @settings(max_examples=25, deadline=None)
 @given(sizes=st.lists(st.integers(1, 5), min_size=1, max_size=5), bad=st.integers(0, 30),
        fail_after=st.integers(0, 6))  # fmt: skip
-def test_receive_writes_each_verified_chunk_before_taking_the_next(sizes, bad, fail_after) -> None:
-    """Chunks reach the sink in order, each before the next is taken from the stream; a bad
-    row ends the fetch there (nothing more is taken); a stream that fails has delivered every
-    chunk that arrived before it."""
+def test_receive_hands_verified_chunks_in_order_one_taken_ahead_at_most(
+    sizes, bad, fail_after
+) -> None:
+    """Chunks reach the sink in order, each written first at the position that follows the
+    chunks before it; at most one chunk is taken ahead of the sink; a bad row ends the
+    fetch there (one chunk after it taken at most, never handed on); a stream that fails
+    has delivered every chunk that arrived before it."""
     chunks, at = [], 0
     for k, size in enumerate(sizes):
         c = _batch(1, size, 10 + k)
@@ -116,23 +119,82 @@ def test_receive_writes_each_verified_chunk_before_taking_the_next(sizes, bad, f
             yield c
 
     written: list[tuple[int, int]] = []
+    handed: list[tuple[int, int]] = []
+
+    async def write(position: int, rows: BlockBatch, check) -> None:
+        written.append((position, rows.count))
 
     async def sink(position: int, part: BlockBatch) -> None:
-        assert len(taken) == len(written) + 1  # nothing read ahead of the sink
-        written.append((position, part.count))
+        assert len(taken) <= len(handed) + 2  # this chunk and one more at most
+        assert written[len(handed)][0] == position  # written there first
+        handed.append((position, part.count))
 
     done = base.Fetched()
     arrived = sum(sizes[:fail_after])
     if bad >= arrived and fail_after < len(chunks):
         with pytest.raises(ConnectionError):
-            asyncio.run(base.receive(stream(), sink, done))
+            asyncio.run(base.receive(stream(), sink, done, write))
     else:
-        asyncio.run(base.receive(stream(), sink, done))
+        asyncio.run(base.receive(stream(), sink, done, write))
     assert done.count == min(bad, arrived) and done.corrupt == (bad < arrived)
-    assert [p for p, _ in written] == list(itertools.accumulate([0] + [n for _, n in written]))[:-1]
-    # the chunk with the bad row is the last one taken
-    assert len(taken) == (next(k for k in range(len(sizes)) if bad < sum(sizes[: k + 1]))
-                          + 1 if bad < arrived else min(fail_after, len(chunks)))  # fmt: skip
+    assert [p for p, _ in handed] == list(itertools.accumulate([0] + [n for _, n in handed]))[:-1]
+    assert [p for p, _ in written] == list(itertools.accumulate([0, *sizes]))[: len(taken)]
+    last = min(fail_after, len(chunks))  # chunks the stream gives
+    if bad < arrived:  # the chunk with the bad row, and one after it at most, were taken
+        kb = next(k for k in range(len(sizes)) if bad < sum(sizes[: k + 1]))
+        assert kb + 1 <= len(taken) <= min(kb + 2, last)
+    else:
+        assert len(taken) == last
+
+
+def test_receive_hands_a_chunk_on_before_the_next_arrives() -> None:
+    """A chunk is verified and handed on while the stream waits for the next one (a stalled
+    source still leaves what arrived stored)."""
+    first, second = _batch(1, 3, 1), _batch(1, 2, 2)
+
+    async def run() -> list[int]:
+        handed: list[int] = []
+        seen = asyncio.Event()
+
+        async def stream():
+            yield first
+            await seen.wait()  # the next chunk comes only once the first was handed on
+            yield second
+
+        async def sink(position: int, part: BlockBatch) -> None:
+            handed.append(position)
+            seen.set()
+
+        await asyncio.wait_for(base.receive(stream(), sink), 10)
+        return handed
+
+    assert asyncio.run(run()) == [0, 3]
+
+
+def test_receive_verifies_the_next_chunk_while_the_sink_copies_the_one_before(monkeypatch):
+    first, second = _batch(1, 3, 1), _batch(1, 2, 2)
+    started: list[int] = []
+    real = base.RowCheck.rest
+
+    async def rest(self) -> int:
+        started.append(self.batch.count)
+        return await real(self)
+
+    monkeypatch.setattr(base.RowCheck, "rest", rest)
+
+    async def run() -> base.Fetched:
+        async def stream():
+            yield first
+            yield second
+
+        async def sink(position: int, part: BlockBatch) -> None:
+            while position == 0 and len(started) < 2:  # the first chunk's copy is slow
+                await asyncio.sleep(0.001)
+
+        return await asyncio.wait_for(base.receive(stream(), sink), 10)
+
+    done = asyncio.run(run())
+    assert done.count == 5 and not done.corrupt and started == [3, 2]
 
 
 def test_the_wire_buffer_is_one_array_without_copies() -> None:
