@@ -10,13 +10,13 @@ when it was stored (xxh3-64, ``raykv.tiers.checksum``). The chunks are not verif
 
 A reader takes them through ``receive``: each chunk is verified (``RowCheck``, invariant 12)
 while the transport brings in the next one (and while the chunk before it is handed on), and
-only its verified leading rows reach the
-reader's ``sink`` (``sink(position of its first row, rows)``), which writes them where they
-belong (a tier's reserved arena entries, a pool's blocks) or makes them readable there. A
-reader whose rows land in host memory may pass ``write`` too: it copies the chunk's rows to
-where they belong before they are verified, each span checked on the copying thread right
-before it is written (one pass per thread, not a round of hashing threads first); ``receive``
-verifies whatever it did not, and hands the sink only the rows that passed. The first bad
+only its verified leading rows reach the reader's ``sink`` (``sink(position of its first
+row, rows)``), which writes them where they belong (a tier's reserved arena entries, a
+pool's blocks) or makes them readable there. A reader whose rows land in host memory may
+pass ``write`` too: it copies the chunk's rows to where they belong before they are
+verified, each span checked on the copying thread right before it is written (one pass per
+thread, not a round of hashing threads first); ``receive`` verifies whatever it did not, and
+hands the sink only the rows that passed. The first bad
 row ends the fetch: it and everything after it are misses, counted as an error by the
 reader, never wrong KV.
 ``collect`` is the buffer-returning fetch (the whole batch as one ``BlockBatch``, not
@@ -176,6 +176,8 @@ async def receive(
         for task in (handing, verifying):  # cancelled (or an error): so are they
             if task is not None and not task.done():
                 task.cancel()
+            elif task is not None and not task.cancelled():
+                task.exception()  # seen: the error that ended the fetch is the one raised
     return done
 
 

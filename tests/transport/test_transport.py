@@ -171,6 +171,29 @@ def test_receive_hands_a_chunk_on_before_the_next_arrives() -> None:
     assert asyncio.run(run()) == [0, 3]
 
 
+def test_a_sink_that_fails_ends_the_fetch_with_its_error() -> None:
+    """A sink's error (a reader freed mid-load) ends the fetch with that error: one chunk
+    taken after it at most, the stream closed, nothing after handed on."""
+    chunks = [_batch(1, 2, k) for k in range(4)]
+    taken, closed, handed = [], [], []
+
+    async def stream():
+        try:
+            for k, c in enumerate(chunks):
+                taken.append(k)
+                yield c
+        finally:
+            closed.append(True)
+
+    async def sink(position: int, part: BlockBatch) -> None:
+        handed.append(position)
+        raise LookupError("the reader's blocks were freed")
+
+    with pytest.raises(LookupError):
+        asyncio.run(base.receive(stream(), sink))
+    assert handed == [0] and len(taken) <= 2 and closed == [True]
+
+
 def test_receive_verifies_the_next_chunk_while_the_sink_copies_the_one_before(monkeypatch):
     first, second = _batch(1, 3, 1), _batch(1, 2, 2)
     started: list[int] = []
