@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -50,7 +49,7 @@ from raykv.errors import InvalidInput, TransportError
 from raykv.service.groups import key_group
 from raykv.service.index import CPU
 from raykv.service.spec import COORDINATOR, NAMESPACE
-from raykv.transport import FALLBACK, BlockBatch, RowCheck, fetch_over
+from raykv.transport import FALLBACK, Asked, BlockBatch, RowCheck, fetch_over
 
 log = logging.getLogger(__name__)
 ASK_WAIT_S = 0.005  # the most a pull waits for its guessed source's request to be sent
@@ -192,12 +191,12 @@ async def _fill(
     where: list,
     writer: Any,
     guessed: bool = False,
-    asked: Callable[[], None] | None = None,
+    asked: Asked | None = None,
 ) -> None:
     """Stream the leading ``want`` into ``writer``, source by source, until one is missing.
     ``guessed``: ``where`` is the last answer's first copy, not this pull's answer: it is
     asked once, and forgotten if its route fails (no retry over the fallback). ``asked``:
-    told once the first source's request is on its way (``raykv.transport.base.Asked``)."""
+    told once the first source's request is on its way (``Asked``)."""
     failed = {tier.name}
     while writer.filled < len(want):
         i = writer.filled

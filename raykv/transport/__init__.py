@@ -8,6 +8,7 @@ secret) plug in behind the same interface; every reader fetches through ``fetch_
 """
 
 from raykv.transport.base import (
+    Asked,
     BlockBatch,
     Fetched,
     Land,
@@ -29,6 +30,7 @@ __all__ = [
     "FALLBACK",
     "OBJECT_STORE",
     "PREFERENCE",
+    "Asked",
     "BlockBatch",
     "Fetched",
     "Land",

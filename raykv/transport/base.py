@@ -16,9 +16,8 @@ pool's blocks) or makes them readable there. A reader whose rows land in host me
 pass ``write`` too: it copies the chunk's rows to where they belong before they are
 verified, each span checked on the copying thread right before it is written (one pass per
 thread, not a round of hashing threads first); ``receive`` verifies whatever it did not, and
-hands the sink only the rows that passed. The first bad
-row ends the fetch: it and everything after it are misses, counted as an error by the
-reader, never wrong KV.
+hands the sink only the rows that passed. The first bad row ends the fetch: it and everything
+after it are misses, counted as an error by the reader, never wrong KV.
 ``collect`` is the buffer-returning fetch (the whole batch as one ``BlockBatch``, not
 verified) built on the same stream.
 
