@@ -94,8 +94,7 @@ async def pull(tier: Any, model: str, keys: list[bytes]) -> int:
         res = await _reserve(tier, mt, model, want)
         writer = None if res is None else pending.reserved(res)
         if guessing is not None and (writer is None or not writer.todo):
-            guessing.cancel()  # no room, or nothing to write: nothing lands in the arena
-            await asyncio.wait((guessing,))
+            await _stop(guessing)  # no room, or nothing to write: nothing lands in the arena
             guessing = None
         if guessing is not None:
             await asyncio.wait((guessing, locating), return_when=asyncio.FIRST_COMPLETED)
@@ -115,9 +114,8 @@ async def pull(tier: Any, model: str, keys: list[bytes]) -> int:
     finally:
         if locating is not None:
             locating.cancel()
-        if guessing is not None and not guessing.done():  # its rows land in the reservation
-            guessing.cancel()
-            await asyncio.wait((guessing,))
+        if guessing is not None:  # its rows land in the reservation
+            await _stop(guessing)
         if writer is not None:  # whatever ends the pull: entries not filled are released
             # published in the background (in order, as an engine's store): the caller reads
             # this tier next, not the coordinator's index (measured: 7-30 ms of a 128 MiB pull)
@@ -144,12 +142,18 @@ async def _ask(
         await asyncio.wait((guessing, sent), timeout=ASK_WAIT_S,
                            return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
     except BaseException:  # the pull was cancelled: so is its ask (nothing was reserved)
-        guessing.cancel()
-        await asyncio.wait((guessing,))
+        await _stop(guessing)
         raise
     finally:
         sent.cancel()
     return guessing
+
+
+async def _stop(fetch: asyncio.Future) -> None:
+    """Cancel a fetch and wait until it has ended: until then its rows may still land in the
+    pull's reservation, which must not be released (or given to another pull) before."""
+    fetch.cancel()
+    await asyncio.wait((fetch,))
 
 
 async def _locate(tier: Any, model: str, want: list[bytes]) -> list[list[Any]]:
