@@ -47,6 +47,7 @@ from raykv.service.member import Member
 from raykv.service.metrics import ServiceMetrics
 from raykv.service.spec import tier_name
 from raykv.service.transports import reader_transports
+from raykv.tiers.cpu_tier import READABLE
 from raykv.transport import Lent, export_rows
 
 Members = tuple[bytes | None, ...]
@@ -239,8 +240,10 @@ class CpuTierActor(Member):
         self.metrics.reclaimed(model, CPU, now[0] - mt.reclaimed[0], "expired")
         self.metrics.reclaimed(model, CPU, now[1] - mt.reclaimed[1], "released")
         mt.reclaimed = now
-        for k in [k for k in mt.pending if mt.tier.state(k) is None]:
-            del mt.pending[k]  # its reservation was reclaimed: never published
+        pending = list(mt.pending)
+        for k, state in zip(pending, mt.tier.states(pending), strict=True):
+            if state is None:
+                del mt.pending[k]  # its reservation was reclaimed: never published
         self.metrics.used(model, CPU, mt.tier.num_blocks - mt.tier.num_free)
 
     def _tier(self, model: str) -> _ModelTier:
@@ -359,13 +362,11 @@ class CpuTierActor(Member):
         for op in ops:
             if op[0] != "finish_store":
                 continue
-            for k in op[1].keys:
-                if k not in mt.pending:
-                    continue
-                state = tier.state(k)
+            keys = [k for k in op[1].keys if k in mt.pending]
+            for k, state in zip(keys, tier.states(keys), strict=True):
                 if state is None:  # a writer failed: back to free
                     mt.pending.pop(k)
-                elif k in tier:  # every writer done
+                elif state in READABLE:  # every writer done
                     added += mt.note(k, mt.pending.pop(k))
                     stored += 1
         removed, mt.unpublished = removed + mt.unpublished, []

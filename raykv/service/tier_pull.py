@@ -265,7 +265,7 @@ class _ArenaWriter:
         self.dest: list[int] | None = None
         self.todo = False
         self.ready = asyncio.Event()
-        self.sums: list[tuple[int, ...]] = []
+        self.sums: list[list[int]] = [[] for _ in range(self.copies)]  # per copy, per row
         self.filled = 0  # leading keys written (or skipped) and verified
         # keys written (or skipped), verified or not: a fetch writes a chunk before the one
         # ahead of it is verified (``raykv.transport.receive``)
@@ -335,7 +335,8 @@ class _ArenaWriter:
         checksums kept for the store."""
         if at != self.filled:
             raise TransportError(f"rows from {at} verified, expected {self.filled}")
-        self.sums += [tuple(c[j] for c in rows.checksums) for j in range(rows.count)]
+        for mine, theirs in zip(self.sums, rows.checksums, strict=True):
+            mine += theirs
         self.filled += rows.count
         self._moved += rows.nbytes
 
@@ -346,15 +347,15 @@ class _ArenaWriter:
     def finish(self) -> list[tuple]:
         """``finish_store`` ops (one per TP copy): entries whose every row was written are
         stored with their verified checksums; the others are released (never readable)."""
-        f, whole = self.factor, self.filled // self.factor
-        done, rest = self.res.split(lambda k: self.entry_of[k] < whole)
+        f, whole, entry_of = self.factor, self.filled // self.factor, self.entry_of
+        done, rest = self.res.split(lambda k: entry_of[k] < whole)
         out: list[tuple] = []
         if done.keys:
-            valid = [(True,) * f for _ in done.keys]
-            for c in range(self.copies):
-                sums = [tuple(self.sums[self.entry_of[k] * f + s][c] for s in range(f))
-                        for k in done.keys]  # fmt: skip
-                out.append(("finish_store", done, True, valid, sums, c))
+            valid = [(True,) * f] * len(done.keys)
+            firsts = [entry_of[k] * f for k in done.keys]
+            for c, sums in enumerate(self.sums):
+                out.append(("finish_store", done, True, valid,
+                            [sums[r : r + f] for r in firsts], c))  # fmt: skip
         if rest.keys:
             out += [("finish_store", rest, False, None, None, c) for c in range(self.copies)]
         return out

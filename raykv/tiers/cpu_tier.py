@@ -59,7 +59,7 @@ class BlockState(enum.Enum):
 READABLE = (BlockState.READABLE, BlockState.READING)  # a key in these states is a hit
 
 
-@dataclass
+@dataclass(slots=True)
 class _Block:
     index: int
     key: Key | None = None
@@ -269,9 +269,14 @@ class CpuTier(ArenaRows):
             return n
 
     def state(self, key: Key) -> BlockState | None:
+        return self.states((key,))[0]
+
+    def states(self, keys: Sequence[Key]) -> list[BlockState | None]:
+        """Each key's block state (None: not here), under one lock (a pull's store asks for
+        hundreds at once)."""
         with self._lock:
-            i = self._by_key.get(key)
-            return None if i is None else self._blocks[i].state
+            index, blocks = self._by_key, self._blocks
+            return [None if (i := index.get(k)) is None else blocks[i].state for k in keys]
 
     def __contains__(self, key: Key) -> bool:
         return self.state(key) in READABLE
@@ -319,18 +324,16 @@ class CpuTier(ArenaRows):
                     self.stats.rejected_stores += 1
                     return None
                 victims = found
+            by_key, evict = self._by_key, self.policy.evict
             for k in victims:
-                self.policy.evict(k)
-                self._release(self._by_key.pop(k))
+                evict(k)
+                self._release(by_key.pop(k))
             self.stats.evicted += len(victims)
-            blocks = []
-            for k in new:
-                i = heapq.heappop(self._free)
+            blocks = [heapq.heappop(self._free) for _ in new]
+            for k, i in zip(new, blocks, strict=True):
                 b = self._blocks[i]
-                b.key, b.state, b.writers, b.failed = k, BlockState.WRITING, writers, False
-                b.valid, b.checksums = (), {}
-                self._by_key[k] = i
-                blocks.append(i)
+                b.key, b.state, b.writers = k, BlockState.WRITING, writers
+                by_key[k] = i
             hold = self._holds.open(STORE, holder, list(blocks), now, timeout_s) if blocks else None
             return StoreReservation(
                 tuple(new),
@@ -338,7 +341,7 @@ class CpuTier(ArenaRows):
                 present,
                 tuple(victims),
                 hold.id if hold is not None else 0,
-                tuple(int(self._gens[i]) for i in blocks),
+                tuple(self._gens[blocks].tolist()),
             )
 
     def finish_store(
