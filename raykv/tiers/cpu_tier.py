@@ -330,7 +330,7 @@ class CpuTier(ArenaRows):
                 self._release(by_key.pop(k))
             self.stats.evicted += len(victims)
             blocks = [heapq.heappop(self._free) for _ in new]
-            for k, i in zip(new, blocks, strict=True):
+            for k, i in zip(new, blocks, strict=True):  # free blocks are clean (``_release``)
                 b = self._blocks[i]
                 b.key, b.state, b.writers = k, BlockState.WRITING, writers
                 by_key[k] = i
@@ -546,8 +546,10 @@ class CpuTier(ArenaRows):
             free = set(self._free)
             assert len(free) == len(self._free), "a block is free twice"
             for b in self._blocks:
-                if b.index in free:
+                if b.index in free:  # as ``_release`` leaves it: a store sets only the rest
                     assert b.state is BlockState.FREE and b.key is None, b
+                    assert not (b.readers or b.writers or b.failed or b.dropped), b
+                    assert b.valid == () and b.checksums == {}, b
                 else:
                     assert b.state is not BlockState.FREE, b
                     assert b.dropped or self._by_key.get(b.key) == b.index, b
