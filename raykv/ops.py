@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 # Mirrors RAYKV_MAX_SEGMENT_BYTES in kernels/paged_copy.h: larger per-block spans are split so
-# one CTA never copies more than this, and the kernel can index with 32 bits.
+# one group of the kernel's threads never copies more than this, and it can index with 32 bits.
 MAX_SEGMENT_BYTES = 1 << 20
 # Spans are split at this size so a few large blocks still spread over every SM.
 _PIECE_BYTES = 32 << 10
