@@ -16,6 +16,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;  // loads in flight per thread: 4 x 16 B, 16 KiB per CTA
 constexpr int kGroup = 64;  // threads per item in paged_copy_kernel: two warps
+constexpr int kGroupsPerCta = kThreads / kGroup;  // items a paged_copy_kernel CTA copies at once
 
 // The wire sum of a row (raykv.ops_reference.row_sums): the wrapping sum over its 64-bit
 // little-endian words x_j of x_j * word_weight(j). Weights are odd, so a change of any one word
@@ -137,11 +138,10 @@ __global__ void __launch_bounds__(kThreads)
     paged_copy_kernel(const RaykvSegment* __restrict__ segs, int num_segs,
                       const int64_t* __restrict__ block_ids, int64_t num_rows, char* rows,
                       int64_t row_bytes, unsigned long long* __restrict__ sums) {
-  constexpr int kGroups = kThreads / kGroup;
   const int total = static_cast<int>(num_rows) * num_segs;  // < 2^31: checked by the launcher
-  const int stride = static_cast<int>(gridDim.x) * kGroups;
+  const int stride = static_cast<int>(gridDim.x) * kGroupsPerCta;
   const int lane = threadIdx.x % kGroup;
-  int w = blockIdx.x * kGroups + threadIdx.x / kGroup;
+  int w = blockIdx.x * kGroupsPerCta + threadIdx.x / kGroup;
   if (w >= total) return;
   int i = w / num_segs;
   RaykvSegment seg = segs[w - i * num_segs];
@@ -249,9 +249,8 @@ cudaError_t launch(int num_ctas, cudaStream_t stream, const RaykvSegment* segs, 
                    const int64_t* block_ids, int64_t num_rows, char* rows, int64_t row_bytes,
                    unsigned long long* sums) {
   unsigned grid = 0;
-  constexpr int64_t kGroups = kThreads / kGroup;  // items a CTA copies at once
   const cudaError_t err = grid_for<paged_copy_kernel<kGather, kSum>>(
-      num_ctas, (num_rows * num_segs + kGroups - 1) / kGroups, grid);
+      num_ctas, (num_rows * num_segs + kGroupsPerCta - 1) / kGroupsPerCta, grid);
   if (err != cudaSuccess) return err;
   paged_copy_kernel<kGather, kSum>
       <<<grid, kThreads, 0, stream>>>(segs, num_segs, block_ids, num_rows, rows, row_bytes, sums);
