@@ -22,7 +22,9 @@
   batches back to back and then waits for them together (several loads at once). Likewise
   *contiguous queued* issues its sends one after another without a host wait (a torch
   ``Work.wait()`` on NCCL only orders streams), *contiguous one at a time* waits for each:
-  raykv one at a time compares with the latter, in flight with the former. The reader's one
+  raykv one at a time compares with the latter, in flight with the former. With CUDA both
+  of those run once more queued behind a GPU sleep and timed with CUDA events (*GPUs alone*:
+  no host time in them, the ceiling the host's work adds to). The reader's one
   control round trip (a Ray actor call, ~1 ms) is not in these numbers. ``--cpu-smoke``
   runs the same processes with gloo on the CPU (a check of the bench, not a measurement).
 * Peer reads (``raykv.transport.peer_read``, split-heads rows, per rank pair): A's pool lives
@@ -54,6 +56,8 @@ from raykv.bench.transport_nccl_report import nccl_report
 from raykv.errors import ConfigError
 from raykv.layout.presets import get_preset
 from raykv.transport.wire import shares
+
+AHEAD_CYCLES = 40_000_000  # ~20 ms at 2 GHz: longer than any host takes to issue a burst
 
 
 @dataclass(frozen=True)
@@ -355,12 +359,36 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
 
         return lambda layout, burst: loop.run_until_complete(batches(layout, burst))
 
+    gpu_seconds: list[float] = []  # the last burst's GPU time (``ahead``)
+
+    def ahead(fn):
+        """``fn``'s burst queued behind a GPU sleep long enough for the host to issue all of
+        it, timed with CUDA events from the sleep's end to the burst's: the GPUs' time alone,
+        no host time in it (both ends leave the barrier together, so their sleeps end within
+        the barrier's skew)."""
+
+        def batches(layout: str, burst: int):
+            stream = torch.cuda.current_stream(device)
+            torch.cuda._sleep(AHEAD_CYCLES)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            got = fn(layout, burst)  # returns once every batch of the burst is done
+            end.record(stream)
+            end.synchronize()
+            gpu_seconds[:] = [start.elapsed_time(end) / 1e3]
+            return got
+
+        return batches
+
     methods = {
         "raykv": awaited_one_by_one(raykv),
         "in_flight": in_flight,
         "contiguous": one_by_one(contiguous),
         "contiguous_waited": one_by_one(contiguous_waited),
     }
+    if cfg.cuda:
+        methods["in_flight_gpu"] = ahead(in_flight)
+        methods["contiguous_gpu"] = ahead(one_by_one(contiguous))
     if cfg.tp == 1:
         methods["per_block"] = one_by_one(per_block)
     crossings = {"crossing": one_by_one(crossing), "crossing_waited": one_by_one(crossing_waited)}
@@ -389,7 +417,8 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
                     t0 = time.perf_counter()
                     got = fn(layout, burst)
                     sync()
-                    times.append((time.perf_counter() - t0) / burst)
+                    took = gpu_seconds[0] if name.endswith("_gpu") else time.perf_counter() - t0
+                    times.append(took / burst)
                 if name in peers:
                     barrier()
                 if not mine:
@@ -397,7 +426,10 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
                     got = fn(layout, burst)
                     sync()
                     times.append((time.perf_counter() - t0) / burst)
-                if name in ("raykv", "in_flight", "peer", "peer_in_flight") and not a:
+                if (
+                    name in ("raykv", "in_flight", "in_flight_gpu", "peer", "peer_in_flight")
+                    and not a
+                ):
                     out.setdefault(f"{layout}/good", []).append(got)
             out[f"{layout}/{name}"] = statistics.median(times)
         if not a:  # every byte B holds now equals A's (its rank's copy; MLA: share j from j)

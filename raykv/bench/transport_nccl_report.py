@@ -31,6 +31,8 @@ def nccl_report(cfg: NcclConfig, results: dict) -> dict:
 
         raykv, contig, per_block = rate("raykv"), rate("contiguous"), rate("per_block")
         in_flight, waited = rate("in_flight"), rate("contiguous_waited")
+        # the same bursts queued behind a GPU sleep, timed on the GPU: no host time (CUDA)
+        in_flight_gpu, contig_gpu = rate("in_flight_gpu"), rate("contiguous_gpu")
         cross, cross_waited = rate("crossing"), rate("crossing_waited")
 
         def peer_rate(method: str, first: bool, layout: str = layout) -> float | None:
@@ -60,6 +62,11 @@ def nccl_report(cfg: NcclConfig, results: dict) -> dict:
             "in_flight": in_flight,
             "in_flight_vs_contiguous": in_flight / contig if contig and in_flight else None,
             "raykv_vs_per_block": raykv / per_block if per_block else None,
+            "in_flight_gpu": in_flight_gpu,
+            "contiguous_gpu": contig_gpu,
+            "in_flight_gpu_vs_contiguous_gpu": (
+                in_flight_gpu / contig_gpu if in_flight_gpu and contig_gpu else None
+            ),
             "crossing": cross,
             "crossing_waited": cross_waited,
             "raykv_vs_crossing_waited": raykv / cross_waited if cross_waited else None,
@@ -115,6 +122,13 @@ def nccl_format(report: dict) -> str:
             f"{f(r['raykv_vs_per_block'])} | {ok} |"
         )
     for r in report["rows"]:
+        if r.get("in_flight_gpu_vs_contiguous_gpu"):
+            lines.append(
+                f"{r['layout']}, the GPUs alone (each burst queued behind a GPU sleep, so no "
+                f"host time; CUDA events): raykv in flight {f(r['in_flight_gpu'])} GB/s, "
+                f"contiguous queued {f(r['contiguous_gpu'])} GB/s = "
+                f"{f(r['in_flight_gpu_vs_contiguous_gpu'], 3)} x"
+            )
         if r.get("crossing"):
             lines.append(
                 f"{r['layout']}: the one copy crosses in shares, one per rank pair (whole from "

@@ -6,7 +6,7 @@ shared memory, run last and into zeroed blocks: the check is theirs)."""
 import pytest
 
 from raykv.bench.transport_nccl import NcclConfig, nccl_main
-from raykv.bench.transport_nccl_report import nccl_format
+from raykv.bench.transport_nccl_report import nccl_format, nccl_report
 from raykv.errors import ConfigError
 from raykv.layout import sizing
 from raykv.layout.presets import get_preset
@@ -26,6 +26,22 @@ def test_the_nccl_bench_runs_on_the_cpu_with_like_for_like_ratios() -> None:
     table = nccl_format(report)
     assert "contiguous one at a time" in table and "contiguous queued" in table
     assert "peer reads" in table
+    assert row["in_flight_gpu"] is None and "GPUs alone" not in table  # CUDA only
+
+
+def test_the_gpus_alone_are_reported_against_the_contiguous_sends_timed_alike() -> None:
+    cfg = NcclConfig(blocks=16)
+    times = {"raykv": 4e-3, "in_flight": 3e-3, "contiguous": 2e-3, "contiguous_waited": 2.5e-3,
+             "in_flight_gpu": 1.6e-3, "contiguous_gpu": 1.2e-3}  # fmt: skip
+    reader = {f"split/{k}": v for k, v in times.items()}
+    reader.update({"device": "gpu", "split/equal": True, "split/good": [16]})
+    report = nccl_report(cfg, {("A", 0): {}, ("B", 0): reader})
+    (row,) = report["rows"]
+    payload = 16 * cfg.row_bytes
+    assert row["in_flight_gpu"] == payload / 1.6e-3 / 1e9
+    assert row["contiguous_gpu"] == payload / 1.2e-3 / 1e9
+    assert row["in_flight_gpu_vs_contiguous_gpu"] == row["in_flight_gpu"] / row["contiguous_gpu"]
+    assert "the GPUs alone" in nccl_format(report) and "= 0.750 x" in nccl_format(report)
 
 
 @pytest.mark.parametrize(("preset", "tp"), [("llama-3-8b", 2), ("llama-3-70b", 4),

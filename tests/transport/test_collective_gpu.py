@@ -24,6 +24,7 @@ def test_scattered_blocks_arrive_equal_between_two_gpus() -> None:
     (row,) = rep["rows"]
     assert row["equal"] and row["all_blocks"], row  # the peer reads ran last, into zeroes
     assert row["peer"] > 0 and row["peer_in_flight"] > 0, row
+    assert row["in_flight_gpu"] > 0 and row["contiguous_gpu"] > 0, row  # the GPUs alone
 
 
 @pytest.mark.skipif(GPUS < 4, reason=f"needs 4 GPUs, found {GPUS}")
