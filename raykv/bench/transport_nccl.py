@@ -57,7 +57,9 @@ from raykv.errors import ConfigError
 from raykv.layout.presets import get_preset
 from raykv.transport.wire import shares
 
-AHEAD_CYCLES = 40_000_000  # ~20 ms at 2 GHz: longer than any host takes to issue a burst
+# a GPU sleep per 320 MiB of a burst (~20 ms at 2 GHz): the host issues ten 32 MiB chunks in
+# well under 1 ms, so the whole burst is queued before the sleep ends
+AHEAD_CYCLES, AHEAD_BYTES = 40_000_000, 320 << 20
 
 
 @dataclass(frozen=True)
@@ -369,7 +371,7 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
 
         def batches(layout: str, burst: int):
             stream = torch.cuda.current_stream(device)
-            torch.cuda._sleep(AHEAD_CYCLES)
+            torch.cuda._sleep(AHEAD_CYCLES * max(1, math.ceil(burst * n * width / AHEAD_BYTES)))
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
             got = fn(layout, burst)  # returns once every batch of the burst is done
