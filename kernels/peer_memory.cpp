@@ -10,10 +10,12 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda.h>
+#include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <torch/extension.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <string>
 #include <tuple>
 
@@ -166,6 +168,81 @@ torch::Tensor import_fd(int64_t fd, int64_t nbytes) {
 
 bool available() { return driver().ok; }
 
+// NCCL windows (NCCL >= 2.28): the holder's pool mapped into the reader through the pair's
+// own communicator. ncclCommWindowRegister maps every rank's registered memory into one flat
+// address range per rank where NCCL finds the GPUs can load from each other (its "LSA team":
+// NVLink or PCIe peer access); elsewhere it only registers the buffer locally. The peer's
+// address is in the window's device-side record (NCCL's ncclWindow_vidmem: NCCL hands it to
+// device code, ncclGetLsaPointer; its first fields, read here, are the same in 2.28 and 2.29,
+// the versions this accepts). Registration is collective: both ranks of the pair call this
+// together. The mapping lives as long as the communicator (an abort unmaps it).
+struct WindowRecord {  // the head of ncclWindow_vidmem (nccl_device/impl/core__types.h)
+  void* win_host;
+  char* lsa_flat_base;  // rank 0's window in the flat range; rank r's is stride4G << 32 on
+  int lsa_rank;
+  int world_rank;
+  uint32_t stride4G;
+};
+
+using WindowRegister = int (*)(void*, void*, size_t, void**, int);
+using Version = int (*)(int*);
+
+void* nccl_symbol(const char* name) {
+  for (const char* lib : {"libnccl.so.2", "libnccl.so"}) {
+    void* handle = dlopen(lib, RTLD_LAZY | RTLD_NOLOAD);  // only the one torch loaded
+    if (handle == nullptr) continue;
+    if (void* fn = dlsym(handle, name)) return fn;
+  }
+  return nullptr;
+}
+
+// The NCCL version windows work with here (0: none: no NCCL loaded, or one outside 2.28-2.29).
+int64_t nccl_window_version() {
+  auto version = reinterpret_cast<Version>(nccl_symbol("ncclGetVersion"));
+  int v = 0;
+  if (version == nullptr || nccl_symbol("ncclCommWindowRegister") == nullptr || version(&v) != 0) {
+    return 0;
+  }
+  return (v >= 22800 && v < 23000) ? v : 0;
+}
+
+// Registers `memory` (this rank's pool: one allocation of the driver's virtual memory API) as a
+// window of the 2-rank communicator `comm` (torch's ncclComm_t) and returns the peer rank's
+// registered memory as seen from this GPU (uint8, as many bytes as `memory`), or an empty tensor
+// and why not (NCCL found no peer access: the window is only a local registration).
+std::tuple<torch::Tensor, std::string> nccl_window(int64_t comm, torch::Tensor memory,
+                                                   int64_t rank) {
+  raykv::require(memory.is_cuda() && memory.is_contiguous() && memory.numel() > 0,
+                 "nccl window: pass the pool's contiguous CUDA allocation");
+  raykv::require(rank == 0 || rank == 1, "nccl window: a pair's rank is 0 or 1");
+  const torch::Tensor none;
+  if (nccl_window_version() == 0) return {none, "NCCL 2.28 or 2.29 is not loaded"};
+  auto reg = reinterpret_cast<WindowRegister>(nccl_symbol("ncclCommWindowRegister"));
+  c10::cuda::CUDAGuard guard(memory.device());
+  void* win = nullptr;
+  const int r = reg(reinterpret_cast<void*>(comm), memory.data_ptr(),
+                    static_cast<size_t>(memory.numel()), &win, 0);
+  if (r != 0) return {none, "ncclCommWindowRegister failed with ncclResult_t " + std::to_string(r)};
+  // a symmetric window's record is device memory; a local registration's handle is not
+  cudaPointerAttributes attr = {};
+  if (win == nullptr || cudaPointerGetAttributes(&attr, win) != cudaSuccess ||
+      attr.type != cudaMemoryTypeDevice) {
+    cudaGetLastError();  // clear a failed query
+    return {none, "NCCL mapped no window between these GPUs (no peer access)"};
+  }
+  WindowRecord rec = {};
+  raykv::check_cuda(cudaMemcpy(&rec, win, sizeof(rec), cudaMemcpyDeviceToHost),
+                    "nccl window: reading the window record");
+  if (rec.world_rank != rank || rec.lsa_rank != rank || rec.stride4G == 0 ||
+      rec.lsa_flat_base == nullptr) {
+    return {none, "the window record is not as NCCL " + std::to_string(nccl_window_version()) +
+                      " lays it out (rank " + std::to_string(rec.world_rank) + ")"};
+  }
+  const int64_t peer = 1 - rank;
+  char* at = rec.lsa_flat_base + peer * (static_cast<int64_t>(rec.stride4G) << 32);
+  return {torch::from_blob(at, {memory.numel()}, memory.options()), ""};
+}
+
 }  // namespace
 
 void register_peer_memory(pybind11::module& m) {
@@ -174,4 +251,8 @@ void register_peer_memory(pybind11::module& m) {
         "zeros on the current GPU that another process can map: (tensor, descriptor)");
   m.def("import_fd", &import_fd, py::arg("fd"), py::arg("nbytes"),
         "map memory exportable_zeros made elsewhere (a received descriptor) for this GPU");
+  m.def("nccl_window_version", &nccl_window_version,
+        "the loaded NCCL's version where raykv can use its windows, else 0");
+  m.def("nccl_window", &nccl_window, py::arg("comm"), py::arg("memory"), py::arg("rank"),
+        "register memory as a window of a 2-rank NCCL communicator: (the peer's memory, why not)");
 }

@@ -182,7 +182,11 @@ def _open_pool(cfg: NcclConfig, device: torch.device, handle) -> list[torch.Tens
     """The holder's entries mapped here (``_shared_pool``'s handle)."""
     from raykv.tiers.peer_memory import open_tensors
 
-    raws = open_tensors(handle, device)
+    return _entries_of(cfg, open_tensors(handle, device))
+
+
+def _entries_of(cfg: NcclConfig, raws: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A pool's entries over its raw uint8 tensors, one per layer."""
     return [e for raw in raws for e in raw.view(_layer_shape(cfg)).view(torch.bfloat16).unbind(0)]
 
 
@@ -234,11 +238,14 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
     world = _group(store, "world/", r if a else cfg.tp + r, 2 * cfg.tp, False)  # barriers
     base = _group(store, f"base/{r}/", 0 if a else 1, 2, cfg.cuda)
     coll = Collective(me, device, timeout_s=120)
-    if a:  # in memory B's processes map too (peer reads)
-        entries, handle = _shared_pool(cfg, device, 1000 + r)
-        store.set(f"peer/{r}", pickle.dumps(handle if isinstance(handle, list) else handle.spec))
+    if a or cfg.cuda:  # in memory the other end maps (peer reads; on CUDA the NCCL window)
+        entries, handle = _shared_pool(cfg, device, (1000 if a else 2000) + r)
     else:
         entries = _pool(cfg, device, 2000 + r)
+    if a:
+        store.set(f"peer/{r}", pickle.dumps(handle if isinstance(handle, list) else handle.spec))
+    if cfg.cuda:  # as a pool's ranks keep it (``raykv.service.pairs``)
+        coll.window_memory = (handle.buffer, handle.spec.tensors)
     src_ids, dst_ids = _ids(cfg, 1), _ids(cfg, 2)
     width, n = cfg.row_bytes, cfg.blocks
     loop = asyncio.new_event_loop()
@@ -282,26 +289,7 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
 
     issue: list[float] = []  # seconds the sender's host spent issuing one batch (in flight)
 
-    # peer reads: A (the holder) states its blocks' sums, B copies them from A's mapped pool
-    peer_src = None if a else _open_pool(cfg, device, pickle.loads(store.get(f"peer/{r}")))
     holder = PoolCopy(entries)  # A: its blocks' sums
-    reader = None if a else PoolCopy(peer_src, entries)  # B: A's blocks into its own
-    stated = [] if a else stated_sums(PoolCopy(peer_src), src_ids)
-
-    def peer_read() -> Any:
-        return read_blocks(reader, src_ids, dst_ids, stated, 120)
-
-    async def peer(layout: str) -> int:  # one batch: the holder's sums, then the reader's copy
-        if a:
-            return len(stated_sums(holder, src_ids))
-        return await peer_read()
-
-    def peer_in_flight(layout: str, burst: int) -> int:
-        if a:
-            sums = [holder.start(src_ids) for _ in range(burst)]
-            sync()
-            return len(holder.sums(sums[-1]))
-        return loop.run_until_complete(_together([peer_read() for _ in range(burst)]))
 
     def contiguous(layout: str) -> None:  # queued: wait() orders streams, the host goes on
         if layout == "mla" and r:
@@ -361,6 +349,52 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
 
         return lambda layout, burst: loop.run_until_complete(batches(layout, burst))
 
+    readers: dict[str, tuple[Any, Any]] = {}  # B's copy and read of each read in place
+
+    def in_place(label: str, src: list[torch.Tensor] | None) -> dict:
+        """A read in place of A's blocks, as the service runs one: A states its blocks'
+        sums (the control call), then B's kernel copies them from ``src`` (A's pool as
+        mapped here) into its own, taking the same sums. ``label`` one at a time and
+        ``label_in_flight``."""
+        reader = None if a else PoolCopy(src, entries)
+        stated = [] if a else stated_sums(PoolCopy(src), src_ids)
+
+        def read() -> Any:
+            return read_blocks(reader, src_ids, dst_ids, stated, 120)
+
+        async def one(layout: str) -> int:
+            if a:
+                return len(stated_sums(holder, src_ids))
+            return await read()
+
+        def in_flight(layout: str, burst: int) -> int:
+            if a:
+                sums = [holder.start(src_ids) for _ in range(burst)]
+                sync()
+                return len(holder.sums(sums[-1]))
+            return loop.run_until_complete(_together([read() for _ in range(burst)]))
+
+        readers[label] = (reader, read)
+        return {label: awaited_one_by_one(one), f"{label}_in_flight": in_flight}
+
+    # peer reads: B maps A's pool itself (``raykv.tiers.peer_memory``)
+    mapped = None if a else _open_pool(cfg, device, pickle.loads(store.get(f"peer/{r}")))
+    peers = in_place("peer", mapped)
+    # the pair's NCCL window (``raykv.transport.nccl_window``), formed with its first batch:
+    # where every rank pair has one, B reads A's pool as NCCL mapped it
+    windows: dict = {}
+    if cfg.cuda and "split" in cfg.layouts:
+        loop.run_until_complete(batch("split"))
+        mapped = None if a else coll.window(pair(f"A{r}", me))
+        if not a:
+            store.set(f"window/{r}", "1" if mapped is not None else "0")
+        if all(store.get(f"window/{j}") == b"1" for j in range(cfg.tp)):
+            from raykv.tiers.peer_memory import carve
+
+            src = None if a else _entries_of(cfg, carve(mapped, handle.spec.tensors))
+            windows = in_place("window", src)
+    halves = {**peers, **windows}
+
     gpu_seconds: list[float] = []  # the last burst's GPU time (``ahead``)
 
     def ahead(fn):
@@ -394,12 +428,21 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
     if cfg.tp == 1:
         methods["per_block"] = one_by_one(per_block)
     crossings = {"crossing": one_by_one(crossing), "crossing_waited": one_by_one(crossing_waited)}
-    peers = {"peer": awaited_one_by_one(peer), "peer_in_flight": peer_in_flight}
     out: dict = {"device": torch.cuda.get_device_name(device) if cfg.cuda else "cpu"}
+
+    def equal(layout: str) -> bool:
+        """Every byte B holds now equals A's (its rank's copy; MLA: share j from rank j)."""
+        parts = [(r, range(n))] if layout != "mla" else enumerate(shares(n, cfg.tp, width))
+        want = torch.cat([
+            _rows(_pool(cfg, device, 1000 + j), src_ids[c.start : c.stop], width)
+            for j, c in parts if c
+        ])  # fmt: skip
+        return bool(torch.equal(_rows(entries, dst_ids, width), want))
+
     for layout in layouts:
-        extra = peers if layout == "split" else crossings if cfg.tp > 1 else {}
+        extra = halves if layout == "split" else crossings if cfg.tp > 1 else {}
         for name, fn in {**methods, **extra}.items():
-            if name == "peer" and not a:  # what the peer reads write is checked on its own
+            if name in readers and not a:  # what a read in place writes is checked on its own
                 ops.scatter_blocks(
                     torch.zeros((n, width), dtype=torch.uint8, device=device), entries,
                     torch.tensor(dst_ids),
@@ -414,33 +457,27 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
                 # a peer read's halves run one after the other, as in the service (the
                 # holder's sums answer the control call, then the reader copies): A times
                 # its half while B waits, then B its half
-                mine = not (name in peers and not a)
+                mine = not (name in halves and not a)
                 if mine:
                     t0 = time.perf_counter()
                     got = fn(layout, burst)
                     sync()
                     took = gpu_seconds[0] if name.endswith("_gpu") else time.perf_counter() - t0
                     times.append(took / burst)
-                if name in peers:
+                if name in halves:
                     barrier()
                 if not mine:
                     t0 = time.perf_counter()
                     got = fn(layout, burst)
                     sync()
                     times.append((time.perf_counter() - t0) / burst)
-                if (
-                    name in ("raykv", "in_flight", "in_flight_gpu", "peer", "peer_in_flight")
-                    and not a
-                ):
+                if name in ("raykv", "in_flight", "in_flight_gpu", *halves) and not a:
                     out.setdefault(f"{layout}/good", []).append(got)
             out[f"{layout}/{name}"] = statistics.median(times)
-        if not a:  # every byte B holds now equals A's (its rank's copy; MLA: share j from j)
-            parts = [(r, range(n))] if layout != "mla" else enumerate(shares(n, cfg.tp, width))
-            want = torch.cat([
-                _rows(_pool(cfg, device, 1000 + j), src_ids[c.start : c.stop], width)
-                for j, c in parts if c
-            ])  # fmt: skip
-            out[f"{layout}/equal"] = bool(torch.equal(_rows(entries, dst_ids, width), want))
+            if name in readers and not a:
+                out[f"{layout}/{name}/equal"] = equal(layout)
+        if not a:
+            out[f"{layout}/equal"] = equal(layout)
     if issue:  # the warm-up burst of 1 left out
         out["phase/send_issue_ms"] = statistics.median(issue[1:] or issue) * 1e3
     # where one batch's time goes, each phase alone (after the checks: it writes B's blocks)
@@ -449,8 +486,8 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
     for turn in (True, False):
         barrier()
         if a == turn:
-            out.update(_peer_phases(holder if a else reader, src_ids, dst_ids, sync, loop,
-                                    peer_read))  # fmt: skip
+            reader, read = readers["peer"]
+            out.update(_peer_phases(holder if a else reader, src_ids, dst_ids, sync, loop, read))
     barrier()
     coll.close()
     return out

@@ -44,8 +44,22 @@ def nccl_report(cfg: NcclConfig, results: dict) -> dict:
             holder = max(results[("A", r)][key] for r in range(cfg.tp)) if first else 0.0
             return payload / (holder + max(b[key] for b in readers)) / 1e9
 
-        peer, peer_flight = peer_rate("peer", False), peer_rate("peer_in_flight", False)
-        peer_first = peer_rate("peer", True)
+        def ratio(x: float | None, base: float | None) -> float | None:
+            return x / base if x and base else None
+
+        in_place = {}  # reads in place: peer reads, and through the pair's NCCL window
+        for how in ("peer", "window"):
+            one, flight = peer_rate(how, False), peer_rate(f"{how}_in_flight", False)
+            first = peer_rate(how, True)
+            in_place.update({
+                how: one,
+                f"{how}_vs_contiguous_waited": ratio(one, waited),
+                f"{how}_first": first,
+                f"{how}_first_vs_contiguous_waited": ratio(first, waited),
+                f"{how}_in_flight": flight,
+                f"{how}_in_flight_vs_contiguous": ratio(flight, contig),
+            })  # fmt: skip
+        checks = [k for k in readers[0] if k.startswith(f"{layout}/") and k.endswith("equal")]
         rows.append({
             "layout": layout,
             "tp": cfg.tp,
@@ -71,17 +85,8 @@ def nccl_report(cfg: NcclConfig, results: dict) -> dict:
             "crossing_waited": cross_waited,
             "raykv_vs_crossing_waited": raykv / cross_waited if cross_waited else None,
             "in_flight_vs_crossing": in_flight / cross if cross and in_flight else None,
-            "peer": peer,
-            "peer_vs_contiguous_waited": peer / waited if peer and waited else None,
-            "peer_first": peer_first,
-            "peer_first_vs_contiguous_waited": (
-                peer_first / waited if peer_first and waited else None
-            ),
-            "peer_in_flight": peer_flight,
-            "peer_in_flight_vs_contiguous": (
-                peer_flight / contig if peer_flight and contig else None
-            ),
-            "equal": all(b[f"{layout}/equal"] for b in readers),
+            **in_place,
+            "equal": all(b[k] for b in readers for k in checks),
             "all_blocks": all(g == cfg.blocks for b in readers for g in b[f"{layout}/good"]),
         })  # fmt: skip
     phases = {k: v for b in (results[("A", 0)], readers[0]) for k, v in b.items() if "phase/" in k}
@@ -139,15 +144,20 @@ def nccl_format(report: dict) -> str:
                 f"{f(r['raykv_vs_crossing_waited'], 3)} x; queued {f(r['crossing'])} GB/s, "
                 f"raykv in flight {f(r['in_flight_vs_crossing'], 3)} x"
             )
-        if r.get("peer"):
-            lines.append(
-                f"peer reads (pools of one host: the reader's kernel copies the holder's mapped "
-                f"blocks), {r['layout']}: one at a time {f(r['peer'])} GB/s = "
-                f"{f(r['peer_vs_contiguous_waited'], 3)} x contiguous one at a time; in flight "
-                f"{f(r['peer_in_flight'])} GB/s = {f(r['peer_in_flight_vs_contiguous'], 3)} x "
-                f"contiguous queued; blocks not summed yet (the holder's pass first) "
-                f"{f(r['peer_first'])} GB/s = {f(r['peer_first_vs_contiguous_waited'], 3)} x"
-            )
+        for how, what in (
+            ("window", "raykv through the pair's NCCL window (what a pool reads from a pool of "
+             "its host: NCCL maps the holder's blocks, the reader's kernel copies them)"),
+            ("peer", "peer reads (opt-in: the reader maps the holder's pool itself)"),
+        ):  # fmt: skip
+            if r.get(how):
+                lines.append(
+                    f"{what}, {r['layout']}: one at a time {f(r[how])} GB/s = "
+                    f"{f(r[f'{how}_vs_contiguous_waited'], 3)} x contiguous one at a time; in "
+                    f"flight {f(r[f'{how}_in_flight'])} GB/s = "
+                    f"{f(r[f'{how}_in_flight_vs_contiguous'], 3)} x contiguous queued; blocks "
+                    f"not summed yet (the holder's pass first) {f(r[f'{how}_first'])} GB/s = "
+                    f"{f(r[f'{how}_first_vs_contiguous_waited'], 3)} x"
+                )
     if report.get("phases"):
         lines.append(
             "phases of one batch alone (rank pair 0, ms): "

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import ray
+import torch
 
 from raykv.errors import TransportError
 from raykv.ops_pools import PoolCopy
@@ -45,6 +46,7 @@ from raykv.transport.peer_read import (
     read_blocks,
     stated_sums,
 )
+from raykv.transport.select import NCCL
 from raykv.transport.wire import shares
 
 HOLD_S = 2 * TIMEOUT_S  # a peer read's hold on the holder's blocks, if never released
@@ -71,6 +73,8 @@ class RankCollective:
         if self._coll is None:
             device = self.entries[0][0].device if self.entries and self.entries[0] else "cpu"
             self._coll = Collective(actor_ident(name), device)
+            if self.kv.export is not None:  # its NCCL pairs read it through windows
+                self._coll.window_memory = (self.kv.export.buffer, self.kv.export.spec.tensors)
         return self._coll
 
     def start_send(self, name: str, pair: Pair, gi: int, block_ids: list[int]) -> Any:
@@ -119,19 +123,55 @@ class RankCollective:
     async def peer_read(
         self, gi: int, handle: Any, src_ids: list[int], dst_ids: list[int], sums: np.ndarray
     ) -> int:
-        """Copy a peer's blocks (``handle``: its ``peer_handle``) into ours; how many leading
-        ones arrived as the peer stated them."""
+        """Copy a peer's blocks (``handle``: its ``peer_handle``, or the ``Pair`` whose NCCL
+        window maps it, ``raykv.transport.nccl_window``) into ours; how many leading ones
+        arrived as the peer stated them."""
         from raykv.tiers.gpu_kv import GpuKV
 
-        if self._peers is None:
-            self._peers = PeerMaps(lambda h: (GpuKV.open_handles(self.plan, h), {}))
-            asyncio.get_running_loop().create_task(self._sweep_peers(self._peers))
-        peer, copies = self._peers.get(handle)
+        if isinstance(handle, Pair):
+            peer, copies = self._window_pool(handle)
+        else:
+            if self._peers is None:
+                self._peers = PeerMaps(lambda h: (GpuKV.open_handles(self.plan, h), {}))
+                asyncio.get_running_loop().create_task(self._sweep_peers(self._peers))
+            peer, copies = self._peers.get(handle)
         copy = copies.get(gi)
         if copy is None:  # the pair of pools checked once, its segment tables kept
             src = peer.entries(self.plan.groups[gi].group_id)
             copy = copies[gi] = PoolCopy(src, self.entries[gi])
         return await read_blocks(copy, src_ids, dst_ids, sums, TIMEOUT_S)
+
+    _windowed: dict[Pair, tuple[torch.Tensor, Any, dict]] | None = None
+
+    def has_window(self, pair: Pair) -> bool:
+        """Whether this rank reads ``pair``'s holder through an NCCL window."""
+        return self._coll is not None and self._coll.window(pair) is not None
+
+    def _window_pool(self, pair: Pair) -> tuple[Any, dict]:
+        """The holder's pool mapped through ``pair``'s NCCL window (its layout is ours: the
+        window formed only where both were equal) and this pair's copies by group."""
+        from raykv.tiers.gpu_kv import GpuKV
+        from raykv.tiers.peer_memory import carve
+
+        memory = self._coll.window(pair) if self._coll is not None else None
+        if memory is None:
+            raise TransportError(f"no NCCL window from {pair.src} (its pair was dropped)")
+        if self._windowed is None:
+            self._windowed = {}
+            asyncio.get_running_loop().create_task(self._sweep_windows())
+        got = self._windowed.get(pair)
+        if got is None or got[0] is not memory:
+            tensors = carve(memory, self.kv.export.spec.tensors)
+            got = self._windowed[pair] = (memory, GpuKV.of_raw(self.plan, tensors), {})
+        return got[1], got[2]
+
+    async def _sweep_windows(self) -> None:
+        """Drop the windows (pairs) of holders that died, also while this rank reads none."""
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            self._coll.sweep_windows()
+            for p in [p for p in self._windowed if self._coll.window(p) is None]:
+                del self._windowed[p]
 
 
 class CollectivePlane:
@@ -160,6 +200,10 @@ class CollectivePlane:
         self._coll_gen = 0
         self._coll_lock: asyncio.Lock | None = None
         self._coll_idents: list[str] | None = None
+        # holder member -> (generation, the rank pairs that read it through NCCL windows, or
+        # None where they stage): looked up once per generation, after its first batch
+        self._window_of: dict[str, tuple[int, list[Pair] | None]] = {}
+        self._read_in_place = False  # a peer has read our blocks in place: sum them early
         self._sending: set[asyncio.Future] = set()
 
     async def _idents(self) -> list[str]:
@@ -250,6 +294,7 @@ class CollectivePlane:
         from raykv.service.index import GPU
 
         self._expire_holds()
+        self._read_in_place = True
         if self._peer_handles is None:
             rest = await self._remote([h.peer_handle.remote() for h in self._ranks()])
             self._peer_handles = [self.local.peer_handle(), *rest]
@@ -305,7 +350,7 @@ class CollectivePlane:
         each other in place, their wire sums are taken now, in the background, each group's
         blocks held meanwhile, so a peer's first read of them waits for no pass over the
         holder's blocks (and, under TP, no call to its other ranks)."""
-        if PEER not in self.transports or not valid:
+        if not (PEER in self.transports or self._read_in_place) or not valid:
             return
         from raykv.service.groups import key_group
 
@@ -341,6 +386,13 @@ class CollectivePlane:
         peer route reads the holder's mapped blocks instead (``_peer_fetch``)."""
         if loc.transport == PEER:
             return await self._peer_fetch(loc, gi, want, filled, live)
+        seen = self._window_of.get(loc.member)
+        if seen is not None and seen[0] == self._coll_gen and seen[1] is not None:
+            try:  # read in place through the pairs' NCCL windows (``nccl_window``)
+                return await self._peer_fetch(loc, gi, want, filled, live, seen[1])
+            except TransportError:
+                self._coll_gen += 1  # fresh pairs (and windows) next time
+                raise
         if self._coll_lock is None:
             self._coll_lock = asyncio.Lock()
         async with self._coll_lock:
@@ -385,6 +437,10 @@ class CollectivePlane:
             if isinstance(e, TransportError):
                 raise
             raise TransportError(f"{loc.transport} batch from {loc.member} failed: {e}") from e
+        seen = self._window_of.get(loc.member)
+        if loc.transport == NCCL and (seen is None or seen[0] != gen):
+            pairs = [Pair(src[r], idents[r], gen, store) for r in range(len(self.copy_of))]
+            await self._windows_formed(loc.member, gen, pairs)
         return await self._landed(loc, source, want, min(counts), n, sums, width, filled, live)
 
     async def _landed(
@@ -409,13 +465,31 @@ class CollectivePlane:
         filled.update(blocks[:good])
         return good, good * width * len(self.writers)
 
+    async def _windows_formed(self, member: str, gen: int, pairs: list[Pair]) -> None:
+        """Whether every rank pair with ``member`` formed an NCCL window (each rank its own
+        copy: an MLA group's replicas stay staged, which moves the latent once)."""
+        have = [False]
+        if len(self.writers) == len(self.copy_of):
+            try:
+                have = await asyncio.gather(
+                    asyncio.sleep(0, self.local.has_window(pairs[0])),
+                    *(h.coll_has_window.remote(p) for h, p in zip(self._ranks(), pairs[1:],
+                                                                  strict=True)),
+                )  # fmt: skip
+            except ray.exceptions.RayError as e:
+                log.warning("pool %s: cannot ask its ranks for windows (%s)", self.name, e)
+        self._window_of[member] = (gen, pairs if all(have) else None)
+
     async def _peer_fetch(
-        self, loc: Any, gi: int, want: list[tuple[bytes, int]], filled: set[int], live: Any
-    ) -> tuple[int, int]:
+        self, loc: Any, gi: int, want: list[tuple[bytes, int]], filled: set[int], live: Any,
+        pairs: list[Pair] | None = None,
+    ) -> tuple[int, int]:  # fmt: skip
         """One batch read from ``loc``'s pool on this node: one control call (the holder
         holds the blocks and states their sums), then each of our ranks copies its rank's
-        blocks straight into ours (``raykv.transport.peer_read``); the hold is released
-        after. TransportError if it could not (the caller falls back)."""
+        blocks straight into ours (``raykv.transport.peer_read``; from its memory mapped
+        through the rank pairs' NCCL windows, ``pairs``, else through its peer handles);
+        the hold is released after. TransportError if it could not (the caller falls
+        back)."""
         source = ray.get_actor(loc.member, namespace=NAMESPACE)
         keys = [k for k, _ in want]
         try:
@@ -430,7 +504,8 @@ class CollectivePlane:
             return 0, 0
         n = len(got["blocks"])
         blocks = [b for _, b in want[:n]]
-        args = [(gi, got["handles"][r], got["blocks"], blocks, got["wire"][r])
+        handles = pairs or got["handles"]
+        args = [(gi, handles[r], got["blocks"], blocks, got["wire"][r])
                 for r in range(len(self.copy_of))]  # fmt: skip
         calls = [
             self.local.peer_read(*args[0]),

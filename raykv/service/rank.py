@@ -39,10 +39,9 @@ class RankKV(RankCollective):
         from raykv.tiers.gpu_kv import GpuKV
 
         self.plan, self.rank = plan, rank
-        from raykv.transport.peer_read import enabled
-
-        # exportable: other pools of the node map it to read in place (peer reads)
-        self.kv = GpuKV.allocate(plan, device, shared=True, exportable=enabled())
+        # exportable (CUDA): one allocation other pools of the node read in place, through
+        # their NCCL pairs' windows (``raykv.transport.nccl_window``) or as peer reads
+        self.kv = GpuKV.allocate(plan, device, shared=True, exportable=True)
         self.entries = [self.kv.entries(g.group_id) for g in plan.groups]
         self.widths = row_widths(plan)
         self._engine: Any = None
@@ -142,6 +141,9 @@ class RankPool:
         self, pair: Any, gi: int, block_ids: list[int], expected: Any, replicas: Any = ()
     ) -> int:
         return await self.kv.recv(self.name, pair, gi, block_ids, expected, replicas)
+
+    async def coll_has_window(self, pair: Any) -> bool:
+        return self.kv.has_window(pair)
 
     def checksums(self, gi: int, block_ids: list[int]) -> tuple[int, ...]:
         return row_checksums(self.kv.gather(gi, block_ids))

@@ -240,12 +240,12 @@ class GpuKV:
         CPU: the same layout, the same bytes (block ids are the owner's)."""
         from raykv.tiers import peer_memory
 
-        kv = cls._of_raw(plan, peer_memory.open_tensors(list(specs), torch.device("cpu")))
+        kv = cls.of_raw(plan, peer_memory.open_tensors(list(specs), torch.device("cpu")))
         kv.shared_specs = tuple(specs)
         return kv
 
     @classmethod
-    def _of_raw(cls, plan: Plan, tensors: Sequence[torch.Tensor]) -> GpuKV:
+    def of_raw(cls, plan: Plan, tensors: Sequence[torch.Tensor]) -> GpuKV:
         """The layout ``allocate`` builds, over raw ``[blocks, page]`` tensors made elsewhere."""
         entries = {g.group_id: [tensors[t] for t in range(len(g.layer_names))] for g in plan.groups}
         layers = {
@@ -279,8 +279,8 @@ class GpuKV:
             return cls.attach(plan, handles)
         if isinstance(handles, peer_memory.PeerSpec):
             device = torch.device("cuda", torch.cuda.current_device())
-            return cls._of_raw(plan, peer_memory.open_tensors(handles, device))
-        return cls._of_raw(plan, [fn(*args) for fn, args in handles])
+            return cls.of_raw(plan, peer_memory.open_tensors(handles, device))
+        return cls.of_raw(plan, [fn(*args) for fn, args in handles])
 
     @classmethod
     def register(

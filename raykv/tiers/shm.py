@@ -57,14 +57,20 @@ class SharedSpec:
 
 
 def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host still runs (one of another user counts)."""
+    """Whether process ``pid`` of this host still runs (one of another user counts; one that
+    exited but was not reaped yet, a zombie, does not: its memory is already released)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")
 
 
 def sweep() -> int:

@@ -53,6 +53,7 @@ import torch
 from raykv import ops
 from raykv.errors import InvalidInput, TransportError
 from raykv.transport import completion
+from raykv.transport.nccl_window import Windows
 from raykv.transport.pair import Pair, node_address
 from raykv.transport.pipeline import pipeline_call
 from raykv.transport.select import GLOO, NCCL
@@ -108,6 +109,10 @@ class Collective:
         self._forward: Any = None  # the stream a receiver passes messages on from (GPU)
         self._comms: dict[Pair, int] = {}  # NCCL communicators of formed pairs (0: none)
         self._tables: dict[int, tuple[Any, tuple, ops.WireTable | None]] = {}  # _wire_table
+        # this process's pool as one exportable allocation and its tensors' layout, which its
+        # NCCL pairs register as a window (``raykv.transport.nccl_window``); None: they stage
+        self.window_memory: tuple[torch.Tensor, Any] | None = None
+        self.windows = Windows()
         # tests: called with each message right before it is sent
         self.tamper: Callable[[torch.Tensor], None] | None = None
 
@@ -164,7 +169,24 @@ class Collective:
             pg.allreduce([torch.zeros(1, device=self.device)])
             torch.cuda.current_stream(self.device).synchronize()
             comm = int(pg._comm_ptr())
+        if self.backend == NCCL:
+            import torch.distributed as dist
+
+            store = dist.PrefixStore(f"{pair.prefix}window/", self._store(pair.store))
+            memory, layout = self.window_memory or (None, None)
+            rank = 0 if pair.src == self.ident else 1
+            self.windows.form(pair, rank, comm, store, memory, layout)
         self._comms[pair] = comm
+
+    def window(self, pair: Pair) -> torch.Tensor | None:
+        """The holder's pool mapped here through ``pair``'s NCCL window (reader side; formed
+        with the pair's first batch), or None: the pair stages its batches."""
+        return self.windows.peer(pair)
+
+    def sweep_windows(self) -> None:
+        """Drop the pairs (and so the mappings) of window holders whose process is gone."""
+        for p in self.windows.dead():
+            self._drop(p)
 
     def _wire_table(self, entries: Sequence[torch.Tensor], width: int) -> ops.WireTable | None:
         """The C++ pipeline's view of ``entries`` where this process can run it (NCCL, the
@@ -202,6 +224,8 @@ class Collective:
         return self._wires[lane], self._forward
 
     def _abort(self, pair: Pair) -> None:
+        if self.windows.drop(pair):  # reads through its window finish before it unmaps
+            torch.cuda.synchronize(self.device)
         self._comms.pop(pair, None)
         self._warmed.discard(pair)
         pg = self._groups.pop(pair, None)
@@ -221,12 +245,16 @@ class Collective:
         moved on after a failure)."""
         stale = [p for p in list(self._groups) if p.link == pair.link and p.gen < pair.gen]
         for p in stale:
-            ex = self._threads.pop(p, None)
-            if ex is not None:
-                ex.submit(self._abort, p)
-                ex.shutdown(wait=False)
-            else:
-                self._abort(p)
+            self._drop(p)
+
+    def _drop(self, pair: Pair) -> None:
+        """Abort ``pair`` after whatever its thread is doing."""
+        ex = self._threads.pop(pair, None)
+        if ex is not None:
+            ex.submit(self._abort, pair)
+            ex.shutdown(wait=False)
+        else:
+            self._abort(pair)
 
     # -- waiting for an issued batch, bounded --
 

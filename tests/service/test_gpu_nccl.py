@@ -93,32 +93,54 @@ def routes(kv) -> dict:
     return {(r["from"], r["to"]): r["transport"] for r in kv.stats()["routes"]}
 
 
-def load_between_two_pools(kv, model: str, before_load=None) -> dict:
+def load_between_two_pools(kv, model: str, before_load=None, loads: int = 1, between=None) -> dict:
     """Engine A stores 256 known blocks on pool 0, engine B loads them into pool 1 (after
-    ``before_load()``, if given) and reads every byte back; returns the routes."""
+    ``before_load()``, if given) and reads every byte back, ``loads`` times (another prefix
+    each, ``between()`` called before each after the first); returns the routes."""
     from raykv.layout import FullAttention
 
     layers = {f"l{i}": FullAttention("bfloat16", num_kv_heads=8, head_dim=128) for i in range(4)}
     plan = kv.add_model(model, layers, max_model_len=8192, pool_bytes=1 << 30, cpu_bytes=1 << 28)
     a, b = engine(kv, model, 0), engine(kv, model, 1)
-    n, ids = 256, list(range(1, 256 * 16 + 2))
-    data = known(n, plan.gpu_bytes_per_block, 1)
-    write(a, "w", ids, n, [data])
-    a.free("w")
-    if before_load is not None:
-        before_load()
-    assert b.admit("r", len(ids), ids)
-    tb = b.allocate("r", len(ids), ids)[0]
-    res = b.load("r", ids, into=tb[:n])
-    assert (res.num_tokens, res.bytes) == (n * 16, n * plan.gpu_bytes_per_block)
-    check_read(b, tb, n, [data])
-    b.free("r")
+    for k in range(loads):
+        if k and between is not None:
+            between()
+        n, ids = 256, list(range(1 + k, 256 * 16 + 2 + k))
+        data = known(n, plan.gpu_bytes_per_block, 1 + k)
+        write(a, "w", ids, n, [data])
+        a.free("w")
+        if before_load is not None:
+            before_load()
+        assert b.admit("r", len(ids), ids)
+        tb = b.allocate("r", len(ids), ids)[0]
+        res = b.load("r", ids, into=tb[:n])
+        assert (res.num_tokens, res.bytes) == (n * 16, n * plan.gpu_bytes_per_block)
+        check_read(b, tb, n, [data])
+        b.free("r")
     return routes(kv)
 
 
+def windows_of(model: str, index: int) -> dict:
+    """Pool ``index``'s holders and whether it reads each through NCCL windows."""
+    import ray
+
+    from raykv.service.spec import NAMESPACE, pool_name
+
+    node = ray.get_runtime_context().get_node_id()
+    pool = ray.get_actor(pool_name(model, node, index), namespace=NAMESPACE)
+    return ray.get(pool.__ray_call__.remote(
+        lambda self: {m: pairs is not None for m, (_, pairs) in self._window_of.items()}
+    ))  # fmt: skip
+
+
 def test_two_gpu_pools_load_over_nccl(kv) -> None:
-    got = load_between_two_pools(kv, "n1")
+    seen = []  # B's windows after the first load: its pair formed one where GPUs map
+    got = load_between_two_pools(
+        kv, "n1", loads=2, between=lambda: seen.append(windows_of("n1", 1))
+    )
     assert "nccl" in got.values(), got
+    if torch.cuda.can_device_access_peer(0, 1):  # so the second load read through it
+        assert [list(w.values()) for w in seen] == [[True]], seen
     stop_service(kv)
 
 

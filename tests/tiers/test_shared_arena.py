@@ -152,3 +152,23 @@ def test_the_reference_copy_matches_a_per_block_loop_for_runs_and_scatters(ids, 
     ops.scatter_blocks(want, fresh, idx)
     for e, f in zip(entries, fresh, strict=True):
         assert torch.equal(f[idx], e[idx]) and not f[[i for i in range(64) if i not in ids]].any()
+
+
+def test_a_process_that_exited_is_gone_even_before_it_is_reaped() -> None:
+    import os
+    import time
+
+    from raykv.tiers.shm import process_alive
+
+    assert process_alive(os.getpid())
+    child = subprocess.Popen(["sleep", "0"])
+    deadline = time.monotonic() + 10
+    while process_alive(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # it exits at once, then stays a zombie until waited for
+    try:
+        with open(f"/proc/{child.pid}/stat") as f:  # not reaped yet: still listed, a zombie
+            assert f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        assert not process_alive(child.pid)
+    finally:
+        child.wait()
+    assert not process_alive(child.pid)

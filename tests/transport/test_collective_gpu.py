@@ -25,6 +25,8 @@ def test_scattered_blocks_arrive_equal_between_two_gpus() -> None:
     assert row["equal"] and row["all_blocks"], row  # the peer reads ran last, into zeroes
     assert row["peer"] > 0 and row["peer_in_flight"] > 0, row
     assert row["in_flight_gpu"] > 0 and row["contiguous_gpu"] > 0, row  # the GPUs alone
+    if torch.cuda.can_device_access_peer(0, 1):  # the pair's NCCL window formed: read through it
+        assert row["window"] > 0 and row["window_in_flight"] > 0, row
 
 
 @pytest.mark.skipif(GPUS < 4, reason=f"needs 4 GPUs, found {GPUS}")
@@ -189,3 +191,69 @@ def test_bad_block_ids_on_a_formed_pair_are_refused_at_both_ends() -> None:
     assert "block id 16" in out["s"][0] and "16 blocks" in out["s"][0], out
     assert "block id 7 appears more than once" in out["r"][0], out
     assert out["r"][1:] == (3, True), out
+
+
+def _window_peer(side: str, addr, q, sizes=(64, 64)) -> None:
+    """Holder "s" and reader "r", each pool one exportable allocation of ``sizes`` rows of
+    64 KiB (as a pool's ranks keep it); the pair's first batch stages, then the reader looks
+    for the window, reads through it, and sees it dropped once the holder's process is gone."""
+    import asyncio
+
+    from raykv.ops_pools import PoolCopy
+    from raykv.tiers.peer_memory import PeerExport, carve
+    from raykv.transport.collective import Collective
+    from raykv.transport.pair import Pair
+    from raykv.transport.peer_read import read_blocks, stated_sums
+
+    torch.cuda.set_device(0)
+    width, rows = 64 << 10, sizes[0 if side == "s" else 1]
+    export = PeerExport([(rows, width)], torch.device("cuda", 0))
+    (pool,) = export.tensors
+    g = torch.Generator().manual_seed(11)
+    data = torch.randint(0, 256, (rows, width), generator=g, dtype=torch.uint8)
+    coll = Collective(side, "cuda", timeout_s=30)
+    coll.window_memory = (export.buffer, export.spec.tensors)
+    pair = Pair("s", "r", 0, addr)
+    loop = asyncio.new_event_loop()
+    ids = list(range(1, 17))
+    if side == "s":
+        pool.copy_(data.cuda())
+        loop.run_until_complete(coll.start_send(pair, [pool], ids, width))
+        time.sleep(3)
+        os._exit(0)  # the holder's process goes: the reader drops its window
+    staged = loop.run_until_complete(coll.recv_batch(pair, [pool], ids, width))
+    memory = coll.window(pair)
+    if memory is None:
+        q.put((staged, None, None, None))
+        return
+    (src,) = carve(memory, export.spec.tensors)
+    sums = stated_sums(PoolCopy([src]), ids)  # the holder's, as it states them
+    pool.zero_()
+    dst = list(range(20, 36))
+    good = loop.run_until_complete(read_blocks(PoolCopy([src], [pool]), ids, dst, sums, 30))
+    equal = bool(torch.equal(pool[dst].cpu(), data[ids]))
+    deadline = time.monotonic() + 30
+    while coll.window(pair) is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
+        coll.sweep_windows()
+    q.put((staged, good, equal, coll.window(pair) is None))
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, found {GPUS}")
+def test_a_pairs_nccl_window_maps_the_holders_pool_until_the_holder_is_gone() -> None:
+    if not torch.cuda.can_device_access_peer(0, 1):
+        pytest.skip("GPUs 0 and 1 cannot map each other's memory: NCCL forms no window")
+    staged, good, equal, dropped = _sender_and_receiver(_window_peer)
+    assert staged == 16  # the pair's first batch staged as ever
+    assert good == 16 and equal, (good, equal)  # then read in place, every byte
+    assert dropped  # the holder's process gone: the pair (and the mapping) dropped
+
+
+def _unequal_pools(side: str, addr, q) -> None:
+    _window_peer(side, addr, q, sizes=(64, 80))
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, found {GPUS}")
+def test_pools_of_different_sizes_form_no_window_and_stage() -> None:
+    staged, good, _, _ = _sender_and_receiver(_unequal_pools)
+    assert staged == 16 and good is None
