@@ -36,6 +36,10 @@
   holder's sums known: a pool takes them as its blocks become valid and keeps them while they
   stay valid), *unsummed* adds A's pass (a read that comes before those sums are in). B's
   blocks are zeroed before the peer rounds, so the bytes-equal check after them is theirs.
+* NCCL windows (``raykv.transport.nccl_window``, CUDA): B's pool is one exportable
+  allocation too, and the pair's first batch registers both as an NCCL window; where every
+  rank pair got one, *window* is the same read in place from A's pool as NCCL mapped it (what
+  the service's NCCL route does between GPUs of one host), checked equal after its rounds.
 """
 
 from __future__ import annotations

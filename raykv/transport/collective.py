@@ -32,7 +32,10 @@ answers ends as ``TransportError`` and the pair's group is aborted; the caller b
 generation, so the next batch forms a fresh group instead of reusing a broken one. A pair's
 first batch runs on its thread (forming the group blocks until both ends join); once its
 NCCL communicator is up later batches are issued straight from the event loop and their
-completion is polled.
+completion is polled. Where both ends of an NCCL pair offer their pool as one exportable
+allocation of the same size and layout, the pair registers it as an NCCL window when it forms
+(``raykv.transport.nccl_window``): between GPUs that can load from each other the reader then
+reads the holder's blocks in place (``window``) instead of staging them.
 """
 
 from __future__ import annotations
