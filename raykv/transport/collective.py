@@ -178,7 +178,11 @@ class Collective:
             store = dist.PrefixStore(f"{pair.prefix}window/", self._store(pair.store))
             memory, layout = self.window_memory or (None, None)
             rank = 0 if pair.src == self.ident else 1
-            self.windows.form(pair, rank, comm, store, memory, layout)
+            try:
+                self.windows.form(pair, rank, comm, store, memory, layout)
+            except Exception as e:  # no window: the pair stages, as it always could
+                log.warning("collective %s: no NCCL window with %s (%r)", self.ident,
+                            pair.dst if rank == 0 else pair.src, e)  # fmt: skip
         self._comms[pair] = comm
 
     def window(self, pair: Pair) -> torch.Tensor | None:
@@ -228,7 +232,10 @@ class Collective:
 
     def _abort(self, pair: Pair) -> None:
         if self.windows.drop(pair):  # reads through its window finish before it unmaps
-            torch.cuda.synchronize(self.device)
+            try:
+                torch.cuda.synchronize(self.device)
+            except RuntimeError as e:  # a broken context: nothing left to wait for
+                log.warning("collective %s: cannot wait for window reads (%r)", self.ident, e)
         self._comms.pop(pair, None)
         self._warmed.discard(pair)
         pg = self._groups.pop(pair, None)
