@@ -56,6 +56,14 @@ from typing import Any
 
 import torch
 
+from raykv.bench.transport_nccl_pools import (
+    block_ids,
+    entries_of,
+    open_pool,
+    pool,
+    rows,
+    shared_pool,
+)
 from raykv.bench.transport_nccl_report import nccl_report
 from raykv.errors import ConfigError
 from raykv.layout.presets import get_preset
@@ -140,73 +148,6 @@ def nccl_gpus() -> int:
 # --- one process -----------------------------------------------------------------------------
 
 
-def _pool(
-    cfg: NcclConfig, device: torch.device, seed: int, into: list[torch.Tensor] | None = None
-) -> list[torch.Tensor]:
-    """The paged KV's entries (K and V, or the latent, of each layer), random bytes from
-    ``seed``, made on ``device`` (a preset's pool is GiBs); ``into``: one uint8 tensor per layer
-    to hold them (memory a peer maps), else fresh tensors."""
-    g = torch.Generator(device).manual_seed(seed)
-    out = []
-    for i in range(cfg.layers):
-        raw = torch.randint(0, 256, _layer_shape(cfg), generator=g, dtype=torch.uint8,
-                            device=device)  # fmt: skip
-        if into is not None:
-            into[i].copy_(raw.view(-1))
-            raw = into[i].view(raw.shape)
-        out += raw.view(torch.bfloat16).unbind(0)
-    return out
-
-
-def _layer_shape(cfg: NcclConfig) -> tuple[int, ...]:
-    """One layer's entries as bytes: ``[kinds, blocks, block_size, heads, 2 * head_dim]``."""
-    return (cfg.kinds, cfg.num_blocks, cfg.block_size, cfg.kv_heads, 2 * cfg.head_dim)
-
-
-def _layer_bytes(cfg: NcclConfig) -> int:
-    return math.prod(_layer_shape(cfg))
-
-
-def _shared_pool(cfg: NcclConfig, device: torch.device, seed: int):
-    """(entries, handle): the holder's KV in memory a process of this host maps with
-    ``GpuKV.open_handles``-style handles (a CUDA ``PeerSpec``, CPU shared-memory specs)."""
-    shapes = [(_layer_bytes(cfg),)] * cfg.layers
-    if device.type == "cuda":
-        from raykv.tiers.peer_memory import PeerExport
-
-        export = PeerExport(shapes, device)
-        return _pool(cfg, device, seed, export.tensors), export
-    from raykv.tiers import shm
-
-    made = [shm.create(shape, f"bench{i}") for i, shape in enumerate(shapes)]
-    return _pool(cfg, device, seed, [t for t, _ in made]), [spec for _, spec in made]
-
-
-def _open_pool(cfg: NcclConfig, device: torch.device, handle) -> list[torch.Tensor]:
-    """The holder's entries mapped here (``_shared_pool``'s handle)."""
-    from raykv.tiers.peer_memory import open_tensors
-
-    return _entries_of(cfg, open_tensors(handle, device))
-
-
-def _entries_of(cfg: NcclConfig, raws: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A pool's entries over its raw uint8 tensors, one per layer."""
-    return [e for raw in raws for e in raw.view(_layer_shape(cfg)).view(torch.bfloat16).unbind(0)]
-
-
-def _ids(cfg: NcclConfig, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randperm(cfg.num_blocks - 1, generator=g)[: cfg.blocks] + 1).tolist()
-
-
-def _rows(entries: list[torch.Tensor], ids: list[int], width: int) -> torch.Tensor:
-    from raykv import ops
-
-    dst = torch.empty((len(ids), width), dtype=torch.uint8, device=entries[0].device)
-    ops.gather_blocks(entries, torch.tensor(ids), dst)
-    return dst
-
-
 def _group(store, prefix: str, rank: int, size: int, cuda: bool):
     import torch.distributed as dist
 
@@ -243,19 +184,19 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
     base = _group(store, f"base/{r}/", 0 if a else 1, 2, cfg.cuda)
     coll = Collective(me, device, timeout_s=120)
     if a or cfg.cuda:  # in memory the other end maps (peer reads; on CUDA the NCCL window)
-        entries, handle = _shared_pool(cfg, device, (1000 if a else 2000) + r)
+        entries, handle = shared_pool(cfg, device, (1000 if a else 2000) + r)
     else:
-        entries = _pool(cfg, device, 2000 + r)
+        entries = pool(cfg, device, 2000 + r)
     if a:
         store.set(f"peer/{r}", pickle.dumps(handle if isinstance(handle, list) else handle.spec))
     if cfg.cuda:  # as a pool's ranks keep it (``raykv.service.pairs``)
         coll.window_memory = (handle.buffer, handle.spec.tensors)
-    src_ids, dst_ids = _ids(cfg, 1), _ids(cfg, 2)
+    src_ids, dst_ids = block_ids(cfg, 1), block_ids(cfg, 2)
     width, n = cfg.row_bytes, cfg.blocks
     loop = asyncio.new_event_loop()
     flat = torch.empty(n * width, dtype=torch.uint8, device=device)
     if a:
-        flat.copy_(_rows(entries, src_ids, width).view(-1))
+        flat.copy_(rows(entries, src_ids, width).view(-1))
 
     def pair(src: str, dst: str) -> Pair:
         return Pair(src, dst, 0, addr)
@@ -382,7 +323,7 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
         return {label: awaited_one_by_one(one), f"{label}_in_flight": in_flight}
 
     # peer reads: B maps A's pool itself (``raykv.tiers.peer_memory``)
-    mapped = None if a else _open_pool(cfg, device, pickle.loads(store.get(f"peer/{r}")))
+    mapped = None if a else open_pool(cfg, device, pickle.loads(store.get(f"peer/{r}")))
     peers = in_place("peer", mapped)
     # the pair's NCCL window (``raykv.transport.nccl_window``), formed with its first batch:
     # where every rank pair has one, B reads A's pool as NCCL mapped it
@@ -395,7 +336,7 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
         if all(store.get(f"window/{j}") == b"1" for j in range(cfg.tp)):
             from raykv.tiers.peer_memory import carve
 
-            src = None if a else _entries_of(cfg, carve(mapped, handle.spec.tensors))
+            src = None if a else entries_of(cfg, carve(mapped, handle.spec.tensors))
             windows = in_place("window", src)
     halves = {**peers, **windows}
 
@@ -438,10 +379,10 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
         """Every byte B holds now equals A's (its rank's copy; MLA: share j from rank j)."""
         parts = [(r, range(n))] if layout != "mla" else enumerate(shares(n, cfg.tp, width))
         want = torch.cat([
-            _rows(_pool(cfg, device, 1000 + j), src_ids[c.start : c.stop], width)
+            rows(pool(cfg, device, 1000 + j), src_ids[c.start : c.stop], width)
             for j, c in parts if c
         ])  # fmt: skip
-        return bool(torch.equal(_rows(entries, dst_ids, width), want))
+        return bool(torch.equal(rows(entries, dst_ids, width), want))
 
     for layout in layouts:
         extra = halves if layout == "split" else crossings if cfg.tp > 1 else {}
@@ -520,20 +461,20 @@ def _phases(sender: bool, cfg: NcclConfig, entries, ids, width: int, sync) -> di
     from raykv import ops
 
     device = entries[0].device
-    rows = torch.empty((len(ids), width), dtype=torch.uint8, device=device)
+    staged = torch.empty((len(ids), width), dtype=torch.uint8, device=device)
     sums = torch.empty(len(ids), dtype=torch.int64, device=device)
     ids_t = torch.tensor(ids)
     if sender:
         return {
-            "phase/gather_ms": _timed(sync, lambda: ops.gather_blocks(entries, ids_t, rows)),
+            "phase/gather_ms": _timed(sync, lambda: ops.gather_blocks(entries, ids_t, staged)),
             "phase/gather+sums_ms": _timed(
-                sync, lambda: ops.gather_blocks(entries, ids_t, rows, sums=sums)
+                sync, lambda: ops.gather_blocks(entries, ids_t, staged, sums=sums)
             ),
         }
     return {
-        "phase/scatter_ms": _timed(sync, lambda: ops.scatter_blocks(rows, entries, ids_t)),
+        "phase/scatter_ms": _timed(sync, lambda: ops.scatter_blocks(staged, entries, ids_t)),
         "phase/scatter+sums_ms": _timed(
-            sync, lambda: ops.scatter_blocks(rows, entries, ids_t, sums=sums)
+            sync, lambda: ops.scatter_blocks(staged, entries, ids_t, sums=sums)
         ),
     }
 

@@ -46,7 +46,7 @@ import datetime
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,16 +173,8 @@ class Collective:
             torch.cuda.current_stream(self.device).synchronize()
             comm = int(pg._comm_ptr())
         if self.backend == NCCL:
-            import torch.distributed as dist
-
-            store = dist.PrefixStore(f"{pair.prefix}window/", self._store(pair.store))
-            memory, layout = self.window_memory or (None, None)
-            rank = 0 if pair.src == self.ident else 1
-            try:
-                self.windows.form(pair, rank, comm, store, memory, layout)
-            except Exception as e:  # no window: the pair stages, as it always could
-                log.warning("collective %s: no NCCL window with %s (%r)", self.ident,
-                            pair.dst if rank == 0 else pair.src, e)  # fmt: skip
+            self.windows.form_pair(pair, self.ident, comm, self._store(pair.store),
+                                   self.window_memory)  # fmt: skip
         self._comms[pair] = comm
 
     def window(self, pair: Pair) -> torch.Tensor | None:
@@ -590,33 +582,3 @@ class Collective:
         for ex in self._threads.values():
             ex.shutdown(wait=False)
         self._threads.clear()
-
-
-class CollectiveTransport:
-    """The ``Transport`` entry for ``nccl`` / ``gloo``: this process's ``Collective``. Its
-    batches land straight in the receiving ranks' blocks (``direct``), so the pool drives
-    it rank to rank (``raykv.service.pairs``) rather than through ``fetch``."""
-
-    direct = True
-
-    def __init__(self, collective: Collective) -> None:
-        self.collective = collective
-        self.name = collective.backend
-
-    def endpoint(self) -> dict[str, Any]:
-        return {"ident": self.collective.ident, "device": str(self.collective.device)}
-
-    async def stream(
-        self,
-        source: str,
-        model: str,
-        keys: Sequence[bytes],
-        endpoint: Any = None,
-        land: Any = None,
-        asked: Any = None,
-    ) -> AsyncIterator[Any]:
-        raise TransportError(
-            f"{self.name} moves batches rank to rank into the reader's blocks (the pool's "
-            "collective fetch); use the object store for a streamed fetch"
-        )
-        yield  # an async generator, like every transport's stream

@@ -53,6 +53,23 @@ class Windows:
     def __init__(self) -> None:
         self._peers: dict[Pair, tuple[torch.Tensor, int]] = {}
 
+    def form_pair(
+        self, pair: Pair, ident: str, comm: int, client: Any, offered: tuple | None
+    ) -> None:
+        """``Collective``'s call as ``pair``'s communicator ``comm`` comes up at the end
+        ``ident``: ``form`` over the pair's own prefix of the rendezvous store (``client``)
+        with the pool this end offers (``(memory, layout)`` or None). A failure leaves the
+        pair staging its batches, as it always could."""
+        import torch.distributed as dist
+
+        rank = 0 if pair.src == ident else 1
+        memory, layout = offered or (None, None)
+        try:
+            store = dist.PrefixStore(f"{pair.prefix}window/", client)
+            self.form(pair, rank, comm, store, memory, layout)
+        except Exception as e:
+            log.warning("nccl window %s -> %s: none (%r)", pair.src, pair.dst, e)
+
     def form(
         self, pair: Pair, rank: int, comm: int, store: Any, memory: torch.Tensor | None,
         layout: Any,
