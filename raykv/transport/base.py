@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from raykv.errors import TransportError
 from raykv.ops_threads import in_parallel
 from raykv.tiers.checksum import verified_prefix
 
@@ -115,6 +116,28 @@ class Transport(Protocol):
         way (``Asked``; not if it never is). Raises ``TransportError`` (or Ray's actor error) if the
         source is gone or the transfer fails; closing the iterator early ends the transfer."""
         ...
+
+
+class DirectTransport:
+    """A ``Transport`` whose batches land straight in the reader's blocks (``direct``): the
+    pool drives it rank to rank (``raykv.service.pairs``), so it streams nothing; ``instead``
+    says what it does, for the error a stream gets."""
+
+    direct = True
+    name: str
+    instead: str
+
+    async def stream(
+        self,
+        source: str,
+        model: str,
+        keys: Sequence[bytes],
+        endpoint: Any = None,
+        land: Land | None = None,
+        asked: Asked | None = None,
+    ) -> AsyncIterator[BlockBatch]:
+        raise TransportError(f"{self.instead}; use the object store for a streamed fetch")
+        yield  # an async generator, like every transport's stream
 
 
 @dataclass

@@ -4,19 +4,18 @@ through ``Collective``)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from raykv.errors import TransportError
+from raykv.transport.base import DirectTransport
 from raykv.transport.collective import Collective
 
 
-class CollectiveTransport:
+class CollectiveTransport(DirectTransport):
     """The ``Transport`` entry for ``nccl`` / ``gloo``: this process's ``Collective``. Its
     batches land straight in the receiving ranks' blocks (``direct``), so the pool drives
     it rank to rank (``raykv.service.pairs``) rather than through ``fetch``."""
 
-    direct = True
+    instead = "nccl and gloo move batches rank to rank into the reader's blocks"
 
     def __init__(self, collective: Collective) -> None:
         self.collective = collective
@@ -24,18 +23,3 @@ class CollectiveTransport:
 
     def endpoint(self) -> dict[str, Any]:
         return {"ident": self.collective.ident, "device": str(self.collective.device)}
-
-    async def stream(
-        self,
-        source: str,
-        model: str,
-        keys: Sequence[bytes],
-        endpoint: Any = None,
-        land: Any = None,
-        asked: Any = None,
-    ) -> AsyncIterator[Any]:
-        raise TransportError(
-            f"{self.name} moves batches rank to rank into the reader's blocks (the pool's "
-            "collective fetch); use the object store for a streamed fetch"
-        )
-        yield  # an async generator, like every transport's stream

@@ -31,6 +31,7 @@ from raykv.errors import TransportError
 from raykv.ops_pools import PoolCopy
 from raykv.tiers.shm import process_alive
 from raykv.transport import completion
+from raykv.transport.base import DirectTransport
 
 PEER = "peer"  # how status names a pair that reads this way
 SWEEP_S = 2.0  # how often a reader drops the mappings of holders that are gone
@@ -128,33 +129,18 @@ async def read_blocks(
     return copy.leading_good(got, sent_sums)
 
 
-class PeerTransport:
+class PeerTransport(DirectTransport):
     """The ``Transport`` entry for peer reads: a pool advertises it where its blocks can be
     mapped by another process of its node. Its endpoint names the node and the blocks'
     layout; the coordinator routes a pair over it only where both ends' endpoints are equal
     (``raykv.transport.select.choose``). Like NCCL it lands straight in the reader's blocks
     (``direct``): the pool drives it (``raykv.service.pairs``), not ``fetch``."""
 
-    direct = True
     name = PEER
+    instead = "peer reads copy blocks straight into the reader's blocks"
 
     def __init__(self, node_id: str, layout: tuple) -> None:
         self._endpoint = {"node": node_id, "layout": list(layout)}
 
     def endpoint(self) -> dict[str, Any]:
         return dict(self._endpoint)
-
-    async def stream(
-        self,
-        source: str,
-        model: str,
-        keys: Sequence[bytes],
-        endpoint: Any = None,
-        land: Any = None,
-        asked: Any = None,
-    ) -> Any:
-        raise TransportError(
-            "peer reads copy blocks straight into the reader's blocks (the pool's peer "
-            "fetch); use the object store for a streamed fetch"
-        )
-        yield  # an async generator, like every transport's stream

@@ -225,3 +225,24 @@ def test_the_wire_buffer_is_one_array_without_copies() -> None:
     wire = export_rows(b.rows)
     assert wire.shape == (2, 5, 64) and wire.ctypes.data == b.rows.data_ptr()
     assert b.nbytes == 2 * 5 * 64
+
+
+def test_direct_transports_refuse_a_streamed_fetch_and_say_why() -> None:
+    import asyncio
+
+    from raykv.errors import TransportError
+    from raykv.transport.collective import Collective
+    from raykv.transport.collective_entry import CollectiveTransport
+    from raykv.transport.peer_read import PeerTransport
+
+    async def first(t) -> None:
+        async for _ in t.stream("src", "m", [b"k"]):
+            pass
+
+    for t, says in (
+        (CollectiveTransport(Collective("me", "cpu")), "rank to rank"),
+        (PeerTransport("node", ("m", 1, 64)), "peer reads"),
+    ):
+        assert t.direct
+        with pytest.raises(TransportError, match=f"{says}.*use the object store"):
+            asyncio.run(first(t))
