@@ -127,15 +127,8 @@ class DirectTransport:
     name: str
     instead: str
 
-    async def stream(
-        self,
-        source: str,
-        model: str,
-        keys: Sequence[bytes],
-        endpoint: Any = None,
-        land: Land | None = None,
-        asked: Asked | None = None,
-    ) -> AsyncIterator[BlockBatch]:
+    async def stream(self, *_args: Any, **_kwargs: Any) -> AsyncIterator[BlockBatch]:
+        """``Transport.stream``, refused whatever is asked."""
         raise TransportError(f"{self.instead}; use the object store for a streamed fetch")
         yield  # an async generator, like every transport's stream
 
