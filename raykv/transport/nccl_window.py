@@ -86,8 +86,8 @@ class Windows:
         if why:
             log.info("nccl window %s -> %s: none (%s); the pair stages its batches",
                      pair.src, pair.dst, why)  # fmt: skip
-        elif rank == 1:
-            self._peers[pair] = (peer, int(pid))
+        elif rank == 1 and process_alive(int(pid)):  # a holder this process cannot see
+            self._peers[pair] = (peer, int(pid))  # (another pid namespace) is never read
 
     def peer(self, pair: Pair) -> torch.Tensor | None:
         """The holder's pool (one uint8 tensor) mapped here through ``pair``'s window."""

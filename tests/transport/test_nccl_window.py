@@ -110,3 +110,18 @@ def test_a_window_whose_holder_process_is_gone_is_dropped() -> None:
     assert windows.dead() == [dead]
     assert windows.drop(dead) and not windows.drop(dead)
     assert windows.peer(dead) is None and windows.peer(alive) is not None
+
+
+def test_a_holder_this_process_cannot_see_is_never_read(monkeypatch) -> None:
+    """Registered (the holder entered the collective too), but a holder pid this process does
+    not see (another pid namespace, or gone) could never be swept: the reader keeps nothing."""
+    module = _Module({threading.current_thread().name: 22809})
+    monkeypatch.setattr(nccl_window.ops, "kernel_module", lambda: module)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    memory, layout = torch.zeros(64, dtype=torch.uint8), ((0, (64,)),)
+    store, pair = _Store(), Pair("s", "r", 0, ("127.0.0.1", 1))
+    store.set("offer0", f"{gone.pid}|{nccl_window.offer(memory, layout)}")
+    windows = Windows()
+    windows.form(pair, 1, 1234, store, memory, layout)
+    assert module.registered == [1] and windows.peer(pair) is None
