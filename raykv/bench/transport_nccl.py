@@ -330,13 +330,13 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
     windows: dict = {}
     if cfg.cuda and "split" in cfg.layouts:
         loop.run_until_complete(batch("split"))
-        mapped = None if a else coll.window(pair(f"A{r}", me))
+        window = None if a else coll.window(pair(f"A{r}", me))
         if not a:
-            store.set(f"window/{r}", "1" if mapped is not None else "0")
+            store.set(f"window/{r}", "1" if window is not None else "0")
         if all(store.get(f"window/{j}") == b"1" for j in range(cfg.tp)):
             from raykv.tiers.peer_memory import carve
 
-            src = None if a else entries_of(cfg, carve(mapped, handle.spec.tensors))
+            src = None if a else entries_of(cfg, carve(window, handle.spec.tensors))
             windows = in_place("window", src)
     halves = {**peers, **windows}
 
@@ -375,14 +375,17 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
     crossings = {"crossing": one_by_one(crossing), "crossing_waited": one_by_one(crossing_waited)}
     out: dict = {"device": torch.cuda.get_device_name(device) if cfg.cuda else "cpu"}
 
+    wanted: dict[str, torch.Tensor] = {}  # A's rows per layout, made once (a preset: GiBs)
+
     def equal(layout: str) -> bool:
         """Every byte B holds now equals A's (its rank's copy; MLA: share j from rank j)."""
-        parts = [(r, range(n))] if layout != "mla" else enumerate(shares(n, cfg.tp, width))
-        want = torch.cat([
-            rows(pool(cfg, device, 1000 + j), src_ids[c.start : c.stop], width)
-            for j, c in parts if c
-        ])  # fmt: skip
-        return bool(torch.equal(rows(entries, dst_ids, width), want))
+        if layout not in wanted:
+            parts = [(r, range(n))] if layout != "mla" else enumerate(shares(n, cfg.tp, width))
+            wanted[layout] = torch.cat([
+                rows(pool(cfg, device, 1000 + j), src_ids[c.start : c.stop], width)
+                for j, c in parts if c
+            ])  # fmt: skip
+        return bool(torch.equal(rows(entries, dst_ids, width), wanted[layout]))
 
     for layout in layouts:
         extra = halves if layout == "split" else crossings if cfg.tp > 1 else {}
@@ -423,6 +426,7 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
                 out[f"{layout}/{name}/equal"] = equal(layout)
         if not a:
             out[f"{layout}/equal"] = equal(layout)
+            wanted.pop(layout)
     if issue:  # the warm-up burst of 1 left out
         out["phase/send_issue_ms"] = statistics.median(issue[1:] or issue) * 1e3
     # where one batch's time goes, each phase alone (after the checks: it writes B's blocks)
