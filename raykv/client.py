@@ -46,11 +46,13 @@ from raykv.service.spec import (  # the result types: raykv.LookupResult & co.
     LookupResult,
     ServedModel,
     StoreResult,  # noqa: F401  (raykv.StoreResult, and the store op's result)
+    check_admit,
     check_block_ids,
     check_count,
     check_int,
     check_request_id,
     check_token_ids,
+    served_model,
     token_id_array,
 )
 
@@ -85,7 +87,6 @@ class _Base:
         self._coord = None
         self._info: tuple[ServedModel, Any] | None = None
         self._pool: tuple[str, str, Any] | None = None  # (node id, pool name, handle)
-        self._tier: tuple[str, Any] | None = None  # (node id, CpuTierActor handle)
         # (node id, model, pool name) bound last: a name outlives its actor's deaths
         self._pool_name: tuple[str, str, str] | None = None
 
@@ -263,8 +264,10 @@ class _Ops:
     def add_model(
         self, name: str, layers: Mapping[str, Any], *, max_model_len: int, **settings: Any
     ) -> _Op:
-        """Serve ``name`` (see ``ServedModel`` for settings); returns its ``Plan``."""
-        model = ServedModel(name, dict(layers), max_model_len, **settings)
+        """Serve ``name`` (see ``ServedModel`` for settings); returns its ``Plan``. Bad
+        settings raise ConfigError here; a model whose pools cannot start is not added
+        (ServiceError, nothing of it kept)."""
+        model = served_model(name, layers, max_model_len, settings)
 
         def post(plan: Any) -> Any:
             self.model_name, self._info, self._pool = name, (model, plan), None
@@ -285,8 +288,11 @@ class _Ops:
     @_op("bool")
     def admit(self, request_id: Hashable, num_tokens: int, token_ids=None) -> _Op:
         """Register the request if the blocks its ``num_tokens`` need are free now (False: not
-        yet; nothing registered)."""
-        return "pool", "admit", _step_args(request_id, num_tokens, token_ids, "num_tokens"), _ident
+        yet; nothing registered). ``token_ids``: its prompt, at most ``num_tokens`` ids; an
+        empty request (0 tokens) or a request id None raises InvalidInput."""
+        args = _step_args(request_id, num_tokens, token_ids, "num_tokens")
+        check_admit(*args[1:])
+        return "pool", "admit", args, _ident
 
     @_op("int")
     def blocks_needed(self, request_id: Hashable, num_new_tokens: int, token_ids=None) -> _Op:
@@ -444,42 +450,6 @@ class Client(_Base):
         except ray.exceptions.RayActorError as e:
             raise self._pool_gone(e) from e
 
-    def _tier_handle(self) -> Any:
-        """This node's CpuTierActor (cached; a dead one is looked up again by name)."""
-        from raykv.service.spec import tier_name
-
-        node = self._node_id()
-        if self._tier is None or self._tier[0] != node:
-            self._tier = (node, ray.get_actor(tier_name(node), namespace=self.namespace))
-        return self._tier[1]
-
-    def lookup_lease(self, token_ids: Sequence[int], held_tokens: int = 0) -> tuple:
-        """``lookup`` that first takes read references on this node's CPU tier's copies of
-        the prompt's blocks after the caller's own first ``held_tokens`` (``TierLease``).
-        Where the tier holds every block the lookup could name, its answer is the hit: one
-        round trip, and the load that follows (``AttachedKV.load_leased``) needs none; else
-        the coordinator looks the prompt up cluster-wide too. Returns (``LookupResult``,
-        whose hit counts the caller's ``held_tokens`` as held; ``TierLease``, or None if
-        the tier did not answer). Load the lease or ``release`` it: its entries are not
-        evicted until then."""
-        from raykv.service.attach import TierLease
-
-        model, plan = self._model()
-        hashed = self._lookup_hashes(token_ids, plan, model.name)
-        lease, cap = None, hashed[1]
-        try:
-            lease, cap = TierLease.request(
-                self._tier_handle(), model.name, plan, hashed, held_tokens
-            )
-        except (ValueError, ray.exceptions.RayError) as e:  # no tier now: the lookup alone
-            log.warning("the CPU tier of this node did not lease (%r)", e)
-            self._tier = None
-        if lease is not None and lease.tokens(plan) >= cap:
-            hit = (Hit("cpu", self._node_id(), True, cap),)
-            return LookupResult(cap, hit, len(hashed[0])), lease
-        _, method, args, post = self._lookup_op(token_ids, model, plan, hashed)
-        return post(self._coord_call(method, *args)), lease
-
     # --- shared memory (the data path without serialization) ------------------------------
 
     def pool_kv(self) -> Any:
@@ -504,16 +474,25 @@ class Client(_Base):
         device: str = "cpu",
     ) -> Any:
         """The engine's paged KV bound to this node's CPU tier through shared memory
-        (``raykv.service.attach.AttachedKV``): ``store_from(token_ids, block_ids)`` and
-        ``load_into(token_ids, block_ids)`` cost one paged copy plus one control round trip.
+        (``raykv.engine.AttachedKV``, through the node agent's local socket):
+        ``store_from(token_ids, block_ids)`` and ``load_into(token_ids, block_ids)`` cost
+        one paged copy plus one control round trip.
         ``kv_tensors``: the engine's own per-layer tensors (checked against the plan, as
         ``GpuKV.register``, ``layout`` "kv_outer" or "block_outer"); None allocates tensors
         laid out like the pools' (``.kv``) on ``device``. ``num_blocks``: the engine's own
         block count (its pool is its own; the model's plan sets the rest)."""
-        from raykv.service.attach import AttachedKV
+        from raykv.engine.agent import NodeAgent
+        from raykv.engine.attached import AttachedKV
+        from raykv.service.agent_protocol import socket_path
 
         model, plan = self._model()
-        return AttachedKV(model.name, plan, self._tier_handle(), kv_tensors,
+        agent = NodeAgent(socket_path(self.namespace, self._node_id()))
+        if not agent.connect():
+            raise ServiceError(
+                f"no raykv node agent answers at {agent.path} (this node's CPU tier runs it); "
+                "is this node part of the service (raykv status)?"
+            )
+        return AttachedKV(model.name, plan, agent, kv_tensors,
                           num_blocks=num_blocks, layout=layout, device=device)  # fmt: skip
 
 

@@ -42,16 +42,22 @@ MAY_IMPORT: dict[str, set[str]] = {
     "transport": BASE | {"layout", "tiers", "ops", "ops_pools", "ops_threads"},
     "models": BASE | {"layout", "ops"},
     "service": BELOW_SERVICE,
-    "client": BELOW_SERVICE | {"service"},
-    "integrations": BELOW_SERVICE | {"service", "client"},
+    "client": BELOW_SERVICE | {"service", "engine"},
+    # the engine's side: on the service's Ray-free modules (agent protocol, replica,
+    # groups, spec), never on Ray itself (``tests/test_engine_without_ray.py``)
+    "engine": BELOW_SERVICE | {"service"},
+    "integrations": BELOW_SERVICE | {"service", "client", "engine"},
     # tools on top: the demo and the benches drive the service through the client
     "demo": BELOW_SERVICE | {"service", "client"},
-    "bench": BELOW_SERVICE | {"service", "client", "integrations"},
-    "cli": BELOW_SERVICE | {"service", "client", "demo", "bench", "integrations"},
+    "bench": BELOW_SERVICE | {"service", "client", "engine", "integrations"},
+    "cli": BELOW_SERVICE | {"service", "client", "engine", "demo", "bench", "integrations"},
     "__init__": {"client", "service"},  # raykv.connect & co. (Ray auth set up first), on use
 }
 # third-party packages a layer may import (None: any)
-THIRD_PARTY: dict[str, set[str] | None] = {"layout": {"numpy", "torch"}}
+THIRD_PARTY: dict[str, set[str] | None] = {
+    "layout": {"numpy", "torch"},
+    "engine": {"numpy", "torch"},
+}
 # the top package's attributes (``import raykv`` then ``raykv.connect``) are the client's
 TOP_ATTRS = {"connect", "Client", "AsyncClient", "LookupResult", "LoadResult", "StoreResult"}
 

@@ -56,9 +56,12 @@ class PrefixIndex:
     the events; ``drop_member`` forgets everything one holder held (it died or left).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, journal: bool = False) -> None:
         self._tables: dict[tuple[Hashable, int], dict[BlockHash, Copies]] = {}
         self._held: dict[Hashable, set[tuple[Hashable, int, BlockHash]]] = {}
+        # ``journal``: every (scope, group id, hash) whose holders changed, in order, until
+        # its reader clears it (the service's change feed to the nodes' replicas)
+        self.journal: list[tuple[Hashable, int, BlockHash]] | None = [] if journal else None
 
     # --- feeding it ---------------------------------------------------------------------
 
@@ -98,6 +101,8 @@ class PrefixIndex:
             else:
                 copies[holder] = b
         held.update((scope, group_id, h) for h in hashes)
+        if self.journal is not None:
+            self.journal.extend((scope, group_id, h) for h in hashes)
 
     def remove(
         self, group_id: int, block_hash: BlockHash, holder: Hashable = None, scope: Hashable = None
@@ -109,6 +114,8 @@ class PrefixIndex:
         held = self._held.get(holder)
         if held is not None:
             held.discard((scope, group_id, block_hash))
+        if self.journal is not None:
+            self.journal.append((scope, group_id, block_hash))
 
     def apply(self, event: KVEvent, holder: Hashable = None, scope: Hashable = None) -> None:
         gid = event.group_id
@@ -135,9 +142,15 @@ class PrefixIndex:
                 copies.pop(holder, None)
                 if not copies:
                     del table[h]
+        if self.journal is not None:
+            self.journal.extend(keys)
         return len(keys)
 
     # --- reading it ---------------------------------------------------------------------
+
+    def scopes(self) -> list[tuple[Hashable, int]]:
+        """Every (scope, group id) with a table."""
+        return list(self._tables)
 
     def __len__(self) -> int:
         """Distinct prefixes held by anyone."""

@@ -40,8 +40,10 @@ from raykv.service.groups import (
 from raykv.service.index import (
     CPU,
     GPU,
+    IndexFeed,
     Located,
     Location,
+    group_key,
     key_events,
     pack,
     rank,
@@ -74,6 +76,15 @@ class Member:
     transports: dict[str, Any] = field(default_factory=lambda: {OBJECT_STORE: None})
 
 
+def _size(n: int) -> str:
+    """Bytes as a person reads them, never rounded away: "512 bytes", "64 MiB",
+    "1.5 MiB (1572864 bytes)"."""
+    if n < 2**20:
+        return f"{n} bytes"
+    mib = n / 2**20
+    return f"{mib:.0f} MiB" if n % 2**20 == 0 else f"{mib:.1f} MiB ({n} bytes)"
+
+
 def _plan_or_explain(model: ServedModel, pool_bytes: int, *, on_gpus: bool) -> Any:
     """``model.plan``; on a cluster without GPUs the fix for too little memory is the
     CPU-device pools' size (``--pool-mem``), not more GPU memory."""
@@ -85,12 +96,14 @@ def _plan_or_explain(model: ServedModel, pool_bytes: int, *, on_gpus: bool) -> A
         shorter = (
             f", or lower max_model_len to {e.fits_len} (--max-model-len)" if e.fits_len else ""
         )
+        need = e.need_bytes
+        fix = f"{-(-need // 2**20)}MiB" if need >= 2**20 else str(need)
         raise InsufficientMemoryError(
             f"model {model.name!r}: one request of max_model_len={model.max_model_len} tokens "
-            f"needs {e.need_bytes / 2**20:.0f} MiB of KV per pool, but this cluster has no GPUs "
-            f"and its pools hold {pool_bytes / 2**20:.0f} MiB of host memory each; fix: raise "
-            f"the pool size to at least {-(-e.need_bytes // 2**20)} MiB (raykv up --pool-mem "
-            f"{-(-e.need_bytes // 2**20)}MiB, or pool_bytes= in add_model){shorter}",
+            f"needs {_size(need)} of KV per pool, but this cluster has no GPUs and its pools "
+            f"hold {_size(pool_bytes)} of host memory each; fix: raise the pool size to at "
+            f"least {_size(need)} (raykv up --pool-mem {fix}, or pool_bytes={need} in "
+            f"add_model){shorter}",
             need_bytes=e.need_bytes,
             fits_len=e.fits_len,
         ) from None
@@ -101,7 +114,8 @@ class Coordinator:
         self.models: dict[str, ServedModel] = {}
         self.plans: dict[str, Any] = {}
         self.members: dict[str, Member] = {}
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(journal=True)
+        self.feed = IndexFeed(self.index)  # its changes, for the nodes' replicas
         self.metrics = ServiceMetrics("coordinator")
         self.started = time.time()
         self.restarts = ray.get_runtime_context().was_current_actor_reconstructed
@@ -113,6 +127,7 @@ class Coordinator:
         self._watches: dict[str, tuple[str, asyncio.Task]] = {}  # name -> (actor id, watch)
         self.routes: dict[tuple[str, str], str] = {}  # (holder, reader) -> transport used
         self._rendezvous: tuple[Any, str, int] | None = None  # NCCL / gloo pairs' TCPStore
+        self._withdrawn: set[str] = set()  # models add_model could not place (``_withdraw``)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -150,7 +165,7 @@ class Coordinator:
             try:
                 alive = self._drop_dead()
                 idle = self._placing is None or self._placing.done()
-                if self.models and idle and self.placer.missing(alive, self.members):
+                if idle and self.placer.missing(alive, self.members):
                     # a node joined (give it a tier and pools), or a member on a live node
                     # died (start a fresh one: its blocks are misses, its name serves again)
                     self._placing = asyncio.get_running_loop().create_task(self._replace())
@@ -236,10 +251,69 @@ class Coordinator:
             gpu_bytes = model.pool_bytes or await placement.probe_gpu_bytes(model)
             plan = _plan_or_explain(model, gpu_bytes, on_gpus=on_gpus)
             check_servable(plan)
+            self._withdrawn.discard(model.name)
             self.plans[model.name] = plan
             self.models[model.name] = model
+            await self._place_new(model.name)
+            return plan
         await self._place()
+        if model.name not in self.plans:  # another add_model of it failed meanwhile
+            raise ServiceError(
+                f"model {model.name!r} was withdrawn while this add_model waited: its pools "
+                "could not be placed (the other call raised why); fix that and add it again"
+            )
         return self.plans[model.name]
+
+    async def _place_new(self, name: str) -> None:
+        """Place a model just recorded, all or nothing: if any of its pools cannot start, it
+        is withdrawn (``_withdraw``: no plan, no pools, no CPU-tier arena left, and no
+        placing it again) and ServiceError names the pool and the cause. Other members that
+        did not start (e.g. an older model's pool being placed again) are the health loop's
+        to retry, as before."""
+        try:
+            await self._place()
+        except Exception as e:
+            mine = (
+                [f for f in e.failed if f[1] == name]
+                if isinstance(e, placement.PlacementFailed)
+                else [(name, name, e)]
+            )
+            if not mine:  # this model's pools all started
+                log.warning("coordinator: placing %r: other members failed: %s", name, e)
+                self.metrics.failed("place")
+                return
+            pools = await self._withdraw(name)
+            member, _, error = mine[0]
+            more = f" (and {len(mine) - 1} more of its pools)" if len(mine) > 1 else ""
+            raise ServiceError(
+                f"model {name!r} was not added: {member}{more} could not start: "
+                f"{placement._why(error)}; nothing of the model was kept (its plan, "
+                f"{len(pools)} pool(s) and CPU-tier arenas are gone, and it is not placed "
+                "again): fix the cause (raykv status shows the nodes' members) and add it again"
+            ) from None
+
+    async def _withdraw(self, name: str) -> list[str]:
+        """Forget model ``name`` and everything placed for it: its plan, pools, TP ranks and
+        placement groups, its index entries, and its arena in every CPU tier. A pool of it
+        that registers afterwards (a heartbeat in flight) is not taken back."""
+        self.models.pop(name, None)
+        self.plans.pop(name, None)
+        self._managers.pop(name, None)
+        self._withdrawn.add(name)
+        pools = await self.placer.withdraw(name)
+        for m in list(self.members.values()):
+            if m.model == name:
+                self._forget(m.name)
+            elif m.kind == "tier":
+                try:
+                    await asyncio.wait_for(
+                        ray.get_actor(m.name, namespace=NAMESPACE).remove_model.remote(name),
+                        CALL_TIMEOUT_S,
+                    )
+                except Exception as e:  # dead or restarting: a fresh tier has no arena of it
+                    log.warning("coordinator: tier %s kept %r's arena (%r)", m.name, name, e)
+                    self.metrics.failed("withdraw_tier")
+        return pools
 
     async def _place(self) -> None:
         """Start whatever is missing on every alive node that runs engines (its CPU tier
@@ -295,6 +369,8 @@ class Coordinator:
 
     def _register(self, snap: dict) -> None:
         name = snap["name"]
+        if snap.get("model") in self._withdrawn:  # a withdrawn model's pool, being killed
+            return
         self._forget(name)
         for model, plan in snap.get("models", {}).items():
             if model not in self.models:
@@ -358,6 +434,27 @@ class Coordinator:
         re-registers (a live member does so on its next heartbeat)."""
         await self._up()
         self._forget(name)
+
+    @ray.method(max_task_retries=0, enable_task_events=False)
+    async def index_changes(self, epoch: str, since: int, node_id: str) -> bytes:
+        """For node ``node_id``'s index replica (``raykv.service.replica``): the blocks whose
+        holders changed since ``since`` (``IndexFeed``), each with where members other than
+        that node's CPU tier hold it, packed: (epoch, next since, resync, [(model, group
+        key, LOCAL_POOL | ELSEWHERE bits)]). The node's tier keeps its own bit itself."""
+        from raykv.service.replica import ELSEWHERE, LOCAL_POOL
+
+        await self._up()
+        epoch, seq, resync, keys = self.feed.changes(epoch, since)
+        out = []
+        for model, gid, h in keys:
+            bits = 0
+            for holder in self.index.table(gid, model).get(h, ()):
+                m = self.members.get(holder)
+                if m is None or (m.kind == "tier" and m.node_id == node_id):
+                    continue
+                bits |= LOCAL_POOL if m.node_id == node_id else ELSEWHERE
+            out.append((model, group_key(gid, h), bits))
+        return pack((epoch, seq, resync, out))
 
     # --- lookup -------------------------------------------------------------------------
 
@@ -560,7 +657,8 @@ class Coordinator:
                     self.metrics.failed("shutdown_remove_group")
         self.members.clear()
         self.placer.clear()
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(journal=True)
+        self.feed = IndexFeed(self.index)  # its changes, for the nodes' replicas
         self.models.clear()
         self.plans.clear()
         self._managers.clear()

@@ -16,7 +16,9 @@ engine's queued metadata calls back in one ``apply``. So the store/load path, th
 addressing are ``raykv.tiers``' alone. Other nodes fetch through ``raykv.transport``
 (``export_blocks``): the rows go out with the checksums they were stored with, and the
 receiver verifies them. A corrupt entry found by anyone is dropped (``apply`` / ``drop_keys``)
-and counted (``checksum_errors``); it is a miss from then on.
+and counted once (``checksum_errors``: here, "cpu", when a pool or engine of this node found
+it loading; by the reader, "remote", when it came from here to another member); it is a
+miss from then on.
 
 Every reservation and lease names its holder (``raykv.service.holders``: the asking
 process) and ends at a deadline, ``RAYKV_LEASE_TIMEOUT_S`` seconds (default 60) after it was
@@ -33,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pickle
 from collections.abc import Hashable
 from typing import Any
 
@@ -41,12 +44,15 @@ import ray
 
 from raykv.errors import InvalidInput
 from raykv.service import holders
+from raykv.service.agent import AgentServer
 from raykv.service.groups import check_servable, key_group, row_widths
 from raykv.service.index import CPU
 from raykv.service.member import Member
 from raykv.service.metrics import ServiceMetrics
-from raykv.service.spec import tier_name
+from raykv.service.replica import ReplicaSpec, ReplicaWriter, replica_slots
+from raykv.service.spec import NAMESPACE, tier_name
 from raykv.service.transports import reader_transports
+from raykv.tiers import shm
 from raykv.tiers.cpu_tier import READABLE
 from raykv.transport import Lent, export_rows
 
@@ -56,6 +62,7 @@ After = tuple[str, tuple[int, ...]]  # (engine, numbers of its applies to run be
 log = logging.getLogger(__name__)
 LEASE_TIMEOUT_ENV = "RAYKV_LEASE_TIMEOUT_S"
 SWEEP_S = 1.0  # how often overdue holds and exited holders are looked for
+FEED_S = 0.05  # how often the node's replicas ask the coordinator what changed
 SWEEP_LIMIT = 4096  # holds reclaimed per model and sweep at most (bounded work)
 
 
@@ -76,6 +83,11 @@ class _ModelTier:
         check_servable(plan)
         self.plan = plan
         self.tier = CpuTier(plan, "lru", shared=True, lease_timeout_s=timeout_s)
+        spec = ReplicaSpec("", replica_slots())
+        buf, shared = shm.create((spec.nbytes,), "replica")
+        # the node's engines answer lookups from it (``raykv.service.replica``)
+        self.replica = ReplicaWriter(buf.numpy(), ReplicaSpec(shared.path, spec.slots))
+        self.replica_shm = shared
         self.reclaimed = (0, 0)  # (expired, released) holds already counted in the metrics
         self.widths = {g.group_id: w for g, w in zip(plan.groups, row_widths(plan), strict=True)}
         self.entries: dict[bytes, Members] = {}  # entry key -> its members
@@ -183,18 +195,75 @@ class CpuTierActor(Member):
         self.transports = reader_transports()  # for pull: the object store, UCX where it runs
         self.pull_sources: dict[str, Any] = {}  # model -> where its last pull was sent first
         self._sweeper: asyncio.Task | None = None
+        self.agent = AgentServer(self, NAMESPACE)  # engines on this node talk to it
+        self._follower: asyncio.Task | None = None
+        self._feed: tuple[str, int] = ("", 0)  # (epoch, since) of the coordinator's feed
 
     async def start(self) -> str:
         name = await super().start()
         if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweeps())
+            loop = asyncio.get_running_loop()
+            self._sweeper = loop.create_task(self._sweeps())
+            self._follower = loop.create_task(self._follow_index())
+            try:
+                log.info("tier %s: node agent at %s", self.name, await self.agent.start())
+            except OSError as e:  # pools still use the tier; engines of this node cannot
+                log.error("tier %s: no node agent (%r): engines here run without raykv",
+                          self.name, e)  # fmt: skip
+                self.metrics.failed("agent_start")
         return name
+
+    # --- the node's index replica ---------------------------------------------------------
+
+    def replica_spec(self, model: str) -> ReplicaSpec | None:
+        mt = self.tiers.get(model)
+        return None if mt is None else mt.replica.spec
+
+    async def _follow_index(self) -> None:
+        """Keep every model's replica current with the coordinator's change feed."""
+        while True:
+            await asyncio.sleep(FEED_S)
+            try:
+                answer = await self._call("index_changes", *self._feed, self.node_id)
+                if answer is None:
+                    continue
+                epoch, since, resync, changes = pickle.loads(answer)
+                if resync:
+                    for mt in self.tiers.values():
+                        mt.replica.clear_holders()
+                for model, key, bits in changes:
+                    mt = self.tiers.get(model)
+                    if mt is not None:
+                        mt.replica.set_holders(key, bits)
+                self._feed = (epoch, since)
+            except Exception as e:  # never let the loop die: the next poll resyncs
+                log.warning("tier %s: following the index failed: %r", self.name, e)
+                self.metrics.failed("index_feed")
+                self._feed = ("", 0)
+
+    async def publish(
+        self, model: str, stored: list[tuple[Hashable, int]], removed: list[Hashable]
+    ) -> None:
+        mt = self.tiers.get(model)
+        if mt is not None:  # the node's engines see the tier's own blocks at once
+            mt.replica.set_local([k for k, _ in stored], True)
+            mt.replica.set_local(removed, False)
+        await super().publish(model, stored, removed)
 
     async def add_model(self, model: str, plan: Any) -> int:
         """Make room for ``model`` (idempotent); returns its CPU-tier block count."""
         if model not in self.tiers:
             self.tiers[model] = _ModelTier(plan, self.timeout_s)
         return self.tiers[model].tier.num_blocks
+
+    async def remove_model(self, model: str) -> bool:
+        """Forget ``model`` and free its arena (the coordinator withdrew a model whose pools
+        could not be placed: ``Coordinator._withdraw``). False: it had none here."""
+        mt = self.tiers.pop(model, None)
+        if mt is not None:
+            mt.tier.release()
+            shm.release(mt.replica_shm)
+        return mt is not None
 
     # --- holds: deadlines and holders -----------------------------------------------------
 
@@ -353,11 +422,18 @@ class CpuTierActor(Member):
         finally:
             self._order.done(ticket)
 
-    async def _apply(self, model: str, ops: list[tuple], wait_publish: bool) -> int:
+    async def _apply(
+        self, model: str, ops: list[tuple], wait_publish: bool, counted: bool = False
+    ) -> int:
+        """``apply``; ``counted``: the corrupt drops among ``ops`` were counted where they
+        were found (a reader on another member: ``drop_keys``), else the entries they drop
+        count here, once each (an engine or pool of this node found them loading)."""
         mt = self._tier(model)
         tier = mt.tier
         corrupt = [op[1] for op in ops if op[0] == "drop" and op[2]]
+        dropped = tier.stats.checksum_errors
         tier.apply(ops)
+        dropped = tier.stats.checksum_errors - dropped  # entries dropped: once, if still held
         added, removed, stored = [], [], 0
         for op in ops:
             if op[0] != "finish_store":
@@ -372,8 +448,8 @@ class CpuTierActor(Member):
         removed, mt.unpublished = removed + mt.unpublished, []
         for k in corrupt:
             removed += mt.forget(k)
-        if corrupt:
-            self.metrics.checksum_errors(model, CPU, len(corrupt))
+        if not counted:
+            self.metrics.checksum_errors(model, CPU, dropped)
         self.metrics.used(model, CPU, tier.num_blocks - tier.num_free)
         removed = [m for m in removed if m not in mt.where]
         if added or removed:
@@ -393,12 +469,13 @@ class CpuTierActor(Member):
             self.metrics.copy_failed("all", CPU, "publish")
 
     async def drop_keys(self, model: str, keys: list[bytes]) -> None:
-        """A reader found the entries holding block ``keys`` corrupt: they are misses now."""
+        """A reader found the entries holding block ``keys`` corrupt: they are misses now
+        (the reader counted them: ``checksum_errors`` "remote")."""
         mt = self.tiers.get(model)
         if mt is None:
             return
         entries = {e for k in keys for e in mt.where.get(k, {})}
-        await self.apply(model, [("drop", e, True) for e in entries])
+        await self._apply(model, [("drop", e, True) for e in entries], True, counted=True)
 
     # --- other nodes ----------------------------------------------------------------------
 
@@ -474,4 +551,7 @@ class CpuTierActor(Member):
                 }
                 for m, mt in self.tiers.items()
             },
+            # engine processes connected to this node's agent now
+            "agent_clients": self.agent.clients,
+            "replica_dropped": sum(mt.replica.dropped for mt in self.tiers.values()),
         } | dict(self.metrics.tally)

@@ -67,6 +67,11 @@ def this_process(name: str = "") -> Holder:
     return _holder(name, os.getpid())
 
 
+def process_holder(name: str, pid: int) -> Holder:
+    """Process ``pid`` of this host and pid namespace as a holder named ``name``."""
+    return _holder(name, pid)
+
+
 @cache
 def _holder(name: str, pid: int) -> Holder:
     return Holder(name, pid, max(_start_time(pid), 0), _pidns(pid), _boot())

@@ -11,11 +11,14 @@ bytes object each way (``pack`` / ``unpack``, ``Coordinator.lookup_packed``).
 from __future__ import annotations
 
 import pickle
+import secrets
+from collections import deque
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
-from raykv.blocks.events import BlockRemoved, BlockStored, KVEvent
+from raykv.blocks.events import BlockRemoved, BlockStored, KVEvent, PrefixIndex
 from raykv.errors import InvalidInput
 from raykv.transport.select import OBJECT_STORE
 
@@ -114,3 +117,50 @@ def unpack(blob: bytes, fields: int | None, what: str) -> Any:
         f"{what} takes {n} packed by raykv.service.index.pack into one bytes object, got "
         f"{type(blob).__name__}; call it through raykv.Client"
     )
+
+
+def group_key(group_id: int, block_hash: bytes) -> bytes:
+    """``split_key``'s inverse."""
+    return group_id.to_bytes(_GID, "little") + block_hash
+
+
+class IndexFeed:
+    """The index's changes, numbered, for the nodes' index replicas (``raykv.service.replica``,
+    ``Coordinator.index_changes``): the (model, group id, hash) whose holders changed, from
+    the index's journal. A reader past the log's start, or of another epoch (this
+    coordinator restarted), gets every key instead (a resync)."""
+
+    KEEP = 1 << 20  # changes kept; a reader further behind resyncs
+
+    def __init__(self, index: PrefixIndex) -> None:
+        if index.journal is None:
+            raise ValueError("IndexFeed needs an index with a journal")
+        self.index, self.epoch, self.base = index, secrets.token_hex(8), 0
+        self.log: deque[tuple[Hashable, int, bytes]] = deque()
+
+    def _absorb(self) -> None:
+        journal = self.index.journal
+        if journal:
+            self.log.extend(journal)
+            journal.clear()
+        while len(self.log) > self.KEEP:
+            self.log.popleft()
+            self.base += 1
+
+    def changes(self, epoch: str, since: int) -> tuple[str, int, bool, list[tuple]]:
+        """(epoch, the next ``since``, resync, the keys changed since ``since``)."""
+        self._absorb()
+        end = self.base + len(self.log)
+        if epoch != self.epoch or not self.base <= since <= end:
+            keys = [
+                (scope, gid, h)
+                for scope, gid in self.index.scopes()
+                for h in self.index.table(gid, scope)
+            ]
+            return self.epoch, end, True, keys
+        return (
+            self.epoch,
+            end,
+            False,
+            list(dict.fromkeys(islice(self.log, since - self.base, None))),
+        )

@@ -71,9 +71,11 @@ class ServiceMetrics:
             self._moved.inc(nbytes, self._tags(model, tier))
 
     def checksum_errors(self, model: str, tier: str, n: int) -> None:
-        """Copies found corrupt (dropped, served as misses, never as KV)."""
+        """Copies found corrupt (dropped, served as misses, never as KV), each counted once,
+        by where it was found: ``tier`` "gpu", "cpu" or "remote" (``raykv.service.dataplane``)."""
         if n:
             self.tally["checksum_errors"] += n
+            self.tally[f"checksum_errors_{tier}"] += n
             self._corrupt.inc(n, self._tags(model, tier))
 
     def copy_failed(self, model: str, tier: str, what: str) -> None:
@@ -95,6 +97,16 @@ class ServiceMetrics:
         the step, e.g. ``coordinator_call`` or ``health_tick``."""
         self.tally[f"failures_{what}"] += 1
         self._failures.inc(1, {"component": self.component, "what": what})
+
+    def engine_lookups(self, model: str, n: int, hit_blocks: int, miss_blocks: int) -> None:
+        """Lookups engines answered from this node's index replica (``raykv.engine``)."""
+        self.tally["engine_lookups"] += n
+        self.tally["engine_hit_blocks"] += hit_blocks
+        self.tally["engine_miss_blocks"] += miss_blocks
+        if hit_blocks:
+            self._hits.inc(hit_blocks, self._tags(model, "replica"))
+        if miss_blocks:
+            self._misses.inc(miss_blocks, self._tags(model, "replica"))
 
     def lookup_ms(self, model: str, ms: float) -> None:
         self.tally["lookups"] += 1

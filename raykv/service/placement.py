@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from raykv.errors import ConfigError, ServiceError
+from raykv.errors import ConfigError, RaykvError, ServiceError
 from raykv.service.spec import (
     DEFAULT_POOL_BYTES,
     NAMESPACE,
@@ -57,6 +57,13 @@ def engine_groups(nodes: list[dict], models: dict[str, ServedModel]) -> list[dic
     group of CPU-device pools per node (development and CI)."""
     gpus = [node_gpus(n) for n in nodes]
     return [{name: g // m.tp_size if any(gpus) else 1 for name, m in models.items()} for g in gpus]
+
+
+def runs_engines(node: dict, nodes: list[dict]) -> bool:
+    """Whether engines run on ``node`` (then it gets a CPU tier, and with it the node agent
+    engines connect to, before any model is served): every GPU node, or every node of a
+    cluster without GPUs."""
+    return node_gpus(node) > 0 or not any(node_gpus(n) for n in nodes)
 
 
 def node_groups(models: dict[str, ServedModel]) -> dict[str, dict[str, int]]:
@@ -109,14 +116,37 @@ async def probe_gpu_bytes(model: ServedModel) -> int:
         ) from None
 
 
+def _why(error: BaseException) -> str:
+    """The cause of a member's failed start, in one line: a raykv error's message, else the
+    last line Ray gives (an actor that died in its constructor: that exception)."""
+    cause = getattr(error, "cause", None)
+    if isinstance(error, RaykvError) or isinstance(cause, RaykvError):
+        return str(error if isinstance(error, RaykvError) else cause)
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    text = lines[-1] if lines else type(error).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+class PlacementFailed(ServiceError):
+    """Members ``place`` could not start: ``failed`` lists (member name, its model, or None
+    for a CPU tier, and the error); the others started."""
+
+    def __init__(self, failed: list[tuple[str, str | None, BaseException]]) -> None:
+        self.failed = failed
+        name, _, error = failed[0]
+        more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+        super().__init__(f"{name} could not start{more}: {_why(error)}")
+
+
 class Placer:
     """Starts whatever is missing on every alive node that runs engines, one placement at a
-    time, and remembers what it started (``expected``) and which nodes it has seen
-    (``placed_on``), so the coordinator's health loop knows when to place again."""
+    time, and remembers what it started (``expected``, and each pool's model) and which nodes
+    it has seen (``placed_on``), so the coordinator's health loop knows when to place again."""
 
     def __init__(self) -> None:
         self.placed_on: set[str] = set()  # nodes place() has seen (new ones get placed)
         self.expected: dict[str, str] = {}  # member name -> node: what place() started
+        self.model_of: dict[str, tuple[str, int]] = {}  # pool name -> (model, tp_size)
         self._lock = asyncio.Lock()  # one place() at a time (TP placement groups by name)
 
     def missing(self, alive: set[str], members: dict[str, Any]) -> bool:
@@ -127,21 +157,41 @@ class Placer:
 
     def clear(self) -> None:
         self.expected.clear()
+        self.model_of.clear()
         self.placed_on.clear()
 
     async def place(self, models: dict[str, ServedModel], plans: dict[str, Any]) -> None:
+        """Start what is missing; PlacementFailed names every member that did not start."""
         async with self._lock:
             await self._place_all(models, plans)
+
+    async def withdraw(self, model: str) -> list[str]:
+        """Stop placing ``model`` and kill what ``place`` started of it: its pools, their TP
+        ranks and placement groups (after any placement under way). Returns the pools."""
+        from ray.util.placement_group import get_placement_group, remove_placement_group
+
+        async with self._lock:
+            pools = [(n, tp) for n, (m, tp) in self.model_of.items() if m == model]
+            for name, tp in pools:
+                self.expected.pop(name, None)
+                self.model_of.pop(name, None)
+                for actor in [name, *(rank_name(name, r) for r in range(1, tp))]:
+                    with contextlib.suppress(ValueError):  # never started, or gone already
+                        ray.kill(ray.get_actor(actor, namespace=NAMESPACE), no_restart=True)
+                if tp > 1:
+                    with contextlib.suppress(ValueError):  # never made
+                        remove_placement_group(get_placement_group(group_name(name)))
+        return [n for n, _ in pools]
 
     async def _place_all(self, models: dict[str, ServedModel], plans: dict[str, Any]) -> None:
         from raykv.service.cpu_tier import CpuTierActor
 
         nodes = alive_nodes()
-        starting = []
+        starting: list[tuple[str, str | None, Any]] = []  # (member, its model, its start)
         for node, groups in zip(nodes, engine_groups(nodes, models), strict=True):
             nid = node["NodeID"]
             self.placed_on.add(nid)
-            if not any(groups.values()):
+            if not runs_engines(node, nodes):
                 continue
             pin = NodeAffinitySchedulingStrategy(nid, soft=False)
             tier = (
@@ -150,13 +200,22 @@ class Placer:
                 .remote(nid, dict(plans))
             )
             self.expected[tier_name(nid)] = nid
-            starting.append(self._started(tier, tier_name(nid), nid))
+            starting.append((tier_name(nid), None, self._started(tier, tier_name(nid), nid)))
             for name, n in groups.items():
                 for i in range(n):
-                    self.expected[pool_name(name, nid, i)] = nid
+                    pname = pool_name(name, nid, i)
+                    self.expected[pname] = nid
+                    self.model_of[pname] = (name, models[name].tp_size)
                     group = self._place_group(models[name], plans[name], nid, i, node_gpus(node))
-                    starting.append(group)
-        await asyncio.gather(*starting)
+                    starting.append((pname, name, group))
+        done = await asyncio.gather(*(start for *_, start in starting), return_exceptions=True)
+        failed = [
+            (name, model, e)
+            for (name, model, _), e in zip(starting, done, strict=True)
+            if isinstance(e, BaseException)
+        ]
+        if failed:
+            raise PlacementFailed(failed)
 
     async def _started(self, actor: Any, name: str, nid: str) -> str:
         """``actor.start()``, or ServiceError (and the actor killed) if Ray cannot run it

@@ -6,8 +6,11 @@ the lookup tallies). Pure: it reads what it is given and changes nothing.
 from __future__ import annotations
 
 import time
+from collections import Counter as Tally
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+_WHERE = ("gpu", "cpu", "remote")  # where a corrupt copy was found (``checksum_errors``)
 
 
 def nodes(ray_nodes: Iterable[dict]) -> list[dict]:
@@ -84,8 +87,14 @@ def cluster(
     routes: Mapping[tuple[str, str], str] | None = None,
 ) -> dict[str, Any]:
     """The whole status, in the shape ``raykv status`` prints (``status_table``)."""
-    look = lookups(tally)
     rows = members(members_, index)
+    # lookups engines answered from their node's index replica are counted at the tiers
+    tally = Tally(tally)
+    for row in rows:
+        tally["lookups"] += row.get("engine_lookups", 0)
+        tally["hits_replica"] += row.get("engine_hit_blocks", 0)
+        tally["misses_all"] += row.get("engine_miss_blocks", 0)
+    look = lookups(tally)
     return {
         "nodes": nodes(ray_nodes),
         "models": models(served, plans),
@@ -95,8 +104,14 @@ def cluster(
         "hit_rate": look["hit_rate"],
         "hits": look["hits"],
         "misses": look["misses"],
-        # copies that failed their checksum (invariant 12: served as misses), per member
+        # copies that failed their checksum (invariant 12: served as misses), each counted
+        # once, by the member that found it (its row), and by where: "gpu" (a pool's own
+        # block), "cpu" (a CPU-tier entry loaded on its node), "remote" (a copy another
+        # member sent)
         "checksum_errors": sum(m.get("checksum_errors", 0) for m in rows),
+        "checksum_errors_where": {
+            w: sum(m.get(f"checksum_errors_{w}", 0) for m in rows) for w in _WHERE
+        },
         # CPU-tier leases / reservations: reclaimed at their deadline, released with their
         # holder (it exited or detached), and finishes that came too late (ignored)
         "leases_expired": sum(m.get("leases_expired", 0) for m in rows),

@@ -4,7 +4,7 @@
         "kv_connector": "RaykvConnector",
         "kv_connector_module_path": "raykv.integrations.vllm",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"address": "127.0.0.1:6379", "cpu_bytes": 1 << 30},
+        "kv_connector_extra_config": {"cpu_bytes": 1 << 30},
     }
 
 A request opts out per call with ``SamplingParams(extra_args={"kv_transfer_params":
@@ -23,16 +23,19 @@ from raykv.service.spec import DEFAULT_TIER_BYTES, NAMESPACE
 
 @dataclass(frozen=True)
 class RaykvVllmConfig:
-    """``address``: the Ray cluster running the raykv service (None: the Ray this process
-    joined, else RAY_ADDRESS, else ``raykv up``'s head on this host, else an embedded one).
-    ``model``: the raykv model name (None: derived from the vLLM model and its KV layout, so
-    only engines whose KV bytes agree share entries). ``cpu_bytes``: the CPU tier per node
-    for this model. ``pool_bytes``: the service's own pools for the model (None: one
-    ``max_model_len`` request's worth; the engine keeps its KV in its own tensors).
-    ``load`` / ``store``: read hits from raykv / publish the prompt's full blocks."""
+    """``agent``: the node agent's socket (None: this node's, found by the namespace; the
+    engine is not a Ray driver, see ``raykv.engine``). ``required``: fail at startup when no
+    raykv service answers on this node (default: warn once and run without the cache, and
+    use it once it answers). ``model``: the raykv model name (None: derived from the vLLM
+    model and its KV layout, so only engines whose KV bytes agree share entries).
+    ``cpu_bytes``: the CPU tier per node for this model. ``pool_bytes``: the service's own
+    pools for the model (None: one ``max_model_len`` request's worth; the engine keeps its
+    KV in its own tensors). ``load`` / ``store``: read hits from raykv / publish the
+    prompt's full blocks."""
 
-    address: str | None = None
+    agent: str | None = None
     namespace: str = NAMESPACE
+    required: bool = False
     model: str | None = None
     cpu_bytes: int = DEFAULT_TIER_BYTES
     pool_bytes: int | None = None

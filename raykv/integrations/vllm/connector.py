@@ -3,15 +3,21 @@
 One class for both roles, as vLLM builds it (``vllm_config, role, kv_cache_config``): the
 scheduler role delegates to ``RaykvScheduler`` (lookups, what each step loads and saves),
 the worker role to ``RaykvWorker`` (copies between vLLM's KV tensors and the node's CPU
-tier). Both join the raykv service (``raykv.connect``) and serve the model that matches the
+tier). Neither is a Ray driver: both talk to the node's raykv through its node agent
+(``raykv.engine``: a local socket and shared memory) and serve the model that matches the
 engine's KV layout (``model.engine_layout``), adding it to the service when it is absent
-(an existing model of that name with other settings is a ``ConfigError``).
+(an existing model of that name with other settings is a ``ConfigError``). With no service
+on the node the engine runs without the cache (one warning) and uses it once it answers;
+an outage costs hits, never a failed or stalled request.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -21,12 +27,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from raykv.engine.agent import AgentUnavailable
+from raykv.engine.node import NodeKV
+from raykv.errors import ServiceError
 from raykv.integrations.vllm.config import RaykvVllmConfig
 from raykv.integrations.vllm.metadata import RaykvMetadata
 from raykv.integrations.vllm.model import check_groups, engine_layout, model_name
 from raykv.integrations.vllm.scheduler import RaykvScheduler
 from raykv.integrations.vllm.stats import RaykvStats, take
 from raykv.integrations.vllm.worker import RaykvWorker
+from raykv.service.agent_protocol import default_socket, socket_path
 
 if TYPE_CHECKING:
     import torch
@@ -34,26 +44,68 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def serve(config: RaykvVllmConfig, vllm_config: Any, kv_cache_config: Any) -> tuple:
-    """(client bound to the engine's model, engine layout, vLLM -> raykv group map)."""
-    import raykv
+def agent_path(config: RaykvVllmConfig) -> Path:
+    """The node agent this engine talks to: ``config.agent``; else, in a process that is
+    already a Ray worker (an engine started as a Ray actor), its Ray node's; else the
+    host's default one. Ray is never started or joined here."""
+    if config.agent:
+        return Path(config.agent)
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return socket_path(config.namespace, ray.get_runtime_context().get_node_id())
+    return default_socket(config.namespace)
 
-    layout = engine_layout(vllm_config, kv_cache_config)
-    name = config.model or model_name(vllm_config, layout)
-    per_token = sum(s.page_bytes(layout.block_size) for s in layout.layers.values())
-    per_token //= layout.block_size
-    pool = config.pool_bytes or (per_token * (layout.max_model_len + 2 * layout.block_size) * 2)
-    kv = raykv.connect(config.address, config.namespace)
-    plan = kv.add_model(
-        name,
-        layout.layers,
-        max_model_len=layout.max_model_len,
-        max_num_batched_tokens=layout.max_num_batched_tokens,
-        block_size=layout.block_size,
-        pool_bytes=pool,
-        cpu_bytes=config.cpu_bytes,
-    )
-    return kv, layout, check_groups(plan, layout)
+
+class ServedEngine:
+    """The engine's model on its node's raykv (``raykv.engine.NodeKV``), served as soon as
+    the node agent answers: at startup, or later (the engine runs without the cache until
+    then, and after an outage serves it again). ``ready()`` says whether lookups, loads
+    and saves go to raykv now."""
+
+    def __init__(self, config: RaykvVllmConfig, vllm_config: Any, kv_cache_config: Any) -> None:
+        self.config = config
+        self.layout = layout = engine_layout(vllm_config, kv_cache_config)
+        self.name = config.model or model_name(vllm_config, layout)
+        per_token = sum(s.page_bytes(layout.block_size) for s in layout.layers.values())
+        per_token //= layout.block_size
+        self.pool_bytes = config.pool_bytes or (
+            per_token * (layout.max_model_len + 2 * layout.block_size) * 2
+        )
+        self.groups: tuple[int, ...] | None = None  # vLLM group -> raykv group, once served
+        self._lock = threading.Lock()
+        self.node = NodeKV.open(config.namespace, agent_path(config))
+        if not self.ready():
+            why = f"no raykv service answers on this node (no node agent at {self.node.agent.path})"
+            if config.required:
+                raise ServiceError(
+                    f"{why}; start it with `raykv up` before the engine, or set "
+                    "kv_connector_extra_config required=False to run without it"
+                )
+            log.warning("%s: the engine runs without the cache and uses it once it answers "
+                        "(start it with `raykv up`)", why)  # fmt: skip
+
+    def ready(self) -> bool:
+        if not self.node.up:
+            return False
+        if self.groups is not None:
+            return True
+        with self._lock:
+            if self.groups is None:
+                layout = self.layout
+                try:
+                    plan = self.node.serve(
+                        self.name,
+                        layout.layers,
+                        max_model_len=layout.max_model_len,
+                        max_num_batched_tokens=layout.max_num_batched_tokens,
+                        block_size=layout.block_size,
+                        pool_bytes=self.pool_bytes,
+                        cpu_bytes=self.config.cpu_bytes,
+                    )
+                except AgentUnavailable:
+                    return False
+                self.groups = check_groups(plan, layout)
+        return True
 
 
 class RaykvConnector(KVConnectorBase_V1, SupportsHMA):
@@ -71,15 +123,15 @@ class RaykvConnector(KVConnectorBase_V1, SupportsHMA):
                 "kv_transfer_config to recompute those tokens instead",
                 policy,
             )
-        kv, layout, groups = serve(self.config, vllm_config, kv_cache_config)
-        self.layout = layout
+        engine = ServedEngine(self.config, vllm_config, kv_cache_config)
+        self.layout = engine.layout
         self.scheduler: RaykvScheduler | None = None
         self.worker: RaykvWorker | None = None
         self._reported: dict[str, int] = {}  # counters already handed to vLLM's stats
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = RaykvScheduler(self.config, layout, kv, groups)
+            self.scheduler = RaykvScheduler(self.config, engine)
         else:
-            self.worker = RaykvWorker(kv, layout.num_blocks)
+            self.worker = RaykvWorker(engine)
 
     # --- worker side ------------------------------------------------------------------
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -23,7 +22,6 @@ class LoadSpec:
     num_tokens: int
     sync: bool = True  # loaded before this step's forward (one KV group); else reported async
     remote: bool = True  # some blocks are on other nodes: pull them to this node's tier first
-    lease: Any = None  # the node tier's TierLease of every block to load: copy, no round trip
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,23 @@
 """The connector's scheduler side: how many tokens raykv adds, and what each step moves.
 
-``get_num_new_matched_tokens`` asks the service (``Client.lookup_lease``: the node's CPU tier
-leases its copies of the prompt's blocks beyond vLLM's own prefix cache while the coordinator
-looks the prompt up cluster-wide; one round trip) for the hit: whole blocks, and
-never the whole prompt (at most N - 1 tokens: vLLM must compute at least one token; a hit
-covering the last full block is cut to N - 1, and the load then ends mid-block: the block is
-loaded whole and vLLM rewrites its last slot). Every load is done within the step that
-carries it, by the worker's ``start_load_kv``. For a model with one KV group it is
-synchronous (before that step's forward; blocks that did not arrive are reported by
-``get_block_ids_with_load_errors`` and vLLM recomputes from the first of them). vLLM takes
-block-level failures of one group only, so for several groups (hybrid models) the load is
-asynchronous in vLLM's terms: the request waits in WAITING_FOR_REMOTE_KVS for one step and
-the worker reports it finished (``finished_recving``) or failed (``failed_recving``: vLLM
-recomputes the request) in that same step's output. Either way no load is in flight between
-steps: an abort, a preemption or ``request_finished`` never meets one, and no transfer is
-reported for a request vLLM has already dropped. A request whose load failed is offered no
-more hits (it recomputes). When the node's tier holds every block the load needs, its lease
-goes to the worker with the load (no round trip there); a lease no load takes (the request
-was not scheduled, asked again, finished) is released.
+``get_num_new_matched_tokens`` answers from the node's prefix index replica
+(``raykv.engine.NodeKV.lookup``: shared memory, no round trip) how many tokens raykv holds
+beyond vLLM's own prefix cache: whole blocks, and never the whole prompt (at most N - 1
+tokens: vLLM must compute at least one token; a hit covering the last full block is cut to
+N - 1, and the load then ends mid-block: the block is loaded whole and vLLM rewrites its last
+slot). A stale answer is safe: the load leases and verifies every block, and what does not
+arrive is recomputed. While no raykv answers on the node every lookup is a miss, at once.
+Every load is done within the step that carries it, by the worker's ``start_load_kv``. For a
+model with one KV group it is synchronous (before that step's forward; blocks that did not
+arrive are reported by ``get_block_ids_with_load_errors`` and vLLM recomputes from the first
+of them). vLLM takes block-level failures of one group only, so for several groups (hybrid
+models) the load is asynchronous in vLLM's terms: the request waits in
+WAITING_FOR_REMOTE_KVS for one step and the worker reports it finished
+(``finished_recving``) or failed (``failed_recving``: vLLM recomputes the request) in that
+same step's output. Either way no load is in flight between steps: an abort, a preemption or
+``request_finished`` never meets one, and no transfer is reported for a request vLLM has
+already dropped. A request whose load failed is offered no more hits (it recomputes). Blocks
+the node's tier does not hold (another node's, or a pool's) are pulled into it first.
 
 Saves are asynchronous: ``build_connector_meta`` asks the worker to publish every prompt
 block that this step completes (blocks a load brought in are in the tier already: a step that
@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raykv.integrations.vllm.config import RaykvVllmConfig, request_flags
 from raykv.integrations.vllm.metadata import LoadSpec, RaykvMetadata, SaveSpec
-from raykv.integrations.vllm.model import EngineLayout
+
+if TYPE_CHECKING:
+    from raykv.integrations.vllm.connector import ServedEngine
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +58,13 @@ class _Req:
     saved_tokens: int = 0  # prompt tokens already sent for saving, or loaded from the tier
     saves_sent: bool = False
     pending_load: LoadSpec | None = None
-    remote: bool = True  # the last lookup found blocks on other nodes
-    lease: Any = None  # the node tier's TierLease of the last lookup, until a load takes it
+    remote: bool = True  # the last lookup found blocks the node's tier does not hold
 
 
 @dataclass
 class SchedulerStats:
     lookups: int = 0
+    lookups_down: int = 0  # lookups while no raykv answered on the node (misses)
     lookup_tokens: int = 0
     hit_tokens: int = 0
     loaded_tokens: int = 0
@@ -74,16 +76,19 @@ class SchedulerStats:
 class RaykvScheduler:
     """State of the scheduler-side connector; vLLM's calls map one to one (connector.py)."""
 
-    def __init__(
-        self, config: RaykvVllmConfig, layout: EngineLayout, client: Any, groups: tuple[int, ...]
-    ) -> None:
-        self.config, self.layout, self.kv = config, layout, client
-        self.groups = groups  # vLLM group -> raykv group
-        self.bs = layout.block_size
+    def __init__(self, config: RaykvVllmConfig, engine: ServedEngine) -> None:
+        self.config, self.engine, self.layout = config, engine, engine.layout
+        self.bs = self.layout.block_size
         self.reqs: dict[str, _Req] = {}
         self.stats = SchedulerStats()
         self.kv_cache_manager: Any = None
-        self.sync = len(groups) == 1  # see the module docstring
+        self.sync = len(self.layout.groups) == 1  # see the module docstring
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        """vLLM group -> raykv group (the engine's model is served once it is used)."""
+        assert self.engine.groups is not None
+        return self.engine.groups
 
     # --- lookups ----------------------------------------------------------------------
 
@@ -96,47 +101,34 @@ class RaykvScheduler:
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
-        self._release(st)  # an earlier lookup's lease: this one replaces it
         st.local_tokens, st.hit_tokens = num_computed_tokens, 0
-        prompt = list(request.prompt_token_ids or ())
+        prompt = request.prompt_token_ids or ()
         n = len(prompt)
         if not st.load or st.failed or n <= self.bs or num_computed_tokens >= n - 1:
+            return 0, False
+        if not self.engine.ready():  # no service on the node now: a miss, at once
+            self.stats.lookups_down += 1
             return 0, False
         # lookup(ids) looks at the full blocks of ids[:-1]; one token more makes it see the
         # prompt's last full block too (a hit there is cut to n - 1 below)
         probe = [*prompt, 0] if n < self.layout.max_model_len else prompt
         local = num_computed_tokens - num_computed_tokens % self.bs
         try:
-            found, lease = self.kv.lookup_lease(probe, local)
-        except Exception as e:  # the service is down or restarting: a miss, never a stall
+            found = self.engine.node.lookup(probe, local)
+        except Exception as e:  # a bad replica or a bug: a miss, never a failed request
             log.warning("raykv lookup failed (%r): computing request %s", e, request.request_id)
             return 0, False
-        hit = found.hit_tokens
         self.stats.lookups += 1
         self.stats.lookup_tokens += n
-        hit -= hit % self.bs
+        hit = found.hit_tokens - found.hit_tokens % self.bs
         ext = max(min(hit, n - 1) - num_computed_tokens, 0)
         st.hit_tokens = ext
-        if lease is not None and ext and lease.tokens(self.kv.plan) >= num_computed_tokens + ext:
-            st.lease, st.remote = lease, False  # the tier holds all of it: the load copies
-        else:
-            if lease is not None:
-                lease.release()
-            st.remote = any(not h.local or h.tier != "cpu" for h in found.where)
+        st.remote = found.tier_tokens < num_computed_tokens + ext
         return ext, ext > 0 and not self.sync
-
-    def _release(self, st: _Req) -> None:
-        if st.lease is not None:
-            try:
-                st.lease.release()
-            except Exception as e:  # the tier is gone, and its references with it
-                log.warning("raykv lease release failed (%r)", e)
-            st.lease = None
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._state(request)
         if num_external_tokens <= 0:  # nothing to load (or the second call, after a load)
-            self._release(st)
             return
         st.external_tokens = num_external_tokens
         local = st.local_tokens - st.local_tokens % self.bs
@@ -151,9 +143,8 @@ class RaykvScheduler:
         prompt = request.prompt_token_ids
         st.pending_load = LoadSpec(
             request.request_id, tuple(prompt[: nblocks * self.bs]), ids, skip, end,
-            sync=self.sync, remote=st.remote, lease=st.lease,
+            sync=self.sync, remote=st.remote,
         )  # fmt: skip
-        st.lease = None  # the load releases it
         # the loaded blocks come from the tier: saving them again would find them there
         st.saved_tokens = max(st.saved_tokens, nblocks * self.bs)
 
@@ -174,6 +165,8 @@ class RaykvScheduler:
                 meta.loads.append(st.pending_load)
                 self.stats.loaded_tokens += st.pending_load.num_tokens
             st.pending_load = None
+        if not self.engine.ready():  # no service on the node: nothing is saved meanwhile
+            return meta
         for rid, scheduled in so.num_scheduled_tokens.items():
             st = self.reqs.get(rid)
             if st is None or not st.store:
@@ -216,9 +209,6 @@ class RaykvScheduler:
         st = self.reqs.pop(request.request_id, None)
         if st is None or st.request is not request:
             return False, None
-        self._release(st)
-        if st.pending_load is not None and st.pending_load.lease is not None:
-            st.pending_load.lease.release()  # a load no step carried
         self.stats.hit_tokens += st.external_tokens
         params = {
             "raykv": {
@@ -230,13 +220,7 @@ class RaykvScheduler:
         return st.saves_sent, params
 
     def close(self) -> None:
-        """Release every lease still held (the engine shuts down): the tier need not wait
-        for their deadline (``RAYKV_LEASE_TIMEOUT_S``)."""
-        for st in self.reqs.values():
-            self._release(st)
-            if st.pending_load is not None and st.pending_load.lease is not None:
-                st.pending_load.lease.release()
-                st.pending_load = None
+        self.engine.node.close()
 
 
 def _leading_nulls(ids: list[int]) -> int:

@@ -1,22 +1,23 @@
 """The connector's worker side: vLLM's own KV tensors <-> the node's raykv CPU tier.
 
-``register_kv_caches`` hands vLLM's per-layer KV tensors to ``Client.attach`` (raykv's one
-data plane: ``AttachedKV`` maps the node's tier arena from ``/dev/shm`` and runs
-``raykv.tiers`` Store/LoadJobs on it: one paged copy, checksums computed on store and
-verified before load). No KV byte goes through a Python object or Ray's object store. On CPU
-vLLM's tensors are block-outermost (``[num_blocks, kv_heads, block_size, 2 * head_size]``,
-one contiguous page per block and layer), registered with ``layout="block_outer"``; on GPU
-(NHD, ``[2, num_blocks, block_size, kv_heads, head_size]``) with ``layout="kv_outer"``.
+``register_kv_caches`` attaches vLLM's per-layer KV tensors to the node's CPU tier
+(``raykv.engine.AttachedKV``, through the node agent: raykv's one data plane maps the tier's
+arena from ``/dev/shm`` and runs ``raykv.tiers`` Store/LoadJobs on it: one paged copy,
+checksums computed on store and verified before load). No KV byte goes through a Python
+object, a socket or Ray's object store. On CPU vLLM's tensors are block-outermost
+(``[num_blocks, kv_heads, block_size, 2 * head_size]``, one contiguous page per block and
+layer), registered with ``layout="block_outer"``; on GPU (NHD, ``[2, num_blocks,
+block_size, kv_heads, head_size]``) with ``layout="kv_outer"``. With no service on the node
+it attaches once one answers; meanwhile loads are misses and saves are dropped (counted).
 
 Loads run in ``start_load_kv``, all layers at once (``wait_for_layer_load`` has nothing
-left to wait for). Where the node's tier holds every block, the scheduler's lookup leased
-them already and the load is one verified copy (``load_leased``, no round trip); else blocks
-other nodes hold are pulled into this node's tier first (``AttachedKV.pull``:
-``CpuTierActor.pull``, verified on arrival), then copied into vLLM's blocks (``load_into``,
-verified again). Blocks the tier
-did not deliver (a checksum failure, an entry evicted or gone with its node) are reported
-in the same step: by block id for a synchronous load (one KV group), as ``failed_recving``
-for an asynchronous one (several groups); vLLM recomputes them, never reading wrong KV.
+left to wait for): blocks the node's tier lacks are pulled into it first
+(``AttachedKV.pull``: ``CpuTierActor.pull``, verified on arrival), then one lease round trip
+to the node agent and one verified copy into vLLM's blocks (``load_into``). Blocks the tier
+did not deliver (a checksum failure, an entry evicted or gone with its node, the agent
+gone) are reported in the same step: by block id for a synchronous load (one KV group), as
+``failed_recving`` for an asynchronous one (several groups); vLLM recomputes them, never
+reading wrong KV.
 Saves run after the forward (``wait_for_save``) on one background thread;
 ``get_finished`` reports a finished request once every save sent for it is done, so vLLM
 keeps its blocks until then. ``handle_preemptions`` waits for the saves in flight before
@@ -32,9 +33,13 @@ import threading
 from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from raykv.engine.attached import AttachedKV
 from raykv.integrations.vllm.metadata import LoadSpec, RaykvMetadata, SaveSpec
+
+if TYPE_CHECKING:
+    from raykv.integrations.vllm.connector import ServedEngine
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +57,10 @@ def tensor_layout(tensors: Mapping[str, Any], num_blocks: int) -> str:
 class RaykvWorker:
     """State of the worker-side connector; vLLM's calls map one to one (connector.py)."""
 
-    def __init__(self, client: Any, num_blocks: int) -> None:
-        self.kv, self.num_blocks = client, num_blocks
-        self.attached: Any = None
+    def __init__(self, engine: ServedEngine) -> None:
+        self.engine, self.num_blocks = engine, engine.layout.num_blocks
+        self.kv_caches: dict[str, Any] = {}
+        self.attached: AttachedKV | None = None
         self.lock = threading.Lock()  # one AttachedKV user at a time (loads vs saves)
         self.book = threading.Lock()  # the counters below (never held during a copy)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="raykv-save")
@@ -71,8 +77,17 @@ class RaykvWorker:
         self.counts: Counter[str] = Counter()
 
     def register(self, kv_caches: Mapping[str, Any]) -> None:
-        layout = tensor_layout(kv_caches, self.num_blocks)
-        self.attached = self.kv.attach(dict(kv_caches), num_blocks=self.num_blocks, layout=layout)
+        self.kv_caches = dict(kv_caches)
+        self._attached()
+
+    def _attached(self) -> AttachedKV | None:
+        """The engine's tensors attached to the node's tier, once raykv answers there."""
+        if self.attached is None and self.kv_caches and self.engine.ready():
+            layout = tensor_layout(self.kv_caches, self.num_blocks)
+            self.attached = self.engine.node.attach(
+                self.kv_caches, num_blocks=self.num_blocks, layout=layout
+            )
+        return self.attached
 
     # --- per step ---------------------------------------------------------------------
 
@@ -88,32 +103,37 @@ class RaykvWorker:
         self.cut = {}
         if self.meta is None or not self.meta.loads:
             return
+        if self._attached() is None:  # no service now: every load is a miss (recomputed)
+            for spec in self.meta.loads:
+                self._missed(spec, 0)
+            return
         with self.lock:
             for spec in self.meta.loads:
                 self._load(spec)
 
     def _load(self, spec: LoadSpec) -> None:
-        try:  # blocks other nodes hold come to this node's tier first (verified there)
-            if spec.remote and spec.lease is None:
+        try:  # blocks the node's tier lacks come to it first (verified there)
+            if spec.remote:
                 self.attached.pull(spec.token_ids, [len(t) for t in spec.block_ids])
         except Exception as e:  # what is local still loads; the rest is recomputed
             log.warning("raykv pull for %s failed (%r)", spec.request_id, e)
         tables, skip = [list(t) for t in spec.block_ids], list(spec.skip)
-        try:  # with the scheduler's lease: no round trip; without: lease, then copy
-            if spec.lease is not None:
-                got = self.attached.load_leased(spec.lease, tables, skip)
-            else:
-                got = self.attached.load_into(spec.token_ids, tables, skip)
+        try:  # one round trip to the node agent (lease), then one verified copy
+            got = self.attached.load_into(spec.token_ids, tables, skip)
         except Exception as e:  # the tier is gone or restarting: nothing was loaded
             log.warning("raykv load of %s failed (%r): vLLM recomputes it", spec.request_id, e)
             got = 0
+        self._missed(spec, got)
+
+    def _missed(self, spec: LoadSpec, got: int) -> None:
+        """Count a load that delivered ``got`` tokens and report what it did not."""
         self.counts["loaded_tokens"] += min(got, spec.num_tokens)
         if not spec.sync:
             self.recved.add(spec.request_id)
         if got < spec.num_tokens:
             self.counts["load_errors"] += 1
             if spec.sync:  # vLLM recomputes from the first block that did not arrive
-                first = got // self.attached.plan.block_size
+                first = got // self.engine.layout.block_size
                 self.cut[spec.request_id] = first  # this step's save stops there (below)
                 for t, s in zip(spec.block_ids, spec.skip, strict=True):
                     self.errors.update(b for b in t[max(first, s) :] if b != 0)
@@ -130,6 +150,9 @@ class RaykvWorker:
             self.inflight.append(self.pool.submit(self.attached.send))
         staged, self.staged = self.staged, []
         cut, self.cut = self.cut, {}
+        if self.attached is None:  # no service now: the saves are dropped
+            self.counts["saves_dropped"] += len(staged)
+            staged = []
         for spec in staged:
             if spec.request_id in cut:
                 n = cut[spec.request_id]
@@ -193,3 +216,4 @@ class RaykvWorker:
                 self.attached.close()
             except Exception as e:  # the tier is gone: its leases went with it
                 log.warning("raykv detach failed (%r)", e)
+        self.engine.node.close()

@@ -5,37 +5,34 @@ process and runs the same ``raykv.tiers.OffloadEngine`` jobs the pools run: a st
 paged copy from the engine's blocks into the arena (``StoreJob``, checksums computed) and a
 load one paged copy back (``LoadJob``, checksums verified first: a corrupt entry is a miss,
 dropped and counted, never copied, invariant 12). Around each copy go two small messages to
-the tier carrying keys, block numbers and checksums: one round trip before it (reserve /
-lease, which also names the arena) and one after it that is not waited for (apply, numbered:
-the next reserve / lease names the applies still unanswered and the tier runs it after them,
-``raykv.service.cpu_tier._AppliedOrder``, without a round trip of the engine's own; ``flush``
-waits for every apply sent). A load's lease
-may also be taken beforehand, by whoever looked the prompt up (``TierLease``,
-``Client.lookup_lease``: an engine's scheduler, in the same round trip as its lookup): then
-the load itself makes no round trip at all (``load_leased``).
-No KV byte is pickled. Entries stored this way are published like any pool's
-offload, so every node's lookup and load finds them.
+the node agent (``raykv.engine.agent``, a local socket; no Ray in this process) carrying
+keys, block numbers and checksums: one round trip before it (``Reserve`` / ``LeaseGroups``,
+whose answer also names the arena) and one after it that is not waited for (``Apply``: the
+agent answers a connection's requests in order, so the next request sees it applied;
+``flush`` waits for every apply sent). No KV byte is pickled. Entries stored this way are
+published like any pool's offload, so every node's lookup and load finds them.
 
 The engine keeps its own blocks: a block passed to ``store_from`` must not be rewritten until
-the call returns (it is synchronous; on CUDA it waits for the copy).
+the call returns (it is synchronous; on CUDA it waits for the copy). Every lease and
+reservation belongs to the agent connection: when the engine detaches (``close``) or its
+process ends, the agent releases them at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
 import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-import ray
-
 from raykv.blocks.hashing import BlockHasher
-from raykv.errors import InvalidInput
-from raykv.service import holders
-from raykv.service.groups import as_tables, complete_chunks, group_keys, key_limit
+from raykv.engine.agent import NodeAgent
+from raykv.errors import InvalidInput, RaykvError
+from raykv.service import agent_protocol as p
+from raykv.service.groups import as_tables, complete_chunks, group_keys
 from raykv.tiers.cpu_tier import LoadLease
 from raykv.tiers.gpu_kv import GpuKV
 from raykv.tiers.jobs import LoadJob, StoreJob
@@ -43,88 +40,26 @@ from raykv.tiers.offload import OffloadEngine
 from raykv.tiers.tier_view import CpuTierView
 
 log = logging.getLogger(__name__)
+PULL_TIMEOUT_S = 60.0  # a pull crosses nodes: as long as a transport may take
 
 
 @dataclass(frozen=True)
 class TierLease:
-    """Read references a node's CPU tier holds for one reader on its copies of a prompt's
+    """Read references the node's CPU tier holds for this engine on its copies of a prompt's
     blocks: per group, the blocks from position ``first[g]`` on that it holds, as a
     ``LoadLease`` on their entries and, per block, (entry index in it, sub-slot). Until
     released the entries stay readable (never evicted), unless the tier reclaims them
-    (``RAYKV_LEASE_TIMEOUT_S`` after the lease, or at once when its holder exits or
-    detaches): a load of them is then a miss. ``AttachedKV.load_leased`` copies them
-    without asking the tier again and releases the lease; ``release`` drops one that is
-    not loaded. It pickles (an engine's scheduler hands it to its worker)."""
+    (``RAYKV_LEASE_TIMEOUT_S`` after the lease, or at once when the engine detaches): a load
+    of them is then a miss."""
 
-    model: str
-    tier: Any  # the CpuTierActor holding the references
-    spec: Any  # its arena's SharedSpec
+    spec: Any  # the arena's SharedSpec
     first: tuple[int, ...]
     leases: tuple[LoadLease | None, ...]
     chosen: tuple[tuple[tuple[int, int], ...], ...]
 
-    @staticmethod
-    def ask(
-        tier: Any,
-        model: str,
-        keys: Sequence[Sequence[bytes]],
-        first: Sequence[int],
-        holder: holders.Holder | None = None,
-        after: tuple | None = None,
-    ):
-        """Send the tier the request (``CpuTierActor.lease_groups``, keys from ``first[g]``
-        on) for ``holder`` (this process by default; ``after``: an attached engine's applies
-        to run first); ``take`` its answer."""
-        return tier.lease_groups.remote(
-            model,
-            [list(k[f:]) for k, f in zip(keys, first, strict=True)],
-            holder or holders.this_process("lookup"),
-            after,
-        )
-
-    @classmethod
-    def request(
-        cls, tier: Any, model: str, plan: Any, hashed: tuple, held_tokens: int
-    ) -> tuple[TierLease, int]:
-        """The lease of a lookup (``hashed``: ids, limit, chained hashes; the caller holds
-        its first ``held_tokens``) and the most tokens that lookup could hit."""
-        keys = group_keys(plan, hashed[2])
-        first = [
-            min(held_tokens // g.block_size, len(k)) for g, k in zip(plan.groups, keys, strict=True)
-        ]
-        lease = cls.take(tier, model, first, cls.ask(tier, model, keys, first))
-        return lease, min(key_limit(plan, keys), hashed[1])
-
-    @classmethod
-    def take(cls, tier: Any, model: str, first: Sequence[int], ref: Any) -> TierLease:
-        spec, groups = ray.get(ref)
-        leases = tuple(lease for lease, _ in groups)
-        return cls(model, tier, spec, tuple(first), leases, tuple(tuple(c) for _, c in groups))
-
     def blocks(self, group: int) -> int:
         """Leading blocks of group ``group`` held: the caller's own ``first``, then the tier's."""
         return self.first[group] + len(self.chosen[group])
-
-    def tokens(self, plan: Any) -> int:
-        """Leading tokens every group holds (the caller's own first blocks included)."""
-        return min(self.blocks(i) * g.block_size for i, g in enumerate(plan.groups))
-
-    def release(self) -> Any:
-        """Drop the references (not waited for; returns the call's ref). Nothing is sent
-        once Ray is down (``ray_is_down``)."""
-        ops = [("finish_load", lease, 0) for lease in self.leases if lease is not None]
-        if not ops or ray_is_down():
-            return None
-        return self.tier.apply.remote(self.model, ops, False)
-
-
-def ray_is_down() -> bool:
-    """Whether this process's Ray has shut down: an engine closing at interpreter exit runs
-    after Ray's own exit hook. A Ray call then starts a new local Ray instance (Ray's
-    auto-init: a vLLM ``LLM`` detaching at exit did, dashboard and all, and 2 of 10 such
-    exits ended in a segmentation fault); instead nothing is sent, and the tier frees what
-    this engine held when the holder's process is gone or at the leases' deadline."""
-    return not ray.is_initialized()
 
 
 class AttachedKV:
@@ -134,7 +69,7 @@ class AttachedKV:
         self,
         model: str,
         plan: Any,
-        tier: Any,
+        agent: NodeAgent,
         tensors: Mapping | None = None,
         *,
         num_blocks: int | None = None,
@@ -148,27 +83,22 @@ class AttachedKV:
             )
         if num_blocks is not None:  # the engine's own pool: its block count, the model's layout
             plan = dataclasses.replace(plan, num_gpu_blocks=num_blocks)
-        self.model, self.plan, self.tier = model, plan, tier
+        self.model, self.plan, self.agent = model, plan, agent
         self.kv = (
             GpuKV.allocate(plan, device)
             if tensors is None
             else GpuKV.register(plan, tensors, layout=layout)
         )
         self.hasher = BlockHasher(plan.hash_block_size)
-        # this engine's leases and reservations: released at once by ``close``, or when the
-        # process exits; else reclaimed at their deadline
-        self.holder = holders.this_process(f"attached {model} {id(self):x}")
         self._view: CpuTierView | None = None
         self.engine: OffloadEngine | None = None
-        # applies sent without waiting: (number, ref); those to self.tier are numbered
-        self._applying: list[tuple[int | None, Any]] = []
-        self._engine_id, self._numbered = secrets.token_hex(8), 0
-        self._held: list[tuple[Any, list[tuple]]] = []  # (tier, calls) ``send`` sends
+        self._applying: list[Future] = []  # applies sent, not yet seen answered
+        self._held: list[list[tuple]] = []  # tier calls ``send`` sends
         self._held_lock = threading.Lock()  # an engine may send from another thread
         try:  # map the arena now (every page: shm.attach), not on the first load's path
-            self._engine(ray.get(tier.arena.remote(model)))
-        except ray.exceptions.RayError as e:  # no arena yet: the first store / load maps it
-            log.info("attach: the tier's arena of %s is not mapped yet (%r)", model, e)
+            self._engine(agent.call(p.Arena(model)))
+        except RaykvError as e:  # no arena yet: the first store / load maps it
+            log.info("attach: the tier's arena of %s is not mapped yet (%s)", model, e)
 
     def _engine(self, spec: Any) -> OffloadEngine:
         """The engine on the arena ``spec`` names (mapped again if the tier was replaced)."""
@@ -179,34 +109,18 @@ class AttachedKV:
             self.engine = OffloadEngine(self.kv, self._view, checksums=True)
         return self.engine
 
-    def _apply(self, tier: Any, ops: list[tuple]) -> None:
-        """Send the engine's queued tier calls without waiting for them; numbered where they
-        go to this engine's tier (its next reserve / lease names them, ``_after``)."""
-        if not ops:
-            return
-        if tier != self.tier:  # a lease taken from another tier: nothing is ordered after it
-            self._applying.append((None, tier.apply.remote(self.model, ops, False)))
-            return
-        sent = [n for n, _ in self._applying if n is not None]
-        floor = min(sent) - 1 if sent else self._numbered  # every apply up to it answered
-        self._numbered += 1
-        ticket = (self._engine_id, self._numbered, floor)
-        self._applying.append((self._numbered, tier.apply.remote(self.model, ops, False, ticket)))
+    def _apply(self, ops: list[tuple]) -> None:
+        """Send the engine's queued tier calls without waiting for them."""
+        if ops:
+            self._applying.append(self.agent.send(p.Apply(self.model, ops)))
 
-    def _after(self) -> tuple[str, tuple[int, ...]] | None:
-        """The numbers of this engine's applies to its tier not answered yet, for its next
-        reserve / lease to run after (``CpuTierActor``'s ``after``); failures of the answered
-        ones surface here, as in ``flush``."""
+    def _answered(self) -> None:
+        """Forget the applies answered; their failures surface here, as in ``flush``."""
         self.send()
-        if not self._applying:
-            return None
-        refs = [ref for _, ref in self._applying]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        answered = set(ready)
-        self._applying = [(n, ref) for n, ref in self._applying if ref not in answered]
-        ray.get(ready)
-        pending = tuple(n for n, _ in self._applying if n is not None)
-        return (self._engine_id, pending) if pending else None
+        done = [f for f in self._applying if f.done()]
+        self._applying = [f for f in self._applying if not f.done()]
+        for f in done:
+            f.result()
 
     def send(self) -> None:
         """Send what ``load_leased`` left to send (its lease's release and any corrupt
@@ -214,27 +128,28 @@ class AttachedKV:
         send costs the load nothing; the next store / load / ``flush`` sends it anyway."""
         with self._held_lock:
             held, self._held = self._held, []
-        for tier, ops in held:
-            self._apply(tier, ops)
+        for ops in held:
+            self._apply(ops)
 
     def flush(self) -> None:
-        """Wait until the tiers applied every call sent so far. Failures surface here."""
+        """Wait until the tier applied every call sent so far. Failures surface here."""
         self.send()
         pending, self._applying = self._applying, []
-        ray.get([ref for _, ref in pending])
+        for f in pending:
+            f.result(self.agent.timeout_s)
 
     def close(self) -> int:
         """Detach: send and wait for every call still queued, then have the tier release
         whatever this engine still holds (a store or load cut short). Returns how many
-        leases and reservations that was. Idempotent; store / load after it still work.
-        Once Ray is down (``ray_is_down``: the process is exiting) it sends nothing and
-        returns 0."""
-        if ray_is_down():
+        leases and reservations that was (0 where the agent is gone: they went with it)."""
+        try:
+            self.flush()
+            return self.agent.call(p.ReleaseAll())
+        except RaykvError as e:
+            log.info("detach: %s", e)
             return 0
-        self.flush()
-        return ray.get(self.tier.release_holder.remote(self.holder))
 
-    def _keys(self, token_ids: Sequence[int]) -> list[list[bytes]]:
+    def keys(self, token_ids: Sequence[int]) -> list[list[bytes]]:
         return group_keys(self.plan, self.hasher.hash_blocks(list(token_ids)))
 
     def store_from(self, token_ids: Sequence[int], block_ids: Sequence) -> int:
@@ -242,34 +157,46 @@ class AttachedKV:
         one group) holding ``token_ids``' full blocks into the node's CPU tier; returns the
         entries newly stored (0 when the tier has no room: a miss later, never wrong)."""
         tables = as_tables(self.plan, block_ids)
-        keys = self._keys(token_ids)
+        keys = self.keys(token_ids)
         job = StoreJob.build(self.plan, "attached", tables, keys)
         if not job.keys:
             return 0
         members = tuple(c.members for c in complete_chunks(self.plan, tables, keys))
-        reserve = self.tier.reserve.remote(
-            self.model, job.keys, members, 1, self.holder, self._after()
-        )
-        spec, res = ray.get(reserve)
+        self._answered()
+        spec, res = self.agent.call(p.Reserve(self.model, job.keys, members))
         if res is None:
             return 0
         eng = self._engine(spec)
         eng.submit_store(job, res)
         (done,) = eng.wait_all()
-        self._apply(self.tier, eng.tier.take())
+        self._apply(eng.tier.take())
         return len(res.keys) if done.ok else 0
 
     def pull(self, token_ids: Sequence[int], num_blocks: int | Sequence[int]) -> list[int]:
         """Make the node's tier hold the prompt's first ``num_blocks`` blocks (per group, or
-        one count for all) that other nodes hold: ``CpuTierActor.pull`` copies what it
+        one count for all) that other members hold: ``CpuTierActor.pull`` copies what it
         lacks into its arena, verified. Returns, per group, the leading blocks it holds."""
-        keys = self._keys(token_ids)
+        keys = self.keys(token_ids)
         counts = [num_blocks] * len(keys) if isinstance(num_blocks, int) else list(num_blocks)
-        refs = [
-            self.tier.pull.remote(self.model, gk[:n]) if n else None
+        asked = [
+            self.agent.send(p.Pull(self.model, gk[:n])) if n else None
             for gk, n in zip(keys, counts, strict=True)
         ]
-        return [ray.get(r) if r is not None else 0 for r in refs]
+        return [f.result(PULL_TIMEOUT_S) if f is not None else 0 for f in asked]
+
+    def lease(
+        self, token_ids: Sequence[int], num_blocks: Sequence[int], skip: Sequence[int]
+    ) -> TierLease:
+        """Read references on the tier's copies of the prompt's blocks: per group, positions
+        ``skip[g]`` to ``num_blocks[g]``."""
+        keys = [k[:n] for k, n in zip(self.keys(token_ids), num_blocks, strict=True)]
+        first = [min(s, len(k)) for s, k in zip(skip, keys, strict=True)]
+        self._answered()
+        spec, groups = self.agent.call(
+            p.LeaseGroups(self.model, [list(k[f:]) for k, f in zip(keys, first, strict=True)])
+        )
+        leases = tuple(lease for lease, _ in groups)
+        return TierLease(spec, tuple(first), leases, tuple(tuple(c) for _, c in groups))
 
     def load_into(
         self, token_ids: Sequence[int], block_ids: Sequence, skip: int | Sequence[int] = 0
@@ -282,11 +209,7 @@ class AttachedKV:
         nor written and count as loaded."""
         tables = as_tables(self.plan, block_ids)
         skips = [skip] * len(tables) if isinstance(skip, int) else list(skip)
-        keys = [k[: len(t)] for k, t in zip(self._keys(token_ids), tables, strict=True)]
-        first = [min(s, len(k)) for s, k in zip(skips, keys, strict=True)]
-        # the lease runs after every earlier apply (it sees the earlier stores' entries)
-        ask = TierLease.ask(self.tier, self.model, keys, first, self.holder, self._after())
-        lease = TierLease.take(self.tier, self.model, first, ask)
+        lease = self.lease(token_ids, [len(t) for t in tables], skips)
         loaded = self.load_leased(lease, tables, skips)
         self.send()
         return loaded
@@ -295,9 +218,9 @@ class AttachedKV:
         self, lease: TierLease, block_ids: Sequence, skip: int | Sequence[int] = 0
     ) -> int:
         """``load_into`` with the references taken already (``lease``, from position
-        ``skip`` on or before it): no round trip to the tier. Releases ``lease``, whatever
-        happens, with the next ``send`` (or store / load / ``flush``). Positions the lease
-        does not cover are not loaded."""
+        ``skip`` on or before it). Releases ``lease``, whatever happens, with the next
+        ``send`` (or store / load / ``flush``). Positions the lease does not cover are not
+        loaded."""
         tables = as_tables(self.plan, block_ids)
         skips = [skip] * len(tables) if isinstance(skip, int) else list(skip)
         pending = {gi for gi, lease_g in enumerate(lease.leases) if lease_g is not None}
@@ -335,5 +258,5 @@ class AttachedKV:
             ops += [("finish_load", lease.leases[gi], 0) for gi in sorted(pending)]
             if ops:
                 with self._held_lock:
-                    self._held.append((lease.tier, ops))
+                    self._held.append(ops)
         return min(loaded) if loaded else 0

@@ -1,0 +1,173 @@
+"""The node agent: the door through which engine processes on this node reach raykv.
+
+The node's ``CpuTierActor`` runs it (an asyncio Unix-socket server on the actor's own event
+loop, ``raykv.service.agent_protocol``), so an engine is never a Ray driver: its life is not tied to
+the Ray head, it exports nothing, and a dead service is a closed socket it sees at once. The
+agent answers each connection's requests in order, with the tier's own methods (``reserve``,
+``lease_groups``, ``apply``, ``pull``) for the connection's process, and forwards what only
+the coordinator knows (``AddModel``, ``GetModel``). Each connection is one holder
+(``raykv.service.holders``): when it closes (the engine detached, exited or crashed) its
+leases and reservations are released at once.
+
+Access: the socket's folder is the agent's user's alone (0700), and each connection's peer
+credentials (``SO_PEERCRED``) must name that user (or root); anyone else is refused before
+a byte is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import pickle
+import socket
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from raykv.errors import RaykvError, ServiceError
+from raykv.service import agent_protocol as p
+from raykv.service import holders
+from raykv.service.spec import COORDINATOR, ServedModel
+
+if TYPE_CHECKING:
+    from raykv.service.cpu_tier import CpuTierActor
+
+log = logging.getLogger(__name__)
+COORDINATOR_TIMEOUT_S = 60.0  # an AddModel places pools: as long as placement may take
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a Unix socket."""
+    pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return pid, uid
+
+
+class AgentServer:
+    """Serves ``raykv.service.agent_protocol`` requests for one tier (see the module docstring)."""
+
+    def __init__(self, tier: CpuTierActor, namespace: str) -> None:
+        self.tier, self.namespace = tier, namespace
+        self.path = p.socket_path(namespace, tier.node_id)
+        self._server: asyncio.AbstractServer | None = None
+        self._connections = 0
+        self.clients = 0  # connections open now (``raykv status``)
+
+    async def start(self) -> Path:
+        folder = self.path.parent
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if folder.stat().st_uid != os.getuid():
+            raise ServiceError(
+                f"the agent folder {folder} belongs to another user; set RAYKV_AGENT_DIR "
+                "to a folder of your own"
+            )
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # a socket left by a tier that died on this node
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
+        os.chmod(self.path, 0o600)
+        self._link_default()
+        return self.path
+
+    def _link_default(self) -> None:
+        """Point the host's default name at this socket unless a live agent has it."""
+        link = p.default_socket(self.namespace)
+        if link.exists() and os.path.realpath(link) != str(self.path):
+            return  # another node's live agent on this host (a test cluster) keeps it
+        tmp = link.with_name(f".{link.name}.{os.getpid()}")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        os.symlink(self.path, tmp)
+        os.replace(tmp, link)  # dangling (its tier died) or ours: take it over atomically
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        pid, uid = peer_credentials(sock)
+        if uid not in (os.getuid(), 0):
+            log.warning("agent %s: refused pid %d of uid %d", self.path, pid, uid)
+            writer.close()
+            return
+        self._connections += 1
+        self.clients += 1
+        holder = holders.process_holder(f"engine #{self._connections}", pid)
+        try:
+            while True:
+                try:
+                    head = await reader.readexactly(p.HEADER_BYTES)
+                    number, request = pickle.loads(await reader.readexactly(p.frame_length(head)))
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                try:
+                    out = (number, True, await self.answer(request, holder, pid))
+                except RaykvError as e:
+                    out = (number, False, e)
+                except Exception as e:  # never a raw error to the engine: say what failed
+                    log.warning("agent %s: %s failed: %r", self.path, type(request).__name__, e)
+                    out = (number, False, ServiceError(
+                        f"the node agent could not do {type(request).__name__} ({e!r}); "
+                        "raykv status shows the service's state"))  # fmt: skip
+                if not isinstance(request, p.ONE_WAY):
+                    writer.write(p.frame(out))
+                    await writer.drain()
+        finally:
+            self.clients -= 1
+            writer.close()
+            released = await self.tier.release_holder(holder)
+            if released:
+                log.info("agent %s: %s closed holding %d leases; released", self.path,
+                         holder, released)  # fmt: skip
+
+    async def answer(self, request: p.Request, holder: holders.Holder, pid: int) -> Any:
+        tier = self.tier
+        match request:
+            case p.Hello():
+                return p.Welcome(tier.node_id, self.namespace, tuple(tier.tiers))
+            case p.Reserve(model, keys, members):
+                return await tier.reserve(model, keys, members, 1, holder)
+            case p.LeaseGroups(model, keys):
+                return await tier.lease_groups(model, keys, holder)
+            case p.Apply(model, ops):
+                return await tier.apply(model, ops, False)
+            case p.Arena(model):
+                return await tier.arena(model)
+            case p.Pull(model, keys):
+                return await tier.pull(model, keys)
+            case p.ReleaseAll():
+                return await tier.release_holder(holder)
+            case p.Replica(model):
+                return tier.replica_spec(model)
+            case p.Counted(model, lookups, hits, misses):
+                tier.metrics.engine_lookups(model, lookups, hits, misses)
+                return None
+            case p.AddModel(name, layers, max_model_len, settings):
+                model = ServedModel(name, dict(layers), max_model_len, **settings)
+                plan = await self._coordinator("add_model", model)
+                await tier.add_model(name, plan)  # its arena and replica exist on return
+                return plan
+            case p.GetModel(name):
+                return await self._coordinator("get_model", name)
+        raise ServiceError(f"the node agent does not know the request {request!r}")
+
+    async def _coordinator(self, method: str, *args: Any) -> Any:
+        try:
+            coordinator = ray.get_actor(COORDINATOR, namespace=self.namespace)
+            ref = getattr(coordinator, method).remote(*args)
+            return await asyncio.wait_for(ref, COORDINATOR_TIMEOUT_S)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, RaykvError):
+                raise e.cause from None
+            raise
+        except (ValueError, ray.exceptions.RayError, TimeoutError) as e:
+            raise ServiceError(
+                f"the raykv coordinator did not answer {method!r} ({type(e).__name__}); "
+                "it may be restarting: retry, and check raykv status"
+            ) from None

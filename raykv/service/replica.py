@@ -1,0 +1,204 @@
+"""The prefix index replica: which blocks this node's engines can get, in shared memory.
+
+The node agent (the node's ``CpuTierActor``) keeps, per served model, a replica of what the
+cluster's one prefix index says (``raykv.blocks.PrefixIndex`` at the coordinator) seen from
+this node: per block key, whether this node's CPU tier holds it (``LOCAL_TIER``), another
+member of this node does (``LOCAL_POOL``), or a member of another node (``ELSEWHERE``). The
+tier sets its own bit as it publishes; the rest follows the coordinator's change feed
+(``Coordinator.index_changes``), a fraction of a second behind. An engine maps the replica
+and answers a lookup from it without a round trip: a few vectorized probes of an
+open-addressing table, no lock.
+
+Why no lock is needed: a replica's answer only decides how many tokens an engine asks to
+load. The load itself leases the blocks at the tier and verifies every byte (invariant
+12), so a stale or torn answer becomes a miss at load time, never wrong KV. The writer
+still keeps readers from seeing a table mid-rebuild: ``generation`` is odd while it
+rebuilds, and a reader that sees it odd or changed answers a miss.
+
+Layout of the file (little endian): 8 header words (``_MAGIC``, slots, generation, live
+keys, dead slots, keys dropped for want of room, 2 spare), then ``slots`` keys of two 64-bit
+lanes (0, 0: never used), then ``slots`` flag bytes (0: not held). A key is the block hash's
+first 16 bytes with the group id folded into its first lane: 128 bits of sha256, so two
+blocks share a slot's key with probability ~2**-128 per pair (and then it is a miss at
+load time, as any stale answer).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+LOCAL_TIER, LOCAL_POOL, ELSEWHERE = 1, 2, 4
+_MAGIC = 0x7261796B76726570  # "raykvrep"
+_HEADER = 8
+_PROBES = 16  # linear-probe rounds before a key counts as absent (reader) or dropped (writer)
+SLOTS_ENV = "RAYKV_REPLICA_SLOTS"
+DEFAULT_SLOTS = 1 << 20  # 17 MiB per model and node; a full replica drops keys (misses)
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What an engine needs to map a replica: its file and slot count."""
+
+    path: str
+    slots: int
+
+    @property
+    def nbytes(self) -> int:
+        return _HEADER * 8 + self.slots * 17
+
+
+def replica_slots() -> int:
+    """Slots per replica (``RAYKV_REPLICA_SLOTS``, rounded up to a power of two)."""
+    want = int(os.environ.get(SLOTS_ENV, DEFAULT_SLOTS))
+    return 1 << max(want - 1, 1023).bit_length()
+
+
+def key_lanes(hashes: Sequence[bytes] | bytes, group_id: int) -> np.ndarray:
+    """uint64 [n, 2] replica keys of ``hashes`` (32-byte block hashes, as a list or joined)
+    of group ``group_id``."""
+    blob = hashes if isinstance(hashes, bytes) else b"".join(hashes)
+    lanes = np.frombuffer(blob, np.uint64).reshape(-1, 4)[:, :2].copy()
+    lanes[:, 0] ^= np.uint64(group_id + 1)
+    lanes[(lanes[:, 0] == 0) & (lanes[:, 1] == 0), 1] = 1  # (0, 0) marks an unused slot
+    return lanes
+
+
+def group_key_lanes(group_key: bytes) -> tuple[int, int]:
+    """The replica key of one service group key (4 bytes of group id, then the hash)."""
+    gid = int.from_bytes(group_key[:4], "little")
+    lo = int.from_bytes(group_key[4:12], "little") ^ (gid + 1)
+    hi = int.from_bytes(group_key[12:20], "little")
+    return (lo, hi) if lo or hi else (0, 1)
+
+
+class _Table:
+    """The mapped file: header words, key lanes, flag bytes."""
+
+    def __init__(self, buf: np.ndarray, slots: int) -> None:
+        self.header = buf[: _HEADER * 8].view(np.uint64)
+        self.keys = buf[_HEADER * 8 : _HEADER * 8 + slots * 16].view(np.uint64).reshape(slots, 2)
+        self.flags = buf[_HEADER * 8 + slots * 16 : _HEADER * 8 + slots * 17]
+        self.mask = slots - 1
+
+
+class ReplicaWriter:
+    """The agent's side: owns the file and the truth (a dict) it mirrors."""
+
+    def __init__(self, buf: np.ndarray, spec: ReplicaSpec) -> None:
+        self.spec = spec
+        self.t = _Table(buf, spec.slots)
+        self.t.header[:] = 0
+        self.t.header[0], self.t.header[1] = _MAGIC, spec.slots
+        self.local: set[tuple[int, int]] = set()  # keys this node's tier holds
+        self.nodes: dict[tuple[int, int], int] = {}  # key -> LOCAL_POOL | ELSEWHERE bits
+        self._slot: dict[tuple[int, int], int] = {}  # key -> its slot (live or dead)
+        self.dropped = 0
+
+    # --- what changed ---------------------------------------------------------------------
+
+    def set_local(self, group_keys: Sequence[bytes], held: bool) -> None:
+        """This node's tier now holds (or no longer holds) these block keys."""
+        for gk in group_keys:
+            k = group_key_lanes(gk)
+            (self.local.add if held else self.local.discard)(k)
+            self._write(k)
+
+    def set_holders(self, group_key: bytes, bits: int) -> None:
+        """Where members other than this node's tier hold a key (``LOCAL_POOL`` /
+        ``ELSEWHERE`` bits; 0: nowhere), as the coordinator's feed says."""
+        k = group_key_lanes(group_key)
+        if bits:
+            self.nodes[k] = bits
+        else:
+            self.nodes.pop(k, None)
+        self._write(k)
+
+    def clear_holders(self) -> None:
+        """Forget the feed's part (a resync follows)."""
+        keys, self.nodes = list(self.nodes), {}
+        for k in keys:
+            self._write(k)
+
+    # --- the table ------------------------------------------------------------------------
+
+    def flags(self, k: tuple[int, int]) -> int:
+        return (LOCAL_TIER if k in self.local else 0) | self.nodes.get(k, 0)
+
+    def _write(self, k: tuple[int, int]) -> None:
+        f, t = self.flags(k), self.t
+        slot = self._slot.get(k)
+        if slot is not None:
+            t.flags[slot] = f
+            return
+        if not f:
+            return
+        if len(self._slot) >= self.spec.slots * 3 // 4:
+            self._rebuild()
+            if len(self._slot) >= self.spec.slots * 3 // 4:
+                self.dropped += 1  # full of live keys: this one is a miss
+                t.header[5] = self.dropped
+                return
+        i = (k[0] ^ (k[1] >> 7)) & t.mask
+        for _ in range(_PROBES):
+            if not t.keys[i, 0] and not t.keys[i, 1]:
+                t.keys[i] = k  # the key first, then its flags: a reader sees it whole or not
+                t.flags[i] = f
+                self._slot[k] = int(i)
+                t.header[3] += 1
+                return
+            i = (i + 1) & t.mask
+        self.dropped += 1
+        t.header[5] = self.dropped
+
+    def _rebuild(self) -> None:
+        """Drop dead slots: clear the table and write the live keys again (readers see an
+        odd generation meanwhile, and answer misses)."""
+        t = self.t
+        t.header[2] += 1
+        live = [k for k in self._slot if self.flags(k)]
+        t.keys[:] = 0
+        t.flags[:] = 0
+        self._slot.clear()
+        t.header[3] = 0
+        for k in live:
+            self._write(k)
+        t.header[2] += 1
+
+
+class ReplicaReader:
+    """An engine's side: maps the file read-only and probes it."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        self.spec = spec
+        self._map = np.memmap(spec.path, np.uint8, mode="r", shape=(spec.nbytes,))
+        self.t = _Table(self._map, spec.slots)
+        if int(self.t.header[0]) != _MAGIC or int(self.t.header[1]) != spec.slots:
+            raise ValueError(f"{spec.path} is not a raykv index replica of {spec.slots} slots")
+
+    def flags(self, lanes: np.ndarray) -> np.ndarray:
+        """uint8 flags of each key (0: not held anywhere, or unknown now)."""
+        t, n = self.t, len(lanes)
+        out = np.zeros(n, np.uint8)
+        gen = int(t.header[2])
+        if gen & 1 or not n:
+            return out
+        idx = (lanes[:, 0] ^ (lanes[:, 1] >> np.uint64(7))) & np.uint64(t.mask)
+        todo = np.arange(n)
+        for _ in range(_PROBES):
+            k = t.keys[idx]
+            hit = (k[:, 0] == lanes[todo, 0]) & (k[:, 1] == lanes[todo, 1])
+            out[todo[hit]] = t.flags[idx[hit]]
+            more = ~hit & ((k[:, 0] != 0) | (k[:, 1] != 0))
+            if not more.any():
+                break
+            todo, idx = todo[more], (idx[more] + np.uint64(1)) & np.uint64(t.mask)
+        if int(t.header[2]) != gen:
+            out[:] = 0  # rebuilt meanwhile: a miss this time
+        return out
+
+    def close(self) -> None:
+        self._map._mmap.close()  # type: ignore[attr-defined]
