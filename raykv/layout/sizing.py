@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import operator
 from collections.abc import Mapping, Sequence
 
 from raykv.errors import BlockSizeError, ConfigError, InsufficientMemoryError, PageSizeError
@@ -39,10 +41,32 @@ def cpu_tier_size(
     return (cpu_bytes // per_block, per_block) if per_block else (0, 0)
 
 
-def _positive(**values: int) -> None:
-    for name, v in values.items():
-        if not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+def _shown(value: object) -> str:
+    text = repr(value)
+    return f"{text[:60]}..." if len(text) > 63 else text
+
+
+def check_whole(value: object, name: str, *, minimum: int = 0, fix: str | None = None) -> int:
+    """``value`` as a Python int >= ``minimum`` (a size in bytes, a token or block count).
+    Ints and numpy integers pass; bools (an int subclass: True is no size), floats (nan, inf,
+    2.5 and 2.0 alike: a size is never rounded), strings and None raise ConfigError naming
+    the value, its type and ``fix`` (default: an example of a good value)."""
+    n = None
+    if not isinstance(value, bool) and "bool" not in str(getattr(value, "dtype", "")):
+        with contextlib.suppress(TypeError):
+            n = operator.index(value)  # type: ignore[arg-type]
+    if n is not None and n >= minimum:
+        return n
+    if fix is None:
+        size = name.endswith("bytes")
+        fix = f"pass an int, e.g. {name}={64 << 20 if size else max(minimum, 16)}"
+        fix += " (64 MiB)" if size else ""
+    what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    raise ConfigError(f"{name} must be {what}, got {_shown(value)} ({type(value).__name__}); {fix}")
+
+
+def _positive(**values: object) -> list[int]:
+    return [check_whole(v, name, minimum=1) for name, v in values.items()]
 
 
 def _fmt(n: int) -> str:
@@ -99,7 +123,7 @@ def plan(
     block size. Raises ConfigError subclasses naming the numbers and the fix (invariant 11).
     """
     hash_bs = block_size if hash_block_size is None else hash_block_size
-    _positive(
+    block_size, hash_bs, max_model_len, max_num_batched_tokens, tp_size = _positive(
         block_size=block_size,
         hash_block_size=hash_bs,
         max_model_len=max_model_len,
@@ -115,8 +139,11 @@ def plan(
         )
     if (gpu_bytes is None) == (num_gpu_blocks is None):
         raise ConfigError("pass exactly one of gpu_bytes (KV bytes per GPU) or num_gpu_blocks")
-    if cpu_bytes < 0 or (gpu_bytes is not None and gpu_bytes < 0):
-        raise ConfigError(f"memory sizes must be >= 0, got gpu={gpu_bytes} cpu={cpu_bytes}")
+    if gpu_bytes is not None:
+        gpu_bytes = check_whole(gpu_bytes, "gpu_bytes")
+    if num_gpu_blocks is not None:
+        num_gpu_blocks = check_whole(num_gpu_blocks, "num_gpu_blocks")
+    cpu_bytes = check_whole(cpu_bytes, "cpu_bytes")
 
     layers = dict(layers)
     for spec in layers.values():
@@ -202,7 +229,7 @@ def plan(
     # CPU tier (invariant 5).
     base = min(sizes)
     offload = base if offload_block_size is None else offload_block_size
-    _positive(offload_block_size=offload)
+    (offload,) = _positive(offload_block_size=offload)
     if offload % base:
         raise BlockSizeError(
             f"offload block size {offload} is not a multiple of the block size {base}; "

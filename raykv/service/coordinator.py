@@ -80,7 +80,7 @@ def _size(n: int) -> str:
     """Bytes as a person reads them, never rounded away: "512 bytes", "64 MiB",
     "1.5 MiB (1572864 bytes)"."""
     if n < 2**20:
-        return f"{n} bytes"
+        return f"{n} byte{'s' * (n != 1)}"
     mib = n / 2**20
     return f"{mib:.0f} MiB" if n % 2**20 == 0 else f"{mib:.1f} MiB ({n} bytes)"
 

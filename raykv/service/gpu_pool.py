@@ -61,6 +61,7 @@ from raykv.service.spec import (
     NAMESPACE,
     ServedModel,
     StoreResult,
+    check_admit,
     check_count,
     check_int,
     check_request_id,
@@ -285,6 +286,7 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
     ) -> bool:
         rid, num_tokens = self._mine(client, rid), check_count(num_tokens, "num_tokens")
         ids = self._ids(token_ids, rid)
+        check_admit(num_tokens, ids)
         ok = self.bm.admit(rid, num_tokens, ids)
         if ok:
             self._admitted += 1

@@ -13,11 +13,13 @@ import contextlib
 import operator
 from collections.abc import Hashable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
+from numbers import Real
 
 import numpy as np
 
 from raykv.blocks.hashing import narrow_array, token_array
 from raykv.errors import ConfigError, InvalidInput
+from raykv.layout.sizing import check_whole
 from raykv.layout.specs import KVSpec
 
 NAMESPACE = "raykv"
@@ -44,6 +46,32 @@ def group_name(pool: str) -> str:
     return "raykv-tp-" + pool.removeprefix("raykv-pool-")
 
 
+# ServedModel's whole-number settings: (field, least value, the fix an error names)
+_MODEL_INTS = (
+    ("max_model_len", 1, "pass the longest request in tokens as an int, e.g. max_model_len=4096"),
+    ("max_num_batched_tokens", 1, "pass the tokens of one step as an int, e.g. 8192"),
+    ("block_size", 1, "pass the tokens per block as an int, e.g. block_size=16"),
+    ("tp_size", 1, "pass the TP ranks per engine instance as an int, e.g. tp_size=1"),
+    (
+        "pool_bytes",
+        0,
+        "pass the KV bytes per pool (per rank) as an int, e.g. pool_bytes=64 << 20 (64 MiB), "
+        "or 0 for the default (gpu_mem_fraction of a GPU; 2 GiB for a CPU-device pool)",
+    ),
+    (
+        "cpu_bytes",
+        0,
+        "pass the CPU-tier bytes per node as an int, e.g. cpu_bytes=512 << 20 (512 MiB), "
+        "or 0 for no CPU tier",
+    ),
+    (
+        "offload_block_size",
+        1,
+        "pass the tokens per CPU-tier entry as an int (a multiple of block_size), or None",
+    ),
+)
+
+
 @dataclass(frozen=True)
 class ServedModel:
     """A model the service holds KV for. ``pool_bytes`` 0: ``gpu_mem_fraction`` of the GPU's
@@ -65,16 +93,30 @@ class ServedModel:
 
     def __post_init__(self) -> None:
         if (
-            not self.name
+            not isinstance(self.name, str)
+            or not self.name
             or not self.name.replace("-", "").replace("_", "").replace(".", "").isalnum()
         ):
             raise ConfigError(
                 f"model name {self.name!r} must be letters, digits, '-', '_' or '.'; rename it"
             )
-        if not self.layers:
-            raise ConfigError(f"model {self.name!r} has no KV layers; pass layer name -> spec")
-        if not 0 < self.gpu_mem_fraction <= 1:
-            raise ConfigError(f"gpu_mem_fraction must be in (0, 1], got {self.gpu_mem_fraction}")
+        if not isinstance(self.layers, Mapping) or not self.layers:
+            raise ConfigError(
+                f"model {self.name!r} has no KV layers (got {_bad(self.layers)}); pass a dict "
+                "of layer name -> spec (raykv.layout.FullAttention & co.)"
+            )
+        frac = self.gpu_mem_fraction
+        if isinstance(frac, bool) or not isinstance(frac, Real) or not 0 < frac <= 1:
+            raise ConfigError(
+                f"gpu_mem_fraction must be a number in (0, 1], got {_bad(frac)} "
+                f"({type(frac).__name__}); pass the share of a GPU's memory for KV, e.g. 0.9"
+            )
+        # every size and count a whole number (never a float, nan, inf or bool): the pools
+        # and tiers are sized from them, so a refused one must fail here, on the caller
+        for what, least, fix in _MODEL_INTS:
+            value = getattr(self, what)
+            if value is not None or what != "offload_block_size":
+                object.__setattr__(self, what, check_whole(value, what, minimum=least, fix=fix))
 
     def plan(self, gpu_bytes: int):
         from raykv.layout import plan
@@ -89,6 +131,26 @@ class ServedModel:
             block_size=self.block_size,
             offload_block_size=self.offload_block_size,
         )
+
+
+def served_model(
+    name: object, layers: object, max_model_len: object, settings: Mapping[str, object]
+) -> ServedModel:
+    """``ServedModel`` from a caller's ``add_model`` arguments: a setting it does not have,
+    or layers that are no mapping, raise ConfigError (not TypeError) naming the fix."""
+    fields = sorted(f for f in ServedModel.__dataclass_fields__ if f not in ("name", "layers"))
+    unknown = sorted(set(settings) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"add_model has no setting {', '.join(map(repr, unknown))}; pass only "
+            f"max_model_len= and these: {', '.join(f for f in fields if f != 'max_model_len')}"
+        )
+    if not isinstance(layers, Mapping):
+        raise ConfigError(
+            f"model {name!r}: layers must be a dict of layer name -> KV spec, got "
+            f"{_bad(layers)} ({type(layers).__name__}); e.g. {{'l0': FullAttention(...)}}"
+        )
+    return ServedModel(name, dict(layers), max_model_len, **settings)  # type: ignore[arg-type]
 
 
 # --- caller input: one check per concept, used by the client (before the actor call, so the
@@ -124,7 +186,13 @@ def check_count(value: object, what: str) -> int:
 
 
 def check_request_id(request_id: object) -> Hashable:
-    """Request ids key the pool's tables: any hashable value (a str or an int is usual)."""
+    """Request ids key the pool's tables: any hashable value but None (a str or an int is
+    usual; None is what a forgotten id looks like, so it names no request)."""
+    if request_id is None:
+        raise InvalidInput(
+            "request id None names no request; use a str or an int that identifies the "
+            "request (e.g. the engine's request id)"
+        )
     try:
         hash(request_id)
     except TypeError:
@@ -133,6 +201,25 @@ def check_request_id(request_id: object) -> Hashable:
             "use a str or an int (e.g. str(request_id))"
         ) from None
     return request_id
+
+
+def check_admit(num_tokens: int, token_ids: list[int] | None) -> None:
+    """What ``admit`` takes beyond its checked arguments: a request of at least one token,
+    and never fewer tokens than the token ids it is given. ``num_tokens`` sizes the request
+    at the admission gate; ``token_ids`` are its tokens known now, the prompt (a request may
+    reserve more, e.g. ``len(prompt) + 1`` for its first decode step); a count below them
+    would leave tokens it was given unreserved and unhashed."""
+    if token_ids is not None and num_tokens < len(token_ids):
+        raise InvalidInput(
+            f"admit got num_tokens={num_tokens} but {len(token_ids)} token ids; the count is "
+            "the request's size, at least its prompt's: pass admit(request_id, len(prompt), "
+            "prompt) (or more, to reserve decode steps too)"
+        )
+    if num_tokens == 0:
+        raise InvalidInput(
+            "admit got an empty request (num_tokens=0 and no token ids); a request has at "
+            "least one prompt token: pass admit(request_id, len(prompt), prompt)"
+        )
 
 
 BLOCK_ID_FIX = "pass the int block ids that allocate / block_table returned"

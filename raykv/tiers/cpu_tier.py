@@ -247,6 +247,14 @@ class CpuTier(ArenaRows):
     def total_bytes(self) -> int:
         return self.arena.numel()
 
+    def release(self) -> None:
+        """Unlink a shared arena's files (their mappings stay valid until dropped): the
+        tier is no longer used. A private arena is freed with this object."""
+        if self.arena_spec is not None:
+            shm.release(self.arena_spec)
+            if self.arena_spec.gens is not None:
+                shm.release(self.arena_spec.gens)
+
     def hold_left(self, held: LoadLease | StoreReservation) -> float:
         """Seconds before ``held`` reaches its deadline (0 once finished or reclaimed)."""
         with self._lock:

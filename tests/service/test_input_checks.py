@@ -13,12 +13,13 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from raykv.errors import InvalidInput
+from raykv.errors import InvalidInput, UnknownRequest
 from raykv.layout import FullAttention
 from raykv.service.gpu_pool import GpuPool
 from raykv.service.spec import (
     ServedModel,
     StoreResult,
+    check_admit,
     check_block_ids,
     check_count,
     check_int,
@@ -320,5 +321,66 @@ def test_a_second_request_sharing_a_prefix_cannot_overwrite_it(monkeypatch) -> N
         again = await pool.store(ENGINE, "a1", t1[:5], y)  # the owner cannot rewrite them either
         assert (again, again.written, again.skipped) == (0, 0, [t1[:5]])
         assert torch.equal(pool.local.gather(0, t1[:5]), x)
+
+    asyncio.run(run())
+
+
+# --- issue 44, item 5: questionable inputs that used to pass --------------------------
+
+
+def test_request_id_none_is_refused() -> None:
+    """None is what a forgotten id looks like: it names no request (every op refuses it)."""
+    with pytest.raises(InvalidInput, match=r"^request id None names no request; use a str or"):
+        check_request_id(None)
+
+
+@pytest.mark.parametrize(
+    "num_tokens, ids, match",
+    [
+        (10, 64, r"^admit got num_tokens=10 but 64 token ids; the count is the request's size"),
+        (63, 64, r"num_tokens=63 but 64 token ids"),
+        (0, 1, r"num_tokens=0 but 1 token ids"),
+        (0, 0, r"^admit got an empty request \(num_tokens=0 and no token ids\); a request has"),
+        (0, None, r"empty request"),
+    ],
+)
+def test_admit_refuses_a_count_below_its_prompt_and_an_empty_request(num_tokens, ids, match):
+    prompt = None if ids is None else list(range(ids))
+    with pytest.raises(InvalidInput, match=match) as e:
+        check_admit(num_tokens, prompt)
+    assert "admit(request_id, len(prompt), prompt)" in str(e.value)  # the fix
+
+
+def test_admit_takes_a_count_of_its_prompt_or_more() -> None:
+    """A count above the prompt reserves the steps after it (e.g. ``len(prompt) + 1`` for
+    the first decode token); the count alone (no ids) admits by size."""
+    for n, ids in ((64, list(range(64))), (65, list(range(64))), (1, None), (7, [3])):
+        check_admit(n, ids)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("r", 10, BASE[:64]), "num_tokens=10 but 64 token ids"),
+        (("r", 0, []), "empty request"),
+        (("r", 0), "empty request"),
+        ((None, 64, BASE[:64]), "request id None names no request"),
+    ],
+)
+def test_the_pool_refuses_them_and_registers_nothing(monkeypatch, args, match) -> None:
+    """On the pool actor (anyone may call it directly): InvalidInput, no request, no block
+    taken; the same prompt admitted properly then runs (allocate no longer returns [[]])."""
+    pool = _pool(monkeypatch)
+
+    async def run() -> None:
+        free = pool.bm.num_free_blocks
+        with pytest.raises(InvalidInput, match=match):
+            await pool.admit(ENGINE, *args)
+        assert pool.bm.num_free_blocks == free and not pool.owner and not pool.tokens
+        for op, more in (("allocate", (16,)), ("blocks_needed", (16,)), ("block_table", ())):
+            with pytest.raises(InvalidInput if args[0] is None else UnknownRequest):
+                await getattr(pool, op)(ENGINE, args[0], *more)
+        assert await pool.admit(ENGINE, "ok", 64, BASE[:64])
+        assert [len(t) for t in await pool.allocate(ENGINE, "ok", 64, BASE[:64])] == [4]
 
     asyncio.run(run())

@@ -7,6 +7,7 @@
    with the pool unchanged.
 """
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -145,7 +146,8 @@ def test_integer_block_ids_of_numpy_and_torch_are_taken(svc) -> None:
     assert torch.equal(svc.a.read([np.int64(t[0]), torch.tensor(t[1])]), want)
 
 
-P10 = tokens(10, 7)
+P10, P64 = tokens(10, 7), tokens(64, 3)
+ROW1 = np.zeros((1, ROW), np.uint8)
 BAD_CALLS = {  # name: (method, args, text the error must show, request it must not admit)
     "unhashable rid (admit)": ("admit", (["r"], 10, P10), "request id ['r'] (list)", None),
     "unhashable rid (allocate)": ("allocate", ({"r": 1}, 16), "request id {'r': 1}", None),
@@ -167,6 +169,17 @@ BAD_CALLS = {  # name: (method, args, text the error must show, request it must 
     "str token ids": ("admit", ("n10", 3, "abc"), "got 'abc' (str)", "n10"),
     "bool in allocate": ("allocate", ("base", 16, [*tokens(64, 100)[:47], True]), "got True", None),
     "dict in load": ("load", ("base", {1: 2}, []), "(dict)", None),
+    # issue 44, item 5: a count below the prompt, an empty request, request id None
+    "count below prompt": ("admit", ("c1", 10, P64), "num_tokens=10 but 64 token ids", "c1"),
+    "empty prompt": ("admit", ("c2", 0, []), "admit got an empty request", "c2"),
+    "empty count": ("admit", ("c3", 0), "admit got an empty request", "c3"),
+    "rid None (admit)": ("admit", (None, 10, P10), "request id None names no request", None),
+    "rid None (allocate)": ("allocate", (None, 16), "request id None", None),
+    "rid None (needed)": ("blocks_needed", (None, 16), "request id None", None),
+    "rid None (store)": ("store", (None, [1], ROW1), "request id None", None),
+    "rid None (load)": ("load", (None, P10, [1]), "request id None", None),
+    "rid None (table)": ("block_table", (None,), "request id None", None),
+    "rid None (free)": ("free", (None,), "request id None", None),
 }
 
 
@@ -195,3 +208,117 @@ def test_numpy_integers_are_counts_and_token_ids(svc) -> None:
     table = a.allocate("np", np.int64(40), torch.from_numpy(p))[0]
     assert len(table) == 3 and a.block_table("np") == [table]
     a.free("np")
+
+
+# --- issue 44, item 1: a refused add_model leaves nothing ------------------------------
+
+ISSUE_SIZES = {  # add_model settings the issue found accepted, and what the error shows
+    "pool nan": ({"pool_bytes": float("nan")}, "pool_bytes must be an integer >= 0, got nan"),
+    "pool inf": ({"pool_bytes": float("inf")}, "pool_bytes must be an integer >= 0, got inf"),
+    "cpu inf": ({"cpu_bytes": float("inf")}, "cpu_bytes must be an integer >= 0, got inf"),
+    "pool half": ({"pool_bytes": 24 * 4096 + 0.5}, "got 98304.5 (float)"),
+    "pool True": ({"pool_bytes": True}, "pool_bytes must be an integer >= 0, got True (bool)"),
+    "tp float": ({"tp_size": 1.0}, "tp_size must be a positive integer, got 1.0 (float)"),
+    "no such setting": ({"pool_byte": 1 << 20}, "add_model has no setting 'pool_byte'"),
+}
+
+
+@pytest.mark.parametrize("case", list(ISSUE_SIZES))
+def test_add_model_refuses_bad_sizes_on_the_client(svc, monkeypatch, case) -> None:
+    """ConfigError before any coordinator call: nothing is registered or placed."""
+    from raykv.errors import ConfigError
+
+    settings, shown = ISSUE_SIZES[case]
+    before = svc.kv.stats()["models"]
+    kv = svc.kv.on(None)
+
+    def no_call(*a, **k):
+        raise PoolCalled("the client called the coordinator with bad settings")
+
+    monkeypatch.setattr(kv, "_coord_call", no_call)
+    settings = {"pool_bytes": 40 * ROW, **settings}
+    with pytest.raises(ConfigError) as e:
+        kv.add_model("bad", LAYERS, max_model_len=256, **settings)
+    assert shown in str(e.value) and "pass " in str(e.value), str(e.value)
+    monkeypatch.undo()
+    assert svc.kv.stats()["models"] == before
+
+
+def test_too_few_pool_bytes_are_shown_in_bytes_not_rounded_to_0_mib(svc) -> None:
+    from raykv.errors import InsufficientMemoryError
+
+    with pytest.raises(InsufficientMemoryError) as e:
+        svc.kv.add_model("tiny", LAYERS, max_model_len=256, pool_bytes=1)
+    msg, need = str(e.value), e.value.need_bytes
+    assert need == 17 * ROW and "0 MiB" not in msg, msg  # 16 blocks + the null block
+    assert f"needs {need} bytes of KV per pool" in msg and "hold 1 byte of host" in msg, msg
+    assert f"pool_bytes={need} in add_model" in msg, msg
+    assert "tiny" not in svc.kv.stats()["models"]
+
+
+def test_a_model_whose_pools_cannot_start_is_not_added(svc) -> None:
+    """All or nothing: ServiceError naming the pool and why; no plan, no pools, no tier arena
+    left and no placing it again; once the cause is fixed it is added as any model."""
+    from raykv.errors import ServiceError
+    from raykv.service.spec import COORDINATOR, tier_name
+
+    def break_pools(self) -> None:  # (runs in the coordinator: pickled by value, as a closure)
+        """The pools of "broken" die in their constructor (a GpuPool given a TP-2 plan and
+        no rank 1), as the issue's pool_bytes=nan pools did."""
+        import dataclasses
+
+        placer, cls = self.placer, type(self.placer)
+
+        async def broken(m, plan, nid, index, num_gpus):
+            if m.name == "broken":
+                plan = dataclasses.replace(plan, tp_size=2)
+            return await cls._place_group(placer, m, plan, nid, index, num_gpus)
+
+        placer._place_group = broken
+
+    def mend_pools(self) -> None:
+        self.placer.__dict__.pop("_place_group", None)
+
+    kv = svc.kv
+    coord = ray.get_actor(COORDINATOR, namespace=NAMESPACE)
+    ray.get(coord.__ray_call__.remote(break_pools))
+    try:
+        with pytest.raises(ServiceError) as e:
+            kv.add_model("broken", LAYERS, max_model_len=256, pool_bytes=40 * ROW)
+    finally:
+        ray.get(coord.__ray_call__.remote(mend_pools))
+    msg = str(e.value)
+    assert msg.startswith("model 'broken' was not added: raykv-pool-broken-"), msg
+    assert "(and 1 more of its pools) could not start" in msg, msg  # one per node
+    assert "needs 1 other ranks, got 0" in msg and "add it again" in msg, msg
+
+    s = kv.stats()
+    assert "broken" not in s["models"]
+    assert not [m for m in s["members"] if m.get("model") == "broken"]
+    with pytest.raises(ray.exceptions.RayTaskError, match="unknown model 'broken'"):
+        ray.get(coord.get_model.remote("broken"))
+    for node in (svc.head, svc.ids[0]):  # no arena of it in any tier
+        tier = ray.get_actor(tier_name(node), namespace=NAMESPACE)
+        assert "broken" not in ray.get(tier.snapshot.remote())["stats"]["per_model"]
+    deadline = time.monotonic() + 10  # the killed pools' names are released
+    while time.monotonic() < deadline and any(
+        a["name"].startswith("raykv-pool-broken-")
+        for a in ray.util.list_named_actors(all_namespaces=True)
+    ):
+        time.sleep(0.2)
+    named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    assert not [n for n in named if "broken" in n], named
+    # and the coordinator stops placing it: nothing expected, no failed re-placements
+    failures = kv.stats()["failures"].get("replace", 0)
+    time.sleep(3.5)
+    assert kv.stats()["failures"].get("replace", 0) == failures
+    expected = ray.get(coord.__ray_call__.remote(lambda self: list(self.placer.expected)))
+    assert not [n for n in expected if "broken" in n], expected
+
+    # fixed: the same name is added, placed and served
+    plan = kv.add_model("broken", LAYERS, max_model_len=256, pool_bytes=40 * ROW)
+    assert plan.num_gpu_blocks == 40 and "broken" in kv.stats()["models"]
+    c = kv.on(svc.ids[0])
+    p = tokens(32, 44)
+    assert c.admit("w", 32, p) and c.allocate("w", 32, p) is not None
+    c.free("w")
