@@ -17,9 +17,12 @@ Where the invariants are kept:
   of it is scattered (``raykv.transport.receive``); a copy between two blocks of this pool
   verifies the source rows; an offload compares the arena rows' checksums with ``sums`` (a
   GPU block corrupted since it was published is never offloaded). A mismatch drops the bad
-  copy where it lives (pool block invalidated, tier entry dropped), counts
-  ``checksum_errors`` (stats, ``raykv status``, the ``raykv_checksum_errors`` metric) and is
-  a miss: the caller recomputes, never reads wrong KV.
+  copy where it lives (pool block invalidated, tier entry dropped), counts it once in
+  ``checksum_errors`` (stats, ``raykv status``, the ``raykv_checksum_errors`` metric), where
+  it was found: "gpu" (a pool's own block), "cpu" (a tier entry loaded on its node: the
+  tier counts it as it drops it), "remote" (a copy from another member: the reader counts
+  it, the holder drops it uncounted), and is a miss: the caller recomputes, never reads
+  wrong KV.
 """
 
 from __future__ import annotations
@@ -215,7 +218,7 @@ class PoolDataPlane:
         for m, rank_ops in await self._remote(refs):
             lost |= set(m)
             ops += [op for op in rank_ops if op[0] == "drop"]  # one finish_load: the leader's
-        corrupt = sum(1 for op in ops if op[0] == "drop" and op[2])
+        # corrupt entries are dropped by these ops and counted once, by the tier ("cpu")
         await self._apply(tier, ops)
         # every rank loaded the same prefix of keys, unless one missed: keep the common one
         n = 0
@@ -223,8 +226,6 @@ class PoolDataPlane:
             if lease.keys[e] in lost:
                 break
             n += 1
-        if corrupt:
-            self.metrics.checksum_errors(self.model.name, CPU, corrupt)
         got = want[:n]
         for (e, s), (_, b) in zip(chosen[:n], got, strict=True):
             self._pending_sums[b] = tuple(
@@ -385,10 +386,11 @@ class PoolDataPlane:
         return blocks
 
     async def drop_keys(self, model: str, keys: list[bytes]) -> None:
-        """A reader found these blocks' bytes corrupt: unpublish them (misses from now)."""
+        """A reader found these blocks' bytes corrupt: unpublish them (misses from now; the
+        reader counted them, ``checksum_errors`` "remote")."""
         bad = [self.valid[k] for k in keys if model == self.model.name and k in self.valid]
         if bad:
-            self._corrupt(bad)
+            log.warning("pool %s: a reader found blocks %s corrupt; dropped", self.name, bad[:8])
             await self.publish(model, [], self._gone([self._invalidate(b) for b in bad]))
 
 

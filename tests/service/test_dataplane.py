@@ -49,8 +49,32 @@ def setup(ray_cluster, model: str):
     return kv.on(ray_cluster.head), kv.on(ray_cluster.ids[0]), plan
 
 
+def where(kv) -> dict:
+    """The cluster's checksum errors, total and by where they were found."""
+    s = kv.stats()
+    return {"all": s["checksum_errors"], **s["checksum_errors_where"]}
+
+
+def settled(kv, want: dict, before: dict) -> dict:
+    """``where(kv)`` minus ``before`` once it reaches ``want`` (members report with their
+    heartbeats), then two heartbeats more: nothing counts it again."""
+    deadline = time.monotonic() + 20
+
+    def delta() -> dict:
+        now = where(kv)
+        return {k: now[k] - before[k] for k in now}
+
+    while delta() != want and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(2.5)
+    return delta()
+
+
 def test_corrupt_tier_entry_and_gpu_block_are_misses_never_wrong_kv(ray_cluster) -> None:
     a, b, _ = setup(ray_cluster, "dp-corrupt")
+    counted = where(ray_cluster.kv)
+    holders = [pool_name("dp-corrupt", ray_cluster.head, 0), tier_name(ray_cluster.head)]
+    held = [stats_of(n).get("checksum_errors", 0) for n in holders]
     ids = tokens(6 * BS + 3, 1)
     data = rows(6, 2)
     assert a.admit("r", len(ids), ids)
@@ -68,16 +92,53 @@ def test_corrupt_tier_entry_and_gpu_block_are_misses_never_wrong_kv(ray_cluster)
     got = b.read(tq[:2])
     assert torch.equal(got, data[:2])
     sb = stats_of(pool_name("dp-corrupt", ray_cluster.ids[0], 0))
-    assert sb.get("checksum_errors", 0) >= 2, sb  # A's pool copy and A's tier copy
+    # A's pool copy and A's tier copy, each counted once, by the reader that found it (issue
+    # 44: the holders counted them again as they dropped them)
+    assert sb.get("checksum_errors") == 2 and sb.get("checksum_errors_remote") == 2, sb
+    assert [stats_of(n).get("checksum_errors", 0) for n in holders] == held
     # the engine recomputes block 2.. and stores it: its bytes win, nothing wrong is served
     assert b.store("q", tq[2:6], data[2:6]) == 4
     assert torch.equal(b.read(tq[:6]), data)
     b.free("q")
     assert b.lookup(ids).hit_tokens == 6 * BS
-    deadline = time.monotonic() + 20  # members report their stats with each heartbeat
-    while ray_cluster.kv.stats()["checksum_errors"] < 2 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert ray_cluster.kv.stats()["checksum_errors"] >= 2
+    want = {"all": 2, "gpu": 0, "cpu": 0, "remote": 2}
+    assert settled(ray_cluster.kv, want, counted) == want
+
+
+def test_a_corrupt_tier_entry_loaded_through_a_pool_counts_once(ray_cluster) -> None:
+    """Issue 44, item 3: the pool of the tier's node loads a corrupt entry through the
+    shared arena: a miss from there, counted once, by the tier that dropped it ("cpu");
+    the pool that found it does not count it again."""
+    kv = ray_cluster.kv
+    kv.add_model("dp-once", LAYERS, max_model_len=8 * BS, pool_bytes=9 * ROW, cpu_bytes=16 * ROW)
+    a = kv.on(ray_cluster.head)
+    ids, data = tokens(6 * BS + 3, 31), rows(6, 32)
+    assert a.admit("r", len(ids), ids)
+    table = a.allocate("r", len(ids), ids)[0]
+    assert a.store("r", table[:6], data, offload=True) == 6
+    a.free("r")
+    other = tokens(8 * BS, 33)  # takes all 8 blocks: the GPU copies of ids are evicted
+    assert a.admit("o", len(other), other) and a.allocate("o", len(other), other)
+    a.free("o")
+    tier = ray.get_actor(tier_name(ray_cluster.head), namespace=NAMESPACE)
+    arena = shm.attach(ray.get(tier.arena.remote("dp-once")))
+    mask = (arena[0] == data[2]).all(dim=1)
+    arena[0][mask.nonzero()[0, 0], :5] ^= 0x33
+    names = [pool_name("dp-once", ray_cluster.head, 0), tier_name(ray_cluster.head)]
+    before, counted = [stats_of(n).get("checksum_errors", 0) for n in names], where(kv)
+
+    assert a.admit("q", len(ids), ids)
+    tq = a.allocate("q", len(ids), ids)[0]
+    res = a.load("q", ids, into=tq[:6])
+    assert res.num_tokens == 2 * BS and res.loaded_blocks == 2, res  # from the local tier
+    assert torch.equal(a.read(tq[:2]), data[:2])
+    after = [stats_of(n).get("checksum_errors", 0) for n in names]
+    assert [x - y for x, y in zip(after, before, strict=True)] == [0, 1]  # the tier's, once
+    assert stats_of(names[1]).get("checksum_errors_cpu", 0) >= 1
+    want = {"all": 1, "gpu": 0, "cpu": 1, "remote": 0}
+    assert settled(kv, want, counted) == want
+    a.free("q")
+    del arena
 
 
 def test_after_corruption_the_engines_logits_match_a_full_recompute(ray_cluster) -> None:
