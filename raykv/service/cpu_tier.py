@@ -36,11 +36,10 @@ import asyncio
 import logging
 import os
 import pickle
-from collections.abc import Hashable
+from collections.abc import Coroutine, Hashable
 from typing import Any
 
 import numpy as np
-import ray
 
 from raykv.errors import InvalidInput
 from raykv.service import holders
@@ -57,8 +56,6 @@ from raykv.tiers.cpu_tier import READABLE
 from raykv.transport import Lent, export_rows
 
 Members = tuple[bytes | None, ...]
-Ticket = tuple[str, int, int]  # an engine's apply: (engine, its number, all up to this one ran)
-After = tuple[str, tuple[int, ...]]  # (engine, numbers of its applies to run before this call)
 log = logging.getLogger(__name__)
 LEASE_TIMEOUT_ENV = "RAYKV_LEASE_TIMEOUT_S"
 SWEEP_S = 1.0  # how often overdue holds and exited holders are looked for
@@ -130,55 +127,6 @@ class _ModelTier:
         return chosen
 
 
-class _AppliedOrder:
-    """Which applies of each attached engine have run. An engine sends its apply without
-    waiting for it, and its next reserve / lease names the applies still unanswered
-    (``After``): that call waits here until they ran. Ray may start an async actor's calls
-    out of order, and the engine waiting for the apply's answer first would cost it a round
-    trip. Per engine, the numbers that ran, every number up to ``floor`` implied (the engine
-    sends with each apply how far its answers came back, which keeps the set small and lets a
-    tier placed again, which never saw the early ones, know them as done). An apply that never
-    comes (sent to the tier before it was placed again) ends the wait after ``WAIT_S``: the
-    reserve / lease then finds entries still being written, a miss, never wrong KV."""
-
-    WAIT_S = 10.0
-
-    def __init__(self) -> None:
-        self._floor: dict[str, int] = {}
-        self._ran: dict[str, set[int]] = {}
-        self._changed: asyncio.Event | None = None
-
-    def done(self, ticket: Ticket | None) -> None:
-        if ticket is None:
-            return
-        engine, number, floor = ticket
-        floor = self._floor[engine] = max(self._floor.get(engine, 0), floor)
-        ran = self._ran.setdefault(engine, set())
-        ran.add(number)
-        ran.difference_update([n for n in ran if n <= floor])
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
-
-    def has_run(self, engine: str, number: int) -> bool:
-        return number <= self._floor.get(engine, 0) or number in self._ran.get(engine, ())
-
-    async def wait(self, after: After | None) -> None:
-        if not after:
-            return
-        engine, numbers = after
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.WAIT_S
-        while not all(self.has_run(engine, n) for n in numbers):
-            if self._changed is None:
-                self._changed = asyncio.Event()
-            try:
-                await asyncio.wait_for(self._changed.wait(), max(deadline - loop.time(), 0))
-            except TimeoutError:
-                log.warning("tier: applies %s of engine %s never came; going on", numbers, engine)
-                return
-
-
 class CpuTierActor(Member):
     kind = "tier"
     lends_rows = True  # its UCX server sends from the arena where it can (``export_blocks``)
@@ -191,7 +139,6 @@ class CpuTierActor(Member):
         self.tiers = {m: _ModelTier(p, self.timeout_s) for m, p in (plans or {}).items()}
         self.metrics = ServiceMetrics("tier")
         self._publishing: set[asyncio.Task] = set()
-        self._order = _AppliedOrder()
         self.transports = reader_transports()  # for pull: the object store, UCX where it runs
         self.pull_sources: dict[str, Any] = {}  # model -> where its last pull was sent first
         self._sweeper: asyncio.Task | None = None
@@ -241,14 +188,17 @@ class CpuTierActor(Member):
                 self.metrics.failed("index_feed")
                 self._feed = ("", 0)
 
-    async def publish(
+    def publish(
         self, model: str, stored: list[tuple[Hashable, int]], removed: list[Hashable]
-    ) -> None:
+    ) -> Coroutine[Any, Any, None]:
+        """``Member.publish`` (to the coordinator: returned, to await or run as a task), after
+        the node's replica took the change at once: an engine's lookup right after its store
+        is answered sees it."""
         mt = self.tiers.get(model)
-        if mt is not None:  # the node's engines see the tier's own blocks at once
+        if mt is not None:
             mt.replica.set_local([k for k, _ in stored], True)
             mt.replica.set_local(removed, False)
-        await super().publish(model, stored, removed)
+        return super().publish(model, stored, removed)
 
     async def add_model(self, model: str, plan: Any) -> int:
         """Make room for ``model`` (idempotent); returns its CPU-tier block count."""
@@ -334,15 +284,12 @@ class CpuTierActor(Member):
         members: tuple[Members, ...],
         writers: int = 1,
         holder: Any = None,
-        after: After | None = None,
     ) -> Any:
         """Reserve entries for ``keys`` (all or nothing; LRU evicts to make room; keys held
         already are skipped): (the arena's ``SharedSpec``, a ``StoreReservation`` for
         ``writers`` TP writers or None), ``holder``'s until applied or its deadline. The
         spec rides along so a writer never needs a call of its own to find (or re-find,
-        after the tier was placed again) the arena. ``after``: an attached engine's applies
-        to run first (``_AppliedOrder``)."""
-        await self._order.wait(after)
+        after the tier was placed again) the arena."""
         mt = self._tier(model)
         if len(members) != len(keys) or any(len(m) != mt.tier.factor for m in members):
             raise InvalidInput(
@@ -384,20 +331,15 @@ class CpuTierActor(Member):
         at = {e: i for i, e in enumerate(lease.keys)}
         return spec, lease, [(at[e], s) for e, s in chosen]
 
-    @ray.method(enable_task_events=False)
     async def lease_groups(
         self,
         model: str,
         keys: list[list[bytes]],
         holder: Any = None,
-        after: After | None = None,
     ) -> tuple[Any, list[tuple[Any, list[tuple[int, int]]]]]:
         """``lease`` for every group at once (one round trip for a hybrid model's load):
         (the arena's ``SharedSpec``, per group (``LoadLease`` or None, per block (entry index
-        in the lease, sub-slot))). An engine's lookup (``Client.lookup_lease``): not recorded
-        as a Ray task event (the metrics count hits and misses), which costs every call.
-        ``after``: as for ``reserve``."""
-        await self._order.wait(after)
+        in the lease, sub-slot))): an engine's load, through the node agent."""
         mt, out = self.tiers.get(model), []
         spec = mt.tier.arena_spec if mt is not None else None
         for gk in keys:
@@ -410,17 +352,14 @@ class CpuTierActor(Member):
         model: str,
         ops: list[tuple],
         wait_publish: bool = True,
-        ticket: Ticket | None = None,
     ) -> int:
         """Apply the metadata calls an ``OffloadEngine`` on a ``CpuTierView`` queued; publish
         entries that became readable, unpublish corrupt ones. Returns the entries stored.
         ``wait_publish=False`` answers before the coordinator has the events (an engine's
         store needs no index round trip on its path; events stay in order by sequence).
-        ``ticket``: an attached engine's number for this call (``_AppliedOrder``)."""
-        try:
-            return await self._apply(model, ops, wait_publish)
-        finally:
-            self._order.done(ticket)
+        An engine's applies come through the node agent, which runs a connection's requests
+        in order: its next reserve or lease sees them applied."""
+        return await self._apply(model, ops, wait_publish)
 
     async def _apply(
         self, model: str, ops: list[tuple], wait_publish: bool, counted: bool = False

@@ -22,9 +22,10 @@ from vllm import SamplingParams
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.request import Request
 
+from raykv.engine.node import EngineLookup
 from raykv.errors import ConfigError, InvalidInput
 from raykv.integrations.vllm.config import RaykvVllmConfig
-from raykv.integrations.vllm.metadata import RaykvMetadata, SaveSpec
+from raykv.integrations.vllm.metadata import LoadSpec, RaykvMetadata, SaveSpec
 from raykv.integrations.vllm.model import EngineLayout, check_groups, engine_layout, model_name
 from raykv.integrations.vllm.scheduler import RaykvScheduler
 from raykv.integrations.vllm.worker import RaykvWorker
@@ -33,36 +34,33 @@ from raykv.layout import FullAttention, plan
 BS = 32
 
 
-class FakeLease:
-    """Stands in for ``TierLease``: the node's tier holds ``held`` leading tokens."""
-
-    def __init__(self, held: int) -> None:
-        self.held, self.released = held, 0
-
-    def tokens(self, plan) -> int:
-        return self.held
-
-    def release(self) -> None:
-        self.released += 1
-
-
-class FakeClient:
-    """Lookups hit ``hit`` tokens; ``tier`` (tokens the node's tier leases, None: no lease)."""
+class FakeNode:
+    """Stands in for ``NodeKV``: lookups hit ``hit`` tokens, ``tier`` of them (None: all)
+    held by the node's own tier; ``up`` False: no service on the node."""
 
     def __init__(self, hit: int = 0, fail: bool = False, tier: int | None = None) -> None:
         self.hit, self.fail, self.tier, self.calls = hit, fail, tier, 0
-        self.leases: list[FakeLease] = []
-        self.plan = None
+        self.up = True
 
-    def lookup_lease(self, ids, held_tokens):
+    def lookup(self, ids, held_tokens):
         self.calls += 1
         if self.fail:
-            raise RuntimeError("coordinator restarting")
-        lease = None
-        if self.tier is not None:
-            lease = FakeLease(self.tier)
-            self.leases.append(lease)
-        return SimpleNamespace(hit_tokens=min(self.hit, len(ids) - 1), where=()), lease
+            raise RuntimeError("a broken replica")
+        hit = min(self.hit, len(ids) - 1)
+        return EngineLookup(hit, hit if self.tier is None else self.tier, len(ids))
+
+    def close(self) -> None:
+        pass
+
+
+class FakeEngine:
+    """Stands in for ``ServedEngine``: the engine's model on its node (``node``)."""
+
+    def __init__(self, node: FakeNode, lay: EngineLayout) -> None:
+        self.node, self.layout, self.groups = node, lay, (0,)
+
+    def ready(self) -> bool:
+        return self.node.up
 
 
 class FakeManager:
@@ -86,7 +84,7 @@ def scheduler(
 ) -> tuple[RaykvScheduler, FakeManager]:
     """One KV group: loads are synchronous; ``sync=False`` takes the several-groups path
     (asynchronous loads reported within their step)."""
-    s = RaykvScheduler(RaykvVllmConfig(), layout(), FakeClient(hit, fail, tier), (0,))
+    s = RaykvScheduler(RaykvVllmConfig(), FakeEngine(FakeNode(hit, fail, tier), layout()))
     s.kv_cache_manager = FakeManager()
     s.sync = sync
     return s, s.kv_cache_manager
@@ -124,7 +122,7 @@ def test_a_lookup_that_fails_is_a_miss_and_opt_out_skips_the_lookup() -> None:
     s2, _ = scheduler(hit=256)
     off = request("r", 300, extra_args={"kv_transfer_params": {"raykv": {"load": False}}})
     assert s2.num_new_matched_tokens(off, 0) == (0, False)
-    assert s2.kv.calls == 0
+    assert s2.engine.node.calls == 0
 
 
 def test_requests_whose_kv_is_not_keyed_by_their_tokens_are_neither_loaded_nor_saved() -> None:
@@ -142,7 +140,7 @@ def test_requests_whose_kv_is_not_keyed_by_their_tokens_are_neither_loaded_nor_s
     for req in (salted, lora):
         assert s.num_new_matched_tokens(req, 0) == (0, False)
         assert not s.reqs[req.request_id].store  # never saved under the plain ids either
-    assert s.kv.calls == 1  # only the plain request was looked up
+    assert s.engine.node.calls == 1  # only the plain request was looked up
 
 
 def test_a_load_that_ends_mid_block_loads_the_block_whole() -> None:
@@ -242,38 +240,64 @@ def test_a_failed_async_load_is_reported_failed_and_the_request_recomputes() -> 
     assert s.finished(req)[1]["raykv"]["load_error_blocks"] == 8
 
 
-def test_a_lease_covering_the_load_goes_to_the_worker_and_every_other_lease_is_released():
-    """The node tier's lease travels with the load that needs it (the worker copies without
-    a round trip); a lease no load takes is released: one that does not cover the hit, one
-    replaced by a later lookup, one of a request allocated nothing or finished unscheduled."""
+def test_a_hit_the_nodes_tier_holds_loads_at_once_and_one_held_elsewhere_is_pulled_first():
+    """The replica says where the hit is: all in the node's tier, the worker copies it
+    (lease and copy, no pull); some of it elsewhere, the worker pulls it into the tier
+    first."""
     s, m = scheduler(hit=256, tier=256)
     req = request("r", 300)
     assert s.num_new_matched_tokens(req, 0) == (256, False)
-    first = s.kv.leases[-1]
-    assert s.num_new_matched_tokens(req, 0) == (256, False)  # not scheduled, asked again
-    assert first.released == 1
     alloc(s, m, req, 256)
     (load,) = s.build_meta(output()).loads
-    assert load.lease is s.kv.leases[-1] and not load.remote and load.lease.released == 0
-    s.finished(req)
-    assert load.lease.released == 0  # the worker's load releases it
+    assert not load.remote
+    att = FakeAttached()
+    w = worker(att)
+    w.bind(RaykvMetadata(loads=[load]))
+    w.start_load()
+    assert att.calls == ["load_into"]
 
-    s, m = scheduler(hit=256, tier=128)  # the tier holds less than the cluster: no lease
+    s, m = scheduler(hit=256, tier=128)  # the tier holds less than the cluster
     req = request("r", 300)
     assert s.num_new_matched_tokens(req, 0) == (256, False)
-    assert s.kv.leases[-1].released == 1
     alloc(s, m, req, 256)
-    assert s.build_meta(output()).loads[0].lease is None
+    (load,) = s.build_meta(output()).loads
+    assert load.remote
+    att = FakeAttached()
+    w = worker(att)
+    w.bind(RaykvMetadata(loads=[load]))
+    w.start_load()
+    assert att.calls == ["pull", "load_into"]
 
-    s, m = scheduler(hit=256, tier=256)
-    for rid, alloc_tokens in (("a", None), ("b", 0), ("c", 256)):
-        req = request(rid, 300)
-        s.num_new_matched_tokens(req, 0)
-        if alloc_tokens is not None:
-            alloc(s, m, req, alloc_tokens)
-        s.finished(req)  # aborted before any step carried a load
-        assert s.kv.leases[-1].released == 1, rid
-    assert s.build_meta(output()).loads == []
+
+def test_with_no_service_on_the_node_lookups_miss_at_once_and_nothing_is_saved() -> None:
+    """The node agent is down (raykv down, a dead tier or Ray head): a lookup is a miss
+    without asking anything, no save is sent; once it answers again, both resume."""
+    s, m = scheduler(hit=256)
+    s.engine.node.up = False
+    req = request("r", 300)
+    assert s.num_new_matched_tokens(req, 0) == (0, False)
+    assert s.engine.node.calls == 0 and s.stats.lookups_down == 1
+    alloc(s, m, req, 0)
+    req.num_computed_tokens = 0
+    assert s.build_meta(output(scheduled={"r": 300})).saves == []
+    s.engine.node.up = True
+    q = request("q", 300)
+    assert s.num_new_matched_tokens(q, 0) == (256, False)
+
+
+def test_a_worker_without_a_service_counts_its_loads_missed_and_drops_its_saves() -> None:
+    node = FakeNode()
+    node.up = False
+    w = RaykvWorker(FakeEngine(node, layout()))
+    w.register({"l0": torch.zeros(4)})
+    assert w.attached is None
+    load = LoadSpec("r", tuple(range(2 * BS)), ((1, 2),), (0,), 2 * BS, sync=True, remote=False)
+    w.bind(RaykvMetadata(loads=[load], saves=[SaveSpec("r", tuple(range(BS)), ((1,),))]))
+    w.start_load()
+    assert w.load_errors() == {1, 2}
+    w.wait_for_save()
+    assert w.counts["saves_dropped"] == 1 and w.counts["load_errors"] == 1
+    assert w.finished({"r"}) == ({"r"}, None)  # its blocks are released, nothing leaks
 
 
 def test_blocks_a_load_brought_in_are_not_saved_again() -> None:
@@ -290,21 +314,6 @@ def test_blocks_a_load_brought_in_are_not_saved_again() -> None:
     req.num_computed_tokens = 256
     (save,) = s.build_meta(output(scheduled={"q": 40})).saves
     assert len(save.block_ids[0]) == 9  # the prefix's 8 (held: skipped) and the new one
-
-
-def test_a_leased_load_makes_no_round_trip_and_reports_what_arrived() -> None:
-    s, m = scheduler(hit=256, tier=256)
-    req = request("r", 300)
-    alloc(s, m, req, s.num_new_matched_tokens(req, 0)[0])
-    att = FakeAttached(deliver=96)
-    w = worker(att)
-    w.bind(s.build_meta(output()))
-    w.start_load()
-    assert att.calls == ["load_leased"]  # no pull, no lease of its own
-    assert w.load_errors() == {4, 5, 6, 7, 8}
-    w.wait_for_save()  # after the forward: the lease's release goes out
-    assert att.calls == ["load_leased", "send"]
-    w.close()
 
 
 class FakeAttached:
@@ -325,10 +334,6 @@ class FakeAttached:
         self.calls.append("load_into")
         return len(token_ids) if self.deliver is None else self.deliver
 
-    def load_leased(self, lease, block_ids, skip):
-        self.calls.append("load_leased")
-        return len(block_ids[0]) * BS if self.deliver is None else self.deliver
-
     def send(self):
         self.calls.append("send")
 
@@ -339,7 +344,7 @@ class FakeAttached:
 
 
 def worker(attached: FakeAttached) -> RaykvWorker:
-    w = RaykvWorker(None, 512)
+    w = RaykvWorker(FakeEngine(FakeNode(), layout()))
     w.attached = attached
     return w
 

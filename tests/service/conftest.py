@@ -10,8 +10,10 @@ NODE = dict(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=80 << 2
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(request):
+def ray_cluster(request, tmp_path_factory):
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    # the node agents' sockets: this cluster's own (never a `raykv up` of this host's)
+    os.environ["RAYKV_AGENT_DIR"] = str(tmp_path_factory.mktemp("agents"))
     import ray
     from ray.cluster_utils import Cluster
 

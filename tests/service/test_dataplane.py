@@ -221,55 +221,64 @@ def test_an_attached_engine_stores_and_loads_through_shared_memory(ray_cluster) 
     del arena, eb
 
 
-def test_a_lookup_lease_lets_the_load_skip_the_tier_and_pins_its_entries(ray_cluster) -> None:
-    """``lookup_lease``: the node's tier leases its copies while the coordinator looks up;
-    where the tier holds it all its answer alone is the hit. ``load_leased`` then copies
-    (verified) without a round trip; until a lease is loaded or released its entries are
-    never evicted. A node whose tier holds nothing gets the coordinator's (remote) hit."""
-    from unittest import mock
-
+def test_an_engines_lookup_reads_its_nodes_replica_and_a_lease_pins_its_entries(
+    ray_cluster,
+) -> None:
+    """An engine (``NodeKV``, no Ray) looks up from its node's index replica: blocks its
+    node's tier stored are a hit it can load at once (``tier_tokens``); another node's
+    engine sees the same hit as held elsewhere once the coordinator's feed arrived, and
+    its load pulls them first. A lease taken for a load pins its entries until released."""
     from raykv import ops
+    from raykv.engine import NodeKV
 
-    a, b, plan = setup(ray_cluster, "dp-lease")
-    ea = a.attach(num_blocks=64)  # room for every entry of the tier (below) and more
+    _, _, plan = setup(ray_cluster, "dp-lease")
+    na = NodeKV.open(node_id=ray_cluster.head)
+    nb = NodeKV.open(node_id=ray_cluster.ids[0])
+    assert na.use("dp-lease").num_gpu_blocks == plan.num_gpu_blocks and nb.use("dp-lease")
+    ea = na.attach(num_blocks=64)  # room for every entry of the tier (below) and more
     gid = plan.groups[0].group_id
     ids, src = tokens(8 * BS, 7), rows(8, 8)
+    probe = [*ids, 0]  # one token more: the lookup sees the prompt's last full block
+    assert na.lookup(probe).hit_tokens == 0
     ops.scatter_blocks(src, ea.kv.entries(gid), torch.tensor(range(1, 9)))
     assert ea.store_from(ids, list(range(1, 9))) == 8
     ea.flush()
-    probe = [*ids, 0]  # one token more: the lookup sees the prompt's last full block
-
-    found, lease = a.lookup_lease(probe, held_tokens=2 * BS)
-    assert found.hit_tokens == 8 * BS and lease.tokens(plan) == 8 * BS
-    assert [(h.tier, h.local) for h in found.where] == [("cpu", True)]
+    found = na.lookup(probe, held_tokens=2 * BS)
+    assert (found.hit_tokens, found.tier_tokens) == (8 * BS, 8 * BS) and found.local
     mine = [20, 21, 9, 3, 4, 5, 6, 10]
-    calls = []
-    with mock.patch.object(ray, "get", side_effect=lambda *x, **k: calls.append(x)):
-        assert ea.load_leased(lease, mine, skip=2) == 8 * BS
-    assert calls == []  # no round trip: the lease named the entries (its release waits)
+    assert ea.load_into(ids, mine, skip=2) == 8 * BS
     out = torch.empty((6, ROW), dtype=torch.uint8)
     ops.gather_blocks(ea.kv.entries(gid), torch.tensor(mine[2:]), out)
     assert torch.equal(out, src[2:])
-    ea.flush()
 
     # a held lease pins its entries: a store that must evict them all finds no room
-    _, lease = a.lookup_lease(probe)
+    lease = ea.lease(ids, [8], [0])
+    assert lease.blocks(0) == 8
     n = plan.cpu_num_blocks  # every entry of the tier
     others = tokens(n * BS, 9)
     assert ea.store_from(others, list(range(1, n + 1))) == 0
-    ray.get(lease.release())
+    assert ea.load_leased(lease, list(range(1, 9))) == 8 * BS  # then releases it
+    ea.flush()
     assert ea.store_from(others, list(range(1, n + 1))) == n
 
-    # another node's tier holds nothing: the coordinator's hit (remote), a lease of nothing
-    ea.store_from(ids, list(range(1, 9)))
+    # the other node's replica learns of the blocks from the coordinator: held elsewhere
+    assert ea.store_from(ids, list(range(1, 9))) == 8
     ea.flush()
     deadline = time.monotonic() + 10
-    while b.lookup(probe).hit_tokens < 8 * BS and time.monotonic() < deadline:
-        time.sleep(0.1)
-    found, lease = b.lookup_lease(probe)
-    assert found.hit_tokens == 8 * BS and lease.tokens(plan) == 0
-    assert all(not h.local for h in found.where)
-    lease.release()
+    while nb.lookup(probe).hit_tokens < 8 * BS and time.monotonic() < deadline:
+        time.sleep(0.05)
+    found = nb.lookup(probe)
+    assert (found.hit_tokens, found.tier_tokens, found.local) == (8 * BS, 0, False)
+    eb = nb.attach(num_blocks=64)
+    assert eb.pull(ids, 8) == [8]  # now its own tier holds them too
+    assert nb.lookup(probe).local
+    assert eb.load_into(ids, list(range(1, 9))) == 8 * BS
+    ops.gather_blocks(eb.kv.entries(gid), torch.tensor(range(1, 9)), out := torch.empty_like(src))
+    assert torch.equal(out, src)
+    for x in (ea, eb):
+        x.close()
+    na.close()
+    nb.close()
 
 
 def test_an_engine_reads_its_requests_kv_in_place_in_the_pool(ray_cluster) -> None:

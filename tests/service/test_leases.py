@@ -73,26 +73,31 @@ def setup(svc, model: str, seed: int):
 
 @ray.remote(num_cpus=0)
 class Engine:
-    """An engine process whose scheduler leases the tier's copies, then dies."""
+    """An engine process that leases the tier's copies for a load, then dies."""
 
-    def lease(self, client, probe) -> int:
-        _, self.lease_ = client.lookup_lease(probe)  # kept: never loaded, never released
+    def lease(self, model: str, ids: list[int], n: int) -> int:
+        from raykv.engine import NodeKV
+
+        node = NodeKV.open(node_id=ray.get_runtime_context().get_node_id())
+        node.use(model)
+        self.attached = node.attach(num_blocks=64)
+        self.lease_ = self.attached.lease(ids, [n], [0])  # kept: never loaded or released
         return os.getpid()
 
 
 def test_an_engine_that_dies_holding_leases_is_released_at_once(svc) -> None:
-    a, ea, plan, ids, _ = setup(svc, "lease-dies", 1)
+    _, ea, plan, ids, _ = setup(svc, "lease-dies", 1)
     tier = ray.get_actor(tier_name(svc.head), namespace=NAMESPACE)
     assert ray.get(tier.__ray_call__.remote(lambda self: self.timeout_s)) == TIMEOUT_S  # env
     n = plan.cpu_num_blocks
     engine = Engine.remote()
-    ray.get(engine.lease.remote(a, [*ids, 0]))
+    ray.get(engine.lease.remote("lease-dies", ids, n))
     assert tier_stats(svc)["leases_held"] == 1
     others = tokens(n * BS, 2)
     assert ea.store_from(others, list(range(1, n + 1))) == 0  # every entry pinned
     before = tier_stats(svc)
     ray.kill(engine)
-    # well before the deadline: the sweep finds the process gone
+    # well before the deadline: its connection to the node agent closed with it
     s = wait_for(svc, lambda s: s["leases_released"] > before["leases_released"], TIMEOUT_S / 2)
     assert s["leases_released"] == before["leases_released"] + 1 and s["leases_held"] == 0
     assert s["leases_expired"] == before["leases_expired"]
@@ -104,10 +109,10 @@ def test_a_lease_never_finished_expires_and_its_late_load_is_a_miss(svc) -> None
     """The vLLM case: a request aborted after its lookup leased, ``wait_for_save`` skipped;
     the process lives on. At the deadline the entries are evictable; a load of the old lease
     after they were reused is a miss (never the new KV), its release changes nothing."""
-    a, ea, plan, ids, src = setup(svc, "lease-late-load", 3)
+    _, ea, plan, ids, src = setup(svc, "lease-late-load", 3)
     n = plan.cpu_num_blocks
-    _, lease = a.lookup_lease([*ids, 0])
-    assert lease.tokens(plan) == n * BS
+    lease = ea.lease(ids, [n], [0])
+    assert lease.blocks(0) == n
     before = tier_stats(svc)
     s = wait_for(svc, lambda s: s["leases_expired"] > before["leases_expired"], 3 * TIMEOUT_S)
     assert s["leases_expired"] == before["leases_expired"] + 1 and s["leases_held"] == 0
@@ -139,7 +144,7 @@ def test_a_late_store_apply_after_expiry_is_never_published(svc) -> None:
     tier = ray.get_actor(tier_name(svc.head), namespace=NAMESPACE)
     n = plan.cpu_num_blocks
     stale_ids = tokens(n * BS, 6)
-    keys = tuple(ea._keys(stale_ids)[0])
+    keys = tuple(ea.keys(stale_ids)[0])
     me = holders.this_process("stalled writer")
     _, res = ray.get(tier.reserve.remote("lease-late-store", keys, tuple((k,) for k in keys),
                                          1, me))  # fmt: skip
@@ -194,27 +199,12 @@ def test_a_holder_is_gone_only_when_surely_exited() -> None:
     assert not holders.gone("a name") and not holders.gone(None)
 
 
-def test_an_engine_closing_after_ray_shut_down_sends_nothing(svc, monkeypatch) -> None:
-    """An engine that closes once Ray is down (a vLLM engine detaching at interpreter exit,
-    after Ray's own exit hook) sends nothing: a Ray call there would start a new local Ray
-    instance. Its lease stays held until the tier frees it; closed again with Ray up, the
-    engine is released as usual."""
-    from raykv.service import attach
-
-    a, ea, _, ids, _ = setup(svc, "lease-after-ray", 8)
-    _, lease = a.lookup_lease([*ids, 0])
+def test_an_engine_that_detaches_releases_its_leases_at_once(svc) -> None:
+    """``AttachedKV.close``: the node agent releases what the engine's connection still
+    holds (a lease no load took), well before its deadline."""
+    _, ea, plan, ids, _ = setup(svc, "lease-detach", 8)
+    ea.lease(ids, [plan.cpu_num_blocks], [0])
     held = tier_stats(svc)["leases_held"]
     assert held >= 1
-
-    def no_ray_call(*args, **kwargs):
-        raise AssertionError("a Ray call after Ray shut down")
-
-    with monkeypatch.context() as m:
-        m.setattr(attach.ray, "is_initialized", lambda: False)  # as after ray.shutdown()
-        m.setattr(attach.ray, "get", no_ray_call)
-        assert lease.release() is None
-        assert ea.close() == 0
-    assert tier_stats(svc)["leases_held"] == held  # nothing was sent
-    ray.get(lease.release())
+    assert ea.close() == 1
     assert tier_stats(svc)["leases_held"] == held - 1
-    ea.close()
