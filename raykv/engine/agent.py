@@ -137,7 +137,9 @@ class NodeAgent:
         with self._lock:
             sock, self._sock, self._why = self._sock, None, why
             pending, self._pending = self._pending, {}
-        if sock is not None:
+        if sock is not None:  # shut down first: the reader's file keeps the socket open
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
             sock.close()
         for f in pending.values():
             if not f.done():

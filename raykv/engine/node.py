@@ -25,14 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from raykv.blocks.hashing import BlockHasher
+from raykv.blocks.hashing import BlockHasher, narrow_array
 from raykv.engine.agent import NodeAgent
 from raykv.engine.attached import AttachedKV
 from raykv.errors import RaykvError
 from raykv.service import agent_protocol as p
 from raykv.service.groups import common_hit, managers, needed_slots
 from raykv.service.replica import LOCAL_TIER, ReplicaReader, key_lanes
-from raykv.service.spec import NAMESPACE, ServedModel, token_id_array
+from raykv.service.spec import NAMESPACE, ServedModel, served_model, token_id_array
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ class NodeKV:
         self.agent, self.namespace = agent, namespace
         self.model: ServedModel | None = None
         self.plan: Any = None
+        self._managers: tuple = ()  # the plan's group managers (their hit rules)
         self._replica: ReplicaReader | None = None
         self._replica_lock = threading.Lock()
         self._stale = True  # map the replica again (the agent was (re)connected)
@@ -113,14 +114,15 @@ class NodeKV:
         self, name: str, layers: Mapping[str, Any], *, max_model_len: int, **settings: Any
     ) -> Any:
         """Serve ``name`` (``Client.add_model``'s settings) and use it; returns its plan."""
-        model = ServedModel(name, dict(layers), max_model_len, **settings)  # checks them here
+        model = served_model(name, layers, max_model_len, settings)  # checks them here
         plan = self.agent.call(p.AddModel(name, dict(layers), max_model_len, settings), 120.0)
-        self.model, self.plan = model, plan
+        self.model, self.plan, self._managers = model, plan, managers(plan)
         return plan
 
     def use(self, name: str | None = None) -> Any:
         """Use the served model ``name`` (None: the only one); returns its plan."""
         self.model, self.plan = self.agent.call(p.GetModel(name), 30.0)
+        self._managers = managers(self.plan)
         return self.plan
 
     def _need_model(self) -> tuple[ServedModel, Any]:
@@ -155,14 +157,16 @@ class NodeKV:
             log.warning("raykv: no index replica for %s (%s): a miss", model.name, e)
             self._stale = True
             return MISS
-        ids = token_id_array(token_ids, plan.max_model_len, model.name)
+        ids = narrow_array(token_ids)  # uint32 ids, checked in one C pass (the usual prompt)
+        if ids is None or len(ids) > plan.max_model_len:  # else the full check, and its error
+            ids = token_id_array(token_ids, plan.max_model_len, model.name)
         limit = max(len(ids) - 1, 0)
         hbs = plan.hash_block_size
         if reader is None or limit < hbs:
             return EngineLookup(0, 0, len(ids))
         blob = b"".join(BlockHasher(hbs).hash_blocks(ids, end_block=limit // hbs))
         hashes = np.frombuffer(blob, np.uint64).reshape(-1, 4)
-        mgrs = managers(plan)
+        mgrs = self._managers
         flags, probes = [], []
         for g, m in zip(plan.groups, mgrs, strict=True):
             k = g.block_size // hbs

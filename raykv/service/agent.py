@@ -31,7 +31,7 @@ import ray
 from raykv.errors import RaykvError, ServiceError
 from raykv.service import agent_protocol as p
 from raykv.service import holders
-from raykv.service.spec import COORDINATOR, ServedModel
+from raykv.service.spec import COORDINATOR, served_model
 
 if TYPE_CHECKING:
     from raykv.service.cpu_tier import CpuTierActor
@@ -149,7 +149,7 @@ class AgentServer:
                 tier.metrics.engine_lookups(model, lookups, hits, misses)
                 return None
             case p.AddModel(name, layers, max_model_len, settings):
-                model = ServedModel(name, dict(layers), max_model_len, **settings)
+                model = served_model(name, layers, max_model_len, settings)
                 plan = await self._coordinator("add_model", model)
                 await tier.add_model(name, plan)  # its arena and replica exist on return
                 return plan

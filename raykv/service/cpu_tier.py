@@ -178,10 +178,13 @@ class CpuTierActor(Member):
                 if resync:
                     for mt in self.tiers.values():
                         mt.replica.clear_holders()
+                by_model: dict[str, list[tuple[bytes, int]]] = {}
                 for model, key, bits in changes:
+                    by_model.setdefault(model, []).append((key, bits))
+                for model, batch in by_model.items():
                     mt = self.tiers.get(model)
                     if mt is not None:
-                        mt.replica.set_holders(key, bits)
+                        mt.replica.set_holders(batch)
                 self._feed = (epoch, since)
             except Exception as e:  # never let the loop die: the next poll resyncs
                 log.warning("tier %s: following the index failed: %r", self.name, e)

@@ -34,9 +34,9 @@ import numpy as np
 LOCAL_TIER, LOCAL_POOL, ELSEWHERE = 1, 2, 4
 _MAGIC = 0x7261796B76726570  # "raykvrep"
 _HEADER = 8
-_PROBES = 16  # linear-probe rounds before a key counts as absent (reader) or dropped (writer)
+_PROBES = 32  # linear-probe rounds before a key counts as absent (reader) or dropped (writer)
 SLOTS_ENV = "RAYKV_REPLICA_SLOTS"
-DEFAULT_SLOTS = 1 << 20  # 17 MiB per model and node; a full replica drops keys (misses)
+DEFAULT_SLOTS = 1 << 21  # 34 MiB per model and node: 1M keys; more are dropped (misses)
 
 
 @dataclass(frozen=True)
@@ -67,26 +67,37 @@ def key_lanes(hashes: Sequence[bytes] | bytes, group_id: int) -> np.ndarray:
     return lanes
 
 
-def group_key_lanes(group_key: bytes) -> tuple[int, int]:
-    """The replica key of one service group key (4 bytes of group id, then the hash)."""
-    gid = int.from_bytes(group_key[:4], "little")
-    lo = int.from_bytes(group_key[4:12], "little") ^ (gid + 1)
-    hi = int.from_bytes(group_key[12:20], "little")
-    return (lo, hi) if lo or hi else (0, 1)
+def group_key_lanes(group_keys: Sequence[bytes]) -> list[tuple[int, int]]:
+    """The replica keys of service group keys (4 bytes of group id, then the 32-byte hash),
+    as ``key_lanes`` makes them."""
+    if not group_keys:
+        return []
+    rows = np.frombuffer(b"".join(group_keys), np.uint8).reshape(len(group_keys), -1)
+    gids = rows[:, :4].copy().view("<u4").ravel().astype(np.uint64)
+    lanes = rows[:, 4:20].copy().view(np.uint64)
+    lanes[:, 0] ^= gids + np.uint64(1)
+    lanes[(lanes[:, 0] == 0) & (lanes[:, 1] == 0), 1] = 1
+    return [tuple(k) for k in lanes.tolist()]
 
 
 class _Table:
-    """The mapped file: header words, key lanes, flag bytes."""
+    """The mapped file: header words, key lanes, flag bytes (plain ndarray views)."""
 
     def __init__(self, buf: np.ndarray, slots: int) -> None:
+        buf = buf.view(np.ndarray)  # a memmap's subclass costs every index operation
         self.header = buf[: _HEADER * 8].view(np.uint64)
         self.keys = buf[_HEADER * 8 : _HEADER * 8 + slots * 16].view(np.uint64).reshape(slots, 2)
         self.flags = buf[_HEADER * 8 + slots * 16 : _HEADER * 8 + slots * 17]
         self.mask = slots - 1
 
 
+def _home(k: tuple[int, int], mask: int) -> int:
+    return (k[0] ^ (k[1] >> 7)) & mask
+
+
 class ReplicaWriter:
-    """The agent's side: owns the file and the truth (a dict) it mirrors."""
+    """The agent's side: owns the file and the truth (Python sets and dicts) it mirrors.
+    Changes are written in batches: new keys' lanes first, then every flag byte."""
 
     def __init__(self, buf: np.ndarray, spec: ReplicaSpec) -> None:
         self.spec = spec
@@ -96,63 +107,79 @@ class ReplicaWriter:
         self.local: set[tuple[int, int]] = set()  # keys this node's tier holds
         self.nodes: dict[tuple[int, int], int] = {}  # key -> LOCAL_POOL | ELSEWHERE bits
         self._slot: dict[tuple[int, int], int] = {}  # key -> its slot (live or dead)
+        self._taken: set[int] = set()  # slots with a key
         self.dropped = 0
 
     # --- what changed ---------------------------------------------------------------------
 
     def set_local(self, group_keys: Sequence[bytes], held: bool) -> None:
         """This node's tier now holds (or no longer holds) these block keys."""
-        for gk in group_keys:
-            k = group_key_lanes(gk)
-            (self.local.add if held else self.local.discard)(k)
-            self._write(k)
-
-    def set_holders(self, group_key: bytes, bits: int) -> None:
-        """Where members other than this node's tier hold a key (``LOCAL_POOL`` /
-        ``ELSEWHERE`` bits; 0: nowhere), as the coordinator's feed says."""
-        k = group_key_lanes(group_key)
-        if bits:
-            self.nodes[k] = bits
+        ks = group_key_lanes(group_keys)
+        if held:
+            self.local.update(ks)
         else:
-            self.nodes.pop(k, None)
-        self._write(k)
+            self.local.difference_update(ks)
+        self._write(ks)
+
+    def set_holders(self, changes: Sequence[tuple[bytes, int]]) -> None:
+        """Where members other than this node's tier hold keys: (group key, ``LOCAL_POOL``
+        / ``ELSEWHERE`` bits; 0: nowhere), as the coordinator's feed says."""
+        ks = group_key_lanes([gk for gk, _ in changes])
+        for k, (_, bits) in zip(ks, changes, strict=True):
+            if bits:
+                self.nodes[k] = bits
+            else:
+                self.nodes.pop(k, None)
+        self._write(ks)
 
     def clear_holders(self) -> None:
         """Forget the feed's part (a resync follows)."""
-        keys, self.nodes = list(self.nodes), {}
-        for k in keys:
-            self._write(k)
+        ks, self.nodes = list(self.nodes), {}
+        self._write(ks)
 
     # --- the table ------------------------------------------------------------------------
 
     def flags(self, k: tuple[int, int]) -> int:
         return (LOCAL_TIER if k in self.local else 0) | self.nodes.get(k, 0)
 
-    def _write(self, k: tuple[int, int]) -> None:
-        f, t = self.flags(k), self.t
-        slot = self._slot.get(k)
-        if slot is not None:
-            t.flags[slot] = f
-            return
-        if not f:
-            return
-        if len(self._slot) >= self.spec.slots * 3 // 4:
+    def _write(self, ks: Sequence[tuple[int, int]]) -> None:
+        new = sum(1 for k in ks if k not in self._slot)
+        if new and len(self._slot) + new > self.spec.slots // 2:
             self._rebuild()
-            if len(self._slot) >= self.spec.slots * 3 // 4:
-                self.dropped += 1  # full of live keys: this one is a miss
-                t.header[5] = self.dropped
-                return
-        i = (k[0] ^ (k[1] >> 7)) & t.mask
-        for _ in range(_PROBES):
-            if not t.keys[i, 0] and not t.keys[i, 1]:
-                t.keys[i] = k  # the key first, then its flags: a reader sees it whole or not
-                t.flags[i] = f
-                self._slot[k] = int(i)
-                t.header[3] += 1
-                return
-            i = (i + 1) & t.mask
-        self.dropped += 1
+        t, mask = self.t, self.t.mask
+        slots, values, fresh, lanes = [], [], [], []
+        for k in dict.fromkeys(ks):
+            f = self.flags(k)
+            slot = self._slot.get(k)
+            if slot is None:
+                if not f or len(self._slot) >= self.spec.slots // 2:
+                    self.dropped += bool(f)  # full of live keys: this one is a miss
+                    continue
+                slot = self._place(k, mask)
+                if slot is None:
+                    self.dropped += 1
+                    continue
+                fresh.append(slot)
+                lanes.append(k)
+            slots.append(slot)
+            values.append(f)
+        if fresh:  # the keys first, then their flags: a reader sees a key whole or not
+            keys = np.fromiter((x for k in lanes for x in k), np.uint64, 2 * len(lanes))
+            t.keys[np.array(fresh)] = keys.reshape(-1, 2)
+            t.header[3] = len(self._slot)
+        if slots:
+            t.flags[np.array(slots)] = np.array(values, np.uint8)
         t.header[5] = self.dropped
+
+    def _place(self, k: tuple[int, int], mask: int) -> int | None:
+        i = _home(k, mask)
+        for _ in range(_PROBES):
+            if i not in self._taken:
+                self._taken.add(i)
+                self._slot[k] = i
+                return i
+            i = (i + 1) & mask
+        return None
 
     def _rebuild(self) -> None:
         """Drop dead slots: clear the table and write the live keys again (readers see an
@@ -163,9 +190,9 @@ class ReplicaWriter:
         t.keys[:] = 0
         t.flags[:] = 0
         self._slot.clear()
+        self._taken.clear()
         t.header[3] = 0
-        for k in live:
-            self._write(k)
+        self._write(live)
         t.header[2] += 1
 
 

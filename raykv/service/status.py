@@ -90,10 +90,15 @@ def cluster(
     rows = members(members_, index)
     # lookups engines answered from their node's index replica are counted at the tiers
     tally = Tally(tally)
+    engine = (
+        ("engine_lookups", "lookups"),
+        ("engine_hit_blocks", "hits_replica"),
+        ("engine_miss_blocks", "misses_all"),
+    )
     for row in rows:
-        tally["lookups"] += row.get("engine_lookups", 0)
-        tally["hits_replica"] += row.get("engine_hit_blocks", 0)
-        tally["misses_all"] += row.get("engine_miss_blocks", 0)
+        for theirs, ours in engine:
+            if row.get(theirs):
+                tally[ours] += row[theirs]
     look = lookups(tally)
     return {
         "nodes": nodes(ray_nodes),

@@ -35,8 +35,9 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ["RAYKV_AGENT_DIR"] = str(tmp_path_factory.mktemp("agents"))
     from ray.cluster_utils import Cluster
 
     import raykv
@@ -125,10 +126,11 @@ def test_a_full_prompt_hit_is_n_minus_one_tokens(engines) -> None:
     assert rb["token_ids"] == reference(b, whole)
 
 
-def test_a_prefix_on_the_engines_own_node_comes_through_the_lookups_lease(engines) -> None:
-    """The engine's node's tier holds the prefix: the scheduler's lookup leases it and the
-    worker copies it (no round trip, checksums verified as it copies); a corrupt entry there
-    is a load error the engine recomputes. Either way the answer is the engine's own."""
+def test_a_prefix_on_the_engines_own_node_loads_from_its_tier(engines) -> None:
+    """The engine's node's tier holds the prefix: the scheduler's lookup finds it in the
+    node's replica and the worker copies it (checksums verified as it copies); a corrupt
+    entry there is a load error the engine recomputes. Either way the answer is the
+    engine's own."""
     a, _, model, node_a = engines
     shared = prompt(PREFIX, 31)
     ray.get(a.generate.remote(shared + prompt(7, 32)))

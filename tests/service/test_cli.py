@@ -211,7 +211,8 @@ def test_bench_service_quick(home) -> None:
     from raykv.bench.service import format_report
 
     text = format_report(r)  # what `raykv bench service` prints: every ratio with its target
-    assert "hit vs ping: p50" in text and "(target <= 2)" in text and "(target <= 4)" in text
+    assert "engine vs ping p50: hit p50" in text and "(target <= 0.5)" in text
+    assert "(target <= 1)" in text and "a Ray driver's hit p50" in text
     assert "store (engine->tier)" in text and "load (tier->engine)" in text
 
 
@@ -222,6 +223,8 @@ def test_bench_service_lookup_only(home) -> None:
     r = json.loads(out.stdout)
     assert set(r) == {"lookup", "quick"} and r["lookup"]["hit"]["hit_tokens"] == 32768
     assert r["lookup"]["hashing_ms"] > 0 and r["lookup"]["ping"]["p50_ms"] > 0
+    assert r["lookup"]["ratios"]["hit_p50_vs_ping"] > 0  # the engine's, from its replica
+    assert r["lookup"]["driver_hit"]["hit_tokens"] == 32768
 
 
 def test_bench_service_only_shared_memory_reports_median_and_best_rounds(home) -> None:

@@ -1,0 +1,129 @@
+"""The node's prefix index replica (``raykv.service.replica``) and the coordinator's change
+feed that keeps it current (``raykv.service.index.IndexFeed``).
+
+Invariant: what an engine reads for a key is the writer's truth, or 0 (a miss) where the
+replica had no room for it; never a hit the truth does not hold. Rebuilds (dead slots
+cleared) change nothing a reader sees."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from raykv.blocks.events import PrefixIndex
+from raykv.service.index import IndexFeed, group_key
+from raykv.service.replica import (
+    ELSEWHERE,
+    LOCAL_POOL,
+    LOCAL_TIER,
+    ReplicaReader,
+    ReplicaSpec,
+    ReplicaWriter,
+    group_key_lanes,
+    key_lanes,
+)
+
+
+def replica(tmp_path, slots: int) -> tuple[ReplicaWriter, ReplicaReader]:
+    spec = ReplicaSpec(str(tmp_path / f"replica-{slots}"), slots)
+    with open(spec.path, "wb") as f:
+        f.truncate(spec.nbytes)
+    buf = np.memmap(spec.path, np.uint8, mode="r+", shape=(spec.nbytes,))
+    return ReplicaWriter(buf, spec), ReplicaReader(spec)
+
+
+def block_hash(i: int) -> bytes:
+    return hashlib.sha256(i.to_bytes(8, "little")).digest()
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["tier+", "tier-", "holders", "clear"]),
+        st.lists(st.tuples(st.integers(0, 2), st.integers(0, 200)), max_size=40),
+        st.sampled_from([0, LOCAL_POOL, ELSEWHERE, LOCAL_POOL | ELSEWHERE]),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=ops, slots=st.sampled_from([1024, 4096]))
+def test_a_reader_sees_the_truth_or_a_miss_never_a_false_hit(tmp_path_factory, ops, slots):
+    writer, reader = replica(tmp_path_factory.mktemp("r"), slots)
+    truth: dict[tuple[int, int], int] = {}  # (group, block) -> flags
+    for kind, keys, bits in ops:
+        gks = [group_key(g, block_hash(b)) for g, b in keys]
+        if kind == "tier+":
+            writer.set_local(gks, True)
+            for k in keys:
+                truth[k] = truth.get(k, 0) | LOCAL_TIER
+        elif kind == "tier-":
+            writer.set_local(gks, False)
+            for k in keys:
+                truth[k] = truth.get(k, 0) & ~LOCAL_TIER
+        elif kind == "holders":
+            writer.set_holders([(gk, bits) for gk in gks])
+            for k in keys:
+                truth[k] = (truth.get(k, 0) & LOCAL_TIER) | bits
+        else:
+            writer.clear_holders()
+            truth = {k: f & LOCAL_TIER for k, f in truth.items()}
+    probe = sorted(set(truth) | {(0, 1000), (1, 1001)})
+    for g in range(3):
+        mine = [b for gg, b in probe if gg == g]
+        got = reader.flags(key_lanes([block_hash(b) for b in mine], g))
+        for b, f in zip(mine, got.tolist(), strict=True):
+            want = truth.get((g, b), 0)
+            assert f in (want, 0), (g, b, f, want)
+            if not writer.dropped:
+                assert f == want, (g, b, f, want)
+
+
+def test_a_full_replica_rebuilds_then_drops_keys_as_misses(tmp_path) -> None:
+    writer, reader = replica(tmp_path, 1024)
+    keys = [group_key(0, block_hash(i)) for i in range(700)]
+    writer.set_local(keys[:500], True)  # a replica holds up to half its slots
+    writer.set_local(keys[:400], False)  # 400 dead slots: the next batch rebuilds
+    writer.set_local(keys[400:], True)
+    assert writer.dropped == 0 and int(reader.t.header[2]) == 2  # one rebuild, even again
+    got = reader.flags(key_lanes([block_hash(i) for i in range(700)], 0))
+    assert (got[:400] == 0).all() and (got[400:] == LOCAL_TIER).all()
+    writer.set_local([group_key(0, block_hash(i)) for i in range(1000, 1500)], True)
+    assert writer.dropped > 0  # no room: those keys are misses, never wrong
+    assert (reader.flags(key_lanes([block_hash(i) for i in range(400, 700)], 0)) != 0).all()
+
+
+def test_a_group_key_and_a_hash_of_that_group_are_the_same_replica_key() -> None:
+    h = [block_hash(i) for i in range(5)]
+    for g in (0, 3):
+        assert group_key_lanes([group_key(g, x) for x in h]) == [
+            tuple(k) for k in key_lanes(h, g).tolist()
+        ]
+
+
+def test_the_feed_names_every_changed_key_and_a_reader_behind_resyncs() -> None:
+    index = PrefixIndex(journal=True)
+    feed = IndexFeed(index)
+    epoch, since, resync, keys = feed.changes("", 0)
+    assert resync and keys == []  # a new reader starts with everything (nothing yet)
+    index.add(0, b"a", 1, "pool-1", "m")
+    index.add(0, b"b", 2, "pool-1", "m")
+    epoch, since2, resync, keys = feed.changes(epoch, since)
+    assert not resync and keys == [("m", 0, b"a"), ("m", 0, b"b")]
+    index.drop_member("pool-1")
+    index.add(1, b"c", 3, "tier-x", "m")
+    _, since3, _, keys = feed.changes(epoch, since2)
+    assert set(keys) == {("m", 0, b"a"), ("m", 0, b"b"), ("m", 1, b"c")}
+    _, _, _, keys = feed.changes(epoch, since3)
+    assert keys == []
+    # another coordinator (a restart: a new epoch) or a reader past the log: everything
+    _, _, resync, keys = feed.changes("another", since3)
+    assert resync and keys == [("m", 1, b"c")]
+    feed.KEEP = 1
+    index.add(1, b"d", 4, "tier-x", "m")
+    index.add(1, b"e", 5, "tier-x", "m")
+    _, _, resync, keys = feed.changes(epoch, since3)
+    assert resync and {k[2] for k in keys} == {b"c", b"d", b"e"}

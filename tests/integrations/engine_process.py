@@ -1,0 +1,80 @@
+"""A vLLM engine (``raykv.integrations.vllm.engine.Engine``) in a process of its own, as a
+user runs one: not a Ray driver, not a Ray worker. Tests drive it with JSON lines on its
+stdin (``{"op": "generate", "token_ids": [...], "use_raykv": true}`` or ``{"op": "reset"}``)
+and read one JSON answer line per request; it reports whether Ray was ever imported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+class EngineProcess:
+    def __init__(self, model: str, extra: dict[str, Any], env: dict[str, str], log: Path) -> None:
+        cmd = [sys.executable, __file__, model, json.dumps(extra)]
+        self.log = log
+        with open(log, "w") as err:
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                env={**os.environ, **env}, cwd=Path(__file__).parent,
+            )  # fmt: skip
+        ready = self._read()
+        assert ready == {"ready": True}, ready
+
+    def _read(self) -> dict[str, Any]:
+        line = self.proc.stdout.readline()
+        if not line:
+            tail = self.log.read_text()[-3000:]
+            raise RuntimeError(f"the engine process exited ({self.proc.wait()}):\n{tail}")
+        return json.loads(line)
+
+    def ask(self, **request: Any) -> dict[str, Any]:
+        self.send(**request)
+        return self._read()
+
+    def send(self, **request: Any) -> None:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self) -> dict[str, Any]:
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def main() -> None:
+    sys.path.pop(0)  # not this folder: its modules must not shadow the installed ones
+    out = os.fdopen(os.dup(1), "w")  # the answers; everything else printed goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    from raykv.integrations.vllm.engine import Engine
+
+    model, extra = sys.argv[1], json.loads(sys.argv[2])
+    engine = Engine(model, "raykv", extra, max_model_len=4096)
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        req = json.loads(line)
+        t0 = time.perf_counter()
+        if req["op"] == "generate":
+            got = engine.generate(req["token_ids"], use_raykv=req.get("use_raykv", True))
+        else:
+            got = {"reset": engine.reset()}
+        got["wall_s"] = time.perf_counter() - t0
+        got["ray_imported"] = "ray" in sys.modules
+        out.write(json.dumps(got) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()
