@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raykv.blocks import BlockHasher
+from raykv.blocks import BlockHasher, hashing
 from raykv.blocks.hashing import DIGEST_BYTES, HASH_VERSION, split_hashes
 from raykv.errors import InvalidInput
+from tests.blocks.helpers import examples
 
 TOKENS = [1, 2, 3, 2**40, -5, 0, 7, 8, 9, 10, 11]
 
@@ -249,3 +255,206 @@ def test_the_fast_paths_hash_as_the_plain_chained_sha256(tokens, bs, seed, lora)
         assert h.hash_blocks(np.array(tokens, dtype=np.uint64), lora_id=lora) == want
     if all(0 <= t < 2**32 for t in tokens):
         assert h.hash_blocks(np.array(tokens, dtype=np.uint32), lora_id=lora) == want
+
+
+# --- the native chain (kernels/block_hash.cpp) against the Python path ---------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native_decided():
+    """Every test of this module runs the native chain where it builds, not whichever path a
+    background build happens to have reached."""
+    hashing.build_native()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+@contextlib.contextmanager
+def python_path():
+    """``hash_blocks`` on the Python path (the reference) inside the block."""
+    saved = hashing._chain, hashing._native_state
+    hashing._chain, hashing._native_state = None, "Python path: the test asked for it"
+    try:
+        yield
+    finally:
+        hashing._chain, hashing._native_state = saved
+
+
+def _outcome(fn) -> tuple:
+    try:
+        return ("hashes", fn())
+    except InvalidInput:
+        return ("InvalidInput",)
+
+
+class _Ids(Sequence):
+    """A sequence that is neither a list, a tuple nor an array (vLLM's ConstantList is one)."""
+
+    def __init__(self, ids):
+        self._ids = list(ids)
+
+    def __len__(self):
+        return len(self._ids)
+
+    def __getitem__(self, i):
+        return self._ids[i]
+
+
+def test_the_native_chain_builds_where_a_compiler_is():
+    if os.environ.get("RAYKV_DISABLE_NATIVE_HASH", "") not in ("", "0"):
+        pytest.skip("RAYKV_DISABLE_NATIVE_HASH is set")
+    if _compiler() is None:
+        pytest.skip("no C++ compiler: the Python path runs (tested below)")
+    assert hashing.native_status().startswith("native chain"), hashing.native_status()
+
+
+_ANY_ID = st.one_of(
+    st.integers(0, 200_000),
+    st.integers(0, 2**32 - 1),
+    st.integers(-(2**63), 2**63 - 1),
+    st.sampled_from([0, 1, 2**30 - 1, 2**30, 2**32 - 1, 2**32, -1, 2**63 - 1, -(2**63)]),
+    st.booleans(),  # an int: array("I") and struct take True as 1, so must the native chain
+)
+
+
+@settings(max_examples=examples(150, 20_000), deadline=None)
+@given(
+    tokens=st.one_of(
+        st.lists(_ANY_ID, max_size=300),
+        st.lists(st.integers(0, 2**32 - 1), min_size=100, max_size=700),  # narrow, many blocks
+    ),
+    bs=st.one_of(st.integers(1, 20), st.just(16)),
+    seed=st.one_of(st.integers(-3, 3), st.text(max_size=3), st.binary(max_size=3)),
+    lora=st.one_of(st.none(), st.integers(-5, 2**40)),
+    salt=st.one_of(st.none(), st.text(max_size=5), st.binary(max_size=5)),
+    cut=st.integers(0, 40),
+    end=st.one_of(st.none(), st.integers(0, 60)),
+)
+def test_the_native_chain_equals_the_python_path(tokens, bs, seed, lora, salt, cut, end):
+    """The fast path's hashes are the Python path's, bit for bit, whatever the ids (uint32,
+    wide, negative, bools; blocks of either width in one prompt), block size, seed, LoRA id,
+    salt, range and form of the sequence (list, tuple, other sequence, uint32 / int64 /
+    uint64 array, contiguous or not), whole or from a parent in the middle of the chain."""
+    if hashing._chain is None:
+        pytest.skip(hashing.native_status())
+    h = BlockHasher(bs, seed=seed)
+    kw = {"end_block": end, "lora_id": lora, "cache_salt": salt}
+    with python_path():
+        want = h.hash_blocks(tokens, **kw)
+    forms = [tokens, tuple(tokens), _Ids(tokens), np.array(tokens, dtype=np.int64)]
+    forms.append(np.stack([forms[-1], forms[-1]], axis=1)[:, 0])  # not contiguous
+    if all(t >= 0 for t in tokens):
+        forms.append(np.array(tokens, dtype=np.uint64))
+    if all(0 <= t < 2**32 for t in tokens):
+        forms.append(np.array(tokens, dtype=np.uint32))
+    for form in forms:
+        assert h.hash_blocks(form, **kw) == want, type(form)
+    # from a parent in the middle: the salt is the first block's only, the chain carries it
+    first = min(cut, len(want))
+    piece = {**kw, "first_block": first, "parent": want[first - 1] if first else None}
+    with python_path():
+        rest = h.hash_blocks(tokens, **piece)
+    assert rest == want[first:]
+    for form in forms:
+        assert h.hash_blocks(form, **piece) == rest, type(form)
+
+
+def test_a_32k_token_prompt_hashes_alike_on_both_paths():
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, 150_000, 32 * 1024).tolist()
+    ids[5000] = 2**40  # one wide block in the middle
+    h = BlockHasher(16, seed="cluster")
+    with python_path():
+        want = h.hash_blocks(ids, lora_id=3, cache_salt="tenant")
+    assert len(want) == 2048
+    assert h.hash_blocks(ids, lora_id=3, cache_salt="tenant") == want
+    assert h.hash_blocks(np.array(ids), lora_id=3, cache_salt="tenant") == want
+    del ids[5000]
+    ids.append(1)
+    with python_path():
+        want = h.hash_blocks(ids)
+    assert h.hash_blocks(np.array(ids, dtype=np.uint32)) == want
+
+
+@pytest.mark.parametrize(
+    "bad", [2.5, 2**64, 2**63, -(2**63) - 1, None, "7", np.int64(7), np.uint32(7), np.float64(1)]
+)
+@pytest.mark.parametrize("length", [12, 400])  # a few blocks (struct) / many (arrays)
+def test_ids_the_native_chain_does_not_read_hash_or_fail_as_in_python(bad, length):
+    """A list id that is not an int in the int64 range (a float, a numpy scalar, a string, an
+    int past int64) is the Python path's to judge: the same hashes or the same InvalidInput."""
+    tokens = list(range(length))
+    tokens[length // 2] = bad
+    h = BlockHasher(4)
+    with python_path():
+        want = _outcome(lambda: h.hash_blocks(tokens))
+    assert _outcome(lambda: h.hash_blocks(tokens)) == want
+    assert _outcome(lambda: h.hash_blocks(tuple(tokens))) == want
+
+
+def test_threads_hash_at_once():
+    """Calls from several threads at once (arrays hash without the GIL, each thread with its
+    own scratch) give each its own chain."""
+    rng = np.random.default_rng(3)
+    prompts: list = [rng.integers(0, 2**32, 4096 + 16 * i, dtype=np.uint32) for i in range(6)]
+    prompts += [rng.integers(-(2**40), 2**40, 2048 + 16 * i).tolist() for i in range(6)]
+    h = BlockHasher(16)
+    with python_path():
+        want = [h.hash_blocks(p) for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            assert list(pool.map(h.hash_blocks, prompts)) == want
+
+
+_FRESH = """
+import json, logging, time
+logging.basicConfig(level=logging.WARNING)
+from raykv.blocks import hashing
+from raykv.blocks.hashing import BlockHasher
+ids = list(range(1, 32 * 1024 + 1))
+start = time.perf_counter()
+first = BlockHasher(16).hash_blocks(ids, lora_id=2)
+took = time.perf_counter() - start
+then = hashing.native_status()
+status = hashing.build_native()
+again = BlockHasher(16).hash_blocks(ids, lora_id=2)
+print(json.dumps({"took": took, "then": then, "status": status,
+                  "hashes": [first[0].hex(), first[-1].hex()], "same": again == first}))
+"""
+
+
+def _fresh(tmp_path, **env) -> tuple[dict, str]:
+    run = subprocess.run(
+        [sys.executable, "-c", _FRESH],
+        env={**os.environ, "RAYKV_CACHE_DIR": str(tmp_path / "cache"), **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
+
+
+def test_a_fresh_machine_builds_in_the_background_and_hashes_meanwhile(tmp_path):
+    """First use with an empty build cache: the call hashes in Python without waiting for the
+    compiler, the build lands in $RAYKV_CACHE_DIR, and the chain is the same either way. With
+    RAYKV_DISABLE_NATIVE_HASH, or a compiler that fails, the Python path runs (a warning for
+    the latter) and gives the same hashes."""
+    ids = list(range(1, 32 * 1024 + 1))
+    want = BlockHasher(16).hash_blocks(ids, lora_id=2)
+    want = [want[0].hex(), want[-1].hex()]
+    out, _ = _fresh(tmp_path)
+    assert out["hashes"] == want and out["same"], out
+    assert out["then"].startswith("Python path"), out  # the first call did not wait
+    if _compiler() is not None and "RAYKV_DISABLE_NATIVE_HASH" not in os.environ:
+        assert out["status"].startswith("native chain"), out
+        assert list((tmp_path / "cache" / "block_hash").glob("*/raykv_block_hash*")), out
+    out, _ = _fresh(tmp_path / "off", RAYKV_DISABLE_NATIVE_HASH="1")
+    assert out["status"] == "Python path: RAYKV_DISABLE_NATIVE_HASH is set", out
+    assert out["hashes"] == want and out["same"], out
+    out, err = _fresh(tmp_path / "broken", CXX="false", RAYKV_DISABLE_NATIVE_HASH="")
+    assert out["status"].startswith("Python path: building"), out
+    assert out["hashes"] == want and out["same"], out
+    assert "raykv block hashing runs in Python" in err
