@@ -1,7 +1,7 @@
 """A vLLM engine (``raykv.integrations.vllm.engine.Engine``) in a process of its own, as a
 user runs one: not a Ray driver, not a Ray worker. Tests drive it with JSON lines on its
 stdin (``{"op": "generate", "token_ids": [...], "use_raykv": true}`` or ``{"op": "reset"}``)
-and read one JSON answer line per request; it reports whether Ray was ever imported."""
+and read one JSON answer line per request; it reports whether it is a Ray driver."""
 
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def main() -> None:
         else:
             got = {"reset": engine.reset()}
         got["wall_s"] = time.perf_counter() - t0
-        got["ray_imported"] = "ray" in sys.modules
+        ray = sys.modules.get("ray")  # vLLM itself may import it; raykv must never init it
+        got["ray_driver"] = ray is not None and ray.is_initialized()
         out.write(json.dumps(got) + "\n")
         out.flush()
 
