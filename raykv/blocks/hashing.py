@@ -15,7 +15,7 @@ CPU tier's keys and the client's lookups alike.
 Speed: ``hash_blocks`` runs the whole chain in one native call (``kernels/block_hash.cpp``:
 OpenSSL's sha256, the libcrypto hashlib runs, over each block's message; the ids read from
 the list as it goes, or without the GIL from a uint32 / int64 array): 2048 blocks of 16
-tokens in ~0.25 ms where the Python loop takes ~2.5 ms (2-core 2.45 GHz EPYC with SHA-NI;
+tokens in ~0.25 ms where the Python loop takes ~1.5 ms (2-core 2.45 GHz EPYC with SHA-NI;
 the two sha256 compressions a block needs are ~0.2 ms of it). The extension is compiled on
 first use with the machine's C++ compiler into ``$RAYKV_CACHE_DIR`` (default
 ``~/.cache/raykv``, ~2 s once per machine and Python build) in a background thread, so no
