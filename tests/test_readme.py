@@ -46,7 +46,26 @@ def test_readme_python_snippets_run_as_pasted(index: int, tmp_path: Path) -> Non
     script = tmp_path / "snippet.py"
     script.write_text(snippets[index])
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
-    )
+    # the vLLM snippet runs "after `raykv up`", as the README says
+    up = "after `raykv up`" in _section_of(snippets[index])
+    raykv = [str(Path(sys.executable).parent / "raykv")]
+    if up:
+        small = ["--pool-mem", "64MiB", "--cpu-mem", "32MiB", "--max-model-len", "256"]
+        started = subprocess.run([*raykv, "up", *small], env=env, capture_output=True,
+                                 text=True, timeout=300)  # fmt: skip
+        assert started.returncode == 0, started.stdout + started.stderr
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+        )
+    finally:
+        if up:
+            subprocess.run([*raykv, "down"], env=env, capture_output=True, timeout=120)
     assert done.returncode == 0, snippets[index] + done.stderr[-3000:]
+
+
+def _section_of(snippet: str) -> str:
+    """The README's text from the snippet's section heading to the snippet."""
+    text = (ROOT / "README.md").read_text()
+    before = text[: text.index(snippet)]
+    return before[before.rindex("\n## ") :]

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from raykv.blocks.hashing import BlockHasher, narrow_array
+from raykv.blocks.hashing import BlockHasher, build_native
 from raykv.engine.agent import NodeAgent
 from raykv.engine.attached import AttachedKV
 from raykv.errors import RaykvError
@@ -83,6 +83,8 @@ class NodeKV:
         self.model: ServedModel | None = None
         self.plan: Any = None
         self._managers: tuple = ()  # the plan's group managers (their hit rules)
+        self._hasher: BlockHasher | None = None
+        build_native(wait=False)  # the native hashing, built or loaded off the lookup's path
         self._replica: ReplicaReader | None = None
         self._replica_lock = threading.Lock()
         self._stale = True  # map the replica again (the agent was (re)connected)
@@ -117,12 +119,14 @@ class NodeKV:
         model = served_model(name, layers, max_model_len, settings)  # checks them here
         plan = self.agent.call(p.AddModel(name, dict(layers), max_model_len, settings), 120.0)
         self.model, self.plan, self._managers = model, plan, managers(plan)
+        self._hasher = BlockHasher(plan.hash_block_size)
         return plan
 
     def use(self, name: str | None = None) -> Any:
         """Use the served model ``name`` (None: the only one); returns its plan."""
         self.model, self.plan = self.agent.call(p.GetModel(name), 30.0)
         self._managers = managers(self.plan)
+        self._hasher = BlockHasher(self.plan.hash_block_size)
         return self.plan
 
     def _need_model(self) -> tuple[ServedModel, Any]:
@@ -157,14 +161,15 @@ class NodeKV:
             log.warning("raykv: no index replica for %s (%s): a miss", model.name, e)
             self._stale = True
             return MISS
-        ids = narrow_array(token_ids)  # uint32 ids, checked in one C pass (the usual prompt)
-        if ids is None or len(ids) > plan.max_model_len:  # else the full check, and its error
-            ids = token_id_array(token_ids, plan.max_model_len, model.name)
-        limit = max(len(ids) - 1, 0)
+        n = len(token_ids)
+        if n > plan.max_model_len:  # raises, naming the limit
+            token_id_array(token_ids, plan.max_model_len, model.name)
+        limit = max(n - 1, 0)
         hbs = plan.hash_block_size
         if reader is None or limit < hbs:
-            return EngineLookup(0, 0, len(ids))
-        blob = b"".join(BlockHasher(hbs).hash_blocks(ids, end_block=limit // hbs))
+            return EngineLookup(0, 0, n)
+        # the hasher reads and checks the ids as it hashes them (one native pass)
+        blob = b"".join(self._hasher.hash_blocks(token_ids, end_block=limit // hbs))
         hashes = np.frombuffer(blob, np.uint64).reshape(-1, 4)
         mgrs = self._managers
         flags, probes = [], []
@@ -189,7 +194,7 @@ class NodeKV:
         looked = cap // plan.groups[0].block_size
         got = hit // plan.groups[0].block_size
         self.agent.send(p.Counted(model.name, 1, got, looked - got))
-        return EngineLookup(hit, tier, len(ids))
+        return EngineLookup(hit, tier, n)
 
     # --- the data path --------------------------------------------------------------------
 

@@ -41,6 +41,17 @@ COORDINATOR_TIMEOUT_S = 60.0  # an AddModel places pools: as long as placement m
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
+def _answers(path: Path) -> bool:
+    """Whether an agent listens at ``path`` (a socket file of a dead one refuses)."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(1.0)
+        try:
+            sock.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
 def peer_credentials(sock: socket.socket) -> tuple[int, int]:
     """(pid, uid) of the process at the other end of a Unix socket."""
     pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
@@ -73,9 +84,14 @@ class AgentServer:
         return self.path
 
     def _link_default(self) -> None:
-        """Point the host's default name at this socket unless a live agent has it."""
+        """Point the host's default name at this socket unless a live agent has it; remove
+        the sockets agents that died left in the folder."""
+        for old in self.path.parent.glob("*.sock"):
+            if old.is_socket() and old != self.path and not _answers(old):
+                with contextlib.suppress(OSError):
+                    old.unlink()
         link = p.default_socket(self.namespace)
-        if link.exists() and os.path.realpath(link) != str(self.path):
+        if os.path.realpath(link) != str(self.path) and _answers(link):
             return  # another node's live agent on this host (a test cluster) keeps it
         tmp = link.with_name(f".{link.name}.{os.getpid()}")
         with contextlib.suppress(FileNotFoundError):
