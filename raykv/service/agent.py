@@ -1,10 +1,11 @@
 """The node agent: the door through which engine processes on this node reach raykv.
 
 The node's ``CpuTierActor`` runs it (an asyncio Unix-socket server on the actor's own event
-loop, ``raykv.service.agent_protocol``), so an engine is never a Ray driver: its life is not tied to
-the Ray head, it exports nothing, and a dead service is a closed socket it sees at once. The
-agent answers each connection's requests in order, with the tier's own methods (``reserve``,
-``lease_groups``, ``apply``, ``pull``) for the connection's process, and forwards what only
+loop, ``raykv.service.agent_protocol``), so an engine is never a Ray driver: its life is not
+tied to the Ray head, it exports nothing, and a dead service is a closed socket it sees at
+once. The agent answers each connection's requests in order (a ``Pull``, which crosses nodes,
+runs beside them), with the tier's own methods (``reserve``, ``lease_groups``, ``apply``,
+``pull``) for the connection's process, and forwards what only
 the coordinator knows (``AddModel``, ``GetModel``). Each connection is one holder
 (``raykv.service.holders``): when it closes (the engine detached, exited or crashed) its
 leases and reservations are released at once.
@@ -115,6 +116,8 @@ class AgentServer:
         self._connections += 1
         self.clients += 1
         holder = holders.process_holder(f"engine #{self._connections}", pid)
+        writing = asyncio.Lock()  # answers of concurrent pulls and of the in-order requests
+        pulls: set[asyncio.Task] = set()
         try:
             while True:
                 try:
@@ -122,25 +125,45 @@ class AgentServer:
                     number, request = pickle.loads(await reader.readexactly(p.frame_length(head)))
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
-                try:
-                    out = (number, True, await self.answer(request, holder, pid))
-                except RaykvError as e:
-                    out = (number, False, e)
-                except Exception as e:  # never a raw error to the engine: say what failed
-                    log.warning("agent %s: %s failed: %r", self.path, type(request).__name__, e)
-                    out = (number, False, ServiceError(
-                        f"the node agent could not do {type(request).__name__} ({e!r}); "
-                        "raykv status shows the service's state"))  # fmt: skip
-                if not isinstance(request, p.ONE_WAY):
-                    writer.write(p.frame(out))
-                    await writer.drain()
+                reply = self._reply(writer, writing, number, request, holder, pid)
+                if isinstance(request, p.Pull):  # crosses nodes: the rest need not wait
+                    task = asyncio.get_running_loop().create_task(reply)
+                    pulls.add(task)
+                    task.add_done_callback(pulls.discard)
+                else:
+                    await reply
         finally:
+            for task in pulls:
+                task.cancel()
             self.clients -= 1
             writer.close()
             released = await self.tier.release_holder(holder)
             if released:
                 log.info("agent %s: %s closed holding %d leases; released", self.path,
                          holder, released)  # fmt: skip
+
+    async def _reply(
+        self,
+        writer: asyncio.StreamWriter,
+        writing: asyncio.Lock,
+        number: int,
+        request: p.Request,
+        holder: holders.Holder,
+        pid: int,
+    ) -> None:
+        try:
+            out = (number, True, await self.answer(request, holder, pid))
+        except RaykvError as e:
+            out = (number, False, e)
+        except Exception as e:  # never a raw error to the engine: say what failed
+            log.warning("agent %s: %s failed: %r", self.path, type(request).__name__, e)
+            out = (number, False, ServiceError(
+                f"the node agent could not do {type(request).__name__} ({e!r}); "
+                "raykv status shows the service's state"))  # fmt: skip
+        if not isinstance(request, p.ONE_WAY):
+            async with writing:
+                writer.write(p.frame(out))
+                await writer.drain()
 
     async def answer(self, request: p.Request, holder: holders.Holder, pid: int) -> Any:
         tier = self.tier

@@ -10,7 +10,8 @@ but the namespace finds it.
 Each message is one frame: 4 bytes of length (little endian), then a pickle of
 ``(number, request)`` from the engine, ``(number, ok, value)`` back. Requests are the frozen
 dataclasses below, one per call; the agent answers a connection's requests in the order they
-came (so an ``Apply`` sent without waiting is applied before the ``Reserve`` after it). Pickle
+came (so an ``Apply`` sent without waiting is applied before the ``Reserve`` after it); a
+``Pull``, which crosses nodes, runs beside them and is answered when it is done. Pickle
 is safe here because only the agent's own user can connect: the same user could read its
 token files anyway.
 """

@@ -170,24 +170,59 @@ def test_a_request_aborted_before_it_is_scheduled_leaves_nothing_behind() -> Non
     assert s.reqs == {} and s.build_meta(output()).loads == []
 
 
-def test_a_load_never_outlives_its_step_so_an_abort_or_preemption_meets_none() -> None:
-    """The worker reports each (asynchronous, several-groups) load in the output of the
-    step that carried it, so the scheduler never sees a transfer finish for a request it
-    dropped since."""
-    s, m = scheduler(hit=256, sync=False)
+def settle(w: RaykvWorker) -> None:
+    """Wait for the worker's asynchronous loads to end (they run on its loader thread)."""
+    for f in list(w.loading.values()):
+        f.result(10)
+
+
+def test_an_async_load_is_reported_once_when_done_even_for_a_request_aborted_meanwhile() -> None:
+    """An asynchronous load (several groups, or blocks off the node's tier) runs while vLLM
+    steps on: reported in ``finished_recving`` exactly once, in the step it ends, whether
+    or not vLLM dropped the request meanwhile (vLLM keeps its blocks until then)."""
+    s, m = scheduler(hit=256, sync=False, tier=0)  # pulled from another node first
     req = request("r", 300)
     assert s.num_new_matched_tokens(req, 0) == (256, True)
     alloc(s, m, req, s.num_new_matched_tokens(req, 0)[0])
     meta = s.build_meta(output())
-    w = worker(FakeAttached())
+    gate = threading.Event()
+    att = FakeAttached()
+    att.pull_gate = gate
+    w = worker(att)
     w.bind(meta)
-    w.start_load()
-    assert w.finished(set()) == (None, {"r"})  # reported in this very step
-    held, _ = s.finished(req)  # aborted (or preempted) right after: nothing in flight
+    w.start_load()  # returns at once: the load waits for its pull
+    assert w.finished(set()) == (None, None)  # not done: nothing reported
+    held, _ = s.finished(req)  # aborted while its load runs: vLLM holds its blocks itself
     assert held is False
     w.bind(s.build_meta(output(finished_req_ids={"r"})))
     w.start_load()
-    assert w.finished({"r"}) == (None, None)  # nothing more is ever reported for it
+    assert w.finished({"r"}) == (None, None)
+    gate.set()
+    settle(w)
+    assert w.finished(set()) == (None, {"r"})  # reported once it ended ...
+    assert w.finished(set()) == (None, None)  # ... and never again
+    w.close()
+
+
+def test_a_hit_off_the_nodes_tier_loads_asynchronously_and_does_not_block_the_step() -> None:
+    s, m = scheduler(hit=256, tier=0)  # one group, but the blocks are on another node
+    req = request("r", 300)
+    assert s.num_new_matched_tokens(req, 0) == (256, True)
+    alloc(s, m, req, 256)
+    (load,) = s.build_meta(output()).loads
+    assert load.remote and not load.sync
+    gate = threading.Event()
+    att = FakeAttached()
+    att.pull_gate = gate
+    w = worker(att)
+    w.bind(RaykvMetadata(loads=[load]))
+    t0 = time.monotonic()
+    w.start_load()
+    assert time.monotonic() - t0 < 0.5  # the step goes on while the pull runs
+    gate.set()
+    settle(w)
+    assert att.calls == ["pull", "load_into"] and w.finished(set()) == (None, {"r"})
+    w.close()
 
 
 def test_a_failed_sync_load_reports_the_blocks_that_did_not_arrive() -> None:
@@ -232,8 +267,10 @@ def test_a_failed_async_load_is_reported_failed_and_the_request_recomputes() -> 
     w = worker(FakeAttached(deliver=96))  # a checksum failure at block 3
     w.bind(s.build_meta(output()))
     w.start_load()
+    settle(w)
+    assert w.finished(set())[1] == {"r"}
     failed = w.take_failed()
-    assert failed == {"r"} and w.finished(set())[1] == {"r"}
+    assert failed == {"r"}
     s.on_output(SimpleNamespace(failed_recving=failed, invalid_block_ids=set()))
     # vLLM resets the request to recompute; no second hit is offered to it
     assert s.num_new_matched_tokens(req, 0) == (0, False)
@@ -242,8 +279,8 @@ def test_a_failed_async_load_is_reported_failed_and_the_request_recomputes() -> 
 
 def test_a_hit_the_nodes_tier_holds_loads_at_once_and_one_held_elsewhere_is_pulled_first():
     """The replica says where the hit is: all in the node's tier, the worker copies it
-    (lease and copy, no pull); some of it elsewhere, the worker pulls it into the tier
-    first."""
+    before the forward (lease and copy, no pull); some of it elsewhere, the worker pulls it
+    into the tier first, asynchronously."""
     s, m = scheduler(hit=256, tier=256)
     req = request("r", 300)
     assert s.num_new_matched_tokens(req, 0) == (256, False)
@@ -258,14 +295,15 @@ def test_a_hit_the_nodes_tier_holds_loads_at_once_and_one_held_elsewhere_is_pull
 
     s, m = scheduler(hit=256, tier=128)  # the tier holds less than the cluster
     req = request("r", 300)
-    assert s.num_new_matched_tokens(req, 0) == (256, False)
+    assert s.num_new_matched_tokens(req, 0) == (256, True)  # asynchronous: see below
     alloc(s, m, req, 256)
     (load,) = s.build_meta(output()).loads
-    assert load.remote
+    assert load.remote and not load.sync
     att = FakeAttached()
     w = worker(att)
     w.bind(RaykvMetadata(loads=[load]))
     w.start_load()
+    settle(w)
     assert att.calls == ["pull", "load_into"]
 
 
@@ -326,8 +364,12 @@ class FakeAttached:
         self.stored: list[tuple] = []
         self.calls: list[str] = []
 
+    pull_gate: threading.Event | None = None  # a pull that waits for it (crossing nodes)
+
     def pull(self, token_ids, counts):
         self.calls.append("pull")
+        if self.pull_gate is not None:
+            self.pull_gate.wait(10)
         return counts
 
     def load_into(self, token_ids, block_ids, skip):

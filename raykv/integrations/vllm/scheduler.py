@@ -7,17 +7,18 @@ tokens: vLLM must compute at least one token; a hit covering the last full block
 N - 1, and the load then ends mid-block: the block is loaded whole and vLLM rewrites its last
 slot). A stale answer is safe: the load leases and verifies every block, and what does not
 arrive is recomputed. While no raykv answers on the node every lookup is a miss, at once.
-Every load is done within the step that carries it, by the worker's ``start_load_kv``. For a
-model with one KV group it is synchronous (before that step's forward; blocks that did not
-arrive are reported by ``get_block_ids_with_load_errors`` and vLLM recomputes from the first
-of them). vLLM takes block-level failures of one group only, so for several groups (hybrid
-models) the load is asynchronous in vLLM's terms: the request waits in
-WAITING_FOR_REMOTE_KVS for one step and the worker reports it finished
-(``finished_recving``) or failed (``failed_recving``: vLLM recomputes the request) in that
-same step's output. Either way no load is in flight between steps: an abort, a preemption or
-``request_finished`` never meets one, and no transfer is reported for a request vLLM has
-already dropped. A request whose load failed is offered no more hits (it recomputes). Blocks
-the node's tier does not hold (another node's, or a pool's) are pulled into it first.
+A hit the node's CPU tier holds, of a model with one KV group, is loaded synchronously, by
+the worker's ``start_load_kv`` before that step's forward (one lease round trip to the node
+agent, one verified copy); blocks that did not arrive are reported by
+``get_block_ids_with_load_errors`` and vLLM recomputes from the first of them. Every other
+hit (blocks on other nodes or in a pool, which the node's tier pulls first; or a model with
+several KV groups, as vLLM takes block-level failures of one group only) is loaded
+asynchronously in vLLM's terms: the request waits in WAITING_FOR_REMOTE_KVS while vLLM runs
+the others, and the worker reports it finished (``finished_recving``) or failed
+(``failed_recving``: vLLM recomputes the request) in the step its load ends. The worker
+reports every such load exactly once, even for a request vLLM aborted meanwhile (vLLM keeps
+its blocks allocated until then). A request whose load failed is offered no more hits (it
+recomputes).
 
 Saves are asynchronous: ``build_connector_meta`` asks the worker to publish every prompt
 block that this step completes (blocks a load brought in are in the tier already: a step that
@@ -124,7 +125,9 @@ class RaykvScheduler:
         ext = max(min(hit, n - 1) - num_computed_tokens, 0)
         st.hit_tokens = ext
         st.remote = found.tier_tokens < num_computed_tokens + ext
-        return ext, ext > 0 and not self.sync
+        # a hit the node's tier lacks crosses nodes: loaded asynchronously (the request
+        # waits in WAITING_FOR_REMOTE_KVS while vLLM runs the others)
+        return ext, ext > 0 and not (self.sync and not st.remote)
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._state(request)
@@ -143,7 +146,7 @@ class RaykvScheduler:
         prompt = request.prompt_token_ids
         st.pending_load = LoadSpec(
             request.request_id, tuple(prompt[: nblocks * self.bs]), ids, skip, end,
-            sync=self.sync, remote=st.remote,
+            sync=self.sync and not st.remote, remote=st.remote,
         )  # fmt: skip
         # the loaded blocks come from the tier: saving them again would find them there
         st.saved_tokens = max(st.saved_tokens, nblocks * self.bs)

@@ -10,14 +10,15 @@ layer), registered with ``layout="block_outer"``; on GPU (NHD, ``[2, num_blocks,
 block_size, kv_heads, head_size]``) with ``layout="kv_outer"``. With no service on the node
 it attaches once one answers; meanwhile loads are misses and saves are dropped (counted).
 
-Loads run in ``start_load_kv``, all layers at once (``wait_for_layer_load`` has nothing
+Loads start in ``start_load_kv``, all layers at once (``wait_for_layer_load`` has nothing
 left to wait for): blocks the node's tier lacks are pulled into it first
 (``AttachedKV.pull``: ``CpuTierActor.pull``, verified on arrival), then one lease round trip
-to the node agent and one verified copy into vLLM's blocks (``load_into``). Blocks the tier
-did not deliver (a checksum failure, an entry evicted or gone with its node, the agent
-gone) are reported in the same step: by block id for a synchronous load (one KV group), as
-``failed_recving`` for an asynchronous one (several groups); vLLM recomputes them, never
-reading wrong KV.
+to the node agent and one verified copy into vLLM's blocks (``load_into``). A synchronous
+load (the node's tier holds it, one KV group) is done before the forward, and blocks it did
+not deliver (a checksum failure, an entry evicted, the agent gone) are reported by block id
+in the same step. An asynchronous one runs on the loader's thread while vLLM steps on; it is
+reported in ``finished_recving`` once done, and in ``failed_recving`` too if anything did
+not arrive (vLLM recomputes the request). Either way vLLM never reads wrong KV.
 Saves run after the forward (``wait_for_save``) on one background thread;
 ``get_finished`` reports a finished request once every save sent for it is done, so vLLM
 keeps its blocks until then. ``handle_preemptions`` waits for the saves in flight before
@@ -72,8 +73,12 @@ class RaykvWorker:
         self.finishing: set[str] = set()
         self.errors: set[int] = set()
         self.cut: dict[str, int] = {}  # request -> its first block a load missed (this step)
-        self.recved: set[str] = set()  # loads done this step
+        self.recved: set[str] = set()  # asynchronous loads done, not reported yet
         self.failed: set[str] = set()  # ... of which some blocks did not arrive
+        self.failed_out: set[str] = set()  # ... reported by ``finished``, for ``take_failed``
+        # asynchronous loads (blocks on other nodes, or several KV groups) run here
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="raykv-load")
+        self.loading: dict[str, Future] = {}
         self.counts: Counter[str] = Counter()
 
     def register(self, kv_caches: Mapping[str, Any]) -> None:
@@ -107,26 +112,35 @@ class RaykvWorker:
             for spec in self.meta.loads:
                 self._missed(spec, 0)
             return
-        with self.lock:
-            for spec in self.meta.loads:
+        for spec in self.meta.loads:
+            if spec.sync:
                 self._load(spec)
+            else:  # vLLM runs other requests meanwhile; ``finished`` reports it when done
+                self.loading[spec.request_id] = self.loader.submit(self._load, spec)
 
     def _load(self, spec: LoadSpec) -> None:
-        try:  # blocks the node's tier lacks come to it first (verified there)
+        try:  # blocks the node's tier lacks come to it first (verified there); the pull
+            # crosses nodes, so it holds no lock: saves and this node's loads go on meanwhile
             if spec.remote:
                 self.attached.pull(spec.token_ids, [len(t) for t in spec.block_ids])
         except Exception as e:  # what is local still loads; the rest is recomputed
             log.warning("raykv pull for %s failed (%r)", spec.request_id, e)
         tables, skip = [list(t) for t in spec.block_ids], list(spec.skip)
         try:  # one round trip to the node agent (lease), then one verified copy
-            got = self.attached.load_into(spec.token_ids, tables, skip)
+            with self.lock:
+                got = self.attached.load_into(spec.token_ids, tables, skip)
         except Exception as e:  # the tier is gone or restarting: nothing was loaded
             log.warning("raykv load of %s failed (%r): vLLM recomputes it", spec.request_id, e)
             got = 0
         self._missed(spec, got)
 
     def _missed(self, spec: LoadSpec, got: int) -> None:
-        """Count a load that delivered ``got`` tokens and report what it did not."""
+        """Count a load that delivered ``got`` tokens and report what it did not (an
+        asynchronous one from the loader's thread)."""
+        with self.book:
+            self._account(spec, got)
+
+    def _account(self, spec: LoadSpec, got: int) -> None:
         self.counts["loaded_tokens"] += min(got, spec.num_tokens)
         if not spec.sync:
             self.recved.add(spec.request_id)
@@ -187,19 +201,25 @@ class RaykvWorker:
             f.result()
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose saves are done, loads done since the last call). Every
+        asynchronous load is reported exactly once, finished by vLLM or not (an aborted
+        request's blocks stay allocated until then); ``take_failed`` then names those of
+        them that did not deliver everything."""
         self.inflight = [f for f in self.inflight if not f.done()]
+        self.loading = {r: f for r, f in self.loading.items() if not f.done()}
         self.finishing.update(r for r in finished_req_ids if r in self.sent)
         with self.book:
             done = {r for r in self.finishing if self.pending[r] <= 0}
             for r in done:
                 self.pending.pop(r, None)
+            recved, self.recved = self.recved, set()
+            self.failed_out, self.failed = self.failed, set()  # the same loads' failures
         self.finishing -= done
         self.sent -= done
-        recved, self.recved = self.recved, set()
         return (done or None), (recved or None)
 
     def take_failed(self) -> set[str]:
-        failed, self.failed = self.failed, set()
+        failed, self.failed_out = self.failed_out, set()
         return failed
 
     def load_errors(self) -> set[int]:
@@ -207,8 +227,9 @@ class RaykvWorker:
         return errors
 
     def close(self) -> None:
-        """Finish the saves in flight, then detach: the tier releases at once whatever this
-        worker still holds (a lease no step loaded, a store cut short)."""
+        """Finish the loads and saves in flight, then detach: the tier releases at once
+        whatever this worker still holds (a lease no step loaded, a store cut short)."""
+        self.loader.shutdown(wait=True)
         self.drain()
         self.pool.shutdown(wait=True)
         if self.attached is not None:
