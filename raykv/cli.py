@@ -422,11 +422,12 @@ def bench_service(
 @bench.command("vllm")
 @click.option("--sizes", default="1024,2048,4096,8192", show_default=True,
               help="shared-prefix tokens, comma-separated")  # fmt: skip
-@click.option("--repeat", default=3, show_default=True, help="prompts per point (median)")
+@click.option("--repeat", default=5, show_default=True, help="prompts per point (median)")
 @click.option("--json", "as_json", is_flag=True, help="print the rows as JSON")
 def bench_vllm(sizes: str, repeat: int, as_json: bool) -> None:
     """vLLM engine B's time to first token: raykv vs no connector vs vLLM's ExampleConnector
-    (a local random-weight Llama on CPU; needs the optional extra 'vllm')."""
+    and OffloadingConnector, and raykv with its service down (a local random-weight Llama on
+    CPU; needs the optional extra 'vllm')."""
     import json
 
     try:
@@ -439,11 +440,11 @@ def bench_vllm(sizes: str, repeat: int, as_json: bool) -> None:
     from raykv.bench.vllm import format_table, machine, run
 
     parsed = tuple(int(s) for s in sizes.split(",") if s.strip())
-    rows = run(sizes=parsed, repeat=repeat, echo=lambda m: click.echo(m, err=True))
+    rows, notes = run(sizes=parsed, repeat=repeat, echo=lambda m: click.echo(m, err=True))
     click.echo(
-        json.dumps([r.as_dict() for r in rows], indent=2)
+        json.dumps({"rows": [r.as_dict() for r in rows], "notes": notes}, indent=2)
         if as_json
-        else format_table(rows, machine())
+        else format_table(rows, machine(), notes)
     )
 
 

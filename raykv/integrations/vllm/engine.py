@@ -18,7 +18,8 @@ CONNECTOR = "raykv.integrations.vllm"
 
 def kv_transfer_config(connector: str | None, extra: dict[str, Any] | None = None) -> Any:
     """vLLM's ``kv_transfer_config`` for "raykv", "example" (a disk folder in ``extra``
-    ["shared_storage_path"]) or None (no connector)."""
+    ["shared_storage_path"]), "offloading" (vLLM's native CPU offloading; GPUs only) or None
+    (no connector)."""
     if connector is None:
         return None
     if connector == "raykv":
@@ -29,13 +30,15 @@ def kv_transfer_config(connector: str | None, extra: dict[str, Any] | None = Non
             "kv_load_failure_policy": "recompute",  # a failed load is recomputed, not failed
             "kv_connector_extra_config": dict(extra or {}),
         }
-    if connector == "example":
+    if connector in ("example", "offloading"):
         return {
-            "kv_connector": "ExampleConnector",
+            "kv_connector": "ExampleConnector" if connector == "example" else "OffloadingConnector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": dict(extra or {}),
         }
-    raise ValueError(f"unknown connector {connector!r}; use 'raykv', 'example' or None")
+    raise ValueError(
+        f"unknown connector {connector!r}; use 'raykv', 'example', 'offloading' or None"
+    )
 
 
 class Engine:
