@@ -347,9 +347,8 @@ def _rows(eng: Any, blocks: list[int]) -> torch.Tensor:
 
 
 def _shm_rounds(kv: Any, nblocks: int, reps: int, row: int, device: str) -> dict[str, Any]:
-    import ray
-
     from raykv import ops
+    from raykv.service.agent_protocol import Arena
 
     eng = kv.attach(device=device, num_blocks=nblocks + 8)
     gid = eng.plan.groups[0].group_id
@@ -372,7 +371,7 @@ def _shm_rounds(kv: Any, nblocks: int, reps: int, row: int, device: str) -> dict
         t.append(time.perf_counter())
         plain_load()
         t.append(time.perf_counter())
-        ray.get(eng.tier.arena.remote(eng.model))  # the tier's cheapest call
+        eng.agent.call(Arena(eng.model))  # the node agent's cheapest call
         t.append(time.perf_counter())
         if r:  # the first round maps the arena and touches its pages
             for i, k in enumerate(cols):
