@@ -275,6 +275,15 @@ def test_an_engines_lookup_reads_its_nodes_replica_and_a_lease_pins_its_entries(
     assert eb.load_into(ids, list(range(1, 9))) == 8 * BS
     ops.gather_blocks(eb.kv.entries(gid), torch.tensor(range(1, 9)), out := torch.empty_like(src))
     assert torch.equal(out, src)
+    # raykv status counts the engines' lookups too (their tiers report them with a heartbeat)
+    before = ray_cluster.kv.stats()["lookups"]
+    for _ in range(3):
+        nb.lookup(probe)
+    deadline = time.monotonic() + 10
+    while ray_cluster.kv.stats()["lookups"] < before + 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    s = ray_cluster.kv.stats()
+    assert s["lookups"] >= before + 3 and s["hits"].get("replica", 0) >= 3 * 8, s["hits"]
     for x in (ea, eb):
         x.close()
     na.close()
