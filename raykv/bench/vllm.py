@@ -136,8 +136,10 @@ def run(
                             mine = _tokens(n, 5000 * n + 2 * r + use) + _tokens(16, 9 + r)
                             out = ray.get(b.generate.remote(mine, max_tokens=1, use_raykv=use))
                             ttft[into][n].append(out["seconds"])
-                    echo(f"      {n:>5} tokens: B {statistics.median(ttft[DOWN][n]) * 1e3:8.1f} ms"
-                         f" (connector off: {statistics.median(ttft[OFF][n]) * 1e3:.1f} ms)")
+                    echo(
+                        f"      {n:>5} tokens: B {statistics.median(ttft[DOWN][n]) * 1e3:8.1f} ms"
+                        f" (connector off: {statistics.median(ttft[OFF][n]) * 1e3:.1f} ms)"
+                    )
             for e in (a, b):
                 ray.kill(e)
     finally:
