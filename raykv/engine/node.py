@@ -175,7 +175,7 @@ class NodeKV:
         flags, probes = [], []
         for g, m in zip(plan.groups, mgrs, strict=True):
             k = g.block_size // hbs
-            f = reader.flags(key_lanes(hashes[k - 1 :: k].tobytes(), g.group_id))
+            f = reader.flags(key_lanes(hashes[k - 1 :: k], g.group_id))
             held = f != 0
             held[: held_tokens // g.block_size] = True  # the engine's own blocks
             flags.append(f)

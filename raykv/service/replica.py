@@ -63,16 +63,19 @@ def replica_slots() -> int:
     return 1 << max(want - 1, 1023).bit_length()
 
 
-def key_lanes(hashes: Sequence[bytes] | bytes, group_id: int) -> np.ndarray:
-    """uint64 [n, 2] replica keys of ``hashes`` (32-byte block hashes, as a list or joined)
-    of group ``group_id``: (fingerprint << 8, home) with a fingerprint never 0."""
-    blob = hashes if isinstance(hashes, bytes) else b"".join(hashes)
-    lanes = np.frombuffer(blob, np.uint64).reshape(-1, 4)[:, :2].copy()
-    return _fold(lanes, np.full(len(lanes), group_id + 1, np.uint64))
+def key_lanes(hashes: Sequence[bytes] | bytes | np.ndarray, group_id: int) -> np.ndarray:
+    """uint64 [n, 2] replica keys of ``hashes`` (32-byte block hashes: a list, joined, or
+    their uint64 [n, 4] view) of group ``group_id``: (fingerprint << 8, home) with a
+    fingerprint never 0."""
+    if not isinstance(hashes, np.ndarray):
+        blob = hashes if isinstance(hashes, bytes) else b"".join(hashes)
+        hashes = np.frombuffer(blob, np.uint64).reshape(-1, 4)
+    return _fold(hashes[:, :2].copy(), np.uint64(group_id + 1))
 
 
-def _fold(lanes: np.ndarray, groups: np.ndarray) -> np.ndarray:
-    """The hash's two lanes with the group (id + 1) folded in, as (fingerprint, home)."""
+def _fold(lanes: np.ndarray, groups: np.ndarray | np.uint64) -> np.ndarray:
+    """The hash's two lanes with the group (id + 1, one or per key) folded in, as
+    (fingerprint, home)."""
     with np.errstate(over="ignore"):
         lanes[:, 0] ^= groups * _GROUP_FP
         lanes[:, 1] ^= groups * _GROUP_HOME
