@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 
@@ -58,14 +58,49 @@ from raykv.service.spec import (  # the result types: raykv.LookupResult & co.
 
 RETRY_S = 60.0
 log = logging.getLogger(__name__)
-# the coordinator restarting (actor errors, timeouts) or not yet named again (ValueError)
-_RETRY = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError)
+# the coordinator restarting (actor errors, timeouts, its answer lost with it) or not yet
+# named again (ValueError)
+_RETRY = (
+    ray.exceptions.RayActorError,
+    ray.exceptions.GetTimeoutError,
+    ray.exceptions.ObjectLostError,
+    ValueError,
+)
+COORDINATOR_WHO = "the raykv coordinator"
 
 
-def _unwrap(e: BaseException) -> BaseException:
-    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, RaykvError):
-        return e.cause
-    return e
+def _brief(e: BaseException) -> str:
+    """``Type: first line`` of an error, plus the actor it names (Ray's actor errors say
+    ``name: ...`` further down)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    out = f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+    named = next((ln for ln in lines[1:] if ln.startswith("name:")), None)
+    return f"{out} ({named})" if named else out
+
+
+def _unwrap(e: ray.exceptions.RayTaskError, who: str, method: str) -> RaykvError:
+    """What a caller gets for an error ``who``'s ``method`` raised: the raykv error itself,
+    else (another member it called failed, or a bug in it) a ServiceError that names
+    ``who``, the call, the cause and what to do (issue 44: no raw Ray error reaches users)."""
+    cause = e.cause
+    if isinstance(cause, RaykvError):
+        return cause
+    if isinstance(cause, ray.exceptions.RayError):
+        return ServiceError(
+            f"{who}'s {method!r} failed: a member it called failed ({_brief(cause)}); the "
+            "coordinator places failed members again within seconds, so retry the call (a "
+            "request whose pool died is gone: admit it again)"
+        )
+    return ServiceError(
+        f"{who}'s {method!r} failed ({_brief(cause if cause is not None else e)}); retry the "
+        "call; if it keeps failing it is a raykv bug: report it with this message and the "
+        "member's log (raykv status lists the members)"
+    )
+
+
+def _raise_task_error(e: ray.exceptions.RayTaskError, who: str, method: str) -> NoReturn:
+    err = _unwrap(e, who, method)
+    raise err from (None if err is e.cause else e)
 
 
 class _Base:
@@ -113,7 +148,7 @@ class _Base:
             raise ServiceError(
                 f"the raykv coordinator did not answer {method!r} within "
                 f"{self.retry_s:.0f}s ({type(error).__name__}); is the service up "
-                "(raykv up / raykv status)?"
+                "(raykv up / raykv status)? Retry once it answers"
             ) from error
         self._coord = None
 
@@ -159,14 +194,34 @@ class _Base:
         except (ValueError, ray.exceptions.RayError) as e:  # the coordinator is restarting
             log.warning("could not report dead pool %s to the coordinator: %r", name, e)
 
+    def _pool_who(self) -> str:
+        return f"pool {self._pool[1]!r}" if self._pool is not None else "this node's pool"
+
     def _pool_gone(self, error: Exception) -> ServiceError:
+        who = self._pool_who()
         if self._pool is not None:
             self._report_dead(self._pool[1])
         self._pool = None
         return ServiceError(
-            f"the pool of this node is gone ({type(error).__name__}) and with it this call's "
-            "request state; the coordinator starts a fresh one on this node within a few "
-            "seconds (its blocks are misses), and the next calls wait for it (admit again)"
+            f"{who} is gone ({type(error).__name__}) and with it this call's request state; "
+            "the coordinator starts a fresh one on this node within a few seconds (its "
+            "blocks are misses) and the next calls wait for it: admit the request again and "
+            "retry"
+        )
+
+    def _pool_failed(self, method: str, error: Exception) -> ServiceError:
+        """A pool call whose answer never came (lost, timed out, cancelled, the node out of
+        memory) while the pool itself may live on."""
+        return ServiceError(
+            f"{self._pool_who()}'s {method!r} did not answer ({_brief(error)}); it may or may "
+            "not have taken effect: retry it (block_table shows a request's blocks; raykv "
+            "status shows the pool)"
+        )
+
+    def _coord_failed(self, method: str, error: Exception) -> ServiceError:
+        return ServiceError(
+            f"{COORDINATOR_WHO}'s {method!r} did not answer ({_brief(error)}); retry it (raykv "
+            "status shows whether the service is up)"
         )
 
     def _lookup_hashes(self, token_ids: Sequence[int], plan: Any, name: str) -> tuple:
@@ -415,11 +470,13 @@ class Client(_Base):
             try:
                 return ray.get(getattr(self._coordinator(), method).remote(*args))
             except ray.exceptions.RayTaskError as e:  # raised by the method: not retried
-                raise _unwrap(e) from None
+                _raise_task_error(e, COORDINATOR_WHO, method)
             except _RETRY as e:
                 self._forget_coordinator(method, e, deadline)
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
+            except ray.exceptions.RayError as e:  # anything else Ray raises: not retried
+                raise self._coord_failed(method, e) from e
 
     def _model(self) -> tuple[ServedModel, Any]:
         if self._info is None:
@@ -446,9 +503,11 @@ class Client(_Base):
             pool = self._pool_handle()
             return ray.get(getattr(pool, method).remote(self.client_id, *args))
         except ray.exceptions.RayTaskError as e:
-            raise _unwrap(e) from None
+            _raise_task_error(e, self._pool_who(), method)
         except ray.exceptions.RayActorError as e:
             raise self._pool_gone(e) from e
+        except ray.exceptions.RayError as e:
+            raise self._pool_failed(method, e) from e
 
     # --- shared memory (the data path without serialization) ------------------------------
 
@@ -513,11 +572,13 @@ class AsyncClient(_Base):
             try:
                 return await getattr(self._coordinator(), method).remote(*args)
             except ray.exceptions.RayTaskError as e:  # raised by the method: not retried
-                raise _unwrap(e) from None
+                _raise_task_error(e, COORDINATOR_WHO, method)
             except _RETRY as e:
                 self._forget_coordinator(method, e, deadline)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+            except ray.exceptions.RayError as e:  # anything else Ray raises: not retried
+                raise self._coord_failed(method, e) from e
 
     async def _model(self) -> tuple[ServedModel, Any]:
         if self._info is None:
@@ -545,9 +606,11 @@ class AsyncClient(_Base):
             pool = await self._pool_handle()
             return await getattr(pool, method).remote(self.client_id, *args)
         except ray.exceptions.RayTaskError as e:
-            raise _unwrap(e) from None
+            _raise_task_error(e, self._pool_who(), method)
         except ray.exceptions.RayActorError as e:
             raise self._pool_gone(e) from e
+        except ray.exceptions.RayError as e:
+            raise self._pool_failed(method, e) from e
 
 
 def connect(

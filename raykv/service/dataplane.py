@@ -172,7 +172,12 @@ class PoolDataPlane:
                     [(*op[:2], False, *op[3:]) if op[0] == "finish_store" else op for op in r]
                     for r in per_rank
                 ]
-            n = await self._apply(tier, [op for r in per_rank for op in r])
+            try:
+                n = await self._apply(tier, [op for r in per_rank for op in r])
+            except ray.exceptions.RayError as e:  # the tier died since it reserved: a miss
+                log.warning("pool %s: the CPU tier went away mid-offload (%s)", self.name, e)
+                self.metrics.copy_failed(self.model.name, CPU, "offload")
+                n = 0
         finally:
             self.fence.release(fence_id)
         if bad:
