@@ -1,5 +1,6 @@
 // raykv's chained block hashes in one native call (raykv/blocks/hashing.py defines them; this
-// file computes the same bytes, it defines nothing).
+// file computes the same bytes, it defines nothing), and the host's row sums (row_sum.h defines
+// them; raykv.tiers.checksum calls them), which share this build.
 //
 // Hash i = sha256(hash(i - 1) + tag + tokens(i) + tail): the Python loop spent ~0.6 us per
 // block on interpreter work around two sha256 compressions (~0.1 us). Here one call reads the
@@ -28,6 +29,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+
+#include "row_sum.h"
 
 extern "C" {
 // OpenSSL's SHA256_CTX (sha.h: SHA_LONG h[8], Nl, Nh, data[16]; unsigned int num, md_len).
@@ -336,6 +339,98 @@ PyObject* chain(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return out;
 }
 
+// --- row sums: raykv's checksum of a row (kernels/row_sum.h), for the host's copies ---------
+
+// One row's sum: its whole words four at a time (four independent multiplies in flight, where
+// one accumulator would wait on each add), then the last partial word zero-padded.
+uint64_t row_sum(const uint8_t* p, size_t width) {
+    const size_t words = width / 8;
+    uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, key = raykv_word_key(0);
+    constexpr uint64_t step = RAYKV_ROW_SUM_KEY_MUL;
+    size_t j = 0;
+    for (; j + 4 <= words; j += 4, key += 4 * step) {
+        uint64_t x[4];
+        std::memcpy(x, p + 8 * j, sizeof x);
+        a0 += raykv_word_mix(x[0], key);
+        a1 += raykv_word_mix(x[1], key + step);
+        a2 += raykv_word_mix(x[2], key + 2 * step);
+        a3 += raykv_word_mix(x[3], key + 3 * step);
+    }
+    for (; j < words; ++j, key += step) {
+        uint64_t x;
+        std::memcpy(&x, p + 8 * j, sizeof x);
+        a0 += raykv_word_mix(x, key);
+    }
+    if (width % 8) {
+        uint64_t x = 0;  // little-endian host: the row's last bytes are the word's low bytes
+        std::memcpy(&x, p + 8 * words, width % 8);
+        a0 += raykv_word_mix(x, key);
+    }
+    return a0 + a1 + a2 + a3;
+}
+
+// row_sums(table, index, width, out): out[i] = the sum of the first `width` bytes of row
+// index[i] of `table` (a 2-D uint8 buffer, each row contiguous; index and out int64 buffers of
+// one length). Without the GIL from kReleaseGilBytes on: the host's copy threads sum beside
+// each other and beside copies.
+PyObject* row_sums(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "row_sums(table, index, width, out) takes 4 arguments");
+        return nullptr;
+    }
+    const Py_ssize_t width = PyLong_AsSsize_t(args[2]);
+    if (width == -1 && PyErr_Occurred()) return nullptr;
+    Py_buffer table{}, index{}, out{};
+    if (PyObject_GetBuffer(args[0], &table, PyBUF_STRIDES) != 0) return nullptr;
+    if (PyObject_GetBuffer(args[1], &index, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+        PyBuffer_Release(&table);
+        return nullptr;
+    }
+    if (PyObject_GetBuffer(args[3], &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) {
+        PyBuffer_Release(&table);
+        PyBuffer_Release(&index);
+        return nullptr;
+    }
+    const Py_ssize_t n = index.len / 8;
+    const Py_ssize_t rows = table.ndim == 2 ? table.shape[0] : 0;
+    const char* error = nullptr;
+    if (table.ndim != 2 || table.itemsize != 1 || (table.shape[1] > 1 && table.strides[1] != 1) ||
+        width < 0 || width > table.shape[1]) {
+        error = "row_sums: table must be 2-D uint8 rows, each contiguous, at least width wide";
+    } else if (index.itemsize != 8 || index.len % 8 || out.len != index.len ||
+               (index.format != nullptr && index.format[0] != 'q' && index.format[0] != 'l')) {
+        error = "row_sums: index and out must be int64 buffers of one length";
+    }
+    const int64_t* at = static_cast<const int64_t*>(index.buf);
+    for (Py_ssize_t i = 0; error == nullptr && i < n; ++i) {
+        if (at[i] < 0 || at[i] >= rows) error = "row_sums: a row index outside the table";
+    }
+    if (error == nullptr) {
+        const uint8_t* base = static_cast<const uint8_t*>(table.buf);
+        uint64_t* sums = static_cast<uint64_t*>(out.buf);
+        const Py_ssize_t stride = table.strides[0];
+        auto run = [&] {
+            for (Py_ssize_t i = 0; i < n; ++i) {
+                sums[i] = row_sum(base + at[i] * stride, static_cast<size_t>(width));
+            }
+        };
+        if (static_cast<size_t>(n) * static_cast<size_t>(width) >= kReleaseGilBytes) {
+            Py_BEGIN_ALLOW_THREADS run();
+            Py_END_ALLOW_THREADS
+        } else {
+            run();
+        }
+    }
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&index);
+    PyBuffer_Release(&out);
+    if (error != nullptr) {
+        PyErr_SetString(PyExc_ValueError, error);
+        return nullptr;
+    }
+    Py_RETURN_NONE;
+}
+
 // The library must give sha256 as hashlib does: FIPS 180-2's one-block ("abc") and two-block
 // vectors, through the same padded-template path as the chain.
 bool self_test() {
@@ -372,6 +467,10 @@ PyMethodDef methods[] = {
      "chain(tokens, start, n, bs, parent, tail, first_tail) -> list[bytes] | None: the chained "
      "hashes of n blocks of bs tokens from tokens[start] (a list, a tuple, or a uint32 / int64 "
      "buffer); None where an id is not an int64 (the Python path then decides)"},
+    {"row_sums", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(row_sums)),
+     METH_FASTCALL,
+     "row_sums(table, index, width, out): out[i] = the row sum (kernels/row_sum.h) of the first "
+     "width bytes of row index[i] of the 2-D uint8 table"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "raykv_block_hash", nullptr, -1, methods,

@@ -10,6 +10,7 @@
 // 8 KiB spans took 40-43 us where this takes 31-32, of 4096 rows 200 us against 149-155; one
 // contiguous copy of the same bytes takes 21 / 129 us.
 #include "paged_copy.h"
+#include "row_sum.h"
 
 namespace {
 
@@ -18,24 +19,20 @@ constexpr int kUnroll = 4;  // loads in flight per thread: 4 x 16 B, 16 KiB per 
 constexpr int kGroup = 64;  // threads per item in paged_copy_kernel: two warps
 constexpr int kGroupsPerCta = kThreads / kGroup;  // items a paged_copy_kernel CTA copies at once
 
-// The wire sum of a row (raykv.ops_reference.row_sums): the wrapping sum over its 64-bit
-// little-endian words x_j of x_j * word_weight(j). Weights are odd, so a change of any one word
-// changes the sum; they differ per position, so moved words do too (mod 2^64, with near certainty).
-__device__ __forceinline__ uint64_t word_weight(uint64_t j) {
-  return (j * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull) | 1ull;
-}
-
+// A row's sum (kernels/row_sum.h, raykv.ops_reference.row_sums) is the wrapping sum of one
+// term per 64-bit word; this is the terms of one loaded vector whose first word is word `word`.
 template <typename T>
 __device__ __forceinline__ uint64_t weighted(const T& v, uint64_t word) {
   if constexpr (sizeof(T) == 16) {
     const uint4 u = reinterpret_cast<const uint4&>(v);
     const uint64_t lo = (static_cast<uint64_t>(u.y) << 32) | u.x;
     const uint64_t hi = (static_cast<uint64_t>(u.w) << 32) | u.z;
-    return lo * word_weight(word) + hi * word_weight(word + 1);
+    const uint64_t key = raykv_word_key(word);
+    return raykv_word_mix(lo, key) + raykv_word_mix(hi, key + RAYKV_ROW_SUM_KEY_MUL);
   } else {
     static_assert(sizeof(T) == 8, "sums need whole 64-bit words");
     const uint2 u = reinterpret_cast<const uint2&>(v);
-    return ((static_cast<uint64_t>(u.y) << 32) | u.x) * word_weight(word);
+    return raykv_word_term((static_cast<uint64_t>(u.y) << 32) | u.x, word);
   }
 }
 

@@ -223,38 +223,47 @@ def _scatter_reference(
 
 # --- wire sums -----------------------------------------------------------------------------
 
-# word_weight in kernels/paged_copy.cu: (j * _WORD_MUL + _WORD_ADD) | 1, wrapping 64-bit
-_WORD_MUL = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
-_WORD_ADD = 0x632BE59BD9B4E019
-_SUM_CHUNK_BYTES = 256 << 20  # rows summed per step: bounded scratch for 2 GiB batches
-_weights: dict[tuple[int, str], torch.Tensor] = {}
+# kernels/row_sum.h, as signed int64: word j's key is j * _KEY_MUL + _KEY_ADD (wrapping), its
+# term mixes the word plus its key with _MIX
+_KEY_MUL = 0x9E3779B97F4A7C15 - (1 << 64)
+_KEY_ADD = 0x632BE59BD9B4E019
+_MIX = 0xD6E8FEB86659FD93 - (1 << 64)
+_LOW = 0xFFFFFFFF  # an arithmetic >> 32 masked to its low half: the logical shift
+_SUM_CHUNK_BYTES = 64 << 20  # rows summed per step: bounded scratch for 2 GiB batches
+_keys: dict[tuple[int, str], torch.Tensor] = {}
 
 
-def word_weights(n: int, device: torch.device) -> torch.Tensor:
-    """int64 ``[n]``: the odd weight of each 64-bit word position of a row."""
+def word_keys(n: int, device: torch.device) -> torch.Tensor:
+    """int64 ``[n]``: the key of each 64-bit word position of a row."""
     key = (n, str(device))
-    w = _weights.get(key)
-    if w is None:
+    k = _keys.get(key)
+    if k is None:
         j = torch.arange(n, dtype=torch.int64, device=device)
-        w = _weights[key] = (j * _WORD_MUL + _WORD_ADD) | 1
-        if len(_weights) > 64:
-            _weights.pop(next(iter(_weights)))
-    return w
+        k = _keys[key] = j * _KEY_MUL + _KEY_ADD
+        if len(_keys) > 64:
+            _keys.pop(next(iter(_keys)))
+    return k
 
 
 def row_sums(rows: torch.Tensor) -> torch.Tensor:
-    """Each uint8 row's wire sum (int64 ``[n]`` on the rows' device): the wrapping sum of its
-    little-endian 64-bit words times their position's odd weight (a row whose width is not a
-    multiple of 8 counts as zero-padded). A change of any one word changes the sum; the
-    paged-copy kernel computes the same sums while it copies (``sums=`` of ``raykv.ops``)."""
+    """Each uint8 row's sum (int64 ``[n]`` on the rows' device), raykv's one checksum
+    (``kernels/row_sum.h`` defines it): the wrapping sum over the row's little-endian 64-bit
+    words of each word plus its position's key, mixed (a row whose width is not a multiple of
+    8 counts as zero-padded). Any change of one word (any single-bit flip) changes the sum.
+    The reference of the paged-copy kernel, which takes the same sums while it copies
+    (``sums=`` of ``raykv.ops``), and of the host's native ``raykv.tiers.checksum``."""
     n, width = rows.shape
     if width % 8:
         rows = torch.nn.functional.pad(rows, (0, 8 - width % 8))
-    out = torch.empty(n, dtype=torch.int64, device=rows.device)
-    words = rows.shape[1] // 8
-    weights = word_weights(words, rows.device)
+    out = torch.zeros(n, dtype=torch.int64, device=rows.device)  # an empty row sums to 0
+    if not rows.shape[1]:
+        return out
+    keys = word_keys(rows.shape[1] // 8, rows.device)
     step = max(1, _SUM_CHUNK_BYTES // max(rows.shape[1], 1))
     for i in range(0, n, step):
-        part = rows[i : i + step].contiguous().view(torch.int64)
-        torch.sum(part * weights, dim=1, out=out[i : i + step])
+        z = rows[i : i + step].contiguous().view(torch.int64) + keys
+        z ^= (z >> 32) & _LOW
+        z *= _MIX
+        z ^= (z >> 32) & _LOW
+        torch.sum(z, dim=1, out=out[i : i + step])
     return out

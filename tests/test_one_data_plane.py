@@ -44,8 +44,10 @@ def _row_arithmetic(tree: ast.AST) -> list[int]:
     return out
 
 
-def test_the_checksum_hash_is_imported_by_tiers_checksum_only() -> None:
-    users = set()
+def test_the_host_checksum_is_taken_in_tiers_checksum_only() -> None:
+    """The row sum is raykv's one checksum: the host takes it (the native extension) only in
+    raykv.tiers.checksum, and no module hashes rows another way (xxhash)."""
+    users, other = set(), set()
     for path, tree in _trees().items():
         for node in ast.walk(tree):
             names = []
@@ -53,9 +55,11 @@ def test_the_checksum_hash_is_imported_by_tiers_checksum_only() -> None:
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
+                if any(a.name == "native_module" for a in node.names):
+                    users.add(path)
             if any(n.split(".")[0] == "xxhash" for n in names):
-                users.add(path)
-    assert users == {"raykv/tiers/checksum.py"}
+                other.add(path)
+    assert users == {"raykv/tiers/checksum.py"} and not other
 
 
 def test_arena_rows_are_computed_by_arena_rows_only() -> None:

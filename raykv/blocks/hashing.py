@@ -45,6 +45,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -153,9 +154,11 @@ def _rows(blocks: np.ndarray, tail: bytes) -> list[bytes]:
 # The native chain (kernels/block_hash.cpp), compiled once per machine and Python build.
 _NATIVE = "raykv_block_hash"  # the extension's module name (its PyInit_ symbol)
 _NATIVE_SOURCE = "block_hash.cpp"
+_NATIVE_HEADER = "row_sum.h"
 _NATIVE_OFF = "RAYKV_DISABLE_NATIVE_HASH"
 _native_lock = threading.Lock()
 _chain: Callable[..., list[bytes] | None] | None = None  # the loaded ``chain``
+_module: ModuleType | None = None  # the loaded extension (``raykv.tiers.checksum``: row sums)
 _native_state: str | None = None  # why the native chain is (not) in use, once decided
 _native_thread: threading.Thread | None = None
 
@@ -163,6 +166,14 @@ _native_thread: threading.Thread | None = None
 def native_status() -> str:
     """One line: whether ``hash_blocks`` runs the native chain or the Python path, and why."""
     return _native_state or "Python path: the native chain is not decided yet (build_native())"
+
+
+def native_module() -> ModuleType | None:
+    """The loaded extension (``chain`` and ``row_sums``), or None while it is not decided
+    (the first call starts its build in the background) or where it cannot load."""
+    if _native_state is None:
+        _start_native()
+    return _module
 
 
 def build_native(wait: bool = True) -> str:
@@ -187,11 +198,11 @@ def _start_native() -> threading.Thread | None:
 
 
 def _decide_native() -> None:
-    global _chain, _native_state
+    global _chain, _module, _native_state
     try:
-        chain, state, fix = _load_native()
+        module, state, fix = _load_native()
     except Exception as e:  # never let the fast path's setup fail a caller: hash in Python
-        chain, state = None, f"Python path: loading the native chain failed: {e!r}"
+        module, state = None, f"Python path: loading the native chain failed: {e!r}"
         fix = f"delete the build under {os.environ.get('RAYKV_CACHE_DIR', '~/.cache/raykv')}"
     if fix:  # the fast path is missing where it was not turned off: say so once per process
         log.warning(
@@ -204,7 +215,8 @@ def _decide_native() -> None:
     else:
         log.debug("raykv block hashing: %s", state)
     with _native_lock:
-        _chain, _native_state = chain, state
+        _chain = module.chain if module is not None else None
+        _module, _native_state = module, state
 
 
 def _reset_native_in_child() -> None:
@@ -261,8 +273,8 @@ def _libcrypto() -> list[str] | None:
     return [name] if os.path.isabs(name) else [f"-l:{name}"]
 
 
-def _load_native() -> tuple[Callable[..., list[bytes] | None] | None, str, str]:
-    """(chain, status, fix): the built extension's ``chain``, compiled now if the cache has
+def _load_native() -> tuple[ModuleType | None, str, str]:
+    """(module, status, fix): the built extension, compiled now if the cache has
     none for this source, Python build and libcrypto; else None, the reason and the fix
     (empty where the Python path was asked for)."""
     import importlib.machinery
@@ -285,9 +297,10 @@ def _load_native() -> tuple[Callable[..., list[bytes] | None] | None, str, str]:
         return None, "Python path: no libcrypto to link to", "install OpenSSL (libcrypto)"
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     # one build per source, Python build (ABI) and libcrypto; whichever compiler made it
-    key = hashlib.sha256(
-        "\0".join((source.read_text(), sys.version, suffix, *crypto)).encode()
-    ).hexdigest()[:16]
+    header = source.with_name(_NATIVE_HEADER)  # row_sum.h, which the source includes
+    texts = (source.read_text(), header.read_text() if header.is_file() else "")
+    digest = hashlib.sha256("\0".join((*texts, sys.version, suffix, *crypto)).encode())
+    key = digest.hexdigest()[:16]
     cache = Path(os.environ.get("RAYKV_CACHE_DIR", Path.home() / ".cache" / "raykv"))
     built = cache / "block_hash" / key / f"{_NATIVE}{suffix}"
     if not built.is_file():
@@ -312,7 +325,7 @@ def _load_native() -> tuple[Callable[..., list[bytes] | None] | None, str, str]:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # runs the library's sha256 self-test (ImportError)
-    return module.chain, f"native chain {_NATIVE} ({built})", ""
+    return module, f"native chain {_NATIVE} ({built})", ""
 
 
 def _compile(cxx: str, source: Path, include: str, crypto: list[str], out: Path) -> str:
@@ -322,7 +335,7 @@ def _compile(cxx: str, source: Path, include: str, crypto: list[str], out: Path)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden"]
+    cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden"]
     if sys.platform == "darwin":  # Python's symbols resolve when the interpreter loads it
         cmd += ["-undefined", "dynamic_lookup"]
     cmd += ["-I", include, str(source), "-o", str(tmp), *crypto]

@@ -1,15 +1,23 @@
-"""Per-block checksums: xxh3-64 of each stored row, checked again before a load (invariant 12).
+"""Per-block checksums: the row sum of each stored row, checked again before a load
+(invariant 12).
 
-The one home of the hash (``row_checksums``) and of the check every copy between members
-makes (``verified_prefix``: the service's pool-to-pool copies and ``raykv.transport``'s
-receivers); ``raykv.tiers.offload`` verifies CPU-tier loads key by key with the same hash.
-A mismatch means the copy is not what was stored (bit flip, a stray writer): the reader
-treats the block as a miss and counts an error; it never scatters the bad bytes to the GPU.
+The row sum (``kernels/row_sum.h``; ``raykv.ops.row_sums`` is its torch reference) is raykv's
+one checksum: the paged-copy kernels take it while they copy (a CUDA engine's tier jobs, the
+NCCL pipeline), and the host computes the same value here, natively (the extension
+``raykv.blocks.hashing`` builds: ~2.5 cycles per 8-byte word, without the GIL) or, until that
+is built or where it cannot be, with the torch reference. Any single-bit flip changes it.
+
+The one home of the host's checksums (``row_checksums``) and of the check every copy between
+members makes (``verified_prefix``: the service's pool-to-pool copies and
+``raykv.transport``'s receivers); ``raykv.tiers.offload`` verifies CPU-tier loads key by key
+with the same sum. A mismatch means the copy is not what was stored (bit flip, a stray
+writer): the reader treats the block as a miss and counts an error; it never uses the bad
+bytes.
 
 ``in_background`` runs checksums on the process's one checksum thread, beside a copy on the
-caller's thread (``raykv.tiers.host_copy``): xxhash releases the GIL while it hashes a row of
-a few hundred KiB, and numpy / torch copies release it while they copy. Many rows at once are
-hashed on the host threads (``raykv.ops_threads.in_parallel``).
+caller's thread (``raykv.tiers.host_copy``): the native sum releases the GIL while it reads
+rows, and numpy / torch copies release it while they copy. Many rows at once are summed on
+the host threads (``raykv.ops_threads.in_parallel``).
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ from typing import TypeVar
 
 import numpy as np
 import torch
-import xxhash
+
+from raykv.blocks.hashing import native_module
+from raykv.ops_reference import row_sums
 
 T = TypeVar("T")
 _pool: ThreadPoolExecutor | None = None
@@ -29,9 +39,9 @@ _pool_lock = threading.Lock()
 
 
 def row_checksums(rows: torch.Tensor) -> tuple[int, ...]:
-    """xxh3-64 of each row of a CPU uint8 ``[n, bytes]`` tensor (each row contiguous)."""
+    """The row sum of each row of a CPU uint8 ``[n, bytes]`` tensor (each row contiguous)."""
     arr = _host_rows(rows)
-    return tuple(xxhash.xxh3_64_intdigest(arr[i]) for i in range(arr.shape[0]))
+    return tuple(checksums_at(arr, range(arr.shape[0]), arr.shape[1]))
 
 
 def _host_rows(rows: torch.Tensor) -> np.ndarray:
@@ -42,24 +52,30 @@ def _host_rows(rows: torch.Tensor) -> np.ndarray:
 
 
 def checksums_at(table: np.ndarray, rows: Sequence[int], width: int) -> list[int]:
-    """xxh3-64 of the first ``width`` bytes of rows ``rows`` of a uint8 ``[n, bytes]`` table
-    (each row contiguous): what ``row_checksums`` gives for those rows, without a gather."""
-    return [xxhash.xxh3_64_intdigest(table[r, :width]) for r in rows]
+    """The row sums of the first ``width`` bytes of rows ``rows`` of a uint8 ``[n, bytes]``
+    table (each row contiguous): what ``row_checksums`` gives for those rows, without a
+    gather (natively; the torch reference gathers them while the extension is not loaded)."""
+    index = np.asarray(rows, dtype=np.int64)
+    native = native_module()
+    if native is None:
+        return row_sums(torch.from_numpy(table[index, :width])).tolist()
+    out = np.empty(len(index), np.int64)
+    native.row_sums(table, index, width, out)
+    return out.tolist()
 
 
 def verified_prefix(rows: torch.Tensor | np.ndarray, expected: Sequence[int]) -> int:
     """How many leading ``rows`` (CPU uint8 ``[n, bytes]``, a tensor or a numpy array) match
     ``expected``, the checksums they were stored with: the first row that does not and every
-    row after it must not be used (invariant 12). Hashes row by row and stops at the first
-    mismatch; nothing but the hash per row (a reader's copy threads call it span by span)."""
+    row after it must not be used (invariant 12). Sums every row, then compares (a reader's
+    copy threads call it span by span)."""
     if isinstance(rows, torch.Tensor):
         rows = _host_rows(rows)
     if len(rows) != len(expected):
         raise ValueError(f"{len(rows)} rows but {len(expected)} checksums")
-    for i, want in enumerate(expected):
-        if xxhash.xxh3_64_intdigest(rows[i]) != want:
-            return i
-    return len(expected)
+    got = checksums_at(rows, range(len(rows)), rows.shape[1])
+    bad = (i for i, (g, w) in enumerate(zip(got, expected, strict=True)) if g != w)
+    return next(bad, len(expected))
 
 
 def in_background(fn: Callable[..., T], *args: object) -> Future[T]:

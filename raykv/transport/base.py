@@ -6,7 +6,7 @@ group's blocks, in prefix order. The source answers with the leading blocks it s
 in order, as one or more chunks (``Transport.stream``): each chunk is a ``BlockBatch`` of the
 next blocks, every block's bytes for every distinct TP copy in ONE contiguous uint8 buffer
 ``[copies, count, row_bytes]`` (never one message per block) plus the checksum each row had
-when it was stored (xxh3-64, ``raykv.tiers.checksum``). The chunks are not verified yet.
+when it was stored (the row sum, ``raykv.tiers.checksum``). The chunks are not verified yet.
 
 A reader takes them through ``receive``: each chunk is verified (``RowCheck``, invariant 12)
 while the transport brings in the next one (and while the chunk before it is handed on), and

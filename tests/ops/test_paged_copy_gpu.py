@@ -323,6 +323,35 @@ def test_wire_sums_taken_while_copying_match_the_reference(
     assert torch.equal(back.cpu(), ops.row_sums(fresh))
 
 
+@pytest.mark.parametrize("width", [8, 136, 32 * 1024 + 64, 100 * 1024 + 8])
+def test_sums_after_single_bit_flips_match_the_reference(kernel, width):
+    """Every single-bit flip, at every position class of a row (its first and last word, the
+    middle, both halves of a 16-byte vector, the edges of the host's 32 KiB pieces), changes
+    the kernel's sum, and the kernel's sum is the reference's, gathering and scattering."""
+    gen = torch.Generator().manual_seed(width)
+    row = torch.randint(0, 256, (width,), dtype=torch.uint8, generator=gen)
+    places = {0, 7, 8, 15, width // 2, width - 8, width - 1, 32 * 1024 - 1, 32 * 1024}
+    places = {p for p in places if p < width}
+    rows = [row]
+    for p in sorted(places):
+        for bit in (0, 3, 7):
+            bad = row.clone()
+            bad[p] ^= 1 << bit
+            rows.append(bad)
+    want = torch.stack(rows)
+    n = len(rows)
+    entry = torch.empty((n + 3, width), dtype=torch.uint8, device="cuda:0")
+    ids = torch.randperm(n + 3, generator=gen)[:n]
+    scatter_blocks(want.cuda(), [entry], ids)
+    sums = torch.zeros(n, dtype=torch.int64, device="cuda:0")
+    gather_blocks([entry], ids, torch.empty_like(want, device="cuda:0"), sums=sums)
+    ref = ops.row_sums(want)
+    assert torch.equal(sums.cpu(), ref) and (ref[1:] != ref[0]).all()
+    back = torch.zeros(n, dtype=torch.int64, device="cuda:0")
+    scatter_blocks(want.cuda(), [entry], ids, sums=back)
+    assert torch.equal(back.cpu(), ref)
+
+
 @pytest.mark.parametrize("width, offset", [(3, 1), (12, 4), (24, 8), (40, 16)])
 def test_wire_sums_of_misaligned_spans_fall_back_to_the_same_values(kernel, width, offset):
     gen = torch.Generator().manual_seed(100 + width)
