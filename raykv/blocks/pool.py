@@ -10,6 +10,9 @@
   other blocks holding the same prefix wait in ``_copies``; when the serving block is
   evicted a copy takes its place. ``lookup`` prefers a copy that is in use, so a hit never
   revives a free block while an identical one is held.
+- ``uncache`` takes blocks whose bytes are not their prefix's (a load that failed its checks
+  wrote part of them) out of the map: the one exception to findability; a pool that later
+  writes them whole caches them again (``cache``).
 - A prefix hit on a free cached block (``touch``) takes it out of the free queue.
 - Anything that must keep a block from being reused (a store in flight, invariant 9) holds
   a reference with ``touch`` and drops it with ``free``: the free count stays exact.
@@ -125,6 +128,23 @@ class BlockPool:
             self._events.append(
                 BlockStored(group_id, tuple(hashes), tuple(ids), parent, block_size)
             )
+
+    def uncache(self, block_ids: Iterable[int]) -> None:
+        """Take blocks out of the prefix-hash map: their bytes are not what their prefix
+        says (a load that failed its checks wrote part of them), so no lookup may find them
+        from now on. A prefix other blocks also hold stays findable through one of them; a
+        free block among them moves to the uncached free queue. Null and uncached blocks
+        are skipped; ref counts do not change (a holder keeps its block, unfindable)."""
+        removed: dict[int, list[BlockHash]] = {}
+        for b in block_ids:
+            if b == NULL_BLOCK or self.block_keys[b] is None:
+                continue
+            self._evict(b, removed)
+            if not self.ref_counts[b]:
+                del self._free_cached[b]
+                self._free_uncached.append(b)
+        for gid, hashes in removed.items():
+            self._events.append(BlockRemoved(gid, tuple(hashes)))
 
     # --- taking and returning blocks ----------------------------------------------------
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -71,6 +72,7 @@ from raykv.service.spec import (
 from raykv.tiers.checksum import row_checksums
 from raykv.tiers.jobs import NULL_BLOCK
 
+log = logging.getLogger(__name__)
 WRITE_WAIT_S = 30.0  # the longest a store or read waits for another call writing its blocks
 
 
@@ -126,6 +128,9 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         self._written: tuple[Any, asyncio.Condition] | None = None  # (loop, its condition)
         # checksums of bytes written into blocks not yet valid (moved to sums on validation)
         self._pending_sums: dict[int, tuple[int, ...]] = {}
+        # blocks a load meant to fill that got no verified bytes: out of the block manager's
+        # prefix map (no prefix hit finds them) and zeroed, until a write makes them whole
+        self._unverified: set[int] = set()
         self.metrics = ServiceMetrics("pool")
         self._init_dataplane()
 
@@ -245,6 +250,11 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
                 if j >= len(keys[gi]):
                     continue
                 key = keys[gi][j]
+                if b in self._unverified:  # written whole now: findable again, under its key
+                    self._unverified.discard(b)
+                    parent = keys[gi][j - 1][4:] if j else None
+                    group = self.plan.groups[gi]
+                    self.bm.pool.cache(group.group_id, [key[4:]], [b], parent, group.block_size)
                 # one published block per key: a duplicate (the block pool keeps those
                 # findable, its bytes may be a different computation of the same tokens)
                 # stays private while another block serves the key
@@ -316,6 +326,7 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
             return None
         if ids is not None:
             self.tokens[rid] = ids
+        self._unverified.difference_update(b for table in new for b in table)  # fresh owners
         self.bm.drain_events()  # our index is ``valid``: only written blocks count
         # Blocks whose cached prefix the manager evicted to make this step fit: their bytes
         # are still intact (nobody wrote them yet), so offload their chunks first.
@@ -448,6 +459,9 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         moved = 0
         busy = {b for want in todo for _, b in want}
         self._writing |= busy
+        # held while the load writes them: freed meanwhile, they reach nobody else before
+        # their bytes are verified or dropped (``_drop_unverified``)
+        self.bm.pool.touch(busy)
         try:
             for gi, want in enumerate(todo):
                 # 1) another block of this pool already holds the bytes
@@ -463,7 +477,12 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
                 if not self._live(rid, gen):  # freed meanwhile: nothing to publish
                     return nothing | {"bytes": moved}
         finally:
-            await self._done_writing(busy)
+            try:
+                await self._drop_unverified([[b for _, b in want if b not in filled]
+                                             for want in todo])  # fmt: skip
+            finally:
+                await self._done_writing(busy)
+                self.bm.pool.free(busy)
         written = [[b for b in t if b in filled] for t in into_tables]
         valid, removed = self._validate(rid, written)
         await self.publish(self.model.name, valid, removed)
@@ -481,6 +500,28 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
             "bytes": moved,
             "seconds": time.perf_counter() - t0,
         }
+
+    async def _drop_unverified(self, blocks: list[list[int]]) -> None:
+        """Blocks (per group) a load meant to fill that got no verified bytes: bytes that
+        failed a check, or that only some ranks wrote, may have landed in them (a collective
+        or peer batch lands before it is checked; ranks copy further than their common
+        prefix; a scatter can fail partway). They leave the prefix map at once (no prefix
+        hit, on any path, finds them) and are zeroed on every rank; a later store or load
+        that writes them whole makes them findable again (``_validate``)."""
+        flat = [b for ids in blocks for b in ids]
+        if not flat:
+            return
+        self.bm.pool.uncache(flat)  # before anything awaits
+        self._unverified.update(flat)
+        for b in flat:
+            self._pending_sums.pop(b, None)
+        try:
+            for gi, ids in enumerate(blocks):
+                if ids:
+                    zeros = torch.zeros((len(ids), self.widths[gi]), dtype=torch.uint8)
+                    await self._scatter(gi, [zeros] * self.plan.tp_size, ids)
+        except ServiceError as e:  # a rank died: the group retires, its KV goes with it
+            log.warning("pool %s: cannot zero blocks %s (%s)", self.name, flat[:8], e)
 
     async def block_table(self, client: str, rid: Hashable) -> list[list[int]]:
         """The request's logical block ids per group now (null slots are 0)."""

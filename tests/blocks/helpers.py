@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from raykv.blocks import BlockManager
 from raykv.layout import KVGroup, KVSpec, Plan
@@ -60,8 +60,9 @@ def held_blocks(mgr: BlockManager) -> dict[int, int]:
     return held
 
 
-def check_pool(mgr: BlockManager) -> None:
-    """The pool-wide invariants: null block, ref counts, free + used == total."""
+def check_pool(mgr: BlockManager, uncached: Collection[int] = ()) -> None:
+    """The pool-wide invariants: null block, ref counts, free + used == total. ``uncached``:
+    blocks taken out of the prefix map on purpose (``BlockPool.uncache``), shared or not."""
     pool = mgr.pool
     free = pool.free_block_ids()
     assert len(free) == len(set(free)) == pool.num_free_blocks
@@ -73,7 +74,7 @@ def check_pool(mgr: BlockManager) -> None:
     assert len(held) + len(free) == pool.num_usable_blocks, "free + used != total"
     for b in range(1, pool.num_blocks):
         assert pool.ref_counts[b] == held.get(b, 0), f"block {b} ref count"
-        if held.get(b, 0) > 1:
+        if held.get(b, 0) > 1 and b not in uncached:
             assert pool.is_cached(b), f"block {b} shared but not a cached prefix block"
     for key, b in pool.cached.items():
         assert pool.block_keys[b] == key

@@ -3,7 +3,9 @@
 After every rule: predicted == taken, no block held twice unless it is a shared cached
 prefix block, the null block never free / cached / counted, free + used == total, tables
 shaped as their manager says, every full block with known tokens findable (duplicates
-included), and the KV events replay to the pool's prefix map. The gate admits exactly when
+included) unless a failed load took it out of the map (``uncache``: then no lookup, hit or
+copy finds it until it is free, and then it waits among the uncached free blocks), and the
+KV events replay to the pool's prefix map. The gate admits exactly when
 its count, less the first step's hits held by others, fits; a step that does not fit
 changes the pool exactly as an empty step would.
 """
@@ -70,6 +72,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.known: dict[int, int] = {}  # tokens a successful step was given
         self.next_id = 0
         self.index = PrefixIndex()
+        self.dropped: set[int] = set()  # held blocks taken out of the map (``uncache``)
 
     @rule(
         base=st.integers(0, 2),
@@ -146,7 +149,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert predicted == plan.num_taken
         empty = copy.deepcopy(mgr)  # the same request, stepped by zero tokens
         assert empty.allocate(rid, 0) is not None
+        held_dropped = {b for b in self.dropped if mgr.pool.ref_counts[b]}
         new = mgr.allocate(rid, n, token_ids)
+        if new is not None:
+            hits = {b for s in plan.groups if s is not None for b in s.hits}
+            assert not held_dropped & hits, "a dropped block came back as a prefix hit"
+            self.dropped -= {b for t in new for b in t}  # handed out fresh: a new owner's
         if new is None:
             # invariant 8: out-of-window blocks go back, nothing else changes
             assert not plan.fits(before[1])
@@ -179,9 +187,37 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.mgr.free(rid)
         del self.tokens[rid], self.prompt_len[rid], self.computed[rid], self.known[rid]
 
+    @precondition(lambda self: self.tokens and self.mgr.enable_prefix_caching)
+    @rule(data=st.data())
+    def drop_unverified(self, data):
+        """A load into some of a request's cached blocks failed its checks (the service's
+        ``GpuPool.load``): they leave the prefix map, still held, the free count unchanged."""
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        pool = self.mgr.pool
+        held = sorted({b for t in self.mgr.block_table(rid) for b in t if b and pool.is_cached(b)})
+        if not held:
+            return
+        picked = data.draw(st.lists(st.sampled_from(held), min_size=1, unique=True))
+        free, refs = self.mgr.num_free_blocks, list(pool.ref_counts)
+        pool.uncache(picked)
+        assert (self.mgr.num_free_blocks, pool.ref_counts) == (free, refs)
+        self.dropped.update(picked)
+
+    @invariant()
+    def dropped_blocks_are_never_found(self):
+        pool = self.mgr.pool
+        copies = {b for _, others in pool._copies.values() for b in others}
+        for b in sorted(self.dropped):
+            if not pool.ref_counts[b]:  # free now: among the uncached, a new owner's next
+                assert b in pool._free_uncached, f"dropped block {b} waits among cached ones"
+                self.dropped.discard(b)
+                continue
+            assert pool.block_keys[b] is None, f"dropped block {b} is cached"
+            assert b not in copies and b not in pool.cached.values(), f"block {b} findable"
+
     @invariant()
     def pool_is_consistent(self):
-        check_pool(self.mgr)
+        check_pool(self.mgr, self.dropped)
 
     @invariant()
     def tables_are_shaped_by_their_managers(self):
@@ -216,7 +252,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for m, table in zip(mgr.managers, req.tables, strict=True):
                 k = m.block_size // hbs
                 for j in range(min(known // m.block_size, len(table))):
-                    if table[j]:
+                    if table[j] and table[j] not in self.dropped:
                         key = (m.group_id, req.hashes[(j + 1) * k - 1])
                         assert mgr.pool.block_keys[table[j]] == key, "full block not cached"
         for key in mgr.pool.block_keys:

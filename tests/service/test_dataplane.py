@@ -96,9 +96,20 @@ def test_corrupt_tier_entry_and_gpu_block_are_misses_never_wrong_kv(ray_cluster)
     # 44: the holders counted them again as they dropped them)
     assert sb.get("checksum_errors") == 2 and sb.get("checksum_errors_remote") == 2, sb
     assert [stats_of(n).get("checksum_errors", 0) for n in holders] == held
+    # issue 44, item 4: the blocks the load could not verify (bytes that failed the check
+    # may have landed there) are zeroed and out of the pool's prefix cache: another request
+    # of this pool with the same prompt shares the verified blocks only
+    assert not b.read(tq[2:6]).any()
+    assert b.admit("q2", len(ids), ids)
+    t2 = b.allocate("q2", len(ids), ids)[0]
+    assert t2[:2] == tq[:2] and not set(t2[2:6]) & set(tq[2:6]), (t2, tq)
+    b.free("q2")
     # the engine recomputes block 2.. and stores it: its bytes win, nothing wrong is served
     assert b.store("q", tq[2:6], data[2:6]) == 4
     assert torch.equal(b.read(tq[:6]), data)
+    assert b.admit("q3", len(ids), ids)  # written whole: prefix hits again
+    assert b.allocate("q3", len(ids), ids)[0][:6] == tq[:6]
+    b.free("q3")
     b.free("q")
     assert b.lookup(ids).hit_tokens == 6 * BS
     want = {"all": 2, "gpu": 0, "cpu": 0, "remote": 2}
