@@ -269,12 +269,39 @@ PyObject* chain_releasing_gil(Layouts& l, const Ids& ids, Py_ssize_t n, Py_ssize
     return out;
 }
 
+// The chain as one bytes object of n * 32 bytes (a lookup's form: no object per block, no
+// join), the GIL released over the hashing where the ids are a buffer's.
+PyObject* chain_joined(Layouts& l, const Ids& ids, Py_ssize_t n, Py_ssize_t bs, uint8_t* prev,
+                       bool release) {
+    PyObject* out = PyBytes_FromStringAndSize(nullptr, n * kDigest);
+    if (out == nullptr) return nullptr;
+    uint8_t* dst = reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(out));
+    auto emit = [&](Py_ssize_t b, const uint8_t* d) {
+        std::memcpy(dst + b * kDigest, d, kDigest);
+        return true;
+    };
+    bool ok = true;
+    if (release) {
+        Py_BEGIN_ALLOW_THREADS
+        run_chain(l, ids, n, bs, prev, emit);
+        Py_END_ALLOW_THREADS
+    } else {
+        ok = run_chain(l, ids, n, bs, prev, emit);
+    }
+    if (ok) return out;
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+}
+
 PyObject* chain(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (nargs != 7) {
+    if (nargs != 7 && nargs != 8) {
         PyErr_SetString(PyExc_TypeError,
-                        "chain(tokens, start, n, bs, parent, tail, first_tail) takes 7 arguments");
+                        "chain(tokens, start, n, bs, parent, tail, first_tail[, joined]) takes 7 "
+                        "or 8 arguments");
         return nullptr;
     }
+    const int joined = nargs == 8 ? PyObject_IsTrue(args[7]) : 0;
+    if (joined < 0) return nullptr;
     PyObject *tokens = args[0], *parent_obj = args[4], *tail_obj = args[5], *first_obj = args[6];
     Py_ssize_t start = PyLong_AsSsize_t(args[1]), n = PyLong_AsSsize_t(args[2]),
                bs = PyLong_AsSsize_t(args[3]);
@@ -315,6 +342,7 @@ PyObject* chain(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
             return nullptr;
         }
         ids.items = PySequence_Fast_ITEMS(tokens) + start;
+        if (joined) return chain_joined(l, ids, n, bs, prev, false);
         return chain_holding_gil(l, ids, n, bs, prev);
     }
     Py_buffer view;  // held until the chain is done (numpy then refuses to resize the array)
@@ -333,8 +361,9 @@ PyObject* chain(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (u32) ids.ids32 = static_cast<const uint32_t*>(view.buf) + start;
     else ids.ids64 = static_cast<const int64_t*>(view.buf) + start;
     bool release = static_cast<size_t>(n) * l.narrow.padded >= kReleaseGilBytes;
-    PyObject* out = release ? chain_releasing_gil(l, ids, n, bs, prev)
-                            : chain_holding_gil(l, ids, n, bs, prev);
+    PyObject* out = joined    ? chain_joined(l, ids, n, bs, prev, release)
+                    : release ? chain_releasing_gil(l, ids, n, bs, prev)
+                              : chain_holding_gil(l, ids, n, bs, prev);
     PyBuffer_Release(&view);
     return out;
 }

@@ -157,7 +157,7 @@ _NATIVE_SOURCE = "block_hash.cpp"
 _NATIVE_HEADER = "row_sum.h"
 _NATIVE_OFF = "RAYKV_DISABLE_NATIVE_HASH"
 _native_lock = threading.Lock()
-_chain: Callable[..., list[bytes] | None] | None = None  # the loaded ``chain``
+_chain: Callable[..., list[bytes] | bytes | None] | None = None  # the loaded ``chain``
 _module: ModuleType | None = None  # the loaded extension (``raykv.tiers.checksum``: row sums)
 _native_state: str | None = None  # why the native chain is (not) in use, once decided
 _native_thread: threading.Thread | None = None
@@ -406,12 +406,31 @@ class BlockHasher:
         One native call where the extension is loaded, else the Python loop below (module
         docstring); the same bytes either way.
         """
+        return self._hash(token_ids, first_block, end_block, parent, lora_id, cache_salt)
+
+    def hash_blocks_joined(
+        self, token_ids: Sequence[int], *, end_block: int | None = None
+    ) -> bytes:
+        """``b"".join(hash_blocks(token_ids, end_block=end_block))`` made as one bytes object
+        natively (a lookup's form: no object per block, no join)."""
+        return self._hash(token_ids, 0, end_block, None, None, None, joined=True)
+
+    def _hash(
+        self,
+        token_ids: Sequence[int],
+        first_block: int,
+        end_block: int | None,
+        parent: BlockHash | None,
+        lora_id: int | None,
+        cache_salt: str | bytes | None,
+        joined: bool = False,
+    ) -> Any:
         if first_block > 0 and parent is None:
             raise InvalidInput(f"hashing from block {first_block} needs the parent hash")
         bs = self.hash_block_size
         last = len(token_ids) // bs if end_block is None else min(end_block, len(token_ids) // bs)
         if last <= first_block:
-            return []
+            return b"" if joined else []
         tail = b"\x00\x00" if lora_id is None else _encode(lora_id) + b"\x00"
         # the salt enters the first block: its row ends in the salt instead of the last 0
         first_tail = (
@@ -424,7 +443,9 @@ class BlockHasher:
             # background and hashes in Python meanwhile: no request waits for a compiler
             _start_native()
         elif chain is not None:
-            hashes = self._native(chain, token_ids, first_block, last, prev, tail, first_tail)
+            hashes = self._native(
+                chain, token_ids, first_block, last, prev, tail, first_tail, joined
+            )
             if hashes is not None:
                 return hashes
         if last - first_block <= _FEW and not isinstance(token_ids, np.ndarray):
@@ -437,18 +458,20 @@ class BlockHasher:
         if first_tail is not None:
             rows[0] = rows[0][: -len(tail)] + first_tail
         sha = hashlib.sha256
-        return [prev := sha(prev + row).digest() for row in rows]
+        hashes = [prev := sha(prev + row).digest() for row in rows]
+        return b"".join(hashes) if joined else hashes
 
     def _native(
         self,
-        chain: Callable[..., list[bytes] | None],
+        chain: Callable[..., list[bytes] | bytes | None],
         token_ids: Any,
         first_block: int,
         last: int,
         parent: BlockHash,
         tail: bytes,
         first_tail: bytes | None,
-    ) -> list[BlockHash] | None:
+        joined: bool = False,
+    ) -> list[BlockHash] | bytes | None:
         """``hash_blocks`` in one native call; None where the Python path must decide (a
         token id that is not an int in the int64 range: it raises InvalidInput or hashes)."""
         bs, n = self.hash_block_size, last - first_block
@@ -463,7 +486,7 @@ class BlockHasher:
         else:  # another sequence: one pass into a list
             whole = start == 0 and stop >= len(token_ids)
             tokens, start = list(token_ids if whole else token_ids[start:stop]), 0
-        return chain(tokens, start, n, bs, parent, tail, first_tail)
+        return chain(tokens, start, n, bs, parent, tail, first_tail, joined)
 
 
 def split_hashes(blob: bytes, every: int = 1) -> list[BlockHash]:

@@ -169,7 +169,7 @@ class NodeKV:
         if reader is None or limit < hbs:
             return EngineLookup(0, 0, n)
         # the hasher reads and checks the ids as it hashes them (one native pass)
-        blob = b"".join(self._hasher.hash_blocks(token_ids, end_block=limit // hbs))
+        blob = self._hasher.hash_blocks_joined(token_ids, end_block=limit // hbs)
         hashes = np.frombuffer(blob, np.uint64).reshape(-1, 4)
         mgrs = self._managers
         flags, probes = [], []

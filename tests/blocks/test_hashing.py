@@ -351,6 +351,8 @@ def test_the_native_chain_equals_the_python_path(tokens, bs, seed, lora, salt, c
         forms.append(np.array(tokens, dtype=np.uint32))
     for form in forms:
         assert h.hash_blocks(form, **kw) == want, type(form)
+        if lora is None and salt is None:  # a lookup's form: the chain as one bytes object
+            assert h.hash_blocks_joined(form, end_block=end) == b"".join(want), type(form)
     # from a parent in the middle: the salt is the first block's only, the chain carries it
     first = min(cut, len(want))
     piece = {**kw, "first_block": first, "parent": want[first - 1] if first else None}
@@ -359,6 +361,15 @@ def test_the_native_chain_equals_the_python_path(tokens, bs, seed, lora, salt, c
     assert rest == want[first:]
     for form in forms:
         assert h.hash_blocks(form, **piece) == rest, type(form)
+
+
+def test_the_joined_chain_is_the_chain_joined_on_both_paths():
+    ids = list(range(3, 3 + 16 * 40 + 5))
+    h = BlockHasher(16)
+    with python_path():
+        assert h.hash_blocks_joined(ids) == b"".join(h.hash_blocks(ids))
+        assert h.hash_blocks_joined(ids[:10]) == b""
+    assert h.hash_blocks_joined(ids, end_block=7) == b"".join(h.hash_blocks(ids)[:7])
 
 
 def test_a_32k_token_prompt_hashes_alike_on_both_paths():
