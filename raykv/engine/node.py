@@ -8,16 +8,17 @@
 
 Lookups read the node's prefix index replica (``raykv.service.replica``) in shared memory
 and tell apart blocks this node's CPU tier holds (a load copies them at once) from blocks
-held elsewhere (the tier pulls them first). They are counted at the agent with a message
-that is not waited for. While the agent is unreachable (``NodeAgent``'s breaker is open)
-every lookup is a miss, answered at once, and every store or load fails fast: the engine
-computes, and nothing in it waits for the cache to come back.
+held elsewhere (the tier pulls them first). They are counted at the agent, in messages that
+are not waited for, at most every ``COUNT_S``. While the agent is unreachable (``NodeAgent``'s
+breaker is open) every lookup is a miss, answered at once, and every store or load fails
+fast: the engine computes, and nothing in it waits for the cache to come back.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from raykv.service.replica import LOCAL_TIER, ReplicaReader, key_lanes
 from raykv.service.spec import NAMESPACE, ServedModel, served_model, token_id_array
 
 log = logging.getLogger(__name__)
+COUNT_S = 0.05  # lookups are counted at the agent in batches this far apart
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class NodeKV:
         self.plan: Any = None
         self._managers: tuple = ()  # the plan's group managers (their hit rules)
         self._hasher: BlockHasher | None = None
+        self._counted, self._counted_at = [0, 0, 0], 0.0  # lookups not yet told the agent
         build_native(wait=False)  # the native hashing, built or loaded off the lookup's path
         self._replica: ReplicaReader | None = None
         self._replica_lock = threading.Lock()
@@ -193,8 +196,17 @@ class NodeKV:
                 tier = min(tier, (first + int(not_here[0])) * g.block_size)
         looked = cap // plan.groups[0].block_size
         got = hit // plan.groups[0].block_size
-        self.agent.send(p.Counted(model.name, 1, got, looked - got))
+        self._count(model.name, got, looked - got)
         return EngineLookup(hit, tier, n)
+
+    def _count(self, model: str, hits: int, misses: int) -> None:
+        """Tell the agent about lookups (``raykv status``), at most every ``COUNT_S``."""
+        c = self._counted
+        c[0], c[1], c[2] = c[0] + 1, c[1] + hits, c[2] + misses
+        now = time.monotonic()
+        if now - self._counted_at >= COUNT_S:
+            self.agent.send(p.Counted(model, *c))
+            self._counted, self._counted_at = [0, 0, 0], now
 
     # --- the data path --------------------------------------------------------------------
 
@@ -212,6 +224,8 @@ class NodeKV:
                           num_blocks=num_blocks, layout=layout, device=device)  # fmt: skip
 
     def close(self) -> None:
+        if self._counted[0] and self.model is not None:
+            self.agent.send(p.Counted(self.model.name, *self._counted))
         self.agent.close()
         if self._replica is not None:
             self._replica.close()
