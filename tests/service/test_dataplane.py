@@ -290,6 +290,7 @@ def test_an_engines_lookup_reads_its_nodes_replica_and_a_lease_pins_its_entries(
     before = ray_cluster.kv.stats()["lookups"]
     for _ in range(3):
         nb.lookup(probe)
+        time.sleep(0.06)  # engines count their lookups at the agent in batches 50 ms apart
     deadline = time.monotonic() + 10
     while ray_cluster.kv.stats()["lookups"] < before + 3 and time.monotonic() < deadline:
         time.sleep(0.2)
