@@ -8,7 +8,7 @@ makes is served (hybrid groups, TP ranks, CPU-tier entries of several GPU blocks
 One data path (``raykv.service.dataplane``): every byte that enters or leaves a block goes
 through ``raykv.tiers`` jobs and ``raykv.ops`` paged copies. The node's CPU tier arena and
 CPU-device pools' KV live in shared memory (``raykv.tiers.shm``): pools, their TP ranks and
-attached engines (``raykv.service.attach``) run ``OffloadEngine`` Store/Load jobs on the
+attached engines (``raykv.engine``) run ``OffloadEngine`` Store/Load jobs on the
 arena themselves, and the tier actor only keeps its metadata (reservations, leases,
 checksums). Between members that do not share memory, blocks move through
 ``raykv.transport`` (NCCL or gloo between pools, UCX between CPU tiers, Ray's object store as

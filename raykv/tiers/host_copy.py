@@ -1,7 +1,7 @@
 """Host copies of tier jobs with their checksums on the checksum thread beside them.
 
 Where a job's blocks and the arena are both host memory (a CPU-device pool, an engine attached
-through shared memory: ``raykv.service.attach``), its paged copy and the row sum of each of its
+through shared memory: ``raykv.engine``), its paged copy and the row sum of each of its
 rows both run on the host; one after the other they cost a copy plus a hash of every byte
 (~26 + ~17 ms per 128 MiB on the 2-core box). ``OffloadEngine`` overlaps the two on two
 threads, the caller's and the checksum thread (``raykv.tiers.checksum.in_background``):
