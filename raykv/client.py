@@ -540,19 +540,18 @@ class Client(_Base):
         ``GpuKV.register``, ``layout`` "kv_outer" or "block_outer"); None allocates tensors
         laid out like the pools' (``.kv``) on ``device``. ``num_blocks``: the engine's own
         block count (its pool is its own; the model's plan sets the rest)."""
-        from raykv.engine.agent import NodeAgent
-        from raykv.engine.attached import AttachedKV
-        from raykv.service.agent_protocol import socket_path
+        from raykv.engine.node import NodeKV
 
-        model, plan = self._model()
-        agent = NodeAgent(socket_path(self.namespace, self._node_id()))
-        if not agent.connect():
+        model, _ = self._model()
+        node = NodeKV.open(self.namespace, node_id=self._node_id())
+        if not node.up:
+            node.close()
             raise ServiceError(
-                f"no raykv node agent answers at {agent.path} (this node's CPU tier runs it); "
-                "is this node part of the service (raykv status)?"
+                f"no raykv node agent answers at {node.agent.path} (this node's CPU tier runs "
+                "it); is this node part of the service (raykv status)?"
             )
-        return AttachedKV(model.name, plan, agent, kv_tensors,
-                          num_blocks=num_blocks, layout=layout, device=device)  # fmt: skip
+        node.use(model.name)
+        return node.attach(kv_tensors, num_blocks=num_blocks, layout=layout, device=device)
 
 
 @_with_ops(_async_method)

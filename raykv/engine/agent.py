@@ -98,27 +98,15 @@ class NodeAgent:
     def _trip(self, why: str) -> None:
         """Open the breaker: fail what is pending, drop the socket, re-probe in the
         background."""
+        if self._drop(why):
+            self.trips += 1
+            log.warning("raykv: the node agent at %s is gone (%s); the engine computes "
+                        "without the cache until it is back", self.path, why)  # fmt: skip
         with self._lock:
-            sock, self._sock = self._sock, None
-            pending, self._pending = self._pending, {}
-            was_up = sock is not None
-            self._why = why
-            if was_up:
-                self.trips += 1
             start = not self._closed and (self._reprobe is None or not self._reprobe.is_alive())
             if start:
                 self._reprobe = threading.Thread(target=self._reconnect, daemon=True,
                                                  name="raykv-agent-reprobe")  # fmt: skip
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-        for f in pending.values():
-            if not f.done():
-                f.set_exception(self._unavailable())
-        if was_up:
-            log.warning("raykv: the node agent at %s is gone (%s); the engine computes "
-                        "without the cache until it is back", self.path, why)  # fmt: skip
         if start:
             self._reprobe.start()
 
@@ -128,12 +116,13 @@ class NodeAgent:
             try:
                 self._connect()
             except (OSError, RaykvError, FutureTimeout) as e:
-                self._drop_quietly(f"{type(e).__name__}: {e}")
+                self._drop(f"{type(e).__name__}: {e}")
                 continue
             log.warning("raykv: connected to the node agent at %s again", self.path)
             return
 
-    def _drop_quietly(self, why: str) -> None:
+    def _drop(self, why: str) -> bool:
+        """Drop the socket and fail every call pending on it; True if there was one."""
         with self._lock:
             sock, self._sock, self._why = self._sock, None, why
             pending, self._pending = self._pending, {}
@@ -144,6 +133,7 @@ class NodeAgent:
         for f in pending.values():
             if not f.done():
                 f.set_exception(self._unavailable())
+        return sock is not None
 
     def _unavailable(self) -> AgentUnavailable:
         return AgentUnavailable(
@@ -154,7 +144,7 @@ class NodeAgent:
 
     def close(self) -> None:
         self._closed = True
-        self._drop_quietly("closed")
+        self._drop("closed")
 
     # --- calls ----------------------------------------------------------------------------
 
