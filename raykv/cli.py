@@ -419,6 +419,24 @@ def bench_service(
     run_service(quick=quick, as_json=as_json, parts=parts, rounds=rounds)
 
 
+@bench.command("chaos")
+@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, help="How long the workload runs under faults.")  # fmt: skip
+@click.option("--every", type=click.FloatRange(min=1), default=6.0, show_default=True,
+              help="Mean seconds between faults.")  # fmt: skip
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+def bench_chaos(minutes: float, every: float, seed: int, as_json: bool) -> None:
+    """A 3-node soak: Ray-driver clients and attached engines on every node while members are
+    killed and tier rows corrupted; every served byte checked, leaks counted after. Exits
+    non-zero on wrong KV, a non-raykv error or a leak."""
+    from raykv.bench.chaos import main as run_chaos
+
+    failed = run_chaos(minutes, as_json=as_json, every_s=every, seed=seed)
+    if failed:
+        raise click.ClickException("the soak found " + ", ".join(failed))
+
+
 @bench.command("vllm")
 @click.option("--sizes", default="1024,2048,4096,8192", show_default=True,
               help="shared-prefix tokens, comma-separated")  # fmt: skip
