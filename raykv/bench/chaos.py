@@ -408,23 +408,27 @@ class Soak:
             self.echo(f"  {kind:<12} slot {slot}  {detail}")
 
     def _kill(self, name: str, restart: bool = False) -> str:
-        """Kill actor ``name``; unless Ray restarts it, return once its process is gone
-        (``ray.kill`` is asynchronous, and the actor is reported dead before its process
-        exits: calls it answers until then must not count as recovered)."""
+        """Kill actor ``name``; unless Ray restarts it, return once its process is gone."""
+        import ray
+
+        from raykv.service.spec import NAMESPACE
+
+        if restart:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=False)
+        else:
+            _kill_now(*self._process(name))
+        return f"killed {name}"
+
+    @staticmethod
+    def _process(name: str) -> tuple[Any, int]:
+        """Actor ``name``'s handle and pid (every member runs on this host)."""
         import ray
 
         from raykv.service.spec import NAMESPACE
 
         handle = ray.get_actor(name, namespace=NAMESPACE)
-        pid = None
-        if not restart:  # every member runs on this host: its pid names its process
-            aid = ray.get(handle.snapshot.remote(), timeout=30)["actor_id"]
-            pid = ray._private.state.actors(aid)["Pid"]  # Ray's own table (no dashboard)
-        ray.kill(handle, no_restart=not restart)
-        deadline = time.monotonic() + 30
-        while pid and _running(pid) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return f"killed {name}"
+        aid = ray.get(handle.snapshot.remote(), timeout=30)["actor_id"]
+        return handle, ray._private.state.actors(aid)["Pid"]  # Ray's own table (no dashboard)
 
     def _fault_pool(self, slot: int) -> str:
         from raykv.service.spec import pool_name
@@ -450,37 +454,49 @@ class Soak:
 
     def _fault_ucx_peer(self, slot: int) -> str | None:
         """Blocks only ``slot``'s tier holds, pulled by another node's tier over UCX while
-        ``slot``'s tier is killed: the pull is whole, a miss or an error, never wrong KV."""
+        ``slot``'s tier is killed: the pull is whole, a miss or an error, never wrong KV. A
+        first pull of other such blocks, not killed, times one (and opens the UCX route);
+        the kill lands at a random point of the second's expected span."""
         from raykv import ops
         from raykv.service.spec import tier_name
 
         other = self.rng.choice([s for s in (0, 1, 2) if s != slot])
         with self.fresh_lock:
-            self.fresh += 1
-            ids = self._tokens(MAX_LEN - BLOCK + 1, self.seed * 10**7 + 5 * 10**6 + self.fresh)
-        full = len(ids) // BLOCK
+            self.fresh += 2
+            base = self.seed * 10**7 + 5 * 10**6 + self.fresh
+        prompts = [self._tokens(MAX_LEN - BLOCK + 1, base + k) for k in (0, 1)]
+        full = len(prompts[0]) // BLOCK
         blocks = list(range(1, full + 1))
         victim = tier_name(self.nodes[slot])
         with self._engine_on(slot, full) as src, self._engine_on(other, full) as dst:
             gid = self.plan.groups[0].group_id
-            ops.scatter_blocks(
-                expected(ids, full, self.width), src.kv.entries(gid), torch.tensor(blocks)
-            )
-            if src.store_from(ids, blocks) < full:
-                return None  # no room there now: no fault made
+            for ids in prompts:
+                rows = expected(ids, full, self.width)
+                ops.scatter_blocks(rows, src.kv.entries(gid), torch.tensor(blocks))
+                if src.store_from(ids, blocks) < full:
+                    return None  # no room there now: no fault made
             src.flush()
-            self._until_known(other, ids, full * BLOCK)
+            for ids in prompts:
+                self._until_known(other, ids, full * BLOCK)
+            t0 = time.monotonic()
+            first = dst.pull(prompts[0], full)[0]
+            took = time.monotonic() - t0
+            handle, pid = self._process(victim)
+            delay = self.rng.uniform(0.2, 1.0) * took
             with ThreadPoolExecutor(1) as pool:
-                pulling = pool.submit(dst.pull, ids, full)
-                time.sleep(self.rng.uniform(0.0, 0.02))  # somewhere in the pull's transfer
-                self._kill(victim)
+                pulling = pool.submit(dst.pull, prompts[1], full)
+                time.sleep(delay)
+                _kill_now(handle, pid)
                 try:
                     got = f"{pulling.result()[0]}/{full} pulled"
                 except Exception as e:
                     self.tally.error(f"ucx pull from slot {slot}", e)
                     got = f"the pull failed: {type(e).__name__}"
-            loaded = self._load_checked(dst, ids, full, f"ucx pull from slot {slot}")
-        return f"killed {victim} under a pull: {got}, {loaded} loaded, verified"
+            loaded = self._load_checked(dst, prompts[1], full, f"ucx pull from slot {slot}")
+        return (
+            f"killed {victim} {delay * 1e3:.0f} ms into a pull (one unkilled: {first}/{full} in "
+            f"{took * 1e3:.0f} ms): {got}, {loaded} loaded, verified"
+        )
 
     def _until_known(self, slot: int, ids: list[int], tokens: int) -> None:
         """Until node ``slot``'s lookup hits ``tokens`` of ``ids`` (its replica follows the
@@ -704,6 +720,18 @@ def _offload(rid: str) -> bool:
     return int(rid.rsplit("-", 1)[1]) % 2 == 0
 
 
+def _kill_now(handle: Any, pid: int) -> None:
+    """``ray.kill``, then wait (30 s at most) until the process is gone: the kill is
+    asynchronous and the actor is reported dead before its process exits, so calls it
+    answers until then must not count as recovered."""
+    import ray
+
+    ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + 30
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def _running(pid: int) -> bool:
     """Whether process ``pid`` still runs (a zombie, dead but not yet reaped, does not)."""
     try:
@@ -808,11 +836,11 @@ def format_report(r: dict[str, Any]) -> str:
         f"leaked           {r['leaked']}  (must be 0): pool blocks {r['leaks']['pool_blocks']}, "
         f"requests {r['leaks']['pool_requests']}, tier leases {r['leaks']['tier_leases']}",
         "",
-        f"{'fault':<14}{'count':>6}{'p50 s':>9}{'p99 s':>9}{'unrecovered':>13}",
+        f"{'fault':<14}{'count':>6}{'p50 s':>9}{'p99 s':>9}{'not back by the end':>21}",
     ]
     for k, f in r["faults"].items():
         p50, p99 = _num(f["recovery_p50_s"], 2), _num(f["recovery_p99_s"], 2)
-        lines.append(f"{k:<14}{f['count']:>6}{p50:>9}{p99:>9}{f['unrecovered']:>13}")
+        lines.append(f"{k:<14}{f['count']:>6}{p50:>9}{p99:>9}{f['unrecovered']:>21}")
     tp = r["throughput"]
     lines += [
         "",
