@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from raykv.errors import RaykvError, UnknownRequest
+from raykv.errors import RaykvError, ServiceError, UnknownRequest
 from raykv.service.agent_protocol import AGENT_DIR_ENV
 
 MODEL = "chaos"
@@ -129,7 +129,8 @@ class Tally:
     errors: Counter = field(default_factory=Counter)
     raw: list[str] = field(default_factory=list)  # the first few non-raykv errors, verbatim
     samples: dict[str, list[str]] = field(default_factory=dict)  # a few messages per type
-    wrong: list[str] = field(default_factory=list)
+    wrong_blocks: int = 0  # served blocks whose bytes differ from what was stored
+    wrong: list[str] = field(default_factory=list)  # where, for the first few
     checked_blocks: int = 0
     served_blocks: int = 0  # blocks a load filled from another copy (checked too)
     refused: int = 0  # admits answered False (the pool full): retried, not an error
@@ -162,7 +163,8 @@ class Tally:
         with self.lock:
             self.checked_blocks += len(want)
             self.served_blocks += served
-            if bad:
+            self.wrong_blocks += len(bad)
+            if bad and len(self.wrong) < 20:
                 self.wrong.append(f"{where}: blocks {bad[:8]} of {len(want)} differ")
 
 
@@ -222,7 +224,8 @@ class Soak:
         )  # fmt: skip
         self.width = self.plan.gpu_bytes_per_block
         self.echo("waiting for a pool and a tier on every node ...")
-        self._wait_whole(120.0)
+        if not self._wait_whole(120.0):
+            raise ServiceError("raykv placed no pool and tier on every node within 120 s")
 
     @staticmethod
     def _row(layers: dict[str, Any]) -> int:
@@ -263,12 +266,13 @@ class Soak:
             t0 = time.monotonic()
             kv.lookup(ids)
             t.ok("lookup", slot, "lookup", t0)
-            step, t0 = "admit", time.monotonic()
+            # freed whatever happens from here: an admit whose answer was lost may have held
+            step, t0, admitted = "admit", time.monotonic(), True
             if not kv.admit(rid, len(ids), ids):
+                admitted = False
                 with t.lock:
                     t.refused += 1
                 return False
-            admitted = True
             t.ok("admit", slot, "driver", t0)
             step, t0 = "allocate", time.monotonic()
             table = kv.allocate(rid, len(ids), ids)[0]
@@ -408,15 +412,9 @@ class Soak:
             self.echo(f"  {kind:<12} slot {slot}  {detail}")
 
     def _kill(self, name: str, restart: bool = False) -> str:
-        """Kill actor ``name``; unless Ray restarts it, return once its process is gone."""
-        import ray
-
-        from raykv.service.spec import NAMESPACE
-
-        if restart:
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=False)
-        else:
-            _kill_now(*self._process(name))
+        """Kill actor ``name`` (Ray restarts it if ``restart``); return once its process is
+        gone."""
+        _kill_now(*self._process(name), restart=restart)
         return f"killed {name}"
 
     @staticmethod
@@ -427,8 +425,8 @@ class Soak:
         from raykv.service.spec import NAMESPACE
 
         handle = ray.get_actor(name, namespace=NAMESPACE)
-        aid = ray.get(handle.snapshot.remote(), timeout=30)["actor_id"]
-        return handle, ray._private.state.actors(aid)["Pid"]  # Ray's own table (no dashboard)
+        # Ray's own actor table (there is no dashboard, so no public state API)
+        return handle, ray._private.state.actors(handle._actor_id.hex())["Pid"]
 
     def _fault_pool(self, slot: int) -> str:
         from raykv.service.spec import pool_name
@@ -443,12 +441,19 @@ class Soak:
     def _fault_coordinator(self, slot: int) -> str:
         from raykv.service.spec import COORDINATOR
 
-        return self._kill(COORDINATOR, restart=True)  # detached: Ray restarts it
+        return self._kill(COORDINATOR, restart=True)  # as when its process crashes
 
     def _fault_node(self, slot: int) -> str:
         old = self.nodes[slot]
         self.cluster.remove_node(self.workers[slot])
-        self.workers[slot] = self.cluster.add_node(**NODE)
+        for attempt in range(3):  # a loaded host may time a raylet's start out: try again
+            try:
+                self.workers[slot] = self.cluster.add_node(**NODE)
+                break
+            except Exception as e:
+                self.echo(f"  adding a node failed ({type(e).__name__}: {e}); again")
+                if attempt == 2:
+                    raise
         self.nodes[slot] = self.workers[slot].node_id
         return f"node {old[:8]} removed, {self.nodes[slot][:8]} added"
 
@@ -683,8 +688,8 @@ class Soak:
             "raw_errors": raw,
             "raw_samples": t.raw,
             "error_samples": t.samples,
-            "wrong_kv": len(t.wrong),
-            "wrong_samples": t.wrong[:20],
+            "wrong_kv": t.wrong_blocks,
+            "wrong_samples": t.wrong,
             "checked_blocks": t.checked_blocks,
             "served_blocks": t.served_blocks,
             "checksum_errors": checksum_errors,
@@ -720,13 +725,13 @@ def _offload(rid: str) -> bool:
     return int(rid.rsplit("-", 1)[1]) % 2 == 0
 
 
-def _kill_now(handle: Any, pid: int) -> None:
+def _kill_now(handle: Any, pid: int, restart: bool = False) -> None:
     """``ray.kill``, then wait (30 s at most) until the process is gone: the kill is
     asynchronous and the actor is reported dead before its process exits, so calls it
     answers until then must not count as recovered."""
     import ray
 
-    ray.kill(handle, no_restart=True)
+    ray.kill(handle, no_restart=not restart)
     deadline = time.monotonic() + 30
     while _running(pid) and time.monotonic() < deadline:
         time.sleep(0.02)
