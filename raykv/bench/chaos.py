@@ -836,8 +836,9 @@ def format_report(r: dict[str, Any]) -> str:
         f"raw errors       {r['raw_errors']}  (must be 0)",
         f"wrong KV         {r['wrong_kv']}  (must be 0) of {r['checked_blocks']} blocks checked, "
         f"{r['served_blocks']} served from other copies",
-        f"corrupt rows     {r['corrupted_rows']} flipped, {r['corruptions_caught']} caught by the "
-        f"next load (the rest reclaimed first); checksum errors counted {r['checksum_errors']}",
+        f"corrupt rows     {r['corrupted_rows']} flipped, {r['corruptions_caught']} counted by "
+        f"their tier at the next load; checksum_errors of the members alive at the end "
+        f"{r['checksum_errors']} (a replaced member's count goes with it)",
         f"leaked           {r['leaked']}  (must be 0): pool blocks {r['leaks']['pool_blocks']}, "
         f"requests {r['leaks']['pool_requests']}, tier leases {r['leaks']['tier_leases']}",
         "",
