@@ -38,7 +38,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "ops_reference": {"ops_threads"},  # the torch half of ops, in a file of its own
     "ops_threads": set(),  # the host threads ops' host copies (and the hashing) run on
     "ops_pools": BASE | {"ops", "ops_checks", "ops_reference"},  # block to block, pool to pool
-    "tiers": BASE | {"layout", "blocks", "ops", "ops_threads"},
+    "tiers": BASE | {"layout", "blocks", "ops", "ops_reference", "ops_threads"},
     "transport": BASE | {"layout", "tiers", "ops", "ops_pools", "ops_threads"},
     "models": BASE | {"layout", "ops"},
     "service": BELOW_SERVICE,

@@ -69,6 +69,10 @@ def pool(monkeypatch):
 
 
 def test_a_load_whose_request_is_freed_and_readmitted_writes_and_publishes_nothing(pool) -> None:
+    """The engine frees the request while its load's rows travel and admits the id again for
+    another prompt: the blocks the load writes stay held until it ends (the new request is
+    not admitted meanwhile: no room), and then nothing of the old prompt is published, valid
+    or readable in the blocks the new request gets."""
     first, second = tokens(5 * BS, 1), tokens(5 * BS, 2)
     fetched = torch.full((1, 4, ROW), 7, dtype=torch.uint8)  # the first prompt's KV
 
@@ -78,9 +82,7 @@ def test_a_load_whose_request_is_freed_and_readmitted_writes_and_publishes_nothi
         async def stream(self, source, model, keys, endpoint=None, land=None, asked=None):
             # while the rows travel, the engine aborts "r" and reuses its id for a new prompt
             await pool.free(ENGINE, "r")
-            assert await pool.admit(ENGINE, "r", len(second), second)
-            table = (await pool.allocate(ENGINE, "r", len(second), second))[0]
-            race.append(table)
+            race.append(await pool.admit(ENGINE, "r", len(second), second))
             sums = [list(row_checksums(fetched[0]))]
             yield BlockBatch(len(keys), fetched, tuple(tuple(c) for c in sums))
 
@@ -88,15 +90,17 @@ def test_a_load_whose_request_is_freed_and_readmitted_writes_and_publishes_nothi
         assert await pool.admit(ENGINE, "r", len(first), first)
         table = (await pool.allocate(ENGINE, "r", len(first), first))[0]
         res = await pool.load(ENGINE, "r", first, into=table[:4])
-        return table, res
+        assert await pool.admit(ENGINE, "r", len(second), second)  # the load ended: room
+        return table, res, (await pool.allocate(ENGINE, "r", len(second), second))[0]
 
     race: list = []
     pool.transports = {OBJECT_STORE: RacingTransport()}
-    table, res = asyncio.run(run())
+    table, res, again = asyncio.run(run())
+    assert race == [False]  # the load still held the freed request's blocks
     assert res["num_tokens"] == 0 and res["loaded_blocks"] == 0
-    assert set(race[0]) & set(table[:4]), "the new request must have reused the freed blocks"
+    assert set(again) & set(table[:4]), "the new request must have reused the freed blocks"
     # the new request's blocks never got the first prompt's bytes, and nothing became a hit
-    assert not (pool.local.gather(0, race[0]) == 7).all(dim=1).any()
+    assert not (pool.local.gather(0, again) == 7).all(dim=1).any()
     assert pool.coord.stored == [] and pool.valid == {}
 
 
