@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from raykv.errors import InvalidInput
+from raykv.errors import InvalidInput, RaykvError
 from raykv.service import holders
 from raykv.service.agent import AgentServer
 from raykv.service.groups import check_servable, key_group, row_widths
@@ -154,7 +154,7 @@ class CpuTierActor(Member):
             self._follower = loop.create_task(self._follow_index())
             try:
                 log.info("tier %s: node agent at %s", self.name, await self.agent.start())
-            except OSError as e:  # pools still use the tier; engines of this node cannot
+            except (OSError, RaykvError) as e:  # pools still use the tier; engines cannot
                 log.error("tier %s: no node agent (%r): engines here run without raykv",
                           self.name, e)  # fmt: skip
                 self.metrics.failed("agent_start")
