@@ -8,7 +8,6 @@ back to 0 (cached blocks count as free). Destructive tests run in file order; th
 leaves last. ``RAYKV_FAULT_THREADS`` / ``RAYKV_FAULT_LOAD_S`` scale the load test.
 """
 
-import hashlib
 import os
 import random
 import sys
@@ -16,13 +15,13 @@ import threading
 import time
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import ray
 import torch
 from kvdata import BLOCK, ROW, tokens
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raykv.bench import chaos
 from raykv.client import Client
 from raykv.errors import AccessDenied, ServiceError
 from raykv.layout import FullAttention
@@ -42,13 +41,10 @@ LOAD_S = float(os.environ.get("RAYKV_FAULT_LOAD_S", "12"))
 
 
 def expected(ids: list[int], n: int) -> torch.Tensor:
-    """The only bytes block ``j`` of a prompt may ever hold: seeded by its whole prefix."""
-    out = np.empty((n, ROW), np.uint8)
-    for j in range(n):
-        prefix = np.asarray(ids[: (j + 1) * BLOCK], np.int64).tobytes()
-        seed = int.from_bytes(hashlib.sha256(prefix).digest()[:8], "little")
-        out[j] = np.random.default_rng(seed).integers(0, 256, ROW, dtype=np.uint8)
-    return torch.from_numpy(out)
+    """The only bytes block ``j`` of a prompt may ever hold: seeded by its whole prefix (the
+    chaos soak's definition, ``raykv.bench.chaos.expected``)."""
+    assert BLOCK == chaos.BLOCK
+    return chaos.expected(ids, n, ROW)
 
 
 def wrong_blocks(got: torch.Tensor, want: torch.Tensor) -> int:
