@@ -245,7 +245,11 @@ class StagedCopy {
   }
 
   // segs: int64 [S, 4] on the device; block_ids: int64 [N] on the host or the device.
-  void run(const torch::Tensor& segs, const torch::Tensor& block_ids, int64_t num_ctas) {
+  // sums_ptr: 0, or an int64 [N] on the device that receives each row's sum (row_sum.h), taken
+  // by the kernel from the device chunk it fills (a gather) or empties (a scatter): the host
+  // never reads the bytes to checksum them.
+  void run(const torch::Tensor& segs, const torch::Tensor& block_ids, int64_t num_ctas,
+           int64_t sums_ptr) {
     raykv::require(!finished_, "StagedCopy: run() after run() or cancel()");
     raykv::require(segs.is_cuda() && segs.get_device() == device_ &&
                        segs.scalar_type() == torch::kInt64 && segs.is_contiguous() &&
@@ -262,18 +266,24 @@ class StagedCopy {
       const auto* table = reinterpret_cast<const RaykvSegment*>(segs.data_ptr<int64_t>());
       const int num_segs = static_cast<int>(segs.size(0));
       const int64_t* id = ids.data_ptr<int64_t>();
+      auto* sums = reinterpret_cast<unsigned long long*>(sums_ptr);
+      if (sums != nullptr) {  // the kernel adds each row's terms to its sum
+        raykv::check_cuda(cudaMemsetAsync(sums, 0, sizeof(*sums) * rows_.size(0), compute_),
+                          "StagedCopy: zeroing the sums");
+      }
       for (size_t i = 0; i < counts_.size(); ++i) {
+        unsigned long long* chunk_sums = sums == nullptr ? nullptr : sums + starts_[i];
         const size_t slot = i % 2;
         if (gather_) {
           if (i >= 2) wait(compute_, released_[slot]);  // its last chunk has left for the host
-          launch(table, num_segs, id + starts_[i], counts_[i], slot, num_ctas);
+          launch(table, num_segs, id + starts_[i], counts_[i], slot, num_ctas, chunk_sums);
           order(side_, compute_, handed_[slot]);
           host_copy(i);
           raykv::check_cuda(cudaEventRecord(released_[slot], side_), "cudaEventRecord");
         } else {
           if (i >= sent_) send(i);
           wait(compute_, handed_[slot]);
-          launch(table, num_segs, id + starts_[i], counts_[i], slot, num_ctas);
+          launch(table, num_segs, id + starts_[i], counts_[i], slot, num_ctas, chunk_sums);
           raykv::check_cuda(cudaEventRecord(released_[slot], compute_), "cudaEventRecord");
         }
       }
@@ -315,11 +325,11 @@ class StagedCopy {
   }
 
   void launch(const RaykvSegment* table, int num_segs, const int64_t* ids, int64_t count,
-              size_t slot, int64_t num_ctas) {
+              size_t slot, int64_t num_ctas, unsigned long long* sums) {
     void* chunk = chunks_[slot].data_ptr();
     const cudaError_t err = static_cast<cudaError_t>(
         raykv_paged_copy(table, num_segs, ids, count, chunk, rows_.size(1), gather_ ? 1 : 0,
-                         static_cast<int>(num_ctas), nullptr, compute_.stream()));
+                         static_cast<int>(num_ctas), sums, compute_.stream()));
     raykv::check_cuda(err, "paged_copy launch");
   }
 
@@ -373,6 +383,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("rows"), py::arg("device"), py::arg("counts"), py::arg("gather"),
            py::arg("prefill"), "set up a staged copy (a scatter sends `prefill` chunks now)")
       .def("run", &StagedCopy::run, py::arg("segs"), py::arg("block_ids"), py::arg("num_ctas"),
-           "enqueue the whole pipeline")
+           py::arg("sums_ptr") = 0, "enqueue the whole pipeline (with each row's sum)")
       .def("cancel", &StagedCopy::cancel, "drop a copy that never ran");
 }

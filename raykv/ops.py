@@ -196,13 +196,9 @@ def _spans_aligned(entries: list[torch.Tensor], key: tuple) -> bool:
 
 
 def _summable(entries: list[torch.Tensor], key: tuple, rows: torch.Tensor) -> bool:
-    """Whether the kernel can take the wire sums while it copies: every span, row and the
-    row width 8-byte aligned (64-bit words), the rows on the entries' own device."""
-    return (
-        _spans_aligned(entries, key)
-        and rows.device == entries[0].device
-        and rows.data_ptr() % 8 == 0
-    )
+    """Whether the kernel can take the row sums while it copies: every span, the rows and
+    so the row width 8-byte aligned (64-bit words); the rows anywhere the kernel reaches."""
+    return _spans_aligned(entries, key) and rows.data_ptr() % 8 == 0
 
 
 def _launch(
@@ -243,6 +239,8 @@ def _launch(
             module.paged_copy(table, ids, pointer + start * width, width, gather, ctas, at,
                               start, count)  # fmt: skip
             if sums is not None and not fused:
+                if rows.device.type == "cpu":  # host rows: read once the copy landed
+                    torch.cuda.current_stream(device).synchronize()
                 sums[start : start + count].copy_(row_sums(rows[start : start + count]))
             if each is not None and gather:
                 each(start, count)
@@ -398,6 +396,10 @@ MODES = ("staged", "direct")
 _DEFAULT_MODE = os.environ.get("RAYKV_COPY_MODE", "staged")
 
 
+def _sums_pointer(sums: torch.Tensor | None) -> int:
+    return 0 if sums is None else sums.data_ptr()
+
+
 def _mode(mode: str | None, what: str) -> str:
     mode = mode or _DEFAULT_MODE
     if mode not in MODES:
@@ -428,8 +430,9 @@ def gather_blocks(
     memory (the kernel writes it through its mapped UVA pointer), or plain CPU memory.
     mode (pinned host dst only): "staged" (the kernel gathers into device chunks while the copy
     engine moves the previous one) or "direct" (the kernel writes host memory through UVA);
-    default $RAYKV_COPY_MODE or "staged". sums (int64 [len(block_ids)], dst on the entries'
-    device): receives each row's wire sum (``row_sums``), taken by the kernel while it copies.
+    default $RAYKV_COPY_MODE or "staged". sums (int64 [len(block_ids)] on the entries'
+    device): receives each row's sum (``row_sums``), taken by the kernel while it copies, in
+    every mode (a staged copy sums each device chunk it fills; the host never reads the rows).
     chunks (row counts summing to len(block_ids)): one launch per chunk, in order, and
     ``each(start, count)`` called after each chunk's copy is queued (a pipeline sends it
     while the next is gathered); pinned host ids keep the host from waiting on the device.
@@ -441,10 +444,10 @@ def gather_blocks(
     _check_chunks(chunks, block_ids.numel(), "gather_blocks")
     if not block_ids.numel():
         return
-    plain = sums is None and chunks is None
-    staged = _start_staged(dst, entries, True, mode) if plain else None
+    fuse = sums is None or _spans_aligned(entries, key)
+    staged = _start_staged(dst, entries, True, mode) if chunks is None and fuse else None
     if staged is not None:  # after the checks: a gather reads the pool
-        staged.run(_segment_table(entries, key), block_ids, _CTAS)
+        staged.run(_segment_table(entries, key), block_ids, _CTAS, _sums_pointer(sums))
     elif not _launch(entries, key, block_ids, dst, True, sums, chunks, each):
         _reference(entries, block_ids, dst, True, sums, chunks, each)
 
@@ -463,10 +466,10 @@ def scatter_blocks(
     """Inverse of gather_blocks: e[block_ids[i]] = the matching bytes of src[i].
 
     Same rules as gather_blocks for src (in the role of dst); block ids must also be distinct,
-    since two rows written to one block would race. sums: the wire sums of the rows as they
-    were read (a receiver compares them with the sender's). With chunks, ``each(start,
-    count)`` is called BEFORE each chunk's copy is queued (a pipeline makes the copy wait for
-    that chunk's arrival there). ``check(lo, hi)`` (optional, not with sums or chunks) is
+    since two rows written to one block would race. sums: the row sums of the rows as they
+    were read and written (a receiver compares them with the sender's, a tier with the
+    stored checksums). With chunks, ``each(start, count)`` is called BEFORE each chunk's
+    copy is queued (a pipeline makes the copy wait for that chunk's arrival there). ``check(lo, hi)`` (optional, not with sums or chunks) is
     called on the rows ``src[lo:hi]`` before any of them is written and returns how many of
     them (from ``lo``) may be, so a caller can verify rows as they go (on the host, span by
     span on each host thread, each span right before that thread copies it, while it is in
@@ -494,8 +497,10 @@ def scatter_blocks(
         if staged is not None:
             staged.cancel()
         raise
+    if staged is None and chunks is None and sums is not None and _spans_aligned(entries, key):
+        staged = _start_staged(src, entries, False, mode)  # with sums: no early chunks
     if staged is not None:
-        staged.run(_segment_table(entries, key), block_ids, _CTAS)
+        staged.run(_segment_table(entries, key), block_ids, _CTAS, _sums_pointer(sums))
     elif block_ids.numel() and not _launch(entries, key, block_ids, src, False, sums, chunks, each):
         if check is not None:
             return _scatter_reference(src, entries, block_ids, check)

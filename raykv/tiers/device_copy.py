@@ -1,125 +1,114 @@
-"""CUDA tier jobs: the copy in chunks on the engine's side stream, the checksums on the
-hashing threads beside it.
+"""CUDA tier jobs: the copy kernels take each row's checksum while they copy, so the host never
+reads the bytes (invariant 12 on the GPU).
 
-A GPU <-> pinned-arena copy moves at PCIe's pace (~55 GB/s on the H100 device host), where
-one thread's xxh3 hashes ~11 GB/s and eight ~57 (measured there, 1 GiB of pinned rows). A
-store that hashed its rows after the copy, or a load that verified every row before it on
-one thread, took the copy plus ~5 times the copy. ``OffloadEngine`` (``_copy_device``)
-hands each run of consecutive full-width arena rows to these two instead:
+A GPU <-> pinned-arena copy moves at PCIe's pace (~55 GB/s on the H200 host). Checksums
+taken by host threads beside it cost most of that bandwidth (the tier's CUDA jobs ran at
+0.27 x a plain pinned copy with 16 threads summing). Instead ``OffloadEngine._copy_device``
+hands each group's rows to these two, which pass ``sums=`` to ``raykv.ops``' paged copy: the
+kernel adds each row's sum (``kernels/row_sum.h``, the tiers' one checksum) as it fills or
+empties the device chunk of the staged pipeline, and only the sums (8 bytes a row) cross to
+the host, behind the copy on the same stream:
 
-* ``store`` gathers chunk by chunk straight into the arena rows (sizes halving towards the
-  end, so the last hashing is short), records an event after each chunk and hashes the
-  chunk's rows on the hashing threads (``raykv.ops_threads.in_parallel``) once the event
-  fired, while the next chunks cross PCIe;
-* ``load`` verifies every key on the hashing threads from the start, in pieces of whole
-  keys, and queues the scatter of each span of verified keys as soon as they are verified:
-  nothing of a key that fails its checksum, nor anything after it, is written (invariant 12).
+* a store gathers the blocks into the arena rows (``copy_rows``); its sums (``TakenSums``)
+  are the rows' checksums once the job's event fired;
+* a load scatters the arena rows into the engine's blocks; ``LoadCheck.first_bad``
+  compares the sums the kernel took as it wrote them with the stored checksums once the
+  job's event fired. The first key that fails and every key after it in its group are not
+  loaded: the job reports them missed (the engine recomputes those blocks, whatever bytes
+  landed in them) and the failed key is dropped as corrupt. Only verified rows ever become
+  valid.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from raykv import ops
-from raykv.ops_threads import in_parallel
-from raykv.tiers.checksum import checksums_at
-from raykv.tiers.host_copy import key_chunks, within
-
-STORE_FIRST_BYTES = 4 << 20  # a store's last chunk: the hashing left after the copy
-STORE_CHUNK_BYTES = 128 << 20  # a gather per chunk (each call costs tens of us of host time)
-PIECE_BYTES = 4 << 20  # one hashing task: keeps 8 threads busy, and the first load span short
-LOAD_SPAN_BYTES = 64 << 20  # verified rows queued per scatter call
 
 
 @dataclass(frozen=True)
 class GroupRows:
-    """One group's copy: ``entries[block_ids[i]]`` <-> ``arena[rows[i]]`` (full-width rows,
-    ``runs`` of consecutive ones, ``host_copy.row_runs``), ``slots`` each position's
-    ``(key, sub-slot)``."""
+    """One group's copy: ``entries[block_ids[i]]`` <-> ``rows_of[rows[i]]`` (full-width
+    rows of the arena or of a staging buffer, ``runs`` of consecutive ones,
+    ``host_copy.row_runs``)."""
 
     entries: list[torch.Tensor]
     block_ids: torch.Tensor
-    arena: torch.Tensor
+    rows_of: torch.Tensor
     rows: Sequence[int]
     runs: Sequence[tuple[int, int]]
-    slots: Sequence[tuple[int, int]]
 
-    def copy(self, start: int, end: int, gather: bool) -> None:
-        """Queue positions ``start .. end - 1`` on the current stream, one call per run."""
-        for s, e in within(self.runs, start, end):
-            rows = self.arena[self.rows[s] : self.rows[s] + e - s]
+    def copy(self, gather: bool, sums: torch.Tensor | None) -> None:
+        """Queue every position on the current stream, one call per run, each row's sum into
+        ``sums`` (on the entries' device) where given."""
+        for s, e in self.runs:
+            rows = self.rows_of[self.rows[s] : self.rows[s] + e - s]
+            part = None if sums is None else sums[s:e]
             if gather:
-                ops.gather_blocks(self.entries, self.block_ids[s:e], rows)
+                ops.gather_blocks(self.entries, self.block_ids[s:e], rows, sums=part)
             else:
-                ops.scatter_blocks(rows, self.entries, self.block_ids[s:e])
+                ops.scatter_blocks(rows, self.entries, self.block_ids[s:e], sums=part)
 
 
-def store(
-    g: GroupRows, stream: torch.cuda.Stream, hashing: bool
-) -> list[tuple[Sequence[int], Future[list[int]]]]:
-    """Queue the gather of ``g`` into the arena on ``stream`` (the current stream), chunk by
-    chunk; with ``hashing``, each chunk's rows' checksums are taken on the hashing threads
-    once the chunk landed. Returns (arena rows, their checksums' future) per piece."""
-    table, width = g.arena.numpy(), g.arena.shape[1]
-    out: list[tuple[Sequence[int], Future[list[int]]]] = []
-    chunks = key_chunks(g.slots, width, last_small=True, first=STORE_FIRST_BYTES,
-                        top=STORE_CHUNK_BYTES)  # fmt: skip
-    try:
-        for a, b in chunks:
-            g.copy(a, b, gather=True)
-            if not hashing:
-                continue
-            landed = torch.cuda.Event()
-            landed.record(stream)
-            for pa, pb in _pieces(a, b, width):
-                part = g.rows[pa:pb]
-                out.append((part, in_parallel(_sums_after, landed, table, part, width)))
-    except BaseException:  # the hashing started ends before the caller frees the rows
-        concurrent.futures.wait([f for _, f in out])
-        raise
-    return out
+def copy_rows(g: GroupRows, gather: bool, summed: bool) -> torch.Tensor | None:
+    """Queue ``g``'s gather (into the rows) or scatter (out of them) on the current stream;
+    where ``summed``, each row's sum as the kernel read it, in pinned host memory (int64 per
+    position), landing behind the copy on the stream."""
+    if not summed:
+        g.copy(gather, None)
+        return None
+    device = g.entries[0].device
+    sums = torch.empty(len(g.rows), dtype=torch.int64, device=device)
+    g.copy(gather, sums)
+    host = torch.empty(len(g.rows), dtype=torch.int64, pin_memory=device.type == "cuda")
+    host.copy_(sums, non_blocking=True)
+    return host
 
 
-def _sums_after(landed: torch.cuda.Event, table: np.ndarray, rows: Sequence[int], width: int):
-    landed.synchronize()  # releases the GIL while it waits
-    return checksums_at(table, rows, width)
+@dataclass(frozen=True)
+class TakenSums:
+    """A store's row sums (``copy_rows``): read them only once the stream reached the job's
+    event."""
+
+    slots: Sequence[tuple[int, int]]  # each position's (key, sub-slot)
+    sums: torch.Tensor  # int64 per position, pinned host memory
+
+    def fill(self, out: list[list[int]]) -> None:
+        """``out[key][sub-slot]`` = the sum of the row stored there."""
+        for (k, s), c in zip(self.slots, self.sums.tolist(), strict=True):
+            out[k][s] = c
 
 
-def load(g: GroupRows, verify: Callable[[int, int], int | None] | None) -> tuple[int, int | None]:
-    """Queue the scatter of ``g`` from the arena on the current stream, each span only once
-    ``verify`` (``OffloadEngine._verifier``: the first position of the first key failing its
-    checksum in a range of whole keys, or None) passed every key in it. Returns (rows
-    written, the failing position or None). No verification outlives the call."""
-    n, width = len(g.rows), g.arena.shape[1]
-    if verify is None:
-        g.copy(0, n, gather=False)
-        return n, None
-    pieces = key_chunks(g.slots, width, first=PIECE_BYTES, top=PIECE_BYTES)
-    futures = [in_parallel(verify, a, b) for a, b in pieces]
-    queued = verified = 0
-    bad = None
-    try:
-        for (_, b), fut in zip(pieces, futures, strict=True):
-            bad = fut.result()
-            verified = b if bad is None else bad
-            if bad is not None or verified == n or (verified - queued) * width >= LOAD_SPAN_BYTES:
-                g.copy(queued, verified, gather=False)
-                queued = verified
-            if bad is not None:
-                break
-    finally:
-        for fut in futures:
-            fut.cancel()  # not started: never will
-        concurrent.futures.wait(futures)
-    return queued, bad
+@dataclass(frozen=True)
+class LoadCheck:
+    """A load's rows' sums as the kernel wrote them, against the checksums stored with them
+    (``expected``; ``known`` False where none was stored): compared once the job's event
+    fired."""
+
+    keys: Sequence[bytes]  # each position's key
+    expected: np.ndarray  # int64 per position
+    known: np.ndarray  # bool per position
+    sums: torch.Tensor  # int64 per position, pinned host memory
+
+    def first_bad(self) -> int | None:
+        """The first position of the first key a row of which does not match, or None."""
+        wrong = np.flatnonzero(self.known & (self.sums.numpy() != self.expected))
+        if not len(wrong):
+            return None
+        i = int(wrong[0])
+        while i > 0 and self.keys[i - 1] == self.keys[i]:
+            i -= 1
+        return i
 
 
-def _pieces(start: int, end: int, width: int) -> list[tuple[int, int]]:
-    step = max(1, PIECE_BYTES // max(1, width))
-    return [(a, min(a + step, end)) for a in range(start, end, step)]
+def load_check(
+    keys: Sequence[bytes], expected: Sequence[int | None], sums: torch.Tensor
+) -> LoadCheck:
+    """``LoadCheck`` of positions with these keys and stored checksums."""
+    known = np.fromiter((c is not None for c in expected), bool, len(expected))
+    want = np.fromiter((0 if c is None else c for c in expected), np.int64, len(expected))
+    return LoadCheck(keys, want, known, sums)

@@ -5,18 +5,20 @@ out of) the arena's rows when a group's rows are full-width and consecutive, els
 staging buffer and one host-side row copy. On CUDA the copies run on a side stream that first
 waits for the compute stream, and ``poll()`` reports jobs whose event has fired; on CPU they
 run synchronously and the next ``poll()`` reports them, so callers see one protocol. A job
-copies each run of consecutive arena rows directly, in chunks, with its checksums taken
-(store) or verified (load) beside the copy: on the host on the checksum thread
-(``raykv.tiers.host_copy``), on CUDA on the hashing threads (``raykv.tiers.device_copy``).
+copies each run of consecutive arena rows directly with its checksums taken (store) or
+verified (load): on the host, in chunks, on the checksum thread beside the copy
+(``raykv.tiers.host_copy``); on CUDA by the copy kernels themselves, only the sums crossing
+to the host (``raykv.tiers.device_copy``).
 
 Store: reserve CPU blocks (all-or-nothing) -> fence the GPU blocks (invariant 9) -> gather ->
 on completion checksum the rows (optional), mark the CPU blocks readable and lift the fence.
 A failure anywhere frees the reserved CPU blocks (nothing half-readable) and lifts the fence.
 Load: take read references -> drop keys whose CPU block lacks a needed GPU block, keeping each
-group's prefix -> scatter, verifying each key's checksums before any of its rows is written
-(ahead of the copy on the checksum / hashing threads; the copy of a span waits only for the
-keys it reaches): the first key that fails and the rest of its group are misses, the failed
-one a counted error, never wrong KV -> on completion drop the references.
+group's prefix -> scatter, verifying each key's checksums: on the host before any of its rows
+is written (ahead of the copy on the checksum thread; the copy of a span waits only for the
+keys it reaches), on CUDA as the kernel writes them, compared when the copy completed. The
+first key that fails and the rest of its group are misses (never reported loaded, so never
+read), the failed one a counted error, never wrong KV -> on completion drop the references.
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ class _InFlight:
     host_copies: list[_HostCopy] = field(default_factory=list)
     # a host store: (arena rows, their checksums taken on the checksum thread)
     sums: list[tuple[Sequence[int], Future[list[int]]]] = field(default_factory=list)
+    taken: list[device_copy.TakenSums] = field(default_factory=list)  # a CUDA store's sums
+    checks: list[device_copy.LoadCheck] = field(default_factory=list)  # a CUDA load's
+    asked: tuple[bytes, ...] = ()  # a load: the keys requested
     missed: tuple[bytes, ...] = ()
     error: str | None = None
     writes: bool = True  # False: a replica rank, another rank writes this copy
@@ -147,9 +152,9 @@ class OffloadEngine:
 
         ``lease`` comes from a caller that took the read references itself (a
         ``CpuTierView``'s owner); else this engine takes them. Either way every key's
-        checksums are verified before a byte of it reaches a GPU block (invariant 12): on
-        the host span by span as the rows are copied (each read once, while in cache), on
-        CUDA span by span too, each span's copy queued once its keys are verified."""
+        checksums are verified before it counts as loaded (invariant 12): on the host span by
+        span before the rows are copied (each read once, while in cache), on CUDA by the
+        kernel as it writes them, compared in poll() (``_check_loaded``)."""
         if lease is None:
             lease = self.tier.prepare_load(job.keys)
         if lease is None:
@@ -160,8 +165,7 @@ class OffloadEngine:
             self._copy(rec, gather=False)  # leaves in rec.job only the keys it wrote whole
         except Exception as e:
             rec.error = f"{type(e).__name__}: {e}"
-        carried = set(rec.job.keys)
-        rec.missed = tuple(k for k in job.keys if k not in carried)
+        rec.asked = job.keys
         self._track(rec)
         return rec.job_id
 
@@ -217,28 +221,24 @@ class OffloadEngine:
                 slots = job.slots[sl]
                 rows = [tier.row(blocks[job.keys[k]], s) for k, s in slots]
                 ids_t = torch.tensor(ids, dtype=torch.int64)
-                if gather and self.stream is None:
+                if self.stream is not None:  # a load is checked in poll(), once it landed
+                    self._copy_device(rec, entries, ids_t, rows, slots, width, gather)
+                    continue
+                if gather:
                     self._store_host(rec, entries, ids_t, rows, slots, width)
                     continue
-                verifier = None
+                verify = None
                 if not gather and self.checksums:
-                    verifier = self._verifier(rec, slots, rows, width)
-                if self.stream is not None:
-                    written, bad = self._copy_device(
-                        rec, entries, ids_t, rows, slots, width, gather, verifier
+                    verify = host_copy.VerifyAhead(
+                        host_copy.key_chunks(slots, width), self._verifier(rec, slots, rows, width)
                     )
-                else:
-                    verify = verifier and host_copy.VerifyAhead(
-                        host_copy.key_chunks(slots, width), verifier
-                    )
-                    try:
-                        written = self._load_host(entries, ids_t, rows, width, verify)
-                    finally:
-                        if verify is not None:
-                            verify.close()
-                    bad = verify.bad if verify is not None else None
-                if bad is not None:  # found on a checksum thread: dropped here
-                    self.tier.drop(job.keys[slots[bad][0]], corrupt=True)
+                try:
+                    written = self._load_host(entries, ids_t, rows, width, verify)
+                finally:
+                    if verify is not None:
+                        verify.close()
+                if verify is not None and verify.bad is not None:  # found on the checksum thread
+                    self.tier.drop(job.keys[slots[verify.bad][0]], corrupt=True)
                 refused.update(job.keys[k] for k, _ in slots[written:])
             if self.stream is not None:
                 rec.event = torch.cuda.Event()
@@ -255,33 +255,31 @@ class OffloadEngine:
         slots: Sequence,
         width: int,
         gather: bool,
-        verifier: Callable[[int, int], int | None] | None,
-    ) -> tuple[int, int | None]:
-        """One group's copy on CUDA, queued on the side stream: each run of consecutive
-        full-width arena rows straight between the blocks and the arena, in chunks with the
-        checksums beside (``raykv.tiers.device_copy``); rows more scattered (or narrower)
-        through a staging buffer (a store lands it in poll(), a load keeps it alive till
-        then, verified whole first). Returns the rows written (a load: those before the first
-        corrupt key) and that key's first position, or None."""
+    ) -> None:
+        """One group's copy on CUDA, queued on the side stream, each row's checksum taken by
+        the kernel as it copies (``raykv.tiers.device_copy``): each run of consecutive
+        full-width arena rows straight between the blocks and the arena; rows more scattered
+        (or narrower) through a staging buffer (a store lands it in poll(), a load keeps it
+        alive till then). A load's sums are compared with the stored ones in poll()."""
         rows_all = self.tier.rows(self.copy)
         runs = host_copy.row_runs(rows) if width == self.tier.slot_bytes else None
         if runs is not None:
-            g = device_copy.GroupRows(entries, ids_t, rows_all, rows, runs, slots)
-            if gather:
-                rec.sums += device_copy.store(g, self.stream, self.checksums)
-                return len(rows), None
-            return device_copy.load(g, verifier)
-        idx = torch.tensor(rows, dtype=torch.int64)
-        src = torch.empty((len(rows), width), dtype=torch.uint8, pin_memory=self.pin)
-        rec.host_copies.append(_HostCopy(idx, src, width))
+            g = device_copy.GroupRows(entries, ids_t, rows_all, rows, runs)
+        else:  # through a staging buffer
+            idx = torch.tensor(rows, dtype=torch.int64)
+            src = torch.empty((len(rows), width), dtype=torch.uint8, pin_memory=self.pin)
+            rec.host_copies.append(_HostCopy(idx, src, width))
+            if not gather:
+                torch.index_select(rows_all[:, :width], 0, idx, out=src)
+            g = device_copy.GroupRows(entries, ids_t, src, range(len(rows)), [(0, len(rows))])
+        sums = device_copy.copy_rows(g, gather, self.checksums)
+        if sums is None:
+            return
         if gather:
-            ops.gather_blocks(entries, ids_t, src)
-            return len(rows), None
-        torch.index_select(rows_all[:, :width], 0, idx, out=src)
-        found = (verifier(a, b) for a, b in host_copy.key_chunks(slots, width)) if verifier else ()
-        bad = next((x for x in found if x is not None), None)
-        n = len(rows) if bad is None else bad
-        return ops.scatter_blocks(src[:n], entries, ids_t[:n]), bad
+            rec.taken.append(device_copy.TakenSums(slots, sums))
+        else:  # the expected sums are looked up while the copy runs
+            keys = [rec.job.keys[k] for k, _ in slots]
+            rec.checks.append(device_copy.load_check(keys, self._expected(rec, slots), sums))
 
     def _store_host(
         self,
@@ -371,6 +369,10 @@ class OffloadEngine:
                 )
                 self.fence.release(rec.job_id)
         else:
+            if ok:
+                self._check_loaded(rec)
+            carried = set(rec.job.keys)
+            rec.missed = tuple(k for k in rec.asked if k not in carried)
             self.tier.finish_load(rec.lease, loaded=len(rec.job.keys) if ok else 0)
         with self._lock:
             ids = self._by_request.get(rec.job.request_id)
@@ -401,8 +403,13 @@ class OffloadEngine:
 
     def _store_checksums(self, rec: _InFlight) -> list[tuple[int, ...]]:
         """Per key, one checksum per sub-slot (0 where a null block carried nothing): taken
-        beside the copy on the host (``rec.sums``, by arena row), of the landed rows here on
-        CUDA."""
+        by the kernels on CUDA (``rec.taken``, every position of every group), else beside
+        the copy on the host (``rec.sums``, by arena row) or of the landed rows here."""
+        if rec.taken:
+            by_key = [[0] * w for w in rec.job.key_widths]
+            for t in rec.taken:
+                t.fill(by_key)
+            return [tuple(c) for c in by_key]
         block_of = rec.reservation.block_of()
         blocks = [block_of[k] for k in rec.job.keys]
         taken = {r: c for rows, f in rec.sums for r, c in zip(rows, f.result(), strict=True)}
@@ -433,6 +440,29 @@ class OffloadEngine:
             elif g not in stopped:
                 keep.append(key)
         return keep
+
+    def _check_loaded(self, rec: _InFlight) -> None:
+        """A CUDA load landed: the first key of each group whose rows' sums (taken by the
+        kernel as it wrote them) differ from the stored checksums is dropped as corrupt, and
+        it and every later key of its group count as not loaded (invariant 12)."""
+        refused: set[bytes] = set()
+        for check in rec.checks:
+            bad = check.first_bad()
+            if bad is not None:
+                self.tier.drop(check.keys[bad], corrupt=True)
+                refused.update(check.keys[bad:])
+        if refused:
+            rec.job = rec.job.select(k for k in rec.job.keys if k not in refused)
+
+    def _expected(self, rec: _InFlight, slots: Sequence) -> list[int | None]:
+        """The checksum each position's row was stored with (None: none was)."""
+        job, lease = rec.job, rec.lease
+        at = {key: i for i, key in enumerate(lease.keys)}
+        out: list[int | None] = []
+        for k, s in slots:
+            stored = lease.checksums[at[job.keys[k]]].get(self.copy)
+            out.append(None if stored is None else stored[s])
+        return out
 
     def _verifier(
         self, rec: _InFlight, slots: Sequence, rows: Sequence[int], width: int

@@ -302,23 +302,31 @@ def test_staged_scatter_rejects_bad_ids_before_touching_the_pool(kernel, monkeyp
     assert torch.equal(reference_rows(entries, ids), src)
 
 
+@pytest.mark.parametrize("where", ["device", "pinned", "staged", "cpu"])
 @pytest.mark.parametrize("kind, block_size, dtype, layers, pool, n", CASES)
 def test_wire_sums_taken_while_copying_match_the_reference(
-    kernel, kind, block_size, dtype, layers, pool, n
+    kernel, where, kind, block_size, dtype, layers, pool, n
 ):
-    """The kernel's fused wire sums (gather and scatter) equal ``ops.row_sums`` exactly."""
+    """The row sums taken while copying (gather and scatter; rows on the device, in pinned
+    host memory through UVA or through the staged pipeline's device chunks, or in pageable
+    host memory through the reference) equal ``ops.row_sums`` exactly."""
     gen = torch.Generator().manual_seed(zlib.crc32(repr(("sums", kind, dtype, n)).encode()))
     entries, _backing = kv_entries(kind, pool, block_size, DTYPES[dtype], layers, gen, "cuda:0")
     ids = random_ids(pool, n, gen)
     expected = reference_rows(entries, ids)
     want = ops.row_sums(expected)
-    rows = poisoned(n, row_bytes(entries), "device")
+    mode = "staged" if where == "staged" else "direct"
+    rows = poisoned(n, row_bytes(entries), where)
     sums = torch.full((n,), 12345, dtype=torch.int64, device="cuda:0")  # must be overwritten
-    gather_blocks(entries, ids, rows, sums=sums)
+    gather_blocks(entries, ids, rows, sums=sums, mode=mode)
+    torch.cuda.synchronize()
     assert torch.equal(rows.cpu(), expected) and torch.equal(sums.cpu(), want)
     fresh = torch.randint(0, 256, expected.shape, dtype=torch.uint8, generator=gen)
+    src = rows.copy_(fresh)
+    torch.cuda.synchronize()
     back = torch.full((n,), -1, dtype=torch.int64, device="cuda:0")
-    scatter_blocks(fresh.cuda(), entries, ids, sums=back)
+    scatter_blocks(src, entries, ids, sums=back, mode=mode)
+    torch.cuda.synchronize()
     assert torch.equal(reference_rows(entries, ids), fresh)
     assert torch.equal(back.cpu(), ops.row_sums(fresh))
 
@@ -365,6 +373,11 @@ def test_wire_sums_of_misaligned_spans_fall_back_to_the_same_values(kernel, widt
     sums = torch.empty(37, dtype=torch.int64, device="cuda:0")
     gather_blocks(entries, ids, rows, sums=sums)
     assert torch.equal(sums.cpu(), ops.row_sums(expected))
+    pinned = poisoned(37, row_bytes(entries), "staged")  # host rows: summed once they landed
+    sums.fill_(7)
+    gather_blocks(entries, ids, pinned, sums=sums, mode="staged")
+    torch.cuda.synchronize()
+    assert torch.equal(pinned, expected) and torch.equal(sums.cpu(), ops.row_sums(expected))
 
 
 def test_the_extension_refuses_bad_arguments_with_an_error_not_a_crash(kernel):

@@ -1,71 +1,82 @@
-"""raykv.tiers.device_copy's load on CPU tensors (the CUDA path runs the same code, queued on a
-stream; tests/tiers/test_offload.py runs it on CUDA too): spans are scattered only once every
-key in them is verified, a corrupt key stops the copy at its first row whatever the piece and
-span sizes, and no verification outlives the call."""
+"""raykv.tiers.device_copy on CPU tensors (the CUDA path runs the same code with the kernels
+taking the sums; tests/tiers/test_offload.py and tests/ops/test_paged_copy_gpu.py run it on
+CUDA): a store's sums are the row sums of the rows as they landed in the arena, and a load's
+check finds the first row of the first key whose rows differ from what was stored, whatever
+the runs of arena rows."""
 
 from __future__ import annotations
-
-import threading
-from unittest import mock
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from raykv.ops import row_sums
 from raykv.tiers import device_copy, host_copy
 
 WIDTH = 64
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    widths=st.lists(st.integers(1, 3), min_size=1, max_size=20),
-    piece_rows=st.integers(1, 6),
-    span_rows=st.integers(1, 8),
-    gaps=st.lists(st.booleans(), min_size=60, max_size=60),
-    data=st.data(),
-)
-def test_load_scatters_only_verified_keys_and_stops_at_the_first_corrupt_one(
-    widths, piece_rows, span_rows, gaps, data
-):
+def _rig(widths: list[int], gaps: list[bool], perm: list[int]):
     slots = [(k, s) for k, w in enumerate(widths) for s in range(w)]
     n = len(slots)
     rows, r = [], 0
     for i in range(n):  # arena rows in runs, with gaps where ``gaps`` says
         r += 1 + gaps[i]
         rows.append(r)
-    arena = torch.randint(0, 256, (r + 1, WIDTH), dtype=torch.uint8)
-    entries = [torch.zeros((n + 4, WIDTH), dtype=torch.uint8)]
-    ids = data.draw(st.permutations(list(range(1, n + 4))))[:n]
-    bad_key = data.draw(st.one_of(st.none(), st.integers(0, len(widths) - 1)))
-    key_start = {k: i for i, (k, s) in reversed(list(enumerate(slots)))}
-    calls, lock, active = [], threading.Lock(), [0]
-
-    def verify(start: int, end: int) -> int | None:
-        assert slots[start][1] == 0 and (end == n or slots[end][1] == 0)  # whole keys
-        with lock:
-            calls.append((start, end))
-            active[0] += 1
-        try:
-            if bad_key is not None and start <= key_start[bad_key] < end:
-                return key_start[bad_key]
-            return None
-        finally:
-            with lock:
-                active[0] -= 1
-
     runs = host_copy.row_runs(rows) or [(i, i + 1) for i in range(n)]
-    g = device_copy.GroupRows(entries, torch.tensor(ids), arena, rows, runs, slots)
-    with (
-        mock.patch.object(device_copy, "PIECE_BYTES", piece_rows * WIDTH),
-        mock.patch.object(device_copy, "LOAD_SPAN_BYTES", span_rows * WIDTH),
-    ):
-        written, bad = device_copy.load(g, verify)
-    assert active[0] == 0  # no verification outlives the call
-    stop = n if bad_key is None else key_start[bad_key]
-    assert (written, bad) == (stop, None if bad_key is None else stop)
-    for i in range(n):
-        want = arena[rows[i]] if i < stop else torch.zeros(WIDTH, dtype=torch.uint8)
-        assert torch.equal(entries[0][ids[i]], want)
-    covered = sorted(calls)  # the pieces verified cover every row written, in order
-    assert covered[0][0] == 0 and max(b for _, b in covered) >= stop
+    return slots, rows, runs, r + 1, perm[:n]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    widths=st.lists(st.integers(1, 3), min_size=1, max_size=20),
+    gaps=st.lists(st.booleans(), min_size=60, max_size=60),
+    data=st.data(),
+)
+def test_store_takes_the_landed_rows_sums_and_load_finds_the_first_corrupt_key(widths, gaps, data):
+    n = sum(widths)
+    perm = data.draw(st.permutations(list(range(1, n + 4))))
+    slots, rows, runs, arena_rows, ids = _rig(widths, gaps, perm)
+    entries = [torch.randint(0, 256, (n + 4, WIDTH), dtype=torch.uint8)]
+    arena = torch.zeros((arena_rows, WIDTH), dtype=torch.uint8)
+    g = device_copy.GroupRows(entries, torch.tensor(ids), arena, rows, runs)
+    sums = device_copy.copy_rows(g, gather=True, summed=True)
+    assert sums is not None
+    by_key = [[0] * w for w in widths]
+    device_copy.TakenSums(slots, sums).fill(by_key)
+    for i, (k, s) in enumerate(slots):  # the landed rows, and their sums
+        assert torch.equal(arena[rows[i]], entries[0][ids[i]])
+        assert by_key[k][s] == int(row_sums(arena[rows[i] : rows[i] + 1])[0])
+
+    bad_key = data.draw(st.one_of(st.none(), st.integers(0, len(widths) - 1)))
+    keys = [b"k%d" % k for k, _ in slots]
+    if bad_key is not None:  # one bit of one of its rows flips in the arena
+        positions = [i for i, (k, _) in enumerate(slots) if k == bad_key]
+        at = data.draw(st.sampled_from(positions))
+        bit = data.draw(st.integers(0, WIDTH * 8 - 1))
+        arena[rows[at], bit // 8] ^= 1 << (bit % 8)
+    expected = [by_key[k][s] for k, s in slots]
+    unknown = data.draw(st.sets(st.integers(0, n - 1), max_size=2))
+    for i in unknown:  # no checksum stored for these rows: not checked
+        expected[i] = None
+    out = [torch.zeros((n + 4, WIDTH), dtype=torch.uint8)]
+    g2 = device_copy.GroupRows(out, torch.tensor(ids), arena, rows, runs)
+    loaded = device_copy.copy_rows(g2, gather=False, summed=True)
+    assert loaded is not None
+    check = device_copy.load_check(keys, expected, loaded)
+    want = None  # the corrupt key's first position, unless its flipped row was not checked
+    if bad_key is not None and expected[at] is not None:
+        want = next(i for i, (k, _) in enumerate(slots) if k == bad_key)
+    assert check.first_bad() == want
+    for i in range(n):  # every row was written; only the check says which may be used
+        assert torch.equal(out[0][ids[i]], arena[rows[i]])
+
+
+def test_load_without_checksums_copies_and_checks_nothing():
+    _, rows, runs, arena_rows, ids = _rig([2, 1], [False] * 3, [3, 1, 2])
+    arena = torch.randint(0, 256, (arena_rows, WIDTH), dtype=torch.uint8)
+    out = [torch.zeros((5, WIDTH), dtype=torch.uint8)]
+    g = device_copy.GroupRows(out, torch.tensor(ids), arena, rows, runs)
+    assert device_copy.copy_rows(g, gather=False, summed=False) is None
+    for i in range(3):
+        assert torch.equal(out[0][ids[i]], arena[rows[i]])
