@@ -1,4 +1,4 @@
-"""Layers import downward only (DESIGN.md, "Packages and folders"): every ``import`` in
+"""Layers import downward only (docs/design.md, "Packages and layers"): every ``import`` in
 ``raykv/`` (module level or inside a function) is read with ``ast`` and checked against the
 layer table below."""
 
@@ -113,7 +113,7 @@ def violations(root: Path = ROOT) -> list[str]:
     for path in sorted(root.rglob("*.py")):
         src = _layer(_module_of(path, root))
         allowed = MAY_IMPORT.get(src)
-        assert allowed is not None, f"{path} is in no layer of MAY_IMPORT: add it (DESIGN.md)"
+        assert allowed is not None, f"{path} is in no layer of MAY_IMPORT: add it (docs/design.md)"
         for line, name in imports(path, root):
             where = f"{path.relative_to(root.parent)}:{line}"
             if name == "raykv" or name.startswith("raykv."):

@@ -1,4 +1,5 @@
-"""The README's two commands are the ones that work: CI runs the test command verbatim."""
+"""The README's two commands are the ones that work (CI runs the test command verbatim), and the
+Python snippets of the README and of the docs it points to run as pasted."""
 
 import re
 import subprocess
@@ -30,24 +31,32 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert test_cmd in ci_lines
 
 
-def _python_snippets() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.M | re.S)
+# every ```python block of these files runs as pasted: the README's client snippet, and the
+# snippets that moved with their sections into docs/
+SNIPPETS = {"README.md": 1, "docs/design.md": 1, "docs/vllm.md": 1}
+
+
+def _python_snippets(doc: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", (ROOT / doc).read_text(), re.M | re.S)
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("index", range(3))
-def test_readme_python_snippets_run_as_pasted(index: int, tmp_path: Path) -> None:
-    """Each ```python block of the README, run as it stands, in a plain shell's environment
-    (PATH and HOME only): it must finish and its own asserts must hold."""
-    snippets = _python_snippets()
-    assert len(snippets) == 3, "update the range above when the README gains a snippet"
+@pytest.mark.parametrize(
+    ("doc", "index"), [(doc, i) for doc, n in SNIPPETS.items() for i in range(n)]
+)
+def test_doc_python_snippets_run_as_pasted(doc: str, index: int, tmp_path: Path) -> None:
+    """Each ```python block of the README and of the docs it points to, run as it stands, in a
+    plain shell's environment (PATH and HOME only): it must finish and its own asserts must
+    hold."""
+    snippets = _python_snippets(doc)
+    assert len(snippets) == SNIPPETS[doc], f"update SNIPPETS when {doc} gains or loses a snippet"
     if "from vllm" in snippets[index]:
         pytest.importorskip("vllm", reason="the vLLM snippet needs the optional extra 'vllm'")
     script = tmp_path / "snippet.py"
     script.write_text(snippets[index])
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    # the vLLM snippet runs "after `raykv up`", as the README says
-    up = "after `raykv up`" in _section_of(snippets[index])
+    # a snippet that runs "after `raykv up`" (its section says so) gets the service first
+    up = "after `raykv up`" in _section_of(doc, snippets[index])
     raykv = [str(Path(sys.executable).parent / "raykv")]
     if up:
         small = ["--pool-mem", "64MiB", "--cpu-mem", "32MiB", "--max-model-len", "256"]
@@ -64,8 +73,22 @@ def test_readme_python_snippets_run_as_pasted(index: int, tmp_path: Path) -> Non
     assert done.returncode == 0, snippets[index] + done.stderr[-3000:]
 
 
-def _section_of(snippet: str) -> str:
-    """The README's text from the snippet's section heading to the snippet."""
-    text = (ROOT / "README.md").read_text()
+def _section_of(doc: str, snippet: str) -> str:
+    """The file's text from the snippet's section heading to the snippet."""
+    text = (ROOT / doc).read_text()
     before = text[: text.index(snippet)]
     return before[before.rindex("\n## ") :]
+
+
+def test_readme_stays_short_and_links_the_docs() -> None:
+    """The README is the front page (<= 250 lines); the depth lives in docs/, and every local
+    link of the README and the docs points at a file of the repository."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             ROOT / "helm" / "raykv" / "README.md"]  # fmt: skip
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+            path = (page.parent / target).resolve()
+            assert path.is_relative_to(ROOT), f"{page.name} links outside the repository: {target}"
+            assert path.exists(), f"{page.relative_to(ROOT)} links to a missing file: {target}"

@@ -15,8 +15,8 @@ nodes over UCX, next to the raw baselines of the same bytes, in one run (``ucx_*
   another node's tier holds (``CpuTierActor.pull``: locate, fetch over UCX, verify, store
   with checksums, publish), next to a raw Ray put/get of the same bytes across the nodes.
 
-Targets (DESIGN.md): raykv >= 0.8 x raw ucxx on the same transport; over tcp, striped,
->= a raw Ray put/get.
+Targets (docs/design.md, "Targets"): raykv >= 0.8 x raw ucxx on the same transport; over tcp,
+striped, >= a raw Ray put/get.
 """
 
 from __future__ import annotations

@@ -4,12 +4,12 @@ asyncio's timers sleep in whole milliseconds (epoll's timeout: ``asyncio.sleep(1
 returns after ~1.1 ms), longer than a 32 MiB batch takes on NVLink. A wait that polled that
 way ended up to 1 ms late each time it ran past its spin (a batch queued behind others, a
 large one): on 2 x H100 raykv's 4096 x 64 KiB NCCL batches moved 0.80 / 0.82 x one contiguous
-send with this wait against 0.72 / 0.74 x before (the README's transport section). So
-``until_done`` spins first (``SPIN_S``: a done batch is seen within microseconds) and then
-hands its check to the process's one watcher thread, which checks every ``POLL_S`` with a
-real sleep and wakes the loop as soon as the check passes (``call_soon_threadsafe``); the
-watcher sleeps on a condition while nothing is watched. ``block_until_done`` is the same
-wait for a thread of its own (a real sleep between checks).
+send with this wait against 0.72 / 0.74 x before (docs/performance-log.md, "Waits without
+asyncio's millisecond timer"). So ``until_done`` spins first (``SPIN_S``: a done batch is seen
+within microseconds) and then hands its check to the process's one watcher thread, which
+checks every ``POLL_S`` with a real sleep and wakes the loop as soon as the check passes
+(``call_soon_threadsafe``); the watcher sleeps on a condition while nothing is watched.
+``block_until_done`` is the same wait for a thread of its own (a real sleep between checks).
 """
 
 from __future__ import annotations

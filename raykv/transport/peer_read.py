@@ -39,7 +39,7 @@ SWEEP_S = 2.0  # how often a reader drops the mappings of holders that are gone
 
 def enabled() -> bool:
     """Whether pools read each other in place (``RAYKV_PEER_READS=1``; off by default:
-    measured beside the NCCL pipeline, see the README's transport section)."""
+    measured beside the NCCL pipeline: docs/performance.md, "NCCL between GPU pools")."""
     return os.environ.get("RAYKV_PEER_READS", "0") == "1"
 
 

@@ -19,9 +19,8 @@ VENDORED_CRDS = Path(__file__).parent / "schemas" / "kuberay"
 
 
 def crd_dir() -> Path:
-    """The KubeRay CRDs: ../shared next to the checkout when present, else the vendored copy."""
-    shared = REPO.parent / "shared" / "schemas" / "kuberay"
-    return shared if (shared / "ray.io_rayclusters.yaml").exists() else VENDORED_CRDS
+    """The KubeRay CRDs, vendored with these tests (nothing outside the repository is read)."""
+    return VENDORED_CRDS
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,10 @@
 """A tiny random-weight Llama and a locally trained tokenizer, saved for vLLM to load.
 
-Tests, the README snippet and ``raykv bench vllm`` need a model vLLM can serve on a machine
-with no network: ``build_tiny_llama(path)`` writes one with ``transformers``'
-``save_pretrained`` (random weights, seeded) and a word-level tokenizer trained here with
-``tokenizers``. ``sliding_window`` makes every other layer a sliding-window layer (Llama's
-``layer_types``), so vLLM's hybrid KV cache manager serves it as two KV groups.
+Tests, the vLLM snippet of docs/vllm.md and ``raykv bench vllm`` need a model vLLM can
+serve on a machine with no network: ``build_tiny_llama(path)`` writes one with
+``transformers``' ``save_pretrained`` (random weights, seeded) and a word-level tokenizer
+trained here with ``tokenizers``. ``sliding_window`` makes every other layer a sliding-window
+layer (Llama's ``layer_types``), so vLLM's hybrid KV cache manager serves it as two KV groups.
 """
 
 from __future__ import annotations
