@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import raykv
@@ -150,4 +151,155 @@ def test_the_walk_sees_an_upward_import(tmp_path: Path) -> None:
         "raykv/layout/y.py:2: layout imports ray (only stdlib, ['numpy', 'torch'])",
         "raykv/service/x.py:2: service imports raykv.client (a layer above it)",
         "raykv/service/x.py:4: service imports raykv.client (a layer above it)",
+    ]
+
+
+# -- no import circles ----------------------------------------------------------------------
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    return {_module_of(p, root): p for p in sorted(root.rglob("*.py"))}
+
+
+def _target(name: str, known: dict[str, Path]) -> str | None:
+    """The raykv module ``name`` loads: itself, or the nearest package above it."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
+    """module -> {raykv module it imports: first line}, from every ``import`` and
+    ``from ... import`` in ``root`` (module level, inside functions, under ``TYPE_CHECKING``),
+    relative ones resolved; ``from pkg import name`` is an import of ``pkg.name`` when that is
+    a module, else of ``pkg``; ``raykv.<module>`` after a bare ``import raykv`` is one of it."""
+    known = _modules(root)
+    top = root.name
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in known.items():
+        edges: dict[str, int] = {}
+        tree = ast.parse(path.read_text())
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        if module == f"{top}.__init__":
+            package = top
+
+        def add(name: str, line: int, module: str = module, edges: dict = edges) -> None:
+            dst = _target(name, known)
+            if dst is not None and dst != module:
+                edges.setdefault(dst, line)
+
+        bare = False
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name == top or a.name.startswith(f"{top}."):
+                        add(a.name if a.name != top else f"{top}.__init__", node.lineno)
+                        bare |= a.name == top and a.asname is None
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")
+                    up = up[: len(up) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                if base != top and not base.startswith(f"{top}."):
+                    continue
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    if sub in known:
+                        add(sub, node.lineno)
+                    else:
+                        add(base if base != top else f"{top}.__init__", node.lineno)
+        if bare:
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and ast.unparse(node).startswith(f"{top}."):
+                    add(ast.unparse(node), node.lineno)  # the module it names, if any
+        graph[module] = edges
+    return graph
+
+
+def cycles(root: Path = ROOT) -> list[str]:
+    """Every strongly connected set of modules that import each other (Tarjan), each as one
+    circle through it, ``a (line of its import of b) -> b (...) -> a``, and the set's other
+    modules, if any, after ``; also``."""
+    graph = import_graph(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+
+    circles = []
+    for comp in found:
+        start = min(comp)
+        # the shortest way back to ``start`` within the component (breadth first)
+        prev: dict[str, str] = {}
+        todo = [start]
+        while todo and start not in prev:
+            nxt = []
+            for v in todo:
+                for w in sorted(graph[v]):
+                    if w in comp and w not in prev:
+                        prev[w] = v
+                        nxt.append(w)
+            todo = nxt
+        path = [start]
+        while len(path) == 1 or path[-1] != start:
+            path.append(prev[path[-1]])
+        path.reverse()
+        circle = " -> ".join([f"{a} ({graph[a][b]})" for a, b in pairwise(path)] + [start])
+        rest = sorted(comp - set(path))
+        circles.append(circle + (f"; also {', '.join(rest)}" if rest else ""))
+    return sorted(circles)
+
+
+def test_no_import_circles() -> None:
+    assert cycles() == [], "\n".join(cycles())
+
+
+def test_the_walk_sees_a_circle(tmp_path: Path) -> None:
+    pkg = tmp_path / "raykv"
+    (pkg / "bench").mkdir(parents=True)
+    (pkg / "layout").mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "layout" / "__init__.py").write_text("from raykv.layout.plan import Plan\n")
+    (pkg / "layout" / "plan.py").write_text("from raykv.layout import specs\n")
+    (pkg / "layout" / "specs.py").write_text("from . import plan\n")
+    (pkg / "bench" / "a.py").write_text("def f():\n    from .b import g\n")
+    (pkg / "bench" / "b.py").write_text("import raykv\n\nraykv.bench.a.f()\n")
+    (pkg / "bench" / "c.py").write_text("from raykv.layout import Plan\nfrom . import d\n")
+    (pkg / "bench" / "d.py").write_text("from raykv.bench.c import x\n")
+    (pkg / "bench" / "e.py").write_text("from raykv.bench import c\n")  # into, not a circle
+    (pkg / "bench" / "f.py").write_text("from . import g\n")
+    (pkg / "bench" / "g.py").write_text("from . import f, h\n")
+    (pkg / "bench" / "h.py").write_text("from .f import x\n")
+    assert cycles(pkg) == [
+        "raykv.bench.a (2) -> raykv.bench.b (3) -> raykv.bench.a",
+        "raykv.bench.c (2) -> raykv.bench.d (1) -> raykv.bench.c",
+        "raykv.bench.f (1) -> raykv.bench.g (1) -> raykv.bench.f; also raykv.bench.h",
+        "raykv.layout.plan (1) -> raykv.layout.specs (1) -> raykv.layout.plan",
     ]

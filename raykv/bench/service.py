@@ -236,7 +236,7 @@ def _bandwidth_bench(kv: Any, a_node: str, b_node: str, nblocks: int, reps: int)
 SHM_MODEL = "bench-shm"
 
 
-def _raw_ray_bench(a_node: str, b_node: str, nbytes: int, reps: int) -> dict[str, Any]:
+def raw_ray_bench(a_node: str, b_node: str, nbytes: int, reps: int) -> dict[str, Any]:
     """One numpy array ``ray.put`` by an actor on node A, ``ray.get`` by one on node B: the
     object store's own speed for the bytes the transport moves."""
     import numpy as np
@@ -480,7 +480,7 @@ def run(
             bw = _bandwidth_bench(kv, a_node, b_node, 32 if quick else 256, reps)
             echo("raw Ray put/get of the same bytes across nodes ...")
             out["object_store"] = bw
-            out["raw_ray"] = _raw_ray_bench(a_node, b_node, bw["bytes"], reps)
+            out["raw_ray"] = raw_ray_bench(a_node, b_node, bw["bytes"], reps)
         if "shared-memory" in parts:
             echo("engine <-> CPU tier through shared memory ...")
             out["shared_memory"] = _shm_bench(kv, 32 if quick else 256, reps)

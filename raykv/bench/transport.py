@@ -31,8 +31,7 @@ def main(
 ) -> dict[str, Any]:
     """Run the sections asked for (None: those this machine supports); print each table
     (or only JSON with ``json_path='-'``); return every section's report."""
-    from raykv.bench.transport_nccl import nccl_main
-    from raykv.bench.transport_nccl_report import nccl_format
+    from raykv.bench.transport_nccl import nccl_format, nccl_main
     from raykv.bench.transport_ucx import ucx_format, ucx_run
     from raykv.transport.ucx_runtime import available
 

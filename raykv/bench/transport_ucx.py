@@ -219,7 +219,7 @@ def ucx_cluster(blocks: int = 512, reps: int = 5, tls: str = "tcp", stripes: int
     from ray.cluster_utils import Cluster
 
     import raykv
-    from raykv.bench.service import _raw_ray_bench
+    from raykv.bench.service import raw_ray_bench
 
     nbytes = blocks * BLOCK_BYTES
     node = dict(num_cpus=1, num_gpus=0, node_ip_address="127.0.0.1",
@@ -230,7 +230,7 @@ def ucx_cluster(blocks: int = 512, reps: int = 5, tls: str = "tcp", stripes: int
         kv = raykv.connect(cluster.address)
         a_node, b_node = cluster.head_node.node_id, worker.node_id
         pull = _tier_pull(kv, a_node, b_node, blocks, reps)
-        raw = _raw_ray_bench(a_node, b_node, pull["bytes"], reps)
+        raw = raw_ray_bench(a_node, b_node, pull["bytes"], reps)
         return {"tier_pull": pull, "raw_ray": raw, "stripes": stripes, "tls": tls}
     finally:
         ray.shutdown()

@@ -17,18 +17,40 @@ bytes hold one *copy* of a block:
 * a CPU-tier block holds every copy of ``block_size_factor`` GPU blocks, each worth the real
   tensor bytes per GPU block (``cpu_bytes_per_block``); ``plan_copies`` reads the copies
   back from a plan's bytes.
+
+The specs (``raykv.layout.specs``) and the plan (``raykv.layout.plan``) build on these
+functions; what the functions read of a spec or a plan is spelled out here (``LayerCopies``,
+``PlanBytes``), so this module imports neither.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from raykv.errors import ConfigError
 
-if TYPE_CHECKING:
-    from raykv.layout.plan import Plan
-    from raykv.layout.specs import KVSpec
+
+class LayerCopies(Protocol):
+    """What the TP arithmetic reads of a layer's spec (a ``raykv.layout.specs.KVSpec``)."""
+
+    def distinct_copies(self, tp_size: int) -> int: ...
+
+
+class PlanBytes(Protocol):
+    """What the TP arithmetic reads of a plan (a ``raykv.layout.plan.Plan``)."""
+
+    @property
+    def tp_size(self) -> int: ...
+
+    @property
+    def gpu_bytes_per_block(self) -> int: ...
+
+    @property
+    def block_size_factor(self) -> int: ...
+
+    @property
+    def cpu_bytes_per_block(self) -> int: ...
 
 
 def check_tp_size(tp_size: int) -> int:
@@ -61,13 +83,13 @@ def head_copies(num_kv_heads: int, tp_size: int) -> int:
     return min(tp_size, num_kv_heads)
 
 
-def page_copies(spec: KVSpec, tp_size: int) -> int:
+def page_copies(spec: LayerCopies, tp_size: int) -> int:
     """Distinct copies of one layer's page across the TP group (the spec's kind decides:
     ``KVSpec.distinct_copies``)."""
     return spec.distinct_copies(check_tp_size(tp_size))
 
 
-def model_copies(layers: Iterable[KVSpec], tp_size: int) -> int:
+def model_copies(layers: Iterable[LayerCopies], tp_size: int) -> int:
     """Distinct copies of one block of a model across the TP group: its layers' most."""
     return max(page_copies(s, tp_size) for s in layers)
 
@@ -95,13 +117,13 @@ def writer_of_copy(copy: int, tp_size: int, copies: int) -> int:
     return copy * tp_size // copies
 
 
-def copy_ranks(plan: Plan) -> tuple[int, ...]:
+def copy_ranks(plan: PlanBytes) -> tuple[int, ...]:
     """Per rank of ``plan``'s TP group: the copy it holds."""
     copies = plan_copies(plan)
     return tuple(copy_of_rank(r, plan.tp_size, copies) for r in range(plan.tp_size))
 
 
-def writer_ranks(plan: Plan) -> tuple[int, ...]:
+def writer_ranks(plan: PlanBytes) -> tuple[int, ...]:
     """Per copy of ``plan``'s blocks: the rank that writes it to the CPU tier."""
     copies = plan_copies(plan)
     return tuple(writer_of_copy(c, plan.tp_size, copies) for c in range(copies))
@@ -123,7 +145,7 @@ def cpu_bytes_per_block(
     return gpu_tensor_bytes // num_gpu_blocks * copies * block_size_factor
 
 
-def plan_copies(plan: Plan) -> int:
+def plan_copies(plan: PlanBytes) -> int:
     """Distinct TP copies one CPU-tier block of ``plan`` holds, read back from its bytes."""
     per_copy = plan.gpu_bytes_per_block * plan.block_size_factor
     if per_copy <= 0:

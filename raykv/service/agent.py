@@ -24,18 +24,18 @@ import os
 import pickle
 import socket
 import struct
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import ray
 
 from raykv.errors import RaykvError, ServiceError
 from raykv.service import agent_protocol as p
 from raykv.service import holders
+from raykv.service.metrics import ServiceMetrics
+from raykv.service.replica import ReplicaSpec
 from raykv.service.spec import COORDINATOR, served_model
-
-if TYPE_CHECKING:
-    from raykv.service.cpu_tier import CpuTierActor
 
 log = logging.getLogger(__name__)
 COORDINATOR_TIMEOUT_S = 60.0  # an AddModel places pools: as long as placement may take
@@ -59,10 +59,44 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
+class ServedTier(Protocol):
+    """What the agent uses of the tier that runs it (``raykv.service.cpu_tier.CpuTierActor``):
+    its node, its models and counters, and the methods it answers requests with."""
+
+    node_id: str
+    tiers: Mapping[str, Any]  # model -> its part of the tier
+    metrics: ServiceMetrics
+
+    async def reserve(
+        self,
+        model: str,
+        keys: tuple[bytes, ...],
+        members: tuple[tuple[bytes | None, ...], ...],
+        writers: int = 1,
+        holder: Any = None,
+    ) -> Any: ...
+
+    async def lease_groups(
+        self, model: str, keys: list[list[bytes]], holder: Any = None
+    ) -> Any: ...
+
+    async def apply(self, model: str, ops: list[tuple], wait_publish: bool = True) -> int: ...
+
+    async def arena(self, model: str) -> Any: ...
+
+    async def pull(self, model: str, keys: list[bytes]) -> int: ...
+
+    async def release_holder(self, holder: Any) -> int: ...
+
+    def replica_spec(self, model: str) -> ReplicaSpec | None: ...
+
+    async def add_model(self, model: str, plan: Any) -> int: ...
+
+
 class AgentServer:
     """Serves ``raykv.service.agent_protocol`` requests for one tier (see the module docstring)."""
 
-    def __init__(self, tier: CpuTierActor, namespace: str) -> None:
+    def __init__(self, tier: ServedTier, namespace: str) -> None:
         self.tier, self.namespace = tier, namespace
         self.path = p.socket_path(namespace, tier.node_id)
         self._server: asyncio.AbstractServer | None = None

@@ -35,8 +35,7 @@ import torch
 from raykv.errors import TransportError
 from raykv.ops_pools import PoolCopy
 from raykv.service.spec import NAMESPACE
-from raykv.transport.collective import TIMEOUT_S, Collective
-from raykv.transport.collective_entry import CollectiveTransport
+from raykv.transport.collective import TIMEOUT_S, Collective, CollectiveTransport
 from raykv.transport.pair import Pair
 from raykv.transport.peer_read import (
     PEER,

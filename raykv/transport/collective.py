@@ -56,9 +56,9 @@ import torch
 from raykv import ops
 from raykv.errors import InvalidInput, TransportError
 from raykv.transport import completion
+from raykv.transport.base import DirectTransport
 from raykv.transport.nccl_window import Windows
 from raykv.transport.pair import Pair, node_address
-from raykv.transport.pipeline import pipeline_call
 from raykv.transport.select import GLOO, NCCL
 from raykv.transport.wire import WirePlan, count_intact, leading_matches, shares
 
@@ -70,6 +70,22 @@ log = logging.getLogger(__name__)
 def backend_for(device: torch.device | str) -> str:
     """``nccl`` for KV on a GPU, ``gloo`` for KV in host memory."""
     return NCCL if torch.device(device).type == "cuda" else GLOO
+
+
+def pipeline_call(fn: Callable[..., Any], what: str, *args: Any) -> Any:
+    """``fn(*args)``: an entry of the C++ wire pipeline (``kernels/wire_pipeline.cpp``),
+    ``wire_send`` or ``wire_recv`` (``args[3]`` the block ids, ``args[4]`` the pool's block
+    count), its result (None for a send). Those entries check a batch's block ids as they read
+    them and return the first bad one as an int, ``position * 4 + reason``, before anything is
+    enqueued: the pipeline formats no message and throws nothing for bad input (both took the
+    process down on the device's H100 host). That code is raised here as raykv's
+    ``InvalidInput`` (``ops.bad_ids``)."""
+    out = fn(*args)
+    if isinstance(out, int):
+        if out >= 0:
+            raise ops.bad_ids(what, args[3], args[4], out)
+        return None
+    return out
 
 
 @dataclass
@@ -582,3 +598,22 @@ class Collective:
         for ex in self._threads.values():
             ex.shutdown(wait=False)
         self._threads.clear()
+
+
+# --- the Transport entry -------------------------------------------------------------------
+
+
+class CollectiveTransport(DirectTransport):
+    """The ``Transport`` entry for ``nccl`` / ``gloo`` (``raykv.transport.select`` routes a pair
+    over it): this process's ``Collective``. Its batches land straight in the receiving ranks'
+    blocks (``direct``), so the pool drives it rank to rank (``raykv.service.pairs``) rather
+    than through ``fetch``."""
+
+    instead = "nccl and gloo move batches rank to rank into the reader's blocks"
+
+    def __init__(self, collective: Collective) -> None:
+        self.collective = collective
+        self.name = collective.backend
+
+    def endpoint(self) -> dict[str, Any]:
+        return {"ident": self.collective.ident, "device": str(self.collective.device)}

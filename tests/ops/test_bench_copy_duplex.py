@@ -9,10 +9,10 @@ import torch
 from click.testing import CliRunner
 from paged_copy_cases import oracle_rows
 
-from raykv.bench.copy import CopyLayout
-from raykv.bench.duplex import (
+from raykv.bench.copy import (
     DUPLEX_METHODS,
     DUPLEX_RATES,
+    CopyLayout,
     _duplex_jobs,
     _DuplexPool,
     _Lanes,

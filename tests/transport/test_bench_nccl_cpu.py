@@ -5,8 +5,7 @@ shared memory, run last and into zeroed blocks: the check is theirs)."""
 
 import pytest
 
-from raykv.bench.transport_nccl import NcclConfig, nccl_main
-from raykv.bench.transport_nccl_report import nccl_format, nccl_report
+from raykv.bench.transport_nccl import NcclConfig, nccl_format, nccl_main, nccl_report
 from raykv.errors import ConfigError
 from raykv.layout import sizing
 from raykv.layout.presets import get_preset

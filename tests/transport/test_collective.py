@@ -16,7 +16,7 @@ from raykv import ops
 from raykv.errors import InvalidInput, TransportError
 from raykv.tiers.checksum import row_checksums
 from raykv.transport import wire
-from raykv.transport.collective import Collective
+from raykv.transport.collective import Collective, pipeline_call
 from raykv.transport.pair import Pair, serve_rendezvous
 from raykv.transport.wire import (
     FIRST_CHUNK_BYTES,
@@ -368,8 +368,6 @@ def test_the_pipelines_bad_id_codes_are_worded_as_invalid_input() -> None:
     """The C++ pipeline reports the first bad block id as ``position * 4 + reason`` (it
     formats no message and throws nothing); the caller raises InvalidInput naming the id, its
     position and the pool's size, and passes every other result through."""
-    from raykv.transport.pipeline import pipeline_call
-
     ids = [3, 99, 3]
     cases = {
         1 * 4 + 2: "block id 99 (position 1) is outside the pool's 16 blocks; ids must lie in "

@@ -231,8 +231,7 @@ def test_direct_transports_refuse_a_streamed_fetch_and_say_why() -> None:
     import asyncio
 
     from raykv.errors import TransportError
-    from raykv.transport.collective import Collective
-    from raykv.transport.collective_entry import CollectiveTransport
+    from raykv.transport.collective import Collective, CollectiveTransport
     from raykv.transport.peer_read import PeerTransport
 
     async def first(t) -> None:

@@ -3,10 +3,10 @@
     LLM(model, kv_transfer_config={"kv_connector": "RaykvConnector",
         "kv_connector_module_path": "raykv.integrations.vllm", "kv_role": "kv_both"})
 
-``config`` (settings), ``model`` (vLLM KV layout -> raykv model), ``scheduler`` (lookups and
-per-step plans), ``worker`` (copies through the node's CPU tier), ``connector`` (the class
-vLLM loads), ``tiny`` (a local random-weight model for tests and benches). Needs the
-optional extra ``vllm``.
+``config`` (settings), ``model`` (vLLM KV layout -> raykv model), ``served`` (that model on
+the node's raykv, for both roles), ``scheduler`` (lookups and per-step plans), ``worker``
+(copies through the node's CPU tier), ``connector`` (the class vLLM loads), ``tiny`` (a local
+random-weight model for tests and benches). Needs the optional extra ``vllm``.
 """
 
 from raykv.integrations.vllm.connector import RaykvConnector

@@ -32,13 +32,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from raykv.integrations.vllm.config import RaykvVllmConfig, request_flags
 from raykv.integrations.vllm.metadata import LoadSpec, RaykvMetadata, SaveSpec
-
-if TYPE_CHECKING:
-    from raykv.integrations.vllm.connector import ServedEngine
+from raykv.integrations.vllm.served import ServedEngine
 
 log = logging.getLogger(__name__)
 

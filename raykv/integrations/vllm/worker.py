@@ -34,13 +34,11 @@ import threading
 from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from raykv.engine.attached import AttachedKV
 from raykv.integrations.vllm.metadata import LoadSpec, RaykvMetadata, SaveSpec
-
-if TYPE_CHECKING:
-    from raykv.integrations.vllm.connector import ServedEngine
+from raykv.integrations.vllm.served import ServedEngine
 
 log = logging.getLogger(__name__)
 
