@@ -301,18 +301,18 @@ def _reference(
     chunks: Sequence[int] | None,
     each: Callable[[int, int], None] | None,
 ) -> None:
-    """The torch reference of ``_launch``, chunk by chunk in the same order."""
+    """The torch reference of ``_launch``, chunk by chunk in the same order (host rows and
+    blocks: their sums taken natively as they are copied, ``raykv.ops_reference``)."""
     start = 0
     for count in chunks or (ids.numel(),):
         part = slice(start, start + count)
+        got = None if sums is None else sums[part]
         if each is not None and not gather:
             each(start, count)
         if gather:
-            _gather_reference(entries, ids[part], rows[part])
+            _gather_reference(entries, ids[part], rows[part], got)
         else:
-            _scatter_reference(rows[part], entries, ids[part])
-        if sums is not None:
-            sums[part].copy_(row_sums(rows[part]))
+            _scatter_reference(rows[part], entries, ids[part], sums=got)
         if each is not None and gather:
             each(start, count)
         start += count
@@ -469,13 +469,14 @@ def scatter_blocks(
     since two rows written to one block would race. sums: the row sums of the rows as they
     were read and written (a receiver compares them with the sender's, a tier with the
     stored checksums). With chunks, ``each(start, count)`` is called BEFORE each chunk's
-    copy is queued (a pipeline makes the copy wait for that chunk's arrival there). ``check(lo, hi)`` (optional, not with sums or chunks) is
-    called on the rows ``src[lo:hi]`` before any of them is written and returns how many of
-    them (from ``lo``) may be, so a caller can verify rows as they go (on the host, span by
-    span on each host thread, each span right before that thread copies it, while it is in
-    cache: ``check`` must be thread-safe; elsewhere all rows first). A row refused is never
-    written; rows after it may have been (on the host, by other threads: only rows ``check``
-    passed). Returns the rows before the first refused one (all rows: none was).
+    copy is queued (a pipeline makes the copy wait for that chunk's arrival there).
+    ``check(lo, hi)`` (optional, not with sums or chunks) is called on the rows
+    ``src[lo:hi]`` before any of them is written and returns how many of them (from ``lo``)
+    may be, so a caller can verify rows as they go (on the host, span by span on each host
+    thread, each span right before that thread copies it, while it is in cache: ``check``
+    must be thread-safe; elsewhere all rows first). A row refused is never written; rows
+    after it may have been (on the host, by other threads: only rows ``check`` passed).
+    Returns the rows before the first refused one (all rows: none was).
     """
     mode = _mode(mode, "scatter_blocks")
     entries = list(entries)

@@ -1,7 +1,12 @@
 """The torch reference of ``raykv.ops``' paged copies: what runs without CUDA (CI, CPU-device
 pools) and what the CUDA kernel must match bit for bit. Host rows and host entries move through
-numpy as bytes (runs of consecutive block ids, up or down, as one slice copy per entry);
-anything else moves as same-size integer words (no float canonicalization).
+numpy as bytes (runs of consecutive block ids, up or down, as one slice copy per entry), or,
+where the rows' sums are asked for (``sums=``: a CPU engine's tier jobs, a CPU pool's
+transfers), natively: ``copy_rows`` of ``kernels/block_hash.cpp`` adds each word's row-sum
+term as it copies the word, so every byte is read once (the CPU engine's tier jobs, which
+summed the rows on a thread beside the copy, ran at 0.6-0.7 x a plain copy; fused, on the
+host threads, at 0.8-1.1 x on the 2-core box and ~3.5 x on the 16-core H200 host). Anything
+else moves as same-size integer words (no float canonicalization).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from raykv.blocks.hashing import native_module
 from raykv.ops_threads import side_by_side
 
 
@@ -67,6 +73,12 @@ CHECK_SPAN_MAX_BYTES = 8 << 20
 # on the host threads (``raykv.ops_threads``): one thread moves a fetched 16 MiB chunk into a
 # tier's scattered rows in 2.5-4 ms on the 16-core H100 host while UCX lands the next one in ~4.
 PARALLEL_PIECE_BYTES = 2 << 20
+# A host copy with sums from this size on stores past the cache (``copy_rows``' stream): its
+# destination would mostly be evicted before anyone reads it (the 2-core box's EPYC has 32 MiB
+# of last-level cache), and a cached store first reads each line it writes: 128 MiB with sums
+# took 12-13 ms streamed against 16-18 cached there (two threads). Smaller copies keep their
+# rows in cache for the reader (the forward that reads a loaded block).
+STREAM_BYTES = 16 << 20
 
 Check = Callable[[int, int], int]  # (lo, hi) -> leading rows of src[lo:hi] that may be written
 
@@ -136,17 +148,25 @@ def _host_copy(
 
 
 def _host_rows(
-    rows: torch.Tensor, blocks: list, ids: torch.Tensor, scatter: bool, check: Check | None
+    rows: torch.Tensor,
+    blocks: list,
+    ids: torch.Tensor,
+    scatter: bool,
+    check: Check | None,
+    sums: torch.Tensor | None = None,
 ) -> int:
     """The host path of both directions (numpy moves host rows at memcpy speed, torch's
     strided row copies at about half of it here; many rows on several threads, a piece each).
-    A scatter with ``check``: each thread copies its piece span by span (growing,
-    ``CHECK_SPAN_BYTES``), each right after ``check`` passed it, and stops at a row it refuses
-    or once a thread found a refused row before its span. Returns the rows before the first
-    refused one (all: none was); a row refused is never written, rows after it may have been
-    (only ones ``check`` passed)."""
+    With ``sums`` each row's sum lands in it (``_summed``). A scatter with ``check``: each
+    thread copies its piece span by span (growing, ``CHECK_SPAN_BYTES``), each right after
+    ``check`` passed it, and stops at a row it refuses or once a thread found a refused row
+    before its span. Returns the rows before the first refused one (all: none was); a row
+    refused is never written, rows after it may have been (only ones ``check`` passed)."""
     r, a = rows.numpy(), ids.numpy()
     n, width = a.size, max(1, r.shape[1])
+    if sums is not None:  # (ops refuses sums with a check)
+        _summed(r, blocks, a, scatter, sums.numpy())
+        return n
     pieces = _pieces(a) if n else None
 
     def copy(lo: int, hi: int) -> None:
@@ -175,10 +195,43 @@ def _host_rows(
     return first_bad[0]
 
 
-def _gather_reference(entries: list[torch.Tensor], ids: torch.Tensor, dst: torch.Tensor) -> None:
+def _summed(r: np.ndarray, blocks: list, ids: np.ndarray, scatter: bool, sums: np.ndarray) -> None:
+    """The host copy of rows ``r`` <-> ``blocks`` (``_host_blocks``) with each row's sum into
+    ``sums``: natively, the sums taken as the words are copied (``copy_rows``, on the host
+    threads, a piece each, without the GIL); the reference's copy, then ``row_sums`` of the
+    rows, where the extension is not loaded (the same sums)."""
+    n, width = ids.size, max(1, r.shape[1])
+    piece = PARALLEL_PIECE_BYTES // width
+    native = native_module()
+    if native is None:
+        pieces = _pieces(ids) if n else None
+
+        def copy(lo: int, hi: int) -> None:
+            _host_copy(r, blocks, ids, pieces, lo, hi, scatter)
+
+        side_by_side(copy, 0, n, piece)
+        sums[:] = row_sums(torch.from_numpy(r)).numpy()
+        return
+    arrays = [b for b, _, _ in blocks]
+    at = np.ascontiguousarray(ids, np.int64)
+    stream = n * width >= STREAM_BYTES
+
+    def fused(lo: int, hi: int) -> None:
+        native.copy_rows(r, arrays, at, not scatter, sums, lo, hi, stream)
+
+    side_by_side(fused, 0, n, piece)
+
+
+def _gather_reference(
+    entries: list[torch.Tensor],
+    ids: torch.Tensor,
+    dst: torch.Tensor,
+    sums: torch.Tensor | None = None,
+) -> None:
+    """dst[i] = the blocks ``ids[i]`` of ``entries``; with ``sums`` each row's sum too."""
     blocks = _host_blocks(dst, entries)
     if blocks is not None:
-        _host_rows(dst, blocks, ids, False, None)
+        _host_rows(dst, blocks, ids, False, None, sums)
         return
     n, offset = ids.numel(), 0
     for e in entries:
@@ -195,15 +248,25 @@ def _gather_reference(entries: list[torch.Tensor], ids: torch.Tensor, dst: torch
             picked = _as_int(e).index_select(0, ids.to(e.device)).contiguous()
             out.copy_(picked.view(-1).view(torch.uint8).view(n, width))
         offset += width
+    if sums is not None:
+        sums.copy_(row_sums(dst))
 
 
 def _scatter_reference(
-    src: torch.Tensor, entries: list[torch.Tensor], ids: torch.Tensor, check: Check | None = None
+    src: torch.Tensor,
+    entries: list[torch.Tensor],
+    ids: torch.Tensor,
+    check: Check | None = None,
+    sums: torch.Tensor | None = None,
 ) -> int:
-    """Returns the rows written: all, or those before the first row ``check`` refused."""
+    """The blocks ``ids[i]`` of ``entries`` = src[i]; with ``sums`` (not with ``check``) each
+    row's sum too. Returns the rows written: all, or those before the first row ``check``
+    refused."""
     blocks = _host_blocks(src, entries)
     if blocks is not None:
-        return _host_rows(src, blocks, ids, True, check)
+        return _host_rows(src, blocks, ids, True, check, sums)
+    if sums is not None:
+        sums.copy_(row_sums(src))
     n = ids.numel() if check is None else check(0, ids.numel())
     src, ids, offset = src[:n], ids[:n], 0
     for e in entries:

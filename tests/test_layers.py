@@ -36,7 +36,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "ops": BASE | {"layout", "ops_checks", "ops_kernel", "ops_reference"},
     "ops_checks": BASE | {"ops_reference"},  # ops' argument validation, in a file of its own
     "ops_kernel": set(),  # ops' CUDA extension: built on first use, or ruled out, and why
-    "ops_reference": {"ops_threads"},  # the torch half of ops, in a file of its own
+    # the torch half of ops, in a file of its own; its host copies with row sums run in the
+    # native extension that raykv.blocks.hashing builds (kernels/block_hash.cpp)
+    "ops_reference": {"ops_threads", "blocks"},
     "ops_threads": set(),  # the host threads ops' host copies (and the hashing) run on
     "ops_pools": BASE | {"ops", "ops_checks", "ops_reference"},  # block to block, pool to pool
     "tiers": BASE | {"layout", "blocks", "ops", "ops_reference", "ops_threads"},

@@ -5,31 +5,28 @@ out of) the arena's rows when a group's rows are full-width and consecutive, els
 staging buffer and one host-side row copy. On CUDA the copies run on a side stream that first
 waits for the compute stream, and ``poll()`` reports jobs whose event has fired; on CPU they
 run synchronously and the next ``poll()`` reports them, so callers see one protocol. A job
-copies each run of consecutive arena rows directly with its checksums taken (store) or
-verified (load): on the host, in chunks, on the checksum thread beside the copy
-(``raykv.tiers.host_copy``); on CUDA by the copy kernels themselves, only the sums crossing
-to the host (``raykv.tiers.device_copy``).
+copies each run of consecutive arena rows directly (``raykv.tiers.host_copy``), each row's
+checksum taken by the copy itself as it moves the row (``raykv.tiers.device_copy``): on CUDA
+by the copy kernels, only the sums crossing to the host; on the host by the native fused copy
+(``raykv.ops_reference``), every byte read once.
 
 Store: reserve CPU blocks (all-or-nothing) -> fence the GPU blocks (invariant 9) -> gather ->
 on completion checksum the rows (optional), mark the CPU blocks readable and lift the fence.
 A failure anywhere frees the reserved CPU blocks (nothing half-readable) and lifts the fence.
 Load: take read references -> drop keys whose CPU block lacks a needed GPU block, keeping each
-group's prefix -> scatter, verifying each key's checksums: on the host before any of its rows
-is written (ahead of the copy on the checksum thread; the copy of a span waits only for the
-keys it reaches), on CUDA as the kernel writes them, compared when the copy completed. The
-first key that fails and the rest of its group are misses (never reported loaded, so never
-read), the failed one a counted error, never wrong KV -> on completion drop the references.
+group's prefix -> scatter, each row's sum taken as it is written, compared with the stored
+checksums when the copy completed. The first key that fails and the rest of its group are
+misses (never reported loaded, so never read, whatever bytes landed in their blocks), the
+failed one a counted error, never wrong KV -> on completion drop the references.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import itertools
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +35,6 @@ from raykv import ops
 from raykv.errors import TierError
 from raykv.layout import tp
 from raykv.tiers import device_copy, host_copy
-from raykv.tiers.checksum import checksums_at, row_checksums
 from raykv.tiers.cpu_tier import CpuTier, LoadLease, StoreReservation
 from raykv.tiers.fence import StoreFence
 from raykv.tiers.gpu_kv import GpuKV
@@ -80,10 +76,8 @@ class _InFlight:
     lease: LoadLease | None = None
     event: torch.cuda.Event | None = None
     host_copies: list[_HostCopy] = field(default_factory=list)
-    # a host store: (arena rows, their checksums taken on the checksum thread)
-    sums: list[tuple[Sequence[int], Future[list[int]]]] = field(default_factory=list)
-    taken: list[device_copy.TakenSums] = field(default_factory=list)  # a CUDA store's sums
-    checks: list[device_copy.LoadCheck] = field(default_factory=list)  # a CUDA load's
+    taken: list[device_copy.TakenSums] = field(default_factory=list)  # a store's row sums
+    checks: list[device_copy.LoadCheck] = field(default_factory=list)  # a load's
     asked: tuple[bytes, ...] = ()  # a load: the keys requested
     missed: tuple[bytes, ...] = ()
     error: str | None = None
@@ -152,9 +146,9 @@ class OffloadEngine:
 
         ``lease`` comes from a caller that took the read references itself (a
         ``CpuTierView``'s owner); else this engine takes them. Either way every key's
-        checksums are verified before it counts as loaded (invariant 12): on the host span by
-        span before the rows are copied (each read once, while in cache), on CUDA by the
-        kernel as it writes them, compared in poll() (``_check_loaded``)."""
+        checksums are verified before it counts as loaded (invariant 12): the copy sums each
+        row as it writes it (the CUDA kernels; natively on the host), compared in poll()
+        (``_check_loaded``)."""
         if lease is None:
             lease = self.tier.prepare_load(job.keys)
         if lease is None:
@@ -162,7 +156,7 @@ class OffloadEngine:
         usable = job.select(self._usable_keys(job, lease))
         rec = _InFlight(self._next_id(), "load", usable, lease=lease)
         try:
-            self._copy(rec, gather=False)  # leaves in rec.job only the keys it wrote whole
+            self._copy(rec, gather=False)  # poll() keeps in rec.job the keys verified whole
         except Exception as e:
             rec.error = f"{type(e).__name__}: {e}"
         rec.asked = job.keys
@@ -210,7 +204,6 @@ class OffloadEngine:
         if self.stream is not None:  # copies see every KV write queued before them
             self.stream.wait_stream(torch.cuda.current_stream(self.gpu.device))
         stream_ctx = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
-        refused: set[bytes] = set()  # a load: keys some of whose rows were not written
         with stream_ctx:
             for g, sl in zip(self.gpu.plan.groups, job.group_slices(), strict=True):
                 ids = job.block_ids[sl]
@@ -221,30 +214,11 @@ class OffloadEngine:
                 slots = job.slots[sl]
                 rows = [tier.row(blocks[job.keys[k]], s) for k, s in slots]
                 ids_t = torch.tensor(ids, dtype=torch.int64)
-                if self.stream is not None:  # a load is checked in poll(), once it landed
-                    self._copy_device(rec, entries, ids_t, rows, slots, width, gather)
-                    continue
-                if gather:
-                    self._store_host(rec, entries, ids_t, rows, slots, width)
-                    continue
-                verify = None
-                if not gather and self.checksums:
-                    verify = host_copy.VerifyAhead(
-                        host_copy.key_chunks(slots, width), self._verifier(rec, slots, rows, width)
-                    )
-                try:
-                    written = self._load_host(entries, ids_t, rows, width, verify)
-                finally:
-                    if verify is not None:
-                        verify.close()
-                if verify is not None and verify.bad is not None:  # found on the checksum thread
-                    self.tier.drop(job.keys[slots[verify.bad][0]], corrupt=True)
-                refused.update(job.keys[k] for k, _ in slots[written:])
+                # a load is checked in poll(), once it landed
+                self._copy_device(rec, entries, ids_t, rows, slots, width, gather)
             if self.stream is not None:
                 rec.event = torch.cuda.Event()
                 rec.event.record(self.stream)
-        if refused:
-            rec.job = job.select(k for k in job.keys if k not in refused)
 
     def _copy_device(
         self,
@@ -256,11 +230,12 @@ class OffloadEngine:
         width: int,
         gather: bool,
     ) -> None:
-        """One group's copy on CUDA, queued on the side stream, each row's checksum taken by
-        the kernel as it copies (``raykv.tiers.device_copy``): each run of consecutive
-        full-width arena rows straight between the blocks and the arena; rows more scattered
-        (or narrower) through a staging buffer (a store lands it in poll(), a load keeps it
-        alive till then). A load's sums are compared with the stored ones in poll()."""
+        """One group's copy (on CUDA queued on the side stream; on the host run now), each
+        row's checksum taken as it is copied (``raykv.tiers.device_copy``): each run of
+        consecutive full-width arena rows straight between the blocks and the arena; rows
+        more scattered (or narrower) through a staging buffer (a store lands it in poll(), a
+        load keeps it alive till then). A load's sums are compared with the stored ones in
+        poll()."""
         rows_all = self.tier.rows(self.copy)
         runs = host_copy.row_runs(rows) if width == self.tier.slot_bytes else None
         if runs is not None:
@@ -280,64 +255,6 @@ class OffloadEngine:
         else:  # the expected sums are looked up while the copy runs
             keys = [rec.job.keys[k] for k, _ in slots]
             rec.checks.append(device_copy.load_check(keys, self._expected(rec, slots), sums))
-
-    def _store_host(
-        self,
-        rec: _InFlight,
-        entries: list,
-        ids_t: torch.Tensor,
-        rows: list[int],
-        slots: Sequence,
-        width: int,
-    ) -> None:
-        """One group's host store, chunk by chunk, each chunk's checksums taken on the
-        checksum thread while the next one copies (``host_copy.store_chunks``). A run of
-        consecutive full-width rows is gathered straight into the arena; scattered or narrow
-        rows through a staging buffer, landed row by row (numpy) before the chunk's hashing."""
-        rows_all = self.tier.rows(self.copy)
-        table = rows_all.numpy()
-        runs = host_copy.row_runs(rows) if width == self.tier.slot_bytes else None
-
-        def copy(a: int, b: int) -> None:
-            if runs is not None:
-                for s, e in host_copy.within(runs, a, b):
-                    ops.gather_blocks(entries, ids_t[s:e], rows_all[rows[s] : rows[s] + e - s])
-                return
-            staging = torch.empty((b - a, width), dtype=torch.uint8)
-            ops.gather_blocks(entries, ids_t[a:b], staging)
-            table[rows[a:b], :width] = staging.numpy()
-
-        def sums(a: int, b: int) -> list[int]:
-            return checksums_at(table, rows[a:b], width)
-
-        chunks = host_copy.key_chunks(slots, width, last_small=True)
-        futures = host_copy.store_chunks(chunks, copy, sums if self.checksums else None)
-        rec.sums += [(rows[a:b], f) for (a, b), f in zip(chunks, futures, strict=False)]
-
-    def _load_host(
-        self,
-        entries: list,
-        ids_t: torch.Tensor,
-        rows: list[int],
-        width: int,
-        check: host_copy.VerifyAhead | None,
-    ) -> int:
-        """One group's host load: each run of consecutive full-width rows scattered straight
-        out of the arena (scattered or narrow rows through one staging buffer), ``check``
-        passing each span first. Returns the rows written (up to the first refused)."""
-        rows_all = self.tier.rows(self.copy)
-        runs = host_copy.row_runs(rows) if width == self.tier.slot_bytes else None
-        if runs is None:
-            idx = torch.tensor(rows, dtype=torch.int64)
-            src = torch.index_select(rows_all[:, :width], 0, idx)
-            return ops.scatter_blocks(src, entries, ids_t, check=check)
-        for a, b in runs:
-            part = None if check is None else (lambda lo, hi, a=a: check(a + lo, a + hi))
-            src = rows_all[rows[a] : rows[a] + b - a]
-            n = ops.scatter_blocks(src, entries, ids_t[a:b], check=part)
-            if n < b - a:
-                return a + n
-        return len(rows)
 
     def _ready(self, rec: _InFlight) -> bool:
         if rec.event is None or rec.error is not None:
@@ -363,7 +280,6 @@ class OffloadEngine:
                         checksums = self._store_checksums(rec) if self.checksums else None
                 except Exception as e:
                     rec.error, ok = f"{type(e).__name__}: {e}", False
-                concurrent.futures.wait([f for _, f in rec.sums])  # none reads a freed row
                 self.tier.finish_store(
                     rec.reservation, ok, rec.job.valid_masks(), checksums, copy=self.copy
                 )
@@ -402,31 +318,17 @@ class OffloadEngine:
         return out
 
     def _store_checksums(self, rec: _InFlight) -> list[tuple[int, ...]]:
-        """Per key, one checksum per sub-slot (0 where a null block carried nothing): taken
-        by the kernels on CUDA (``rec.taken``, every position of every group), else beside
-        the copy on the host (``rec.sums``, by arena row) or of the landed rows here."""
-        if rec.taken:
-            by_key = [[0] * w for w in rec.job.key_widths]
-            for t in rec.taken:
-                t.fill(by_key)
-            return [tuple(c) for c in by_key]
-        block_of = rec.reservation.block_of()
-        blocks = [block_of[k] for k in rec.job.keys]
-        taken = {r: c for rows, f in rec.sums for r, c in zip(rows, f.result(), strict=True)}
-        arena = self.tier.rows(self.copy)
-        out = []
-        for k, rows in enumerate(self._key_rows(rec.job, blocks)):
-            sums = {
-                s: taken[r] if r in taken else row_checksums(arena[r : r + 1, :w])[0]
-                for s, r, w in rows
-            }
-            out.append(tuple(sums.get(s, 0) for s in range(rec.job.key_widths[k])))
-        return out
+        """Per key, one checksum per sub-slot (0 where a null block carried nothing): the
+        sums the copy took of every position of every group (``rec.taken``)."""
+        by_key = [[0] * w for w in rec.job.key_widths]
+        for t in rec.taken:
+            t.fill(by_key)
+        return [tuple(c) for c in by_key]
 
     def _usable_keys(self, job: LoadJob, lease: LoadLease) -> list[bytes]:
         """Keys whose CPU block holds every GPU block the job needs; per group, only the
         prefix before the first unusable key (KV is a prefix). Their checksums are verified
-        as they are copied (``_verifier``)."""
+        once they are copied (``_check_loaded``)."""
         bad = set()
         for k, rows in enumerate(self._key_rows(job, lease.blocks)):
             valid = lease.valid[k]
@@ -442,9 +344,9 @@ class OffloadEngine:
         return keep
 
     def _check_loaded(self, rec: _InFlight) -> None:
-        """A CUDA load landed: the first key of each group whose rows' sums (taken by the
-        kernel as it wrote them) differ from the stored checksums is dropped as corrupt, and
-        it and every later key of its group count as not loaded (invariant 12)."""
+        """A load landed: the first key of each group whose rows' sums (taken by the copy as
+        it wrote them) differ from the stored checksums is dropped as corrupt, and it and
+        every later key of its group count as not loaded (invariant 12)."""
         refused: set[bytes] = set()
         for check in rec.checks:
             bad = check.first_bad()
@@ -463,30 +365,6 @@ class OffloadEngine:
             stored = lease.checksums[at[job.keys[k]]].get(self.copy)
             out.append(None if stored is None else stored[s])
         return out
-
-    def _verifier(
-        self, rec: _InFlight, slots: Sequence, rows: Sequence[int], width: int
-    ) -> Callable[[int, int], int | None]:
-        """``verify`` for ``host_copy.VerifyAhead`` of one group (``slots``: each position's
-        (key index, sub-slot), ``rows``: its arena row): the position of the first row of the
-        first key in ``start .. end - 1`` whose arena rows fail their stored checksums, or
-        None. Touches no state (it runs on the checksum thread); the caller drops that key."""
-        job, lease = rec.job, rec.lease
-        at = {key: i for i, key in enumerate(lease.keys)}
-        table = self.tier.rows(self.copy).numpy()
-
-        def verify(start: int, end: int) -> int | None:
-            first = start  # the current key's first position
-            for i, c in enumerate(checksums_at(table, rows[start:end], width), start):
-                k, s = slots[i]
-                if i > start and slots[i - 1][0] != k:
-                    first = i
-                expected = lease.checksums[at[job.keys[k]]].get(self.copy)
-                if expected is not None and expected[s] != c:
-                    return first
-            return None
-
-        return verify
 
     # ---------------------------------------------------------------- bookkeeping
     def _next_id(self) -> int:

@@ -172,3 +172,66 @@ def test_a_process_that_exited_is_gone_even_before_it_is_reaped() -> None:
     finally:
         child.wait()
     assert not process_alive(child.pid)
+
+
+def test_a_corrupt_arena_row_loaded_into_a_cpu_engine_is_a_counted_miss_not_loaded() -> None:
+    """The attached CPU engine's path: an ``OffloadEngine`` on a view of the tier's shared
+    arena, whose load sums each row natively as it copies it. One bit flipped in the middle of
+    key 2's row: keys 0 and 1 are reported loaded (their bytes right), keys 2-5 missed (2's
+    sum fails, the rest of the prefix follows it), the tier counts one checksum error and
+    drops key 2 alone; keys 3-5 stay and load whole afterwards, with no error counted again."""
+    from raykv import ops
+    from raykv.blocks import hashing
+
+    hashing.build_native()
+    assert hashing.native_module() is not None, hashing.native_status()  # the fused path
+    plan = make_plan("full", cpu_blocks=16)
+    owner = CpuTier(plan, shared=True)
+    view = CpuTierView(plan, owner.arena_spec)
+    try:
+        src, dst = filled_kv(plan, 1), GpuKV.allocate(plan, "cpu")
+        gid = plan.groups[0].group_id
+        job = StoreJob.build(
+            plan, "r", [[1, 2, 3, 4, 5, 6]], group_block_hashes(plan, _hashes(6, 4))
+        )
+        eng = OffloadEngine(src, view, checksums=True)
+        eng.submit_store(job, owner.prepare_store(job.keys))
+        assert eng.wait_all()[0].ok
+        owner.apply(view.take())
+        keys = job.keys
+        probe = owner.prepare_load([keys[2]])
+        width = src.row_bytes(gid)
+        view.rows(0)[probe.blocks[0] * owner.factor, width // 2] ^= 0x04
+        owner.finish_load(probe)
+
+        def load(want: tuple[bytes, ...], into: list[int]):
+            lease = owner.prepare_load(list(want))
+            job = LoadJob("r", lease.keys, (gid,) * len(want), (1,) * len(want), tuple(into),
+                           (len(want),), tuple((k, 0) for k in range(len(want))))  # fmt: skip
+            engine = OffloadEngine(dst, view, checksums=True)
+            engine.submit_load(job, lease)
+            (res,) = engine.wait_all()
+            owner.apply(view.take())
+            owner.check_consistency()
+            return res
+
+        def same(a: list[int], b: list[int]) -> bool:
+            rows = [torch.empty((len(a), width), dtype=torch.uint8) for _ in range(2)]
+            ops.gather_blocks(src.entries(gid), torch.tensor(a), rows[0])
+            ops.gather_blocks(dst.entries(gid), torch.tensor(b), rows[1])
+            return torch.equal(*rows)
+
+        res = load(keys, [10, 11, 12, 13, 14, 15])
+        assert res.ok and res.job.keys == keys[:2] and res.job.block_ids == (10, 11)
+        assert res.missed == keys[2:]
+        assert same([1, 2], [10, 11])
+        assert owner.stats.checksum_errors == 1
+        assert keys[2] not in owner and all(k in owner for k in (*keys[:2], *keys[3:]))
+
+        again = load(keys[3:], [20, 21, 22])
+        assert again.ok and again.missed == () and again.job.block_ids == (20, 21, 22)
+        assert same([4, 5, 6], [20, 21, 22])
+        assert owner.stats.checksum_errors == 1  # counted once
+    finally:
+        view.close()
+        shm.release(owner.arena_spec)
