@@ -400,7 +400,7 @@ class RecordingStagedCopy:
     def __init__(self, calls: list[str]):
         self.calls = calls
 
-    def run(self, segs, block_ids, num_ctas):
+    def run(self, segs, block_ids, num_ctas, sums_ptr=0):
         self.calls.append("run")
 
     def cancel(self):
