@@ -3,23 +3,36 @@
 // them; raykv.tiers.checksum calls them) and paged copies that take them as they copy
 // (raykv.ops_reference's host path), which share this build.
 //
-// Hash i = sha256(hash(i - 1) + tag + tokens(i) + tail): the Python loop spent ~0.6 us per
-// block on interpreter work around two sha256 compressions (~0.1 us). Here one call reads the
-// token ids, runs every block's sha256 and returns the list of digests (2048 blocks of 16
-// tokens: ~0.25 ms against ~1.5 ms on a 2.45 GHz EPYC with SHA-NI, ~0.2 ms of it the
-// compressions).
+// Hash i = sha256(tag + tokens(i) + tail + hash(i - 1)): the Python loop spent ~0.6 us per
+// block on interpreter work around two sha256 compressions. Here one call reads the token ids,
+// runs every block's sha256 and returns the digests (2048 blocks of 16 tokens from a list:
+// ~0.13 ms as one bytes object against ~1.35 ms on a 2.45 GHz EPYC (Zen 3) with SHA-NI).
 //
-// sha256 is OpenSSL's libcrypto, the one CPython's _hashlib (hashlib.sha256) already runs:
-// its assembly picks SHA-NI / AVX2 / ARMv8 at run time, and nothing here reimplements the
-// hash. The message of a block has a fixed length, so its sha256 padding is written once into
-// a template and each block is one SHA256_Update over whole 64-byte blocks, after which the
-// state words are the digest: no SHA256_Final (with it a prototype of the chain took 40 % longer).
+// The parent comes last, so a row's whole 64-byte chunks (a 16-token row's first) do not
+// depend on the chain: their sha256 state, the midstate, is computed off it, and only the rest
+// (the row's last bytes, the parent, the padding: one compression for a 16-token row) runs on
+// it. On x86 with the SHA extensions (checked at import) this file runs its own compression,
+// two at once: block b's last in lockstep with block b + 1's midstate, step by step, so the
+// two take about the time of one (a chain of sha256rnds2 alone leaves the unit idle half the
+// time): ~0.10 ms for 2048 blocks from a uint32 array, where v2's chain (parent first, both
+// compressions on it) took ~0.21 ms. The parent never goes through memory there: its bytes
+// are gathered from the state registers into the next message's words.
+//
+// Elsewhere sha256 is OpenSSL's libcrypto, the one CPython's _hashlib (hashlib.sha256) already
+// runs: its assembly picks SHA-NI / AVX2 / ARMv8 at run time. A call hashes one message, so no
+// midstate runs under another block's compression there (the out-of-order window holds about
+// one: calls interleaved over a ring of blocks took as long as calls in turn). The message of
+// a block has a fixed length, so its sha256 padding is written once into a template and each
+// block is SHA256_Update over whole 64-byte blocks (the midstate, then the rest), after
+// which the state words are the digest: no SHA256_Final (with it a prototype of the chain took
+// 40 % longer).
 //
 // No OpenSSL headers are needed to build this (a machine without libssl-dev builds it): the
 // two functions and SHA256_CTX are declared below, with the layout OpenSSL has had since 0.9.8
 // (1.1 and 3.x alike; 3.x marks these low-level calls deprecated but exports them, and one
 // that did not would fail the import). PyInit checks the result on FIPS 180-2's one- and
-// two-block vectors, so a library that disagrees makes the import fail: Python hashes then.
+// two-block vectors, and the SHA-NI chain against libcrypto's, so a library (or a compression)
+// that disagrees makes the import fail: Python hashes then.
 //
 // Built by raykv/blocks/hashing.py (plain `c++`, Python's headers, linked against the
 // libcrypto _hashlib loaded); no torch, so raykv.blocks stays free of it.
@@ -32,6 +45,14 @@
 #include <cstring>
 
 #include "row_sum.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define RAYKV_SHANI 1
+#include <cpuid.h>
+#include <immintrin.h>
+#else
+#define RAYKV_SHANI 0
+#endif
 
 #include <vector>
 
@@ -63,11 +84,17 @@ constexpr uint8_t kNarrow = 0x05, kWide = 0x06;  // hashing.py's row tags
 // rule (it releases from 2 KiB): below it the release and re-acquire cost more than they free.
 constexpr size_t kReleaseGilBytes = 2048;
 
-// One message layout: parent digest, tag, tokens, tail, then sha256's padding for exactly
-// this length. Every block of a layout differs only in the parent and the tokens.
+// One message layout: tag, tokens, tail (the row), the parent digest, then sha256's padding
+// for exactly this length. Every block of a layout differs only in the tokens and the parent,
+// and the parent comes last: the row's whole 64-byte chunks (`lead` bytes) are the block's
+// own, so their sha256 state (the midstate) is computed off the chain, and only the rest
+// (`padded - lead` bytes, one or two chunks: the row's remainder, the parent, the padding)
+// waits for the parent.
 struct Layout {
-    uint8_t* buf = nullptr;
-    size_t padded = 0;  // whole 64-byte blocks
+    uint8_t* buf = nullptr;  // the parent's bytes stay zero here on the SHA-NI path
+    size_t at = 0;           // the row's length: where the parent goes
+    size_t lead = 0;         // the row's whole 64-byte chunks
+    size_t padded = 0;       // the whole message, padded: whole 64-byte chunks
 };
 
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
@@ -76,12 +103,14 @@ size_t padded_len(size_t len) { return (len + 1 + 8 + 63) / 64 * 64; }
 
 void init_layout(Layout& m, uint8_t* buf, uint8_t tag, size_t token_bytes, const uint8_t* tail,
                  size_t tail_len) {
-    size_t len = kDigest + 1 + token_bytes + tail_len;
+    m.at = 1 + token_bytes + tail_len;
+    size_t len = m.at + kDigest;
     m.buf = buf;
+    m.lead = m.at / 64 * 64;
     m.padded = padded_len(len);
     std::memset(buf, 0, m.padded);
-    buf[kDigest] = tag;
-    std::memcpy(buf + kDigest + 1 + token_bytes, tail, tail_len);
+    buf[0] = tag;
+    std::memcpy(buf + 1 + token_bytes, tail, tail_len);
     buf[len] = 0x80;
     uint64_t bits = static_cast<uint64_t>(len) * 8;
     for (int k = 0; k < 8; ++k) buf[m.padded - 1 - k] = static_cast<uint8_t>(bits >> (8 * k));
@@ -95,15 +124,11 @@ inline void store_le32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
 
 inline void store_le64(uint8_t* p, uint64_t v) { std::memcpy(p, &v, 8); }
 
-// sha256 of the padded message m (parent already in place) into out[0..32).
-inline void digest(const Layout& m, uint8_t* out) {
-    raykv_sha256_ctx c;
-    SHA256_Init(&c);
-    SHA256_Update(&c, m.buf, m.padded);
-    // The digest is the state words big-endian. Swapped 16 bytes at a time (SSE2 / NEON via
-    // GCC's vector extension) and stored as such: the next block's sha256 loads these bytes
-    // 16 at a time right away, and a load cannot be forwarded from several narrower stores
-    // (8 word stores cost ~15 % of the chain's time in stalls).
+// The digest of a finished sha256 state (its state words, big-endian) into out[0..32).
+inline void store_digest(const raykv_sha256_ctx& c, uint8_t* out) {
+    // Swapped 16 bytes at a time (SSE2 / NEON via GCC's vector extension) and stored as such:
+    // the next block loads these bytes right away, and a load cannot be forwarded from several
+    // narrower stores (8 word stores cost ~15 % of the chain's time in stalls).
     for (int half = 0; half < 2; ++half) {
         u32x4 v;
         std::memcpy(&v, c.s.h + 4 * half, 16);
@@ -158,9 +183,20 @@ inline bool read_id(PyObject* o, int64_t* out) {
     return true;
 }
 
-// The four message layouts of a call: narrow / wide rows, and the first block's with the salt.
+// A block in flight: its message, in one of a narrow and a wide layout.
+struct Slot {
+    Layout* m = nullptr;
+    Layout narrow, wide;
+};
+// Blocks b (its final compression), b + 1 (its midstate) and b + 2 (its row being packed) are
+// in flight at once; a power of two.
+constexpr int kSlots = 4;
+
+// The message layouts of a call: a ring of slots (narrow / wide rows), and the first block's
+// with the salt.
 struct Layouts {
-    Layout narrow, wide, first_narrow, first_wide;
+    Slot slot[kSlots];
+    Layout first_narrow, first_wide;
     bool salted = false;  // block 0 ends in the salt's tail
 };
 
@@ -170,17 +206,19 @@ struct Ids {  // where the ids come from: a list / tuple's items, or a uint32 / 
     const int64_t* ids64 = nullptr;
 };
 
-// Block b's tokens written into its layout (chosen by the block's width); the layout, or
-// nullptr if an id of a list is not an int64 (ids.items: read only with the GIL). Each source
-// has its own tight loop: the fewer instructions per id, the more of them the CPU runs under
-// the previous block's sha256 rounds (one long dependency chain that leaves the ALUs idle).
-inline Layout* pack_block(Layouts& l, Py_ssize_t b, const Ids& ids, Py_ssize_t bs) {
+// Block b's tokens written into its layout (chosen by the block's width; the slot's, or the
+// salted first block's), which slot s then holds; false if an id of a list is not an int64
+// (ids.items: read only with the GIL). Each source has its own tight loop: the fewer
+// instructions per id, the more of them the CPU runs under the chain's sha256 rounds (one
+// long dependency chain that leaves the ALUs idle).
+inline bool pack_block(Layouts& l, Slot& s, Py_ssize_t b, const Ids& ids, Py_ssize_t bs) {
     bool first = b == 0 && l.salted;
-    Layout* m = first ? &l.first_narrow : &l.narrow;
-    uint8_t* p = m->buf + kDigest + 1;
+    Layout* m = first ? &l.first_narrow : &s.narrow;
+    uint8_t* p = m->buf + 1;
+    s.m = m;
     if (ids.ids32 != nullptr) {  // little-endian: the array's bytes are the row's
         std::memcpy(p, ids.ids32 + b * bs, 4 * bs);
-        return m;
+        return true;
     }
     // Packed narrow as the ids are read (the usual block), repacked wide if one does not fit:
     // the block is narrow iff every id is in 0 .. 2**32 - 1.
@@ -189,43 +227,297 @@ inline Layout* pack_block(Layouts& l, Py_ssize_t b, const Ids& ids, Py_ssize_t b
         PyObject* const* items = ids.items + b * bs;
         for (Py_ssize_t j = 0; j < bs; ++j) {
             int64_t v;
-            if (!read_id(items[j], &v)) return nullptr;
+            if (!read_id(items[j], &v)) return false;
             high |= static_cast<uint64_t>(v) >> 32;
             store_le32(p + 4 * j, static_cast<uint32_t>(v));
         }
-        if (high == 0) return m;
-        m = first ? &l.first_wide : &l.wide;
-        p = m->buf + kDigest + 1;
+        if (high == 0) return true;
+        s.m = m = first ? &l.first_wide : &s.wide;
+        p = m->buf + 1;
         for (Py_ssize_t j = 0; j < bs; ++j) {  // read again: rare, and nothing kept meanwhile
             int64_t v = 0;
             read_id(items[j], &v);  // read fine a moment ago, and no Python code ran since
             store_le64(p + 8 * j, static_cast<uint64_t>(v));
         }
-        return m;
+        return true;
     }
     const int64_t* t = ids.ids64 + b * bs;
     for (Py_ssize_t j = 0; j < bs; ++j) {
         high |= static_cast<uint64_t>(t[j]) >> 32;
         store_le32(p + 4 * j, static_cast<uint32_t>(t[j]));
     }
-    if (high == 0) return m;
-    m = first ? &l.first_wide : &l.wide;
-    p = m->buf + kDigest + 1;
+    if (high == 0) return true;
+    s.m = m = first ? &l.first_wide : &s.wide;
+    p = m->buf + 1;
     for (Py_ssize_t j = 0; j < bs; ++j) store_le64(p + 8 * j, static_cast<uint64_t>(t[j]));
-    return m;
+    return true;
 }
 
-// The chain: emit(b, digest) for every block in turn; false if an id of a list is not an
-// int64 or emit failed.
+// The chain through libcrypto's SHA256_Update, block after block: the midstate of a block's
+// leading chunks, then the parent put in and the rest. Each call is one serial run of
+// compressions, so one block's midstate cannot run under another's final compression (the
+// out-of-order window holds about one compression: run ahead in a ring of slots, it took as
+// long as this): used where the SHA-NI path below is not.
+template <typename Emit>
+inline bool run_chain_libcrypto(Layouts& l, const Ids& ids, Py_ssize_t n, Py_ssize_t bs,
+                                uint8_t* prev, Emit emit) {
+    raykv_sha256_ctx fresh, c;
+    SHA256_Init(&fresh);
+    c = fresh;  // its counters and buffer stay as they are: whole chunks only
+    Slot& s = l.slot[0];
+    for (Py_ssize_t b = 0; b < n; ++b) {
+        if (!pack_block(l, s, b, ids, bs)) return false;
+        Layout* m = s.m;
+        std::memcpy(c.s.h, fresh.s.h, sizeof c.s.h);
+        if (m->lead) SHA256_Update(&c, m->buf, m->lead);
+        std::memcpy(m->buf + m->at, prev, kDigest);
+        SHA256_Update(&c, m->buf + m->lead, m->padded - m->lead);
+        store_digest(c, prev);
+        if (!emit(b, prev)) return false;
+    }
+    return true;
+}
+
+#if RAYKV_SHANI
+// --- the chain on x86's SHA extensions: two compressions interleaved ------------------------
+//
+// The chain's last compressions are one dependency chain (each of a chunk's 32 sha256rnds2
+// waits for the one before), which leaves the SHA unit idle much of the time. The next block's
+// midstate is independent of it: compressed in lockstep with it, step by step, the two take
+// about the time of one (2048 blocks of 16 tokens from a uint32 array: ~0.10 ms; the same two
+// compressions one after the other, inlined, ~0.135 ms; through libcrypto ~0.22 ms).
+// libcrypto cannot do this (one message per call), so this path runs its own compression, the
+// one of Intel's SHA extensions guide; the import checks it against libcrypto (self_test) and
+// the tests against hashlib.
+
+#define RAYKV_SHA_TARGET __attribute__((target("sha,sse4.1,ssse3")))
+
+alignas(16) const uint32_t kK[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+
+// sha256's initial state, as a digest's bytes.
+const uint8_t kIv[32] = {0x6a, 0x09, 0xe6, 0x67, 0xbb, 0x67, 0xae, 0x85, 0x3c, 0x6e, 0xf3,
+                         0x72, 0xa5, 0x4f, 0xf5, 0x3a, 0x51, 0x0e, 0x52, 0x7f, 0x9b, 0x05,
+                         0x68, 0x8c, 0x1f, 0x83, 0xd9, 0xab, 0x5b, 0xe0, 0xcd, 0x19};
+
+// The state in the SHA extensions' two registers: abef = (h5, h4, h1, h0) and cdgh =
+// (h7, h6, h3, h2), lane 0 first. Where digest word i lives: register (0: abef, 1: cdgh) and
+// lane.
+constexpr int kWordReg[8] = {0, 0, 1, 1, 0, 0, 1, 1};
+constexpr int kWordLane[8] = {3, 2, 3, 2, 1, 0, 1, 0};
+
+struct State {
+    __m128i abef, cdgh;
+};
+
+// N independent compressions of one 64-byte chunk each (msg: its 4 lanes of big-endian
+// words), every step of one next to the same step of the others.
+template <int N>
+RAYKV_SHA_TARGET inline void compress(State (&st)[N], __m128i (&w)[N][4]) {
+    State save[N];
+    for (int s = 0; s < N; ++s) save[s] = st[s];
+#pragma GCC unroll 16
+    for (int g = 0; g < 16; ++g) {
+        const __m128i k = _mm_load_si128(reinterpret_cast<const __m128i*>(kK + 4 * g));
+        for (int s = 0; s < N; ++s) {
+            __m128i* v = w[s];
+            if (g >= 4) {  // the schedule: w[g] from w[g - 4 .. g - 1], kept in a ring of 4
+                __m128i t = _mm_alignr_epi8(v[(g - 1) & 3], v[(g - 2) & 3], 4);
+                __m128i x = _mm_add_epi32(_mm_sha256msg1_epu32(v[g & 3], v[(g - 3) & 3]), t);
+                v[g & 3] = _mm_sha256msg2_epu32(x, v[(g - 1) & 3]);
+            }
+            __m128i m = _mm_add_epi32(v[g & 3], k);
+            st[s].cdgh = _mm_sha256rnds2_epu32(st[s].cdgh, st[s].abef, m);
+            st[s].abef = _mm_sha256rnds2_epu32(st[s].abef, st[s].cdgh, _mm_shuffle_epi32(m, 0x0E));
+        }
+    }
+    for (int s = 0; s < N; ++s) {
+        st[s].abef = _mm_add_epi32(st[s].abef, save[s].abef);
+        st[s].cdgh = _mm_add_epi32(st[s].cdgh, save[s].cdgh);
+    }
+}
+
+RAYKV_SHA_TARGET inline __m128i be_words(const uint8_t* p) {  // 16 bytes as big-endian words
+    const __m128i swap = _mm_set_epi8(12, 13, 14, 15, 8, 9, 10, 11, 4, 5, 6, 7, 0, 1, 2, 3);
+    return _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), swap);
+}
+
+// A digest's 32 bytes as a state (the chain's first parent, and sha256's initial state).
+RAYKV_SHA_TARGET inline State state_of(const uint8_t* d) {
+    __m128i lo = be_words(d), hi = be_words(d + 16);          // (h0..h3), (h4..h7)
+    __m128i badc = _mm_shuffle_epi32(lo, 0xB1);               // (h1, h0, h3, h2)
+    __m128i hgfe = _mm_shuffle_epi32(hi, 0x1B);               // (h7, h6, h5, h4)
+    return {_mm_alignr_epi8(badc, hgfe, 8), _mm_blend_epi16(hgfe, badc, 0xF0)};
+}
+
+// Byte shuffles that gather bytes of a digest from a state's two registers: for every byte t
+// of `lanes` 16-byte lanes, digest byte pick(t) (or none, -1) as it sits in abef / cdgh.
+template <typename Pick>
+void gather_masks(uint8_t (*abef)[16], uint8_t (*cdgh)[16], int lanes, Pick pick) {
+    for (int j = 0; j < lanes; ++j) {
+        for (int t = 0; t < 16; ++t) {
+            int k = pick(16 * j + t);
+            abef[j][t] = cdgh[j][t] = 0x80;  // pshufb: a zero byte
+            if (k < 0) continue;
+            int word = k / 4, at = 4 * kWordLane[word] + 3 - k % 4;  // the word is big-endian
+            (kWordReg[word] ? cdgh : abef)[j][t] = static_cast<uint8_t>(at);
+        }
+    }
+}
+
+// The gathers, made at import: the digest's bytes in order (the emitted hash), and for each
+// offset of the parent in a block's final part (the row's length mod 64) the parent's bytes
+// where they go in its final chunks' message words (big-endian, 4 per lane; at most 2 chunks).
+struct Gather {
+    alignas(16) uint8_t abef[8][16];
+    alignas(16) uint8_t cdgh[8][16];
+};
+Gather g_out, g_parent[64];
+
+void make_gathers() {
+    gather_masks(g_out.abef, g_out.cdgh, 2, [](int t) { return t; });
+    for (int from = 0; from < 64; ++from) {  // message byte i is parent byte i - from, if any
+        gather_masks(g_parent[from].abef, g_parent[from].cdgh, 8, [from](int t) {
+            int i = (t & ~3) + 3 - (t & 3);  // the lane holds big-endian words
+            return i >= from && i < from + kDigest ? i - from : -1;
+        });
+    }
+}
+
+RAYKV_SHA_TARGET inline void store_state(const State& st, uint8_t* out) {
+    for (int h = 0; h < 2; ++h) {
+        __m128i a = _mm_load_si128(reinterpret_cast<const __m128i*>(g_out.abef[h]));
+        __m128i c = _mm_load_si128(reinterpret_cast<const __m128i*>(g_out.cdgh[h]));
+        __m128i v = _mm_or_si128(_mm_shuffle_epi8(st.abef, a), _mm_shuffle_epi8(st.cdgh, c));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * h), v);
+    }
+}
+
+// Chunk c of the final part of a block's message (after its leading chunks): the buffer's
+// words (the parent's bytes zero there) OR the parent's, straight from its state registers,
+// so the chain never goes through memory.
+RAYKV_SHA_TARGET inline void final_chunk(const Layout& m, int c, const State& parent,
+                                         __m128i (&w)[4]) {
+    const Gather& from = g_parent[m.at - m.lead];
+    for (int j = 0; j < 4; ++j) {
+        int lane = 4 * c + j;
+        __m128i a = _mm_load_si128(reinterpret_cast<const __m128i*>(from.abef[lane]));
+        __m128i g = _mm_load_si128(reinterpret_cast<const __m128i*>(from.cdgh[lane]));
+        __m128i p = _mm_or_si128(_mm_shuffle_epi8(parent.abef, a),
+                                 _mm_shuffle_epi8(parent.cdgh, g));
+        w[j] = _mm_or_si128(be_words(m.buf + m.lead + 16 * lane), p);
+    }
+}
+
+RAYKV_SHA_TARGET inline void load_chunk(const uint8_t* p, __m128i (&w)[4]) {
+    for (int j = 0; j < 4; ++j) w[j] = be_words(p + 16 * j);
+}
+
+// The chain: block b's final compressions (on the chain) in lockstep with block b + 1's
+// leading ones (its midstate, off it), while block b + 2's row is packed: its stores land
+// long before the loads of its compression (a load that spans several pending narrower stores
+// waits for them). emit(b, digest) for every block in turn; false if an id of a list is not
+// an int64 or emit failed.
+template <typename Emit>
+RAYKV_SHA_TARGET bool run_chain_shani(Layouts& l, const Ids& ids, Py_ssize_t n, Py_ssize_t bs,
+                                      uint8_t* prev, Emit emit) {
+    const State iv = state_of(kIv);
+    State chain = state_of(prev), mid = iv;  // the parent; block b's midstate
+    constexpr Py_ssize_t kMask = kSlots - 1;
+    for (Py_ssize_t b = 0; b < n && b < 2; ++b) {
+        if (!pack_block(l, l.slot[b], b, ids, bs)) return false;
+    }
+    if (n > 0) {  // block 0's midstate alone
+        const Layout& m = *l.slot[0].m;
+        for (size_t c = 0; c < m.lead; c += 64) {
+            State one[1] = {mid};
+            __m128i w[1][4];
+            load_chunk(m.buf + c, w[0]);
+            compress<1>(one, w);
+            mid = one[0];
+        }
+    }
+    for (Py_ssize_t b = 0; b < n; ++b) {
+        if (b + 2 < n && !pack_block(l, l.slot[(b + 2) & kMask], b + 2, ids, bs)) return false;
+        const Layout& m = *l.slot[b & kMask].m;
+        const Layout* next = b + 1 < n ? l.slot[(b + 1) & kMask].m : nullptr;
+        int fin = static_cast<int>((m.padded - m.lead) / 64);
+        int lead = next != nullptr ? static_cast<int>(next->lead / 64) : 0;
+        State st[2] = {mid, iv};  // block b's final compressions, block b + 1's leading ones
+        for (int c = 0; c < fin || c < lead; ++c) {
+            __m128i w[2][4];
+            if (c < fin && c < lead) {
+                final_chunk(m, c, chain, w[0]);
+                load_chunk(next->buf + 64 * c, w[1]);
+                compress<2>(st, w);
+            } else if (c < fin) {
+                State one[1] = {st[0]};
+                __m128i w1[1][4];
+                final_chunk(m, c, chain, w1[0]);
+                compress<1>(one, w1);
+                st[0] = one[0];
+            } else {
+                State one[1] = {st[1]};
+                __m128i w1[1][4];
+                load_chunk(next->buf + 64 * c, w1[0]);
+                compress<1>(one, w1);
+                st[1] = one[0];
+            }
+        }
+        chain = st[0];
+        mid = st[1];
+        store_state(chain, prev);
+        if (!emit(b, prev)) return false;
+    }
+    return true;
+}
+
+bool has_shani() {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_SSSE3) || !(c & bit_SSE4_1)) return false;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b & bit_SHA);
+}
+#endif  // RAYKV_SHANI
+
+// Whether the chain runs on the SHA extensions: decided at import (the CPU has them, and the
+// self-test passed on them), else libcrypto.
+bool g_shani = false;
+
 template <typename Emit>
 inline bool run_chain(Layouts& l, const Ids& ids, Py_ssize_t n, Py_ssize_t bs, uint8_t* prev,
                       Emit emit) {
-    for (Py_ssize_t b = 0; b < n; ++b) {
-        Layout* m = pack_block(l, b, ids, bs);
-        if (m == nullptr) return false;
-        std::memcpy(m->buf, prev, kDigest);
-        digest(*m, prev);
-        if (!emit(b, prev)) return false;
+#if RAYKV_SHANI
+    if (g_shani) return run_chain_shani(l, ids, n, bs, prev, emit);
+#endif
+    return run_chain_libcrypto(l, ids, n, bs, prev, emit);
+}
+
+// A call's layouts, in this thread's scratch: each slot's narrow and wide one (a narrow one
+// fits a wide's room), then the salted first block's (ftail: its tail, or nullptr). False if
+// out of memory.
+bool setup(Layouts& l, Py_ssize_t n, Py_ssize_t bs, const uint8_t* tail, size_t tail_len,
+           const uint8_t* ftail, size_t ftail_len) {
+    size_t wide_len = padded_len(1 + 8 * bs + tail_len + kDigest);
+    size_t fwide_len = padded_len(1 + 8 * bs + ftail_len + kDigest);
+    uint8_t* msgs = t_msgs.get(2 * kSlots * wide_len + 2 * fwide_len);
+    if (msgs == nullptr) return false;
+    for (int k = 0; k < kSlots && k < n; ++k) {  // the slots this call uses
+        Slot& s = l.slot[k];
+        init_layout(s.narrow, msgs + 2 * k * wide_len, kNarrow, 4 * bs, tail, tail_len);
+        init_layout(s.wide, msgs + (2 * k + 1) * wide_len, kWide, 8 * bs, tail, tail_len);
+    }
+    if (ftail != nullptr) {
+        uint8_t* f = msgs + 2 * kSlots * wide_len;
+        l.salted = true;
+        init_layout(l.first_narrow, f, kNarrow, 4 * bs, ftail, ftail_len);
+        init_layout(l.first_wide, f + fwide_len, kWide, 8 * bs, ftail, ftail_len);
     }
     return true;
 }
@@ -327,18 +619,8 @@ PyObject* chain(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         ftail = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(first_obj));
         ftail_len = PyBytes_GET_SIZE(first_obj);
     }
-    size_t wide_len = padded_len(kDigest + 1 + 8 * bs + tail_len);
-    size_t fwide_len = padded_len(kDigest + 1 + 8 * bs + ftail_len);
-    uint8_t* msgs = t_msgs.get(2 * wide_len + 2 * fwide_len);  // a narrow one fits a wide's room
-    if (msgs == nullptr) return PyErr_NoMemory();
     Layouts l;
-    init_layout(l.narrow, msgs, kNarrow, 4 * bs, tail, tail_len);
-    init_layout(l.wide, msgs + wide_len, kWide, 8 * bs, tail, tail_len);
-    if (ftail != nullptr) {
-        l.salted = true;
-        init_layout(l.first_narrow, msgs + 2 * wide_len, kNarrow, 4 * bs, ftail, ftail_len);
-        init_layout(l.first_wide, msgs + 2 * wide_len + fwide_len, kWide, 8 * bs, ftail, ftail_len);
-    }
+    if (!setup(l, n, bs, tail, tail_len, ftail, ftail_len)) return PyErr_NoMemory();
     uint8_t prev[kDigest];
     std::memcpy(prev, PyBytes_AS_STRING(parent_obj), kDigest);
 
@@ -367,7 +649,7 @@ PyObject* chain(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     if (u32) ids.ids32 = static_cast<const uint32_t*>(view.buf) + start;
     else ids.ids64 = static_cast<const int64_t*>(view.buf) + start;
-    bool release = static_cast<size_t>(n) * l.narrow.padded >= kReleaseGilBytes;
+    bool release = static_cast<size_t>(n) * l.slot[0].narrow.padded >= kReleaseGilBytes;
     PyObject* out = joined    ? chain_joined(l, ids, n, bs, prev, release)
                     : release ? chain_releasing_gil(l, ids, n, bs, prev)
                               : chain_holding_gil(l, ids, n, bs, prev);
@@ -716,35 +998,94 @@ PyObject* copy_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // The library must give sha256 as hashlib does: FIPS 180-2's one-block ("abc") and two-block
-// vectors, through the same padded-template path as the chain.
-bool self_test() {
-    static const uint8_t abc[32] = {
-        0xba, 0x78, 0x16, 0xbf, 0x8f, 0x01, 0xcf, 0xea, 0x41, 0x41, 0x40, 0xde, 0x5d, 0xae, 0x22,
-        0x23, 0xb0, 0x03, 0x61, 0xa3, 0x96, 0x17, 0x7a, 0x9c, 0xb4, 0x10, 0xff, 0x61, 0xf2, 0x00,
-        0x15, 0xad};
-    static const uint8_t two[32] = {
-        0x24, 0x8d, 0x6a, 0x61, 0xd2, 0x06, 0x38, 0xb8, 0xe5, 0xc0, 0x26, 0x93, 0x0c, 0x3e, 0x60,
-        0x39, 0xa3, 0x3c, 0xe4, 0x59, 0x64, 0xff, 0x21, 0x67, 0xf6, 0xec, 0xed, 0xd4, 0x19, 0xdb,
-        0x06, 0xc1};
+// vectors, as a block is hashed (the first chunk alone, then the rest).
+const uint8_t kAbc[32] = {0xba, 0x78, 0x16, 0xbf, 0x8f, 0x01, 0xcf, 0xea, 0x41, 0x41, 0x40,
+                          0xde, 0x5d, 0xae, 0x22, 0x23, 0xb0, 0x03, 0x61, 0xa3, 0x96, 0x17,
+                          0x7a, 0x9c, 0xb4, 0x10, 0xff, 0x61, 0xf2, 0x00, 0x15, 0xad};
+const uint8_t kTwo[32] = {0x24, 0x8d, 0x6a, 0x61, 0xd2, 0x06, 0x38, 0xb8, 0xe5, 0xc0, 0x26,
+                          0x93, 0x0c, 0x3e, 0x60, 0x39, 0xa3, 0x3c, 0xe4, 0x59, 0x64, 0xff,
+                          0x21, 0x67, 0xf6, 0xec, 0xed, 0xd4, 0x19, 0xdb, 0x06, 0xc1};
+
+bool libcrypto_test() {
     const char* msgs[2] = {"abc", "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"};
-    const uint8_t* want[2] = {abc, two};
+    const uint8_t* want[2] = {kAbc, kTwo};
     for (int i = 0; i < 2; ++i) {
         size_t len = std::strlen(msgs[i]);
         uint8_t buf[128] = {0};
         std::memcpy(buf, msgs[i], len);
-        Layout m;
-        m.buf = buf;
-        m.padded = padded_len(len);
+        size_t padded = padded_len(len);
         buf[len] = 0x80;
         for (int k = 0; k < 8; ++k) {
-            buf[m.padded - 1 - k] = static_cast<uint8_t>((len * 8) >> (8 * k));
+            buf[padded - 1 - k] = static_cast<uint8_t>((len * 8) >> (8 * k));
         }
+        raykv_sha256_ctx c;
+        SHA256_Init(&c);
+        size_t lead = padded > 64 ? 64 : 0;
+        if (lead) SHA256_Update(&c, buf, lead);
+        SHA256_Update(&c, buf + lead, padded - lead);
         uint8_t got[kDigest];
-        digest(m, got);
+        store_digest(c, got);
         if (std::memcmp(got, want[i], kDigest) != 0) return false;
     }
     return true;
 }
+
+#if RAYKV_SHANI
+// The SHA-NI chain gives libcrypto's: "abc" through its compression, then chains of every
+// shape against the libcrypto chain (narrow and wide blocks, no leading chunk or several, a
+// salted first block whose final part is two chunks), from ids of both buffer kinds.
+RAYKV_SHA_TARGET bool shani_test() {
+    uint8_t buf[64] = {'a', 'b', 'c', 0x80};
+    buf[63] = 24;
+    {
+        uint8_t got[kDigest];
+        State st[1] = {state_of(kIv)};
+        __m128i w[1][4];
+        load_chunk(buf, w[0]);
+        compress<1>(st, w);
+        store_state(st[0], got);
+        if (std::memcmp(got, kAbc, kDigest) != 0) return false;
+    }
+    int64_t ids64[40 * 9];
+    uint32_t ids32[40 * 9];
+    for (int i = 0; i < 40 * 9; ++i) {
+        ids32[i] = static_cast<uint32_t>(i * 2654435761u);
+        ids64[i] = i == 100 ? -5 : static_cast<int64_t>(ids32[i]);  // block 6 of 16 is wide
+    }
+    static const uint8_t salt[48] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+    const uint8_t lora[8] = {1, 1, 0, 0, 0, 3, 0, 0};
+    struct Case {
+        Py_ssize_t bs, n;
+        const uint8_t* tail;
+        size_t tail_len;
+        const uint8_t* ftail;
+        size_t ftail_len;
+    } cases[] = {{16, 9, lora + 6, 2, nullptr, 0}, {16, 9, lora, 8, salt, 41},
+                 {1, 9, lora + 6, 2, salt, 48},    {40, 9, lora, 8, nullptr, 0},
+                 {3, 9, lora, 8, salt, 9},         {16, 1, lora + 6, 2, nullptr, 0}};
+    for (const Case& k : cases) {
+        for (int kind = 0; kind < 2; ++kind) {
+            Ids ids;
+            if (kind) ids.ids32 = ids32;
+            else ids.ids64 = ids64;
+            uint8_t out[2][9 * kDigest];
+            for (int path = 0; path < 2; ++path) {
+                Layouts l;
+                if (!setup(l, k.n, k.bs, k.tail, k.tail_len, k.ftail, k.ftail_len)) return false;
+                uint8_t prev[kDigest] = {7};
+                auto emit = [&](Py_ssize_t b, const uint8_t* d) {
+                    std::memcpy(out[path] + b * kDigest, d, kDigest);
+                    return true;
+                };
+                if (path) run_chain_shani(l, ids, k.n, k.bs, prev, emit);
+                else run_chain_libcrypto(l, ids, k.n, k.bs, prev, emit);
+            }
+            if (std::memcmp(out[0], out[1], k.n * kDigest) != 0) return false;
+        }
+    }
+    return true;
+}
+#endif
 
 PyMethodDef methods[] = {
     {"chain", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(chain)), METH_FASTCALL,
@@ -768,11 +1109,22 @@ PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "raykv_block_hash", nullptr, -1
 }  // namespace
 
 PyMODINIT_FUNC PyInit_raykv_block_hash(void) {
-    if (!self_test()) {
+    if (!libcrypto_test()) {
         PyErr_SetString(PyExc_ImportError,
                         "raykv_block_hash: libcrypto's SHA256 gave a wrong digest on the FIPS "
                         "180-2 vectors");
         return nullptr;
     }
+#if RAYKV_SHANI
+    make_gathers();
+    if (has_shani()) {
+        if (!shani_test()) {
+            PyErr_SetString(PyExc_ImportError,
+                            "raykv_block_hash: the SHA-NI chain differs from libcrypto's");
+            return nullptr;
+        }
+        g_shani = true;
+    }
+#endif
     return PyModule_Create(&module_def);
 }

@@ -223,7 +223,7 @@ def _reference_chain(tokens: list[int], bs: int, seed: int, lora: int | None) ->
             row = b"\x05" + struct.pack(f"<{bs}I", *block)
         else:
             row = b"\x06" + struct.pack(f"<{bs}q", *block)
-        prev = hashlib.sha256(prev + row + tail).digest()
+        prev = hashlib.sha256(row + tail + prev).digest()
         out.append(prev)
     return out
 
@@ -328,7 +328,8 @@ _ANY_ID = st.one_of(
     bs=st.one_of(st.integers(1, 20), st.just(16)),
     seed=st.one_of(st.integers(-3, 3), st.text(max_size=3), st.binary(max_size=3)),
     lora=st.one_of(st.none(), st.integers(-5, 2**40)),
-    salt=st.one_of(st.none(), st.text(max_size=5), st.binary(max_size=5)),
+    # long salts move the parent anywhere in the first block's last chunk, or into a second
+    salt=st.one_of(st.none(), st.text(max_size=5), st.binary(max_size=5), st.binary(max_size=90)),
     cut=st.integers(0, 40),
     end=st.one_of(st.none(), st.integers(0, 60)),
 )
@@ -361,6 +362,52 @@ def test_the_native_chain_equals_the_python_path(tokens, bs, seed, lora, salt, c
     assert rest == want[first:]
     for form in forms:
         assert h.hash_blocks(form, **piece) == rest, type(form)
+
+
+def test_the_parent_comes_last():
+    """Hash ``i`` is ``sha256(row(i) + hash(i - 1))``: the parent is the message's last 32
+    bytes, the salt in the first row only, the LoRA id in every row."""
+    import hashlib
+    import struct
+
+    h = BlockHasher(2, seed=4)
+    got = h.hash_blocks([7, 8, 9, 2**40], lora_id=3, cache_salt=b"s")
+    lora = _enc_int(3)
+    first = b"\x05" + struct.pack("<2I", 7, 8) + lora + b"\x03" + struct.pack("<I", 1) + b"s"
+    second = b"\x06" + struct.pack("<2q", 9, 2**40) + lora + b"\x00"
+    assert got[0] == hashlib.sha256(first + h.root).digest()
+    assert got[1] == hashlib.sha256(second + got[0]).digest()
+
+
+def test_the_definition_is_pinned():
+    """v3's bytes, pinned: a change of the definition must come with a new HASH_VERSION (and a
+    new value here), on both paths."""
+    ids = list(range(40)) + [2**33] * 8
+    want = "4dd80e2d16310801cbcab1ad3b86605f4e54abb60b0f6174d6045f5275753e9d"
+    assert HASH_VERSION == b"raykv/block-hash/v3"
+    with python_path():
+        assert BlockHasher(16).hash_blocks(ids, lora_id=1, cache_salt="t")[-1].hex() == want
+    assert BlockHasher(16).hash_blocks(ids, lora_id=1, cache_salt="t")[-1].hex() == want
+
+
+@pytest.mark.parametrize("bs", [1, 5, 16, 17])
+def test_the_native_chain_puts_the_parent_at_every_offset(bs):
+    """Salts of every length put the parent at every offset of the first block's last chunk
+    (or across two), for narrow and wide rows, with and without a LoRA id: the native chain
+    (its midstates, and the parent gathered into the last chunk) gives the Python path's."""
+    if hashing._chain is None:
+        pytest.skip(hashing.native_status())
+    rng = np.random.default_rng(bs)
+    narrow = rng.integers(0, 2**32, 6 * bs).tolist()
+    wide = [t | (1 << 40) for t in narrow]
+    for tokens in (narrow, wide, narrow[:bs] + wide[bs:]):
+        for lora in (None, 2**33):
+            for n in range(70):
+                kw = {"lora_id": lora, "cache_salt": bytes(range(n))}
+                h = BlockHasher(bs)
+                with python_path():
+                    want = h.hash_blocks(tokens, **kw)
+                assert h.hash_blocks(tokens, **kw) == want, (n, lora)
 
 
 def test_the_joined_chain_is_the_chain_joined_on_both_paths():
