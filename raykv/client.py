@@ -20,41 +20,52 @@ on the same node, and go there. ``lookup`` and ``stats`` go to the coordinator, 
 through a coordinator restart for up to ``retry_s`` seconds. A ``Client`` pickles to its
 settings, so a scheduler can hand it to workers on other nodes; each re-resolves its own
 local pool. ``client.aio`` has the same methods as coroutines.
+
+Each operation is one method of ``_Operations`` below: it checks its arguments (the checks
+of ``raykv.api``, run once per call, here: bad input raises before any actor call) and
+returns the actor call that performs it, e.g. ``PoolCall(GpuPool.store, ...)``. ``Client``
+makes that call with ``ray.get``, ``AsyncClient`` with ``await`` (``operation``). So
+``Client.store`` leads to ``_Operations.store``, then to ``GpuPool.store`` in the pool's
+process, which trusts those checks and checks ownership.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import time
 import uuid
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from types import MethodType
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, NoReturn, ParamSpec, TypeVar, overload
 
 import ray
 
-from raykv.errors import RaykvError, ServiceError
-from raykv.service.control import ensure_service
-from raykv.service.ray_join import join
-from raykv.service.spec import (  # the result types: raykv.LookupResult & co.
-    COORDINATOR,
-    NAMESPACE,
+from raykv.api import (  # the result types: raykv.LookupResult & co.
     Hit,
     LoadResult,
     LookupResult,
-    ServedModel,
-    StoreResult,  # noqa: F401  (raykv.StoreResult, and the store op's result)
+    StoreResult,
     check_admit,
     check_block_ids,
     check_count,
     check_int,
     check_request_id,
     check_token_ids,
-    served_model,
     token_id_array,
 )
+from raykv.errors import RaykvError, ServiceError
+from raykv.service.control import ensure_service
+from raykv.service.ray_join import join
+from raykv.service.spec import COORDINATOR, NAMESPACE, ServedModel, served_model
+
+if TYPE_CHECKING:
+    from raykv.layout import Plan
+    from raykv.service.coordinator import Coordinator
+    from raykv.service.gpu_pool import GpuPool
 
 RETRY_S = 60.0
 log = logging.getLogger(__name__)
@@ -224,147 +235,240 @@ class _Base:
             "status shows whether the service is up)"
         )
 
-    def _lookup_hashes(self, token_ids: Sequence[int], plan: Any, name: str) -> tuple:
-        """(ids, limit, chained hashes) of a lookup: all but the prompt's last token (at
-        least one token is left to compute)."""
-        from raykv.blocks import BlockHasher
 
-        ids = token_id_array(token_ids, plan.max_model_len, name)
-        limit = max(len(ids) - 1, 0)
-        hasher = BlockHasher(plan.hash_block_size)
-        return ids, limit, hasher.hash_blocks(ids, end_block=limit // hasher.hash_block_size)
-
-    # Each op is (target, method, args, post): "coord" calls retry, "pool" calls do not.
-    def _lookup_op(self, token_ids: Sequence[int], model: ServedModel, plan: Any, hashed=None):
-        """One coordinator call (``Coordinator.lookup_packed``): the prompt's chained hashes
-        (``_lookup_hashes``, or ``hashed``) joined into one bytes blob, the coordinator cuts
-        each group's keys out of it; the arguments and the answer travel packed as bytes."""
-        from raykv.service.groups import primary_group
-        from raykv.service.index import pack, unpack
-
-        ids, limit, hashes = hashed or self._lookup_hashes(token_ids, plan, model.name)
-        bs = plan.groups[primary_group(plan)].block_size
-        node = self._node_id()
-
-        def post(answer: bytes) -> LookupResult:
-            res = unpack(answer, None, "a lookup answer")
-            where = tuple(Hit(tier, n, n == node, count * bs) for tier, n, count in res["runs"])
-            return LookupResult(res["hit_tokens"], where, len(ids))
-
-        request = pack((model.name, b"".join(hashes), node, limit))
-        return "coord", "lookup_packed", (request,), post
+# --- what an operation asks of an actor ------------------------------------------------------
 
 
-def _flat(block_ids: Sequence) -> bool:
-    """True for one flat list of ids (a one-group model's table)."""
-    return not any(isinstance(b, (list, tuple)) or getattr(b, "ndim", 0) > 0 for b in block_ids)
+class _ActorMethods:
+    """``GpuPool`` and ``Coordinator`` as this module has them at run time. Their modules
+    import torch and the whole service, which a client needs not, and a Ray call needs only
+    a method's name: ``GpuPool.store`` here is a stand-in function named "store". Editors and
+    type checkers see the real classes (the ``TYPE_CHECKING`` import above), so "go to
+    definition" on ``GpuPool.store`` opens the pool's method; ``tests/service/
+    test_client_ops.py`` checks every name used here against the real classes."""
+
+    def __init__(self, actor: str) -> None:
+        self.actor = actor
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        if method.startswith("_"):
+            raise AttributeError(method)
+
+        def stand_in(*_args: Any, **_kwargs: Any) -> NoReturn:
+            raise TypeError(f"{self.actor}.{method} runs in its actor: call it through Ray")
+
+        stand_in.__name__, stand_in.__qualname__ = method, f"{self.actor}.{method}"
+        return stand_in
 
 
-def _read_post(flat: bool) -> Callable:
-    from raykv.service.rows import as_tensor
+if not TYPE_CHECKING:
+    GpuPool, Coordinator = _ActorMethods("GpuPool"), _ActorMethods("Coordinator")
 
-    def post(rows: list) -> Any:
-        out = [as_tensor(r) for r in rows]
-        return out[0] if flat else out
-
-    return post
+R = TypeVar("R")
+P = ParamSpec("P")
 
 
-def _ident(x: Any) -> Any:
-    return x
-
-
-def _step_args(request_id: Any, num_tokens: Any, token_ids: Any, what: str) -> tuple:
-    """The checks the pool makes, made here first so bad input raises locally (raykv.errors)."""
-    ids = None if token_ids is None else check_token_ids(token_ids)
-    return check_request_id(request_id), check_count(num_tokens, what), ids
-
-
-def _rank(rank: Any) -> int:
-    return check_int(rank, "rank", "pass a TP rank (an int in 0..tp_size-1)")
-
-
-# --- the operations, each defined once ------------------------------------------------------
-# An op checks its arguments here (bad input raises raykv.errors before any actor call) and
-# returns what performs it, (target, method, args, post): "coord" calls go to the coordinator
-# and retry through its restarts, "pool" calls go to the caller's node's pool with the client
-# id first; ``post`` turns the answer into the result. ``Client`` runs an op with ray.get,
-# ``AsyncClient`` with await: both get their methods from this one table (``_with_ops``).
-
-_Op = tuple[str, str, tuple, Callable[[Any], Any]]
+def _answer(answer: Any) -> Any:
+    """The actor's answer as it came: most operations return it unchanged."""
+    return answer
 
 
 @dataclass(frozen=True)
-class _OpSpec:
-    build: Callable[..., _Op]
-    returns: str  # the public method's return annotation
-    needs_model: bool  # the served model and plan are resolved (cached) before ``build``
+class PoolCall(Generic[R]):
+    """What an operation asks of the caller's node's pool: its ``method`` (a ``GpuPool``
+    method), called with the handle's client id and then ``args``; ``result`` turns the
+    answer into the operation's result. Not retried: a pool that dies takes its requests
+    with it."""
+
+    method: Callable[..., Any]
+    args: tuple[Any, ...] = ()
+    result: Callable[[Any], R] = _answer
 
 
-_OPS: list[_OpSpec] = []
+@dataclass(frozen=True)
+class CoordinatorCall(Generic[R]):
+    """What an operation asks of the coordinator: its ``method`` (a ``Coordinator`` method)
+    with ``args``, retried through coordinator restarts for up to ``retry_s``; ``result``
+    turns the answer into the operation's result."""
+
+    method: Callable[..., Any]
+    args: tuple[Any, ...] = ()
+    result: Callable[[Any], R] = _answer
 
 
-def _op(returns: str, *, needs_model: bool = False) -> Callable:
-    def register(build: Callable[..., _Op]) -> Callable[..., _Op]:
-        _OPS.append(_OpSpec(build, returns, needs_model))
-        return build
+def _result_annotation(build: Callable[..., Any]) -> str:
+    """The result type an operation's call names: "StoreResult" for ``-> PoolCall[StoreResult]``
+    (annotations are strings in this module: ``from __future__ import annotations``)."""
+    call = build.__annotations__["return"]
+    kind, _, rest = call.partition("[")
+    if kind not in ("PoolCall", "CoordinatorCall") or not rest.endswith("]"):
+        raise TypeError(
+            f"operation {build.__name__} returns {call}, not a PoolCall or a CoordinatorCall"
+        )
+    return rest[:-1]
 
-    return register
+
+class operation(Generic[P, R]):
+    """An operation of both handles, written once as ``build``: it checks the caller's
+    arguments (bad input raises raykv.errors there, before any actor call) and returns the
+    actor call that performs it. ``Client.<name>`` makes that call and returns its result;
+    ``AsyncClient.<name>`` is the same as a coroutine function. Both carry ``build``'s name,
+    parameters and docstring, with the call's result type as their return annotation."""
+
+    needs_model = False  # ``with_model``
+
+    def __init__(
+        self, build: Callable[Concatenate[Any, P], PoolCall[R] | CoordinatorCall[R]]
+    ) -> None:
+        self.build = build
+        result = _result_annotation(build)
+
+        def method(handle: Client, /, *args: Any, **kwargs: Any) -> Any:
+            return handle._perform(self, args, kwargs)
+
+        async def coroutine(handle: AsyncClient, /, *args: Any, **kwargs: Any) -> Any:
+            return await handle._perform(self, args, kwargs)
+
+        signature = inspect.signature(build).replace(return_annotation=result)
+        for form in (method, coroutine):
+            functools.update_wrapper(form, build)
+            form.__annotations__ = {**build.__annotations__, "return": result}
+            form.__signature__ = signature  # type: ignore[attr-defined]
+        self.method, self.coroutine = method, coroutine
+
+    @classmethod
+    def with_model(
+        cls, build: Callable[Concatenate[Any, P], PoolCall[R] | CoordinatorCall[R]]
+    ) -> operation[P, R]:
+        """An operation whose ``build`` reads the served model and plan (``self._info``): the
+        handle resolves them (one coordinator call, then cached) before ``build`` runs."""
+        op = cls(build)
+        op.needs_model = True
+        return op
+
+    @overload
+    def __get__(self, handle: None, owner: type) -> Callable[..., Any]: ...
+    @overload
+    def __get__(
+        self, handle: AsyncClient, owner: type | None = None
+    ) -> Callable[P, Coroutine[Any, Any, R]]: ...
+    @overload
+    def __get__(self, handle: Client, owner: type | None = None) -> Callable[P, R]: ...
+
+    def __get__(self, handle: Any, owner: type | None = None) -> Callable[..., Any]:
+        form = self.coroutine if issubclass(owner or type(handle), AsyncClient) else self.method
+        return form if handle is None else MethodType(form, handle)
 
 
-class _Ops:
-    """The op table's entries (a namespace: ``_OPS`` holds them in order)."""
+# --- the operations, each written once --------------------------------------------------------
 
-    @_op("Any")
+
+def _flat(block_ids: list) -> bool:
+    """True for one flat list of ids (a one-group model's table)."""
+    return not any(isinstance(b, list) for b in block_ids)
+
+
+def _rows_as_tensors(flat: bool) -> Callable[[list], Any]:
+    """``read``'s answer (numpy rows per group) as tensors: one for a flat list of ids."""
+    from raykv.service.rows import as_tensor
+
+    def result(rows: list) -> Any:
+        tensors = [as_tensor(r) for r in rows]
+        return tensors[0] if flat else tensors
+
+    return result
+
+
+class _Operations(_Base):
+    """The operations of ``Client`` and ``AsyncClient``. Each checks its arguments with the
+    checks of ``raykv.api`` (the one check of each per call: the pool trusts them and checks
+    ownership, its plan's limits and the request's state) and returns the actor call that
+    performs it (see ``operation``)."""
+
+    @operation
     def add_model(
         self, name: str, layers: Mapping[str, Any], *, max_model_len: int, **settings: Any
-    ) -> _Op:
+    ) -> CoordinatorCall[Plan]:
         """Serve ``name`` (see ``ServedModel`` for settings); returns its ``Plan``. Bad
         settings raise ConfigError here; a model whose pools cannot start is not added
         (ServiceError, nothing of it kept)."""
         model = served_model(name, layers, max_model_len, settings)
 
-        def post(plan: Any) -> Any:
+        def use(plan: Plan) -> Plan:  # the handle serves the model it added from now on
             self.model_name, self._info, self._pool = name, (model, plan), None
             return plan
 
-        return "coord", "add_model", (model,), post
+        return CoordinatorCall(Coordinator.add_model, (model,), use)
 
-    @_op("dict")
-    def stats(self) -> _Op:
+    @operation
+    def stats(self) -> CoordinatorCall[dict]:
         """The coordinator's view of the service (what ``raykv status`` prints)."""
-        return "coord", "stats", (), _ident
+        return CoordinatorCall(Coordinator.stats)
 
-    @_op("LookupResult", needs_model=True)
-    def lookup(self, token_ids: Sequence[int]) -> _Op:
+    @operation.with_model
+    def lookup(self, token_ids: Sequence[int]) -> CoordinatorCall[LookupResult]:
         """The leading tokens of ``token_ids`` whose KV some pool or CPU tier holds, and where."""
-        return self._lookup_op(token_ids, *self._info)
+        from raykv.blocks import BlockHasher
+        from raykv.service.groups import primary_group
+        from raykv.service.index import pack, unpack
 
-    @_op("bool")
-    def admit(self, request_id: Hashable, num_tokens: int, token_ids=None) -> _Op:
+        model, plan = self._info  # resolved before this runs (``operation.with_model``)
+        ids = token_id_array(token_ids, plan.max_model_len, model.name)
+        limit = max(len(ids) - 1, 0)  # the last token is always computed: never a hit
+        hasher = BlockHasher(plan.hash_block_size)
+        hashes = hasher.hash_blocks(ids, end_block=limit // hasher.hash_block_size)
+        block_size = plan.groups[primary_group(plan)].block_size
+        node = self._node_id()
+
+        def result(answer: bytes) -> LookupResult:
+            found = unpack(answer, None, "a lookup answer")
+            where = tuple(
+                Hit(tier, n, n == node, count * block_size) for tier, n, count in found["runs"]
+            )
+            return LookupResult(found["hit_tokens"], where, len(ids))
+
+        # one bytes object each way, which Ray moves without serializing values: the
+        # chained hashes joined into one blob, the coordinator cuts each group's keys out
+        request = pack((model.name, b"".join(hashes), node, limit))
+        return CoordinatorCall(Coordinator.lookup_packed, (request,), result)
+
+    @operation
+    def admit(
+        self, request_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None
+    ) -> PoolCall[bool]:
         """Register the request if the blocks its ``num_tokens`` need are free now (False: not
         yet; nothing registered). ``token_ids``: its prompt, at most ``num_tokens`` ids; an
         empty request (0 tokens) or a request id None raises InvalidInput."""
-        args = _step_args(request_id, num_tokens, token_ids, "num_tokens")
-        check_admit(*args[1:])
-        return "pool", "admit", args, _ident
+        request_id = check_request_id(request_id)
+        num_tokens = check_count(num_tokens, "num_tokens")
+        ids = None if token_ids is None else check_token_ids(token_ids)
+        check_admit(num_tokens, ids)
+        return PoolCall(GpuPool.admit, (request_id, num_tokens, ids))
 
-    @_op("int")
-    def blocks_needed(self, request_id: Hashable, num_new_tokens: int, token_ids=None) -> _Op:
+    @operation
+    def blocks_needed(
+        self, request_id: Hashable, num_new_tokens: int, token_ids: Sequence[int] | None = None
+    ) -> PoolCall[int]:
         """Free blocks the request's next step of ``num_new_tokens`` takes."""
-        args = _step_args(request_id, num_new_tokens, token_ids, "num_new_tokens")
-        return "pool", "blocks_needed", args, _ident
+        request_id = check_request_id(request_id)
+        num_new_tokens = check_count(num_new_tokens, "num_new_tokens")
+        ids = None if token_ids is None else check_token_ids(token_ids)
+        return PoolCall(GpuPool.blocks_needed, (request_id, num_new_tokens, ids))
 
-    @_op("list[list[int]] | None")
-    def allocate(self, request_id: Hashable, num_new_tokens: int, token_ids=None) -> _Op:
+    @operation
+    def allocate(
+        self, request_id: Hashable, num_new_tokens: int, token_ids: Sequence[int] | None = None
+    ) -> PoolCall[list[list[int]] | None]:
         """The block ids, per group, the request's next step appends (None: it does not fit)."""
-        args = _step_args(request_id, num_new_tokens, token_ids, "num_new_tokens")
-        return "pool", "allocate", args, _ident
+        request_id = check_request_id(request_id)
+        num_new_tokens = check_count(num_new_tokens, "num_new_tokens")
+        ids = None if token_ids is None else check_token_ids(token_ids)
+        return PoolCall(GpuPool.allocate, (request_id, num_new_tokens, ids))
 
-    @_op("StoreResult")
+    @operation
     def store(
         self, request_id: Hashable, block_ids: Sequence, rows: Any, *, offload: bool = False
-    ) -> _Op:
+    ) -> PoolCall[StoreResult]:
         """Write uint8 rows [n, row_bytes] into the request's blocks (per group, per rank;
         see the module docstring; null ids are skipped). Full blocks become hits for every
         node. ``offload`` also copies the request's complete CPU-tier entries to the node's
@@ -383,71 +487,42 @@ class _Ops:
         from raykv.service.rows import to_wire
 
         request_id, ids = check_request_id(request_id), check_block_ids(block_ids)
-        return "pool", "store", (request_id, ids, to_wire(rows), offload), _ident
+        return PoolCall(GpuPool.store, (request_id, ids, to_wire(rows), offload))
 
-    @_op("LoadResult")
-    def load(self, request_id: Hashable, token_ids: Sequence[int], into: Sequence) -> _Op:
+    @operation
+    def load(
+        self, request_id: Hashable, token_ids: Sequence[int], into: Sequence
+    ) -> PoolCall[LoadResult]:
         """Fill ``into`` (the request's blocks, per group) with their positions' KV from the
         best copies in the cluster; ``num_tokens`` is the prefix now backed in every group."""
-        request_id, _, ids = _step_args(request_id, 0, token_ids, "num_tokens")
-        return "pool", "load", (request_id, ids, check_block_ids(into)), lambda d: LoadResult(**d)
+        request_id = check_request_id(request_id)
+        ids, into = check_token_ids(token_ids), check_block_ids(into)
+        return PoolCall(GpuPool.load, (request_id, ids, into), lambda got: LoadResult(**got))
 
-    @_op("Any")
-    def read(self, block_ids: Sequence, rank: int = 0) -> _Op:
+    @operation
+    def read(self, block_ids: Sequence, rank: int = 0) -> PoolCall[Any]:
         """Bytes of the pool's blocks on ``rank``: a uint8 tensor [n, row_bytes] for a flat
         list of ids, else a list of them, one per group."""
         ids = check_block_ids(block_ids)
-        return "pool", "read", (ids, _rank(rank)), _read_post(_flat(ids))
+        rank = check_int(rank, "rank", "pass a TP rank (an int in 0..tp_size-1)")
+        return PoolCall(GpuPool.read, (ids, rank), _rows_as_tensors(_flat(ids)))
 
-    @_op("list[list[int]]")
-    def block_table(self, request_id: Hashable) -> _Op:
+    @operation
+    def block_table(self, request_id: Hashable) -> PoolCall[list[list[int]]]:
         """The request's block ids per group now; slots a sliding window or chunk dropped
         hold the null block 0 (``allocate`` returns only what a step appends)."""
-        return "pool", "block_table", (check_request_id(request_id),), _ident
+        return PoolCall(GpuPool.block_table, (check_request_id(request_id),))
 
-    @_op("None")
-    def free(self, request_id: Hashable) -> _Op:
+    @operation
+    def free(self, request_id: Hashable) -> PoolCall[None]:
         """Release the request's blocks (full ones stay cached as prefix hits)."""
-        return "pool", "free", (check_request_id(request_id),), _ident
+        return PoolCall(GpuPool.free, (check_request_id(request_id),))
 
 
-def _with_ops(make: Callable[[_OpSpec], Callable]) -> Callable[[type], type]:
-    """A class decorator: one method per op of ``_OPS``, made by ``make`` (sync or async),
-    with the op's name, signature (its declared return type) and docstring."""
-
-    def install(cls: type) -> type:
-        for spec in _OPS:
-            method, name = make(spec), spec.build.__name__
-            method.__name__, method.__qualname__ = name, f"{cls.__name__}.{name}"
-            method.__doc__, method.__module__ = spec.build.__doc__, __name__
-            method.__annotations__ = {**spec.build.__annotations__, "return": spec.returns}
-            sig = inspect.signature(spec.build)
-            method.__signature__ = sig.replace(return_annotation=spec.returns)
-            setattr(cls, name, method)
-        return cls
-
-    return install
-
-
-def _sync_method(spec: _OpSpec) -> Callable:
-    def method(self: Client, *args: Any, **kwargs: Any) -> Any:
-        return self._run(spec, args, kwargs)
-
-    return method
-
-
-def _async_method(spec: _OpSpec) -> Callable:
-    async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
-        return await self._run(spec, args, kwargs)
-
-    return method
-
-
-@_with_ops(_sync_method)
-class Client(_Base):
+class Client(_Operations):
     """Synchronous handle. ``aio`` gives the asyncio form (``AsyncClient``). Its operations
     (add_model, stats, lookup, admit, blocks_needed, allocate, store, load, read,
-    block_table, free) come from the op table above."""
+    block_table, free) are ``_Operations``'."""
 
     @property
     def aio(self) -> AsyncClient:
@@ -457,30 +532,32 @@ class Client(_Base):
     def plan(self) -> Any:
         return self._model()[1]
 
-    def _run(self, spec: _OpSpec, args: tuple, kwargs: dict) -> Any:
-        if spec.needs_model:
+    def _perform(self, op: operation, args: tuple, kwargs: dict) -> Any:
+        """Operation ``op``: its checks and call (``op.build``), the call made, its result."""
+        if op.needs_model:
             self._model()
-        target, method, call_args, post = spec.build(self, *args, **kwargs)
-        call = self._coord_call if target == "coord" else self._pool_call
-        return post(call(method, *call_args))
+        call = op.build(self, *args, **kwargs)
+        if isinstance(call, PoolCall):
+            return call.result(self._pool_call(call.method, *call.args))
+        return call.result(self._coord_call(call.method, *call.args))
 
-    def _coord_call(self, method: str, *args: Any) -> Any:
-        deadline, delay = time.monotonic() + self.retry_s, 0.2
+    def _coord_call(self, method: Callable[..., Any], *args: Any) -> Any:
+        name, deadline, delay = method.__name__, time.monotonic() + self.retry_s, 0.2
         while True:
             try:
-                return ray.get(getattr(self._coordinator(), method).remote(*args))
+                return ray.get(getattr(self._coordinator(), name).remote(*args))
             except ray.exceptions.RayTaskError as e:  # raised by the method: not retried
-                _raise_task_error(e, COORDINATOR_WHO, method)
+                _raise_task_error(e, COORDINATOR_WHO, name)
             except _RETRY as e:
-                self._forget_coordinator(method, e, deadline)
+                self._forget_coordinator(name, e, deadline)
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
             except ray.exceptions.RayError as e:  # anything else Ray raises: not retried
-                raise self._coord_failed(method, e) from e
+                raise self._coord_failed(name, e) from e
 
     def _model(self) -> tuple[ServedModel, Any]:
         if self._info is None:
-            self._info = self._coord_call("get_model", self.model_name)
+            self._info = self._coord_call(Coordinator.get_model, self.model_name)
             self.model_name = self._info[0].name
         return self._info
 
@@ -491,23 +568,25 @@ class Client(_Base):
         model, _ = self._model()
         deadline, delay = time.monotonic() + self.retry_s, 0.1
         while True:
-            pool = self._bind_pool(node, model.name, self._coord_call("pools", model.name, node))
+            names = self._coord_call(Coordinator.pools, model.name, node)
+            pool = self._bind_pool(node, model.name, names)
             if pool is not None:
                 return pool
             self._pool_wait(node, model.name, deadline)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    def _pool_call(self, method: str, *args: Any) -> Any:
+    def _pool_call(self, method: Callable[..., Any], *args: Any) -> Any:
+        name = method.__name__
         try:
             pool = self._pool_handle()
-            return ray.get(getattr(pool, method).remote(self.client_id, *args))
+            return ray.get(getattr(pool, name).remote(self.client_id, *args))
         except ray.exceptions.RayTaskError as e:
-            _raise_task_error(e, self._pool_who(), method)
+            _raise_task_error(e, self._pool_who(), name)
         except ray.exceptions.RayActorError as e:
             raise self._pool_gone(e) from e
         except ray.exceptions.RayError as e:
-            raise self._pool_failed(method, e) from e
+            raise self._pool_failed(name, e) from e
 
     # --- shared memory (the data path without serialization) ------------------------------
 
@@ -521,7 +600,7 @@ class Client(_Base):
         from raykv.tiers import GpuKV
 
         _, plan = self._model()
-        kind, share = self._pool_call("kv_share")
+        kind, share = self._pool_call(GpuPool.kv_share)
         return GpuKV.attach(plan, share) if kind == "shm" else GpuKV.open_handles(plan, share)
 
     def attach(
@@ -554,34 +633,35 @@ class Client(_Base):
         return node.attach(kv_tensors, num_blocks=num_blocks, layout=layout, device=device)
 
 
-@_with_ops(_async_method)
-class AsyncClient(_Base):
+class AsyncClient(_Operations):
     """The same operations as coroutines, for asyncio engines and async actors."""
 
-    async def _run(self, spec: _OpSpec, args: tuple, kwargs: dict) -> Any:
-        if spec.needs_model:
+    async def _perform(self, op: operation, args: tuple, kwargs: dict) -> Any:
+        """``Client._perform``, awaiting the calls."""
+        if op.needs_model:
             await self._model()
-        target, method, call_args, post = spec.build(self, *args, **kwargs)
-        call = self._coord_call if target == "coord" else self._pool_call
-        return post(await call(method, *call_args))
+        call = op.build(self, *args, **kwargs)
+        if isinstance(call, PoolCall):
+            return call.result(await self._pool_call(call.method, *call.args))
+        return call.result(await self._coord_call(call.method, *call.args))
 
-    async def _coord_call(self, method: str, *args: Any) -> Any:
-        deadline, delay = time.monotonic() + self.retry_s, 0.2
+    async def _coord_call(self, method: Callable[..., Any], *args: Any) -> Any:
+        name, deadline, delay = method.__name__, time.monotonic() + self.retry_s, 0.2
         while True:
             try:
-                return await getattr(self._coordinator(), method).remote(*args)
+                return await getattr(self._coordinator(), name).remote(*args)
             except ray.exceptions.RayTaskError as e:  # raised by the method: not retried
-                _raise_task_error(e, COORDINATOR_WHO, method)
+                _raise_task_error(e, COORDINATOR_WHO, name)
             except _RETRY as e:
-                self._forget_coordinator(method, e, deadline)
+                self._forget_coordinator(name, e, deadline)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
             except ray.exceptions.RayError as e:  # anything else Ray raises: not retried
-                raise self._coord_failed(method, e) from e
+                raise self._coord_failed(name, e) from e
 
     async def _model(self) -> tuple[ServedModel, Any]:
         if self._info is None:
-            self._info = await self._coord_call("get_model", self.model_name)
+            self._info = await self._coord_call(Coordinator.get_model, self.model_name)
             self.model_name = self._info[0].name
         return self._info
 
@@ -592,7 +672,7 @@ class AsyncClient(_Base):
         model, _ = await self._model()
         deadline, delay = time.monotonic() + self.retry_s, 0.1
         while True:
-            names = await self._coord_call("pools", model.name, node)
+            names = await self._coord_call(Coordinator.pools, model.name, node)
             pool = self._bind_pool(node, model.name, names)
             if pool is not None:
                 return pool
@@ -600,16 +680,17 @@ class AsyncClient(_Base):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    async def _pool_call(self, method: str, *args: Any) -> Any:
+    async def _pool_call(self, method: Callable[..., Any], *args: Any) -> Any:
+        name = method.__name__
         try:
             pool = await self._pool_handle()
-            return await getattr(pool, method).remote(self.client_id, *args)
+            return await getattr(pool, name).remote(self.client_id, *args)
         except ray.exceptions.RayTaskError as e:
-            _raise_task_error(e, self._pool_who(), method)
+            _raise_task_error(e, self._pool_who(), name)
         except ray.exceptions.RayActorError as e:
             raise self._pool_gone(e) from e
         except ray.exceptions.RayError as e:
-            raise self._pool_failed(method, e) from e
+            raise self._pool_failed(name, e) from e
 
 
 def connect(

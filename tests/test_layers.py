@@ -28,6 +28,7 @@ BELOW_SERVICE = {
     "tiers",
     "transport",
     "models",
+    "api",
 }
 MAY_IMPORT: dict[str, set[str]] = {
     "errors": set(),
@@ -44,6 +45,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "tiers": BASE | {"layout", "blocks", "ops", "ops_reference", "ops_threads"},
     "transport": BASE | {"layout", "tiers", "ops", "ops_pools", "ops_threads"},
     "models": BASE | {"layout", "ops"},
+    # the client API's values: its input checks (the client runs them, the pools trust
+    # them) and the result types of its calls
+    "api": BASE | {"layout", "blocks"},
     "service": BELOW_SERVICE,
     "client": BELOW_SERVICE | {"service", "engine"},
     # the engine's side: on the service's Ray-free modules (agent protocol, replica,
@@ -54,15 +58,23 @@ MAY_IMPORT: dict[str, set[str]] = {
     "demo": BELOW_SERVICE | {"service", "client"},
     "bench": BELOW_SERVICE | {"service", "client", "engine", "integrations"},
     "cli": BELOW_SERVICE | {"service", "client", "engine", "demo", "bench", "integrations"},
-    "__init__": {"client", "service"},  # raykv.connect & co. (Ray auth set up first), on use
+    # raykv.connect & co. (Ray auth set up first), raykv.StoreResult & co., on use
+    "__init__": {"client", "service", "api"},
 }
 # third-party packages a layer may import (None: any)
 THIRD_PARTY: dict[str, set[str] | None] = {
     "layout": {"numpy", "torch"},
     "engine": {"numpy", "torch"},
 }
-# the top package's attributes (``import raykv`` then ``raykv.connect``) are the client's
-TOP_ATTRS = {"connect", "Client", "AsyncClient", "LookupResult", "LoadResult", "StoreResult"}
+# the top package's attributes (``import raykv`` then ``raykv.connect``): the layer of each
+TOP_ATTRS = {
+    "connect": "client",
+    "Client": "client",
+    "AsyncClient": "client",
+    "LookupResult": "api",
+    "LoadResult": "api",
+    "StoreResult": "api",
+}
 
 
 def _layer(module: str) -> str:
@@ -106,7 +118,7 @@ def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
                 and isinstance(node.value, ast.Name)
                 and node.value.id == "raykv"
             ):
-                attr = "client" if node.attr in TOP_ATTRS else node.attr
+                attr = TOP_ATTRS.get(node.attr, node.attr)
                 found.append((node.lineno, f"raykv.{attr}"))
     return found
 

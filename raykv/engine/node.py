@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from raykv.api import token_id_array
 from raykv.blocks.hashing import BlockHasher, build_native
 from raykv.engine.agent import NodeAgent
 from raykv.engine.attached import AttachedKV
@@ -33,7 +34,7 @@ from raykv.errors import RaykvError
 from raykv.service import agent_protocol as p
 from raykv.service.groups import common_hit, managers, needed_slots
 from raykv.service.replica import LOCAL_TIER, ReplicaReader, key_lanes
-from raykv.service.spec import NAMESPACE, ServedModel, served_model, token_id_array
+from raykv.service.spec import NAMESPACE, ServedModel, served_model
 
 log = logging.getLogger(__name__)
 COUNT_S = 0.05  # lookups are counted at the agent in batches this far apart

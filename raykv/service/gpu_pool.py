@@ -37,19 +37,20 @@ import numpy as np
 import ray
 import torch
 
+from raykv.api import StoreResult, check_token_count
 from raykv.errors import AccessDenied, InvalidInput, ServiceError
 from raykv.layout import tp
 from raykv.service.dataplane import PoolDataPlane
 from raykv.service.fanout import TpFanOut
 from raykv.service.groups import (
     Chunk,
-    as_tables,
     check_servable,
     common_hit,
     complete_chunks,
     group_keys,
     key_group,
     managers,
+    per_group,
     row_widths,
 )
 from raykv.service.index import GPU
@@ -58,17 +59,7 @@ from raykv.service.metrics import ServiceMetrics
 from raykv.service.pairs import CollectivePlane
 from raykv.service.rank import RankKV
 from raykv.service.rows import RankRows, as_rank_rows
-from raykv.service.spec import (
-    NAMESPACE,
-    ServedModel,
-    StoreResult,
-    check_admit,
-    check_count,
-    check_int,
-    check_request_id,
-    check_token_ids,
-    tier_name,
-)
+from raykv.service.spec import NAMESPACE, ServedModel, tier_name
 from raykv.tiers.checksum import row_checksums
 from raykv.tiers.jobs import NULL_BLOCK
 
@@ -140,12 +131,17 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         return await super().start()
 
     # --- helpers ------------------------------------------------------------------------
+    # The engine-facing calls take their arguments as ``raykv.client`` checked them
+    # (``raykv.api``: request ids, counts, token ids and block ids of the right types and
+    # forms) and check only what the pool alone can: ownership (``_mine``, ``_own_blocks``,
+    # ``read``'s published-or-mine), the plan's limits and a request's state.
 
-    def _ids(self, token_ids: Sequence[int] | None, rid: Hashable = None) -> list[int] | None:
-        """Checked token ids; those of a known request must extend the ones it had."""
-        if token_ids is None:
+    def _ids(self, ids: list[int] | None, rid: Hashable = None) -> list[int] | None:
+        """The request's token ids (a list of ints: the client checked them), within the
+        model's length; those of a known request must extend the ones it had."""
+        if ids is None:
             return None
-        ids = check_token_ids(token_ids, self.plan.max_model_len, self.model.name)
+        check_token_count(len(ids), self.plan.max_model_len, self.model.name)
         known = self.tokens.get(rid)
         n = min(len(known), len(ids)) if known is not None else 0
         if n and known[:n] != ids[:n]:
@@ -158,8 +154,7 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         return ids
 
     def _mine(self, client: str, rid: Hashable) -> Hashable:
-        """``rid``, checked, if no other client admitted it (else AccessDenied)."""
-        rid = check_request_id(rid)
+        """``rid`` if no other client admitted it (else AccessDenied)."""
         owner = self.owner.get(rid)
         if owner is not None and owner != client:
             raise AccessDenied(
@@ -274,12 +269,14 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         return out, self._gone(old)
 
     def _own_blocks(self, rid: Hashable, tables: list[list[int]]) -> None:
-        """Every non-null id must be in the request's table of its group, once."""
+        """Every non-null id must be in the request's table of its group, once. Ids are the
+        plain ints the client sends: a look-alike (True, 3.0) would equal an id of the table
+        and mean something else to a copy, so it is in no table."""
         have = self.bm.block_table(rid)
         for gi, ids in enumerate(tables):
             real = [b for b in ids if b != NULL_BLOCK]
             table = set(have[gi])
-            bad = [b for b in real if b not in table]
+            bad = [b for b in real if type(b) is not int or b not in table]
             where = f" (group {gi})" if len(tables) > 1 else ""
             if bad:
                 raise InvalidInput(
@@ -292,11 +289,10 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
     # --- engine-facing ------------------------------------------------------------------
 
     async def admit(
-        self, client: str, rid: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None
+        self, client: str, rid: Hashable, num_tokens: int, token_ids: list[int] | None = None
     ) -> bool:
-        rid, num_tokens = self._mine(client, rid), check_count(num_tokens, "num_tokens")
+        rid = self._mine(client, rid)
         ids = self._ids(token_ids, rid)
-        check_admit(num_tokens, ids)
         ok = self.bm.admit(rid, num_tokens, ids)
         if ok:
             self._admitted += 1
@@ -307,19 +303,19 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         return ok
 
     async def blocks_needed(
-        self, client: str, rid: Hashable, num_new_tokens: int, token_ids=None
+        self, client: str, rid: Hashable, num_new_tokens: int, token_ids: list[int] | None = None
     ) -> int:
-        rid, n = self._mine(client, rid), check_count(num_new_tokens, "num_new_tokens")
-        return self.bm.blocks_needed(rid, n, self._ids(token_ids, rid))
+        rid = self._mine(client, rid)
+        return self.bm.blocks_needed(rid, num_new_tokens, self._ids(token_ids, rid))
 
     async def allocate(
         self,
         client: str,
         rid: Hashable,
         num_new_tokens: int,
-        token_ids: Sequence[int] | None = None,
+        token_ids: list[int] | None = None,
     ) -> list[list[int]] | None:
-        rid, num_new_tokens = self._mine(client, rid), check_count(num_new_tokens, "num_new_tokens")
+        rid = self._mine(client, rid)
         ids = self._ids(token_ids, rid)
         new = self.bm.allocate(rid, num_new_tokens, ids)
         if new is None:
@@ -346,7 +342,7 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         return new
 
     async def store(
-        self, client: str, rid: Hashable, block_ids: Sequence, rows: Any, offload: bool = False
+        self, client: str, rid: Hashable, block_ids: list, rows: Any, offload: bool = False
     ) -> StoreResult:
         """Write the KV bytes of ``block_ids`` (this request's blocks, per group; null ids
         skipped) on every rank; full blocks become hits for everyone. Blocks holding
@@ -359,7 +355,7 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         ``StoreResult``: the blocks newly published (its int value), the blocks written and
         the ones skipped."""
         rid = self._mine(client, rid)
-        tables = as_tables(self.plan, block_ids)
+        tables = per_group(self.plan, block_ids)
         self._own_blocks(rid, tables)
         data: RankRows = as_rank_rows(self.plan, rows, tables, self.widths)
         real = [[b for b in t if b != NULL_BLOCK] for t in tables]
@@ -398,18 +394,20 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
             await self._offload(complete_chunks(self.plan, self.bm.block_table(rid), keys))
         return StoreResult(len(stored), num_written, skipped)
 
-    async def read(self, client: str, block_ids: Sequence, rank: int = 0) -> list[np.ndarray]:
+    async def read(self, client: str, block_ids: list, rank: int = 0) -> list[np.ndarray]:
         """Rows of ``block_ids`` (per group) on ``rank``: uint8 [n, row_bytes] per group; only
         published blocks and blocks of the caller's own live requests (else AccessDenied)."""
-        tables = as_tables(self.plan, block_ids)
-        rank = check_int(rank, "rank", f"pass a TP rank in 0..{self.plan.tp_size - 1}")
+        tables = per_group(self.plan, block_ids)
         if not 0 <= rank < self.plan.tp_size:
-            raise InvalidInput(f"rank {rank} is outside tp_size={self.plan.tp_size}")
-        bad = [b for t in tables for b in t if not 0 < b < self.plan.num_gpu_blocks]
-        if bad:
             raise InvalidInput(
-                f"block ids {bad[:8]} out of range 1..{self.plan.num_gpu_blocks - 1}"
+                f"rank {rank} is outside tp_size={self.plan.tp_size}; pass a TP rank in "
+                f"0..{self.plan.tp_size - 1}"
             )
+        # plain ints only, as ``_own_blocks`` takes them: a look-alike is no block id
+        n = self.plan.num_gpu_blocks
+        bad = [b for t in tables for b in t if type(b) is not int or not 0 < b < n]
+        if bad:
+            raise InvalidInput(f"block ids {bad[:8]} out of range 1..{n - 1}")
         await self._settle({b for t in tables for b in t})  # never bytes half-written
         mine = [set() for _ in tables]
         for rid in (r for r, c in self.owner.items() if c == client):
@@ -426,9 +424,7 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
             )
         return [(await self._gather(gi, t, [rank]))[0].numpy() for gi, t in enumerate(tables)]
 
-    async def load(
-        self, client: str, rid: Hashable, token_ids: Sequence[int], into: Sequence
-    ) -> dict:
+    async def load(self, client: str, rid: Hashable, token_ids: list[int], into: list) -> dict:
         """Fill ``into`` (blocks of this request's tables, per group) with the KV of their
         positions from the best copies in the cluster; copies that vanished, and slots
         nobody holds (e.g. out of a sliding window), are misses. Returns the request's
@@ -436,7 +432,7 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         t0 = time.perf_counter()
         rid = self._mine(client, rid)
         ids = self._ids(token_ids, rid)
-        into_tables = as_tables(self.plan, into)
+        into_tables = per_group(self.plan, into)
         self._own_blocks(rid, into_tables)
         gen = self._gen.get(rid)
         nothing = {"num_tokens": 0, "loaded_blocks": 0, "bytes": 0, "seconds": 0.0}

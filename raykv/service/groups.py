@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from raykv.api import check_block_ids
 from raykv.blocks.managers import GroupManager, manager_for
 from raykv.blocks.pool import NULL_BLOCK
 from raykv.errors import ConfigError, InvalidInput
 from raykv.layout.plan import Plan
-from raykv.service.spec import check_block_ids
 
 # raykv.tiers (torch) is imported where it is used: the coordinator looks prefixes up
 # without torch.
@@ -70,10 +70,14 @@ def check_servable(plan: Plan) -> None:
 
 
 def as_tables(plan: Plan, block_ids: Sequence) -> Tables:
-    """Block ids per group (checked by ``check_block_ids``). A one-group model also takes
-    a flat list."""
+    """A caller's block ids per group (checked by ``check_block_ids``, then ``per_group``)."""
+    return per_group(plan, check_block_ids(block_ids))
+
+
+def per_group(plan: Plan, ids: list) -> Tables:
+    """Block ids as ``check_block_ids`` returns them (the client checked them), per group:
+    a one-group model also takes one flat list, any other one list per group."""
     n = len(plan.groups)
-    ids = check_block_ids(block_ids)
     if not any(isinstance(t, list) for t in ids):
         if n != 1:
             raise InvalidInput(

@@ -17,6 +17,8 @@ from ray import exceptions as rex
 from raykv.client import AsyncClient, Client
 from raykv.errors import InvalidInput, RaykvError, ServiceError
 from raykv.layout import FullAttention
+from raykv.service.coordinator import Coordinator
+from raykv.service.gpu_pool import GpuPool
 from raykv.service.spec import COORDINATOR, NAMESPACE, pool_name, tier_name
 
 # the tier kill runs a helper of this module inside the pool
@@ -91,8 +93,10 @@ def _client(kind: type, error: BaseException) -> Any:
 
 
 def _call(kv: Any, target: str) -> Any:
-    call = kv._pool_call if target == "pool" else kv._coord_call
-    out = call("allocate", "r", 1)
+    if target == "pool":
+        out = kv._pool_call(GpuPool.allocate, "r", 1)
+    else:
+        out = kv._coord_call(Coordinator.pools, "m", "n")
     return asyncio.run(out) if isinstance(kv, AsyncClient) else out
 
 

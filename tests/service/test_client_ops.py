@@ -1,14 +1,19 @@
-"""``Client`` and ``AsyncClient`` come from one op table: the same operations, signatures and
-local argument checks (bad input raises before any actor call, in both forms)."""
+"""``Client`` and ``AsyncClient`` share one definition of each operation (``_Operations`` in
+``raykv.client``): the same operations, signatures and local argument checks (bad input
+raises before any actor call, in both forms), and the actor method each one calls."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import inspect
+from pathlib import Path
 
+import numpy as np
 import pytest
 
-from raykv.client import AsyncClient, Client
+import raykv.client
+from raykv.client import AsyncClient, Client, PoolCall, _Operations
 from raykv.errors import InvalidInput
 
 OPS = (
@@ -34,6 +39,43 @@ def test_both_forms_have_every_op_with_one_signature() -> None:
         assert inspect.signature(sync) == inspect.signature(aio)
         assert sync.__doc__ and sync.__doc__ == aio.__doc__
     assert inspect.signature(Client.store).return_annotation == "StoreResult"
+
+
+def test_an_operation_reads_as_its_checks_and_its_actor_call() -> None:
+    """What a reader (or an editor's "go to definition") finds behind ``Client.store``: one
+    definition, checking the arguments and naming the pool method it calls, whose call
+    carries the checked values (numpy ids as plain ints)."""
+    source = inspect.getsource(Client.store)
+    assert "def store(" in source and "check_block_ids(" in source
+    assert "PoolCall(GpuPool.store," in source
+    assert inspect.getsource(AsyncClient.store) == source
+    call = vars(_Operations)["store"].build(Client(model="m"), "r", np.array([3, 4]), [])
+    assert isinstance(call, PoolCall) and call.method.__name__ == "store"
+    assert call.args == ("r", [3, 4], [], False) and type(call.args[1][0]) is int
+
+
+def test_every_actor_method_the_client_names_is_one_of_the_actor() -> None:
+    """In ``raykv.client`` ``GpuPool.x`` and ``Coordinator.x`` are names only (the actors'
+    modules are not imported there): each must be a method of the real class, a pool's
+    taking the client id first."""
+    from raykv.service.coordinator import Coordinator
+    from raykv.service.gpu_pool import GpuPool
+
+    actors = {"GpuPool": GpuPool, "Coordinator": Coordinator}
+    tree = ast.parse(Path(raykv.client.__file__).read_text())
+    named = {
+        (node.value.id, node.attr)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in actors
+    }
+    assert {("GpuPool", "store"), ("Coordinator", "lookup_packed")} <= named
+    for actor, method in sorted(named):
+        real = getattr(actors[actor], method, None)
+        assert callable(real), f"{actor}.{method} is no method of {actor}"
+        if actor == "GpuPool":
+            assert list(inspect.signature(real).parameters)[1] == "client", method
 
 
 class NoActorCall(AssertionError):

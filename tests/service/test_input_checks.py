@@ -1,7 +1,7 @@
-"""Caller input, without Ray: the one check per concept (``raykv.service.spec``) that the
-client and the pool both use, and the rule that published blocks are immutable, on a
-``GpuPool`` driven in-process (issue 8, points 5-7; the cluster tests are in
-``test_input_cluster.py``)."""
+"""Caller input, without Ray: the one check per concept (``raykv.api``) that the client runs
+once per call, what the pool checks itself (ownership, its plan's limits), and the rule that
+published blocks are immutable, on a ``GpuPool`` driven in-process (issue 8, points 5-7;
+issue 46, item 3; the cluster tests are in ``test_input_cluster.py``)."""
 
 import asyncio
 import operator
@@ -13,11 +13,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from raykv.errors import InvalidInput, UnknownRequest
-from raykv.layout import FullAttention
-from raykv.service.gpu_pool import GpuPool
-from raykv.service.spec import (
-    ServedModel,
+from raykv.api import (
     StoreResult,
     check_admit,
     check_block_ids,
@@ -27,6 +23,10 @@ from raykv.service.spec import (
     check_token_ids,
     token_id_array,
 )
+from raykv.errors import AccessDenied, InvalidInput
+from raykv.layout import FullAttention
+from raykv.service.gpu_pool import GpuPool
+from raykv.service.spec import ServedModel
 
 BS, ROW = 16, 2 * 16 * 1 * 16 * 4  # one layer: K,V x 16 tokens x 1 head x 16 x 4 bytes
 ENGINE = "engine"  # the client id every call of these in-process pools comes from
@@ -367,20 +367,53 @@ def test_admit_takes_a_count_of_its_prompt_or_more() -> None:
         ((None, 64, BASE[:64]), "request id None names no request"),
     ],
 )
-def test_the_pool_refuses_them_and_registers_nothing(monkeypatch, args, match) -> None:
-    """On the pool actor (anyone may call it directly): InvalidInput, no request, no block
-    taken; the same prompt admitted properly then runs (allocate no longer returns [[]])."""
+def test_the_client_refuses_them_and_calls_no_actor(monkeypatch, args, match) -> None:
+    """The client refuses them before any call (the pool trusts its checks); the same
+    prompt admitted properly then runs on the pool (allocate no longer returns [[]])."""
+    from raykv.client import Client
+
+    def no_call(*_a: object, **_k: object) -> None:
+        raise AssertionError("the client called an actor with bad input")
+
+    kv = Client(model="u")
+    monkeypatch.setattr(kv, "_pool_call", no_call)
+    monkeypatch.setattr(kv, "_coord_call", no_call)
+    with pytest.raises(InvalidInput, match=match):
+        kv.admit(*args)
     pool = _pool(monkeypatch)
 
     async def run() -> None:
-        free = pool.bm.num_free_blocks
-        with pytest.raises(InvalidInput, match=match):
-            await pool.admit(ENGINE, *args)
-        assert pool.bm.num_free_blocks == free and not pool.owner and not pool.tokens
-        for op, more in (("allocate", (16,)), ("blocks_needed", (16,)), ("block_table", ())):
-            with pytest.raises(InvalidInput if args[0] is None else UnknownRequest):
-                await getattr(pool, op)(ENGINE, args[0], *more)
         assert await pool.admit(ENGINE, "ok", 64, BASE[:64])
         assert [len(t) for t in await pool.allocate(ENGINE, "ok", 64, BASE[:64])] == [4]
+
+    asyncio.run(run())
+
+
+def test_the_pool_checks_ownership_and_its_plans_limits(monkeypatch) -> None:
+    """What the pool checks itself, on arguments of the forms the client sends: another
+    client's request is refused (AccessDenied); a look-alike of one of the request's block
+    ids (3.0, numpy's 3, True for 1) is no id of it; token ids past max_model_len and a rank
+    past tp_size are refused. Nothing changes."""
+    pool = _pool(monkeypatch)
+
+    async def run() -> None:
+        assert await pool.admit(ENGINE, "r", 64, BASE[:64])
+        table = (await pool.allocate(ENGINE, "r", 64, BASE[:64]))[0]
+        free, tokens = pool.bm.num_free_blocks, list(pool.tokens["r"])
+        for call in (pool.free, pool.block_table):
+            with pytest.raises(AccessDenied, match="admitted by another client"):
+                await call("stranger", "r")
+        lookalikes = [float(table[0]), np.int64(table[0])] + ([True] if 1 in table else [])
+        for b in lookalikes:
+            with pytest.raises(InvalidInput, match=r"not in request 'r'.s block table"):
+                await pool.store(ENGINE, "r", [b], _rows(1, 0))
+            with pytest.raises(InvalidInput, match="out of range"):
+                await pool.read(ENGINE, [b])
+        with pytest.raises(InvalidInput, match=r"exceed model 'u'.s max_model_len=80"):
+            await pool.allocate(ENGINE, "r", 16, BASE + _tokens(16, 9))
+        with pytest.raises(InvalidInput, match="rank 1 is outside tp_size=1"):
+            await pool.read(ENGINE, table, 1)
+        assert pool.bm.num_free_blocks == free and pool.tokens["r"] == tokens
+        assert not pool.valid and await pool.block_table(ENGINE, "r") == [table]
 
     asyncio.run(run())
