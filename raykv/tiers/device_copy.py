@@ -74,13 +74,13 @@ class TakenSums:
     """A store's row sums (``copy_rows``): read them only once the stream reached the job's
     event."""
 
-    slots: Sequence[tuple[int, int]]  # each position's (key, sub-slot)
+    keys: np.ndarray  # each position's key index (int64)
+    subs: np.ndarray  # and sub-slot in that key's CPU block
     sums: torch.Tensor  # int64 per position, pinned host memory
 
-    def fill(self, out: list[list[int]]) -> None:
-        """``out[key][sub-slot]`` = the sum of the row stored there."""
-        for (k, s), c in zip(self.slots, self.sums.tolist(), strict=True):
-            out[k][s] = c
+    def fill(self, out: np.ndarray) -> None:
+        """``out[key, sub-slot]`` = the sum of the row stored there (int64 ``[keys, width]``)."""
+        out[self.keys, self.subs] = self.sums.numpy()
 
 
 @dataclass(frozen=True)

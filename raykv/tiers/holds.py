@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from raykv.errors import ConfigError
@@ -37,14 +37,15 @@ def check_timeout(seconds: float, what: str = "lease timeout") -> float:
 
 @dataclass
 class Hold:
-    """One live lease (``LOAD``: a read reference per entry in ``blocks``, repeats allowed)
-    or reservation (``STORE``: ``blocks`` still being written under it)."""
+    """One live lease (``LOAD``: a read reference per entry in ``blocks``, repeats allowed;
+    the tier keeps them as its int64 array) or reservation (``STORE``: ``blocks`` still being
+    written under it)."""
 
     id: int
     kind: str
     holder: Hashable
     deadline: float
-    blocks: list[int] = field(default_factory=list)
+    blocks: Sequence[int] = field(default_factory=list)
 
 
 class Holds:
@@ -59,7 +60,12 @@ class Holds:
         self._due: list[tuple[float, int]] = []  # (deadline, id); closed ids are skipped
 
     def open(
-        self, kind: str, holder: Hashable, blocks: list[int], now: float, timeout_s: float | None
+        self,
+        kind: str,
+        holder: Hashable,
+        blocks: Sequence[int],
+        now: float,
+        timeout_s: float | None,
     ) -> Hold:
         t = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         h = Hold(next(self._ids), kind, holder, now + t, blocks)

@@ -10,14 +10,19 @@ once (``sum(key_widths) == len(block_ids) + num_skipped``). An offload block who
 are all null is not covered at all.
 
 Jobs are pure data built from a request's block table (logical ids, invariant 7); running
-them is ``OffloadEngine``'s business.
+them is ``OffloadEngine``'s business. Beside its tuples a job carries the same positions as
+arrays (``arrays``: block ids, key index and sub-slot of each), which the engine computes
+arena rows, checksums and masks from with numpy instead of a Python step per block.
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Self
+from functools import cached_property
+from typing import NamedTuple, Self
 
 import numpy as np
 
@@ -77,6 +82,28 @@ def group_factor(plan: Plan, group: KVGroup) -> int:
     return f
 
 
+class JobArrays(NamedTuple):
+    """A job's positions as int64 arrays: ``ids[i]`` is ``block_ids[i]``, and it sits in
+    sub-slot ``subs[i]`` of the CPU block of key ``keys[i]`` (``slots[i]``); ``widths`` are
+    the ``key_widths``."""
+
+    ids: np.ndarray
+    keys: np.ndarray
+    subs: np.ndarray
+    widths: np.ndarray
+
+
+_units: list[tuple[int, int]] = []  # (i, 0) for i = 0, 1, ...: slots of one-block keys
+
+
+def _unit_slots(first: int, n: int) -> list[tuple[int, int]]:
+    """``[(first, 0), ..., (first + n - 1, 0)]``, the tuples shared between jobs."""
+    global _units
+    if len(_units) < first + n:  # a new list, swapped in whole: a reader sees either
+        _units = _units + [(i, 0) for i in range(len(_units), max(first + n, 2 * len(_units)))]
+    return _units[first : first + n]
+
+
 @dataclass(frozen=True)
 class BlockJob:
     """GPU blocks <-> CPU-tier blocks of one request.
@@ -127,6 +154,15 @@ class BlockJob:
             start += n
         return out
 
+    @cached_property
+    def arrays(self) -> JobArrays:
+        """The positions as arrays (computed once; ``build`` and ``select`` hand them over)."""
+        n = len(self.slots)
+        flat = np.fromiter(itertools.chain.from_iterable(self.slots), np.int64, 2 * n)
+        ids = np.fromiter(self.block_ids, np.int64, len(self.block_ids))
+        widths = np.fromiter(self.key_widths, np.int64, len(self.key_widths))
+        return JobArrays(ids, flat[0::2], flat[1::2], widths)
+
     def valid_masks(self) -> tuple[tuple[bool, ...], ...]:
         """Per key, which sub-slots this job carries (the rest were null blocks)."""
         masks = [[False] * w for w in self.key_widths]
@@ -134,30 +170,38 @@ class BlockJob:
             masks[k][s] = True
         return tuple(tuple(m) for m in masks)
 
+    def valid_array(self) -> np.ndarray:
+        """``valid_masks`` as one bool array ``[keys, widest key]`` (each key's row False
+        past its width)."""
+        out = np.zeros((len(self.keys), max(self.key_widths, default=0)), bool)
+        a = self.arrays
+        out[a.keys, a.subs] = True
+        return out
+
     def select(self, keep: Collection[bytes]) -> Self:
         """The same job restricted to the keys in ``keep`` (invariant 4 still holds)."""
+        if isinstance(keep, tuple) and keep == self.keys:
+            return self  # its own keys (a store's reservation of new keys): no set to build
         keep = set(keep)
         if len(keep) >= len(self.keys) and keep.issuperset(self.keys):
             return self  # every key kept (the usual store / load): the job as it is
-        remap = {}
-        for i, k in enumerate(self.keys):
-            if k in keep:
-                remap[i] = len(remap)
-        keys = tuple(self.keys[i] for i in remap)
-        groups = tuple(self.key_groups[i] for i in remap)
-        widths = tuple(self.key_widths[i] for i in remap)
-        ids, slots, sizes = [], [], []
-        for sl in self.group_slices():
-            n = 0
-            for b, (k, s) in zip(self.block_ids[sl], self.slots[sl], strict=True):
-                if k in remap:
-                    ids.append(b)
-                    slots.append((remap[k], s))
-                    n += 1
-            sizes.append(n)
-        return type(self)(
-            self.request_id, keys, groups, widths, tuple(ids), tuple(sizes), tuple(slots)
+        kept = np.fromiter((k in keep for k in self.keys), bool, len(self.keys))
+        a = self.arrays
+        at = kept[a.keys]  # the positions kept, in order (each group's stay together)
+        renumber = np.cumsum(kept) - 1
+        picked = JobArrays(a.ids[at], renumber[a.keys[at]], a.subs[at], a.widths[kept])
+        sizes = tuple(int(at[sl].sum()) for sl in self.group_slices())
+        job = type(self)(
+            self.request_id,
+            tuple(itertools.compress(self.keys, kept)),
+            tuple(itertools.compress(self.key_groups, kept)),
+            tuple(itertools.compress(self.key_widths, kept)),
+            tuple(picked.ids.tolist()),
+            sizes,
+            tuple(zip(picked.keys.tolist(), picked.subs.tolist(), strict=True)),
         )
+        job.__dict__["arrays"] = picked  # what ``arrays`` would compute
+        return job
 
 
 class StoreJob(BlockJob):
@@ -184,6 +228,8 @@ def _build(cls, plan, request_id, block_table, block_hashes, num_chunks):
     ids: list[int] = []
     slots: list[tuple[int, int]] = []
     sizes: list[int] = []
+    units = True  # every key one GPU block: slot i is (i, 0)
+    id_parts: list[np.ndarray] = []  # the ids as arrays, while ``units``
     for gi, (group, table, hashes) in enumerate(
         zip(plan.groups, block_table, block_hashes, strict=True)
     ):
@@ -191,17 +237,28 @@ def _build(cls, plan, request_id, block_table, block_hashes, num_chunks):
         n = min(len(table), len(hashes)) // f
         if num_chunks is not None:
             n = min(n, num_chunks[gi])
-        size = 0
+        size, n = 0, max(n, 0)
         if f == 1:  # one GPU block per key (no offload block-size factor): no chunks to cut
             first = len(keys)
-            live = [c for c in range(n) if table[c] != NULL_BLOCK]
-            keys += [bytes(hashes[c]) for c in live]
-            key_groups += [group.group_id] * len(live)
-            widths += [1] * len(live)
-            ids += [int(table[c]) for c in live]
-            slots += [(first + i, 0) for i in range(len(live))]
-            sizes.append(len(live))
+            got = np.fromiter(table[:n], np.int64, n)
+            live = got != NULL_BLOCK
+            if live.all():  # no null block (no window): every position
+                picked = hashes[:n]
+            else:
+                picked = [hashes[c] for c in np.flatnonzero(live).tolist()]
+                got = got[live]
+            # hashes are bytes already, as a rule: no call per key to make them bytes
+            exact = operator.countOf(map(type, picked), bytes) == len(picked)
+            keys += picked if exact else map(bytes, picked)
+            ids += got.tolist()
+            id_parts.append(got)
+            m = len(got)
+            key_groups += [group.group_id] * m
+            widths += [1] * m
+            slots += _unit_slots(first, m)
+            sizes.append(m)
             continue
+        units = False
         for c in range(n):
             chunk = table[c * f : (c + 1) * f]
             if all(b == NULL_BLOCK for b in chunk):
@@ -216,7 +273,7 @@ def _build(cls, plan, request_id, block_table, block_hashes, num_chunks):
                     slots.append((k, s))
                     size += 1
         sizes.append(size)
-    return cls(
+    job = cls(
         request_id,
         tuple(keys),
         tuple(key_groups),
@@ -225,3 +282,8 @@ def _build(cls, plan, request_id, block_table, block_hashes, num_chunks):
         tuple(sizes),
         tuple(slots),
     )
+    if units:  # the arrays without reading the ids and slots back
+        at = np.arange(len(ids), dtype=np.int64)
+        ids_at = np.concatenate(id_parts) if id_parts else at
+        job.__dict__["arrays"] = JobArrays(ids_at, at, np.zeros_like(at), np.ones_like(at))
+    return job

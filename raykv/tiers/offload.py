@@ -28,14 +28,23 @@ import threading
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from raykv import ops
 from raykv.errors import TierError
 from raykv.layout import tp
 from raykv.tiers import device_copy, host_copy
-from raykv.tiers.cpu_tier import CpuTier, LoadLease, StoreReservation
+from raykv.tiers.cpu_tier import (
+    CpuTier,
+    KeyRows,
+    KeySums,
+    LoadLease,
+    StoreReservation,
+    int_array,
+)
 from raykv.tiers.fence import StoreFence
 from raykv.tiers.gpu_kv import GpuKV
 from raykv.tiers.jobs import BlockJob, LoadJob, StoreJob
@@ -82,6 +91,7 @@ class _InFlight:
     missed: tuple[bytes, ...] = ()
     error: str | None = None
     writes: bool = True  # False: a replica rank, another rank writes this copy
+    entry: np.ndarray | None = None  # each key's index in the reservation / lease (``_copy``)
 
 
 class OffloadEngine:
@@ -197,25 +207,24 @@ class OffloadEngine:
         job, tier = rec.job, self.tier
         if not tier.current(rec.reservation if gather else rec.lease):
             raise TierError(_RECLAIMED)
-        if gather:
-            blocks = rec.reservation.block_of()
-        else:
-            blocks = dict(zip(rec.lease.keys, rec.lease.blocks, strict=True))
+        held = rec.reservation if gather else rec.lease
+        # each position's arena row, for the whole job at once (numpy, not a step per block)
+        rec.entry = _index_in(held.keys, job.keys)
+        a = job.arrays
+        rows_of = held.block_array[rec.entry][a.keys] * tier.factor + a.subs
         if self.stream is not None:  # copies see every KV write queued before them
             self.stream.wait_stream(torch.cuda.current_stream(self.gpu.device))
         stream_ctx = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
         with stream_ctx:
             for g, sl in zip(self.gpu.plan.groups, job.group_slices(), strict=True):
-                ids = job.block_ids[sl]
-                if not ids:
+                if sl.start == sl.stop:  # no block of this group
                     continue
                 entries = self.gpu.entries(g.group_id)
                 width = ops.row_bytes(entries)
-                slots = job.slots[sl]
-                rows = [tier.row(blocks[job.keys[k]], s) for k, s in slots]
-                ids_t = torch.tensor(ids, dtype=torch.int64)
+                rows = rows_of[sl]
+                ids_t = torch.from_numpy(a.ids[sl])
                 # a load is checked in poll(), once it landed
-                self._copy_device(rec, entries, ids_t, rows, slots, width, gather)
+                self._copy_device(rec, entries, ids_t, rows, sl, width, gather)
             if self.stream is not None:
                 rec.event = torch.cuda.Event()
                 rec.event.record(self.stream)
@@ -225,8 +234,8 @@ class OffloadEngine:
         rec: _InFlight,
         entries: list,
         ids_t: torch.Tensor,
-        rows: list[int],
-        slots: Sequence,
+        rows: np.ndarray,
+        at: slice,
         width: int,
         gather: bool,
     ) -> None:
@@ -237,11 +246,11 @@ class OffloadEngine:
         load keeps it alive till then). A load's sums are compared with the stored ones in
         poll()."""
         rows_all = self.tier.rows(self.copy)
-        runs = host_copy.row_runs(rows) if width == self.tier.slot_bytes else None
+        runs = _row_runs(rows) if width == self.tier.slot_bytes else None
         if runs is not None:
             g = device_copy.GroupRows(entries, ids_t, rows_all, rows, runs)
         else:  # through a staging buffer
-            idx = torch.tensor(rows, dtype=torch.int64)
+            idx = torch.from_numpy(rows)
             src = torch.empty((len(rows), width), dtype=torch.uint8, pin_memory=self.pin)
             rec.host_copies.append(_HostCopy(idx, src, width))
             if not gather:
@@ -250,11 +259,11 @@ class OffloadEngine:
         sums = device_copy.copy_rows(g, gather, self.checksums)
         if sums is None:
             return
+        a = rec.job.arrays
         if gather:
-            rec.taken.append(device_copy.TakenSums(slots, sums))
+            rec.taken.append(device_copy.TakenSums(a.keys[at], a.subs[at], sums))
         else:  # the expected sums are looked up while the copy runs
-            keys = [rec.job.keys[k] for k, _ in slots]
-            rec.checks.append(device_copy.load_check(keys, self._expected(rec, slots), sums))
+            rec.checks.append(self._load_check(rec, at, sums))
 
     def _ready(self, rec: _InFlight) -> bool:
         if rec.event is None or rec.error is not None:
@@ -280,15 +289,15 @@ class OffloadEngine:
                         checksums = self._store_checksums(rec) if self.checksums else None
                 except Exception as e:
                     rec.error, ok = f"{type(e).__name__}: {e}", False
-                self.tier.finish_store(
-                    rec.reservation, ok, rec.job.valid_masks(), checksums, copy=self.copy
-                )
+                valid = KeyRows(rec.job.valid_array(), rec.job.arrays.widths)
+                self.tier.finish_store(rec.reservation, ok, valid, checksums, copy=self.copy)
                 self.fence.release(rec.job_id)
         else:
             if ok:
                 self._check_loaded(rec)
-            carried = set(rec.job.keys)
-            rec.missed = tuple(k for k in rec.asked if k not in carried)
+            if rec.job.keys != rec.asked:  # some keys not carried (else: all loaded or none)
+                carried = set(rec.job.keys)
+                rec.missed = tuple(k for k in rec.asked if k not in carried)
             self.tier.finish_load(rec.lease, loaded=len(rec.job.keys) if ok else 0)
         with self._lock:
             ids = self._by_request.get(rec.job.request_id)
@@ -317,23 +326,27 @@ class OffloadEngine:
             out[k].append((s, self.tier.row(blocks[k], s), widths[job.key_groups[k]]))
         return out
 
-    def _store_checksums(self, rec: _InFlight) -> list[tuple[int, ...]]:
+    def _store_checksums(self, rec: _InFlight) -> Sequence[tuple[int, ...]]:
         """Per key, one checksum per sub-slot (0 where a null block carried nothing): the
         sums the copy took of every position of every group (``rec.taken``)."""
-        by_key = [[0] * w for w in rec.job.key_widths]
+        job = rec.job
+        by_key = np.zeros((len(job.keys), max(job.key_widths, default=0)), np.int64)
         for t in rec.taken:
             t.fill(by_key)
-        return [tuple(c) for c in by_key]
+        return KeyRows(by_key, job.arrays.widths)
 
-    def _usable_keys(self, job: LoadJob, lease: LoadLease) -> list[bytes]:
+    def _usable_keys(self, job: LoadJob, lease: LoadLease) -> Sequence[bytes]:
         """Keys whose CPU block holds every GPU block the job needs; per group, only the
         prefix before the first unusable key (KV is a prefix). Their checksums are verified
         once they are copied (``_check_loaded``)."""
-        bad = set()
-        for k, rows in enumerate(self._key_rows(job, lease.blocks)):
-            valid = lease.valid[k]
-            if any(s >= len(valid) or not valid[s] for s, _, _ in rows):
-                bad.add(k)  # a null GPU block at store time: nothing to load, a plain miss
+        a, valid = job.arrays, KeyRows.of(lease.valid, bool)
+        entry = _index_in(lease.keys, job.keys)[a.keys]  # each position's key in the lease
+        ok = a.subs < valid.lengths[entry]
+        ok[ok] = valid.values[entry[ok], a.subs[ok]]
+        if ok.all():
+            return job.keys  # the usual load: every key (``select`` keeps the job as it is)
+        # a null GPU block at store time: nothing to load, a plain miss
+        bad = set(a.keys[~ok].tolist())
         keep, stopped = [], set()
         for k, key in enumerate(job.keys):
             g = job.key_groups[k]
@@ -356,6 +369,23 @@ class OffloadEngine:
         if refused:
             rec.job = rec.job.select(k for k in rec.job.keys if k not in refused)
 
+    def _load_check(self, rec: _InFlight, at: slice, sums: torch.Tensor) -> device_copy.LoadCheck:
+        """The check of one group's load (positions ``at`` of the job, ``sums`` the copy
+        takes): each row's stored checksum, from the lease's arrays."""
+        job, stored = rec.job, rec.lease.checksums
+        if not isinstance(stored, KeySums):  # a lease not from a tier: its dicts
+            slots = job.slots[at]
+            keys = [job.keys[k] for k, _ in slots]
+            return device_copy.load_check(keys, self._expected(rec, slots), sums)
+        a = job.arrays
+        entry, subs = rec.entry[a.keys[at]], a.subs[at]
+        n = stored.lengths[self.copy, entry]
+        if ((n >= 0) & (subs >= n)).any():
+            raise IndexError("a key's stored checksums cover fewer sub-slots than it carries")
+        known = n >= 0
+        expected = np.where(known, stored.sums[self.copy, entry, np.where(known, subs, 0)], 0)
+        return device_copy.LoadCheck(_KeyAt(job.keys, a.keys[at]), expected, known, sums)
+
     def _expected(self, rec: _InFlight, slots: Sequence) -> list[int | None]:
         """The checksum each position's row was stored with (None: none was)."""
         job, lease = rec.job, rec.lease
@@ -375,3 +405,37 @@ class OffloadEngine:
         with self._lock:
             self._inflight[rec.job_id] = rec
             self._by_request[rec.job.request_id].add(rec.job_id)
+
+
+def _index_in(keys: tuple[bytes, ...], wanted: tuple[bytes, ...]) -> np.ndarray:
+    """The index in ``keys`` of each of ``wanted`` (the last, for a repeated key)."""
+    if keys == wanted:  # the usual job: its reservation's / lease's own keys, in order
+        return np.arange(len(keys), dtype=np.int64)
+    at = dict(zip(keys, range(len(keys)), strict=True))
+    return int_array(map(at.__getitem__, wanted), len(wanted))
+
+
+def _row_runs(rows: np.ndarray) -> list[tuple[int, int]] | None:
+    """``host_copy.row_runs`` of an array of rows, in numpy: (start, end) position ranges of
+    each run of consecutive rows, or None past one run per ``host_copy.RUN_ROWS`` rows."""
+    cuts = (np.flatnonzero(rows[1:] != rows[:-1] + 1) + 1).tolist()
+    if len(cuts) + 1 > max(1, len(rows) // host_copy.RUN_ROWS):
+        return None
+    edges = [0, *cuts, len(rows)]
+    return list(itertools.pairwise(edges)) if len(rows) else []
+
+
+class _KeyAt(Sequence[bytes]):
+    """Each position's key (``keys[index[i]]``), looked up only when read: a load's check
+    reads them only where a row failed."""
+
+    def __init__(self, keys: tuple[bytes, ...], index: np.ndarray) -> None:
+        self.keys, self.index = keys, index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int | slice) -> Any:  # a key; a slice: a list of them
+        if isinstance(i, slice):
+            return [self.keys[k] for k in self.index[i].tolist()]
+        return self.keys[self.index[i]]

@@ -5,12 +5,18 @@ picks ``n`` keys for which ``ok(key)`` holds, without changing anything, or retu
 fewer than ``n`` such keys exist: eviction is all-or-nothing, so the tier asks first and
 evicts only when every victim is found. The tier calls ``evict`` for each victim it drops.
 Not thread-safe on its own: the tier holds its lock around every call.
+
+A store or load moves thousands of keys at once: ``insert_all`` / ``touch_all`` /
+``evict_all`` hand a policy the whole batch (LRU works its ordered dict directly, without a
+policy call per key; a policy without these methods gets one per key), and an ``ok`` with a
+``many(keys)`` method (the tier's) is asked for a batch of candidates at once.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 from raykv.errors import ConfigError
@@ -39,13 +45,53 @@ class EvictionPolicy(Protocol):
 
 
 def _take(n: int, candidates: Iterable[Key], ok: Callable[[Key], bool]) -> list[Key]:
+    """The first ``n`` ``candidates`` that are ``ok`` (fewer where they run out)."""
+    many = getattr(ok, "many", None)
     out: list[Key] = []
+    if many is not None:  # in batches of the number still missing: the same keys, in order
+        it = iter(candidates)
+        while len(out) < n:
+            batch = list(itertools.islice(it, max(n - len(out), 16)))
+            if not batch:
+                break
+            out += itertools.compress(batch, many(batch))
+        return out[:n]
     for key in candidates:
         if len(out) == n:
             break
         if ok(key):
             out.append(key)
     return out
+
+
+def insert_all(policy: EvictionPolicy, keys: Sequence[Key]) -> None:
+    """``policy.insert`` of each key, in order."""
+    bulk = getattr(policy, "insert_all", None)
+    if bulk is not None:
+        bulk(keys)
+        return
+    for key in keys:
+        policy.insert(key)
+
+
+def touch_all(policy: EvictionPolicy, keys: Sequence[Key]) -> None:
+    """``policy.touch`` of each key, in order."""
+    bulk = getattr(policy, "touch_all", None)
+    if bulk is not None:
+        bulk(keys)
+        return
+    for key in keys:
+        policy.touch(key)
+
+
+def evict_all(policy: EvictionPolicy, keys: Sequence[Key]) -> None:
+    """``policy.evict`` of each key, in order."""
+    bulk = getattr(policy, "evict_all", None)
+    if bulk is not None:
+        bulk(keys)
+        return
+    for key in keys:
+        policy.evict(key)
 
 
 class LRUPolicy:
@@ -66,6 +112,25 @@ class LRUPolicy:
         self._order.pop(key, None)
 
     evict = remove
+
+    def insert_all(self, keys: Sequence[Key]) -> None:
+        order, before = self._order, len(self._order)
+        for key in keys:  # new keys (the rule) land at the end in order
+            order[key] = None
+        if len(order) - before != len(keys):  # some were there already (or repeat): to the end
+            deque(map(order.move_to_end, keys), 0)
+
+    def touch_all(self, keys: Sequence[Key]) -> None:
+        try:
+            deque(map(self._order.move_to_end, keys), 0)
+        except KeyError:  # one is not here: the rest key by key (moved again: same order)
+            for key in keys:
+                self.touch(key)
+
+    def evict_all(self, keys: Sequence[Key]) -> None:
+        pop = self._order.pop
+        for key in keys:
+            pop(key, None)
 
     def victims(self, n: int, ok: Callable[[Key], bool]) -> list[Key] | None:
         out = _take(n, self._order, ok)

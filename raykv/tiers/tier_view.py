@@ -39,8 +39,11 @@ class CpuTierView(ArenaRows):
             )
         self.arena = shm.attach(spec)
         gens = getattr(spec, "gens", None)
-        if gens is not None:  # the owner's block generations, for ``current``
-            self.gens = shm.attach(gens).view(torch.int64)
+        if gens is not None:  # the owner's block generations and release count: ``current``
+            counters = shm.attach(gens).view(torch.int64)
+            self.gens = counters[: self.num_blocks]
+            if counters.numel() > self.num_blocks:
+                self.releases = counters[self.num_blocks :]
         self.outbox: list[tuple] = []
 
     def close(self) -> None:

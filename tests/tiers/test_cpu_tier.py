@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import settings
@@ -12,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from raykv.errors import ConfigError
 from raykv.tiers import ARCPolicy, BlockState, CpuTier, LRUPolicy
+from raykv.tiers.cpu_tier import KeyRows
 
 from .helpers import make_plan
 
@@ -59,6 +62,25 @@ def test_store_states_and_lookup():
     t.finish_load(second)
     assert t.state(b"a") is BlockState.READABLE
     assert t.prepare_load([b"a", b"zzz"]) is None  # all or nothing
+    assert t.state(b"a") is BlockState.READABLE
+    t.check_consistency()
+
+
+def test_leases_read_valid_flags_and_checksums_per_key_and_survive_a_pickle():
+    """A lease's ``valid`` / ``checksums`` are arrays (``KeyRows`` / ``KeySums``) that read
+    as the tuple per key and dict per key they stand for, whatever widths the keys have."""
+    t = CpuTier(make_plan("full", tp_size=2, factor=2, cpu_blocks=4))
+    r = t.prepare_store([b"a", b"b"], writers=2)
+    t.finish_store(r, True, [(True, True), (True,)], [(1, 2), (3,)], copy=0)
+    rows = KeyRows(np.array([[True, True], [True, False]]), np.array([2, 1]))
+    t.finish_store(r, True, rows, None, copy=1)  # the second writer stored no checksums
+    lease = t.prepare_load([b"b", b"a"])
+    assert lease.valid == ((True,), (True, True)) and lease.valid[-1] == (True, True)
+    assert lease.checksums == ({0: (3,)}, {0: (1, 2)}) and lease.checksums[1][0][1] == 2
+    assert list(lease.valid[:1]) == [(True,)] and len(lease.checksums) == 2
+    again = pickle.loads(pickle.dumps(lease))
+    assert again == lease and again.checksums[0] == {0: (3,)}
+    t.finish_load(again)
     assert t.state(b"a") is BlockState.READABLE
     t.check_consistency()
 

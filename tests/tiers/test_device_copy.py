@@ -6,6 +6,7 @@ the runs of arena rows."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -42,8 +43,9 @@ def test_store_takes_the_landed_rows_sums_and_load_finds_the_first_corrupt_key(w
     g = device_copy.GroupRows(entries, torch.tensor(ids), arena, rows, runs)
     sums = device_copy.copy_rows(g, gather=True, summed=True)
     assert sums is not None
-    by_key = [[0] * w for w in widths]
-    device_copy.TakenSums(slots, sums).fill(by_key)
+    by_key = np.zeros((len(widths), max(widths)), np.int64)
+    keys_at, subs_at = (np.array([slot[j] for slot in slots], np.int64) for j in (0, 1))
+    device_copy.TakenSums(keys_at, subs_at, sums).fill(by_key)
     for i, (k, s) in enumerate(slots):  # the landed rows, and their sums
         assert torch.equal(arena[rows[i]], entries[0][ids[i]])
         assert by_key[k][s] == int(row_sums(arena[rows[i] : rows[i] + 1])[0])

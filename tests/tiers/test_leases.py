@@ -188,6 +188,37 @@ def test_a_late_finish_store_of_one_tp_writer_does_not_complete_the_entry() -> N
     t.check_consistency()
 
 
+def test_current_sees_every_block_freed_since_the_hold_was_taken() -> None:
+    """``current`` answers at once while the tier freed nothing since a hold was taken (its
+    release count unchanged), else block by block: a hold any of whose blocks was freed
+    (reclaimed, dropped, reused) is never current, on the owner or on a view; one whose
+    blocks all stayed is current, whatever other blocks were freed meanwhile."""
+    clock = Clock()
+    plan = make_plan("full", cpu_blocks=4)
+    t = tier(4, clock, shared=True)
+    view = CpuTierView(plan, t.arena_spec)
+    store(t, b"a", b"b")
+    lease = t.prepare_load([b"a"], holder="reader")
+    res = t.prepare_store([b"c"], holder="writer")
+    assert all(x.current(h) for x in (t, view) for h in (lease, res))
+    t.drop(b"b")  # another block freed: the count moved, the holds' blocks did not
+    assert int(view.releases[0]) == lease.releases + 1 == res.releases + 1
+    assert all(x.current(h) for x in (t, view) for h in (lease, res))
+    clock.now = T + 1
+    assert t.reclaim() == 2  # the lease's reference goes (a stays), c's block is freed
+    assert t.current(lease) and view.current(lease)  # its rows still hold a's bytes
+    assert not t.current(res) and not view.current(res)
+    t.drop(b"a")  # now a's block is freed too
+    assert not t.current(lease) and not view.current(lease)
+    again = t.prepare_store([b"d", b"e", b"f", b"g"], holder="writer")  # every block, reused
+    assert set(lease.blocks + res.blocks) <= set(again.blocks)
+    for held in (lease, res):  # also without the count: the generations alone
+        assert not t.current(held) and not t.current(dataclasses.replace(held, releases=-1))
+    assert t.current(again) and view.current(dataclasses.replace(again, releases=-1))
+    view.close()
+    t.release()
+
+
 def test_the_lease_timeout_is_checked() -> None:
     assert check_timeout("2.5") == 2.5
     for bad in (0, -1, "soon", float("inf"), float("nan"), None):
