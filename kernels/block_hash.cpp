@@ -1,7 +1,7 @@
 // raykv's chained block hashes in one native call (raykv/blocks/hashing.py defines them; this
 // file computes the same bytes, it defines nothing), and the host's row sums (row_sum.h defines
 // them; raykv.tiers.checksum calls them) and paged copies that take them as they copy
-// (raykv.ops_reference's host path), which share this build.
+// (raykv.ops.reference's host path), which share this build.
 //
 // Hash i = sha256(tag + tokens(i) + tail + hash(i - 1)): the Python loop spent ~0.6 us per
 // block on interpreter work around two sha256 compressions. Here one call reads the token ids,
@@ -878,7 +878,7 @@ struct Entry {
 // bytes written. `stream`: a large copy, whose stores may bypass the cache. An entry whose
 // bytes do not start a row's word (an offset not a multiple of 8) has the row summed after
 // its copy instead (a second read, from cache). Without the GIL from kReleaseGilBytes on: the
-// host's copy threads (raykv.ops_threads) each take a range of rows. ValueError before
+// host's copy threads (raykv.ops.threads) each take a range of rows. ValueError before
 // anything is copied where a buffer does not fit or an id is outside an entry's blocks.
 PyObject* copy_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (nargs != 8) {

@@ -19,7 +19,7 @@ constexpr int kUnroll = 4;  // loads in flight per thread: 4 x 16 B, 16 KiB per 
 constexpr int kGroup = 64;  // threads per item in paged_copy_kernel: two warps
 constexpr int kGroupsPerCta = kThreads / kGroup;  // items a paged_copy_kernel CTA copies at once
 
-// A row's sum (kernels/row_sum.h, raykv.ops_reference.row_sums) is the wrapping sum of one
+// A row's sum (kernels/row_sum.h, raykv.ops.reference.row_sums) is the wrapping sum of one
 // term per 64-bit word; this is the terms of one loaded vector whose first word is word `word`.
 template <typename T>
 __device__ __forceinline__ uint64_t weighted(const T& v, uint64_t word) {

@@ -28,7 +28,7 @@ typedef struct RaykvSegment {
 // (cudaErrorInvalidValue where num_rows * num_segs >= 2^31). Each segment must be at most
 // RAYKV_MAX_SEGMENT_BYTES (the caller splits larger spans).
 // sums (nullable, device memory, num_rows entries): each row's sum (row_sum.h, the checksum
-// raykv uses everywhere; raykv.ops_reference.row_sums) is ADDED to sums[i] while the row is copied, so
+// raykv uses everywhere; raykv.ops.reference.row_sums) is ADDED to sums[i] while the row is copied, so
 // zero it first. Needs every span, row and row_bytes 8-byte aligned (cudaErrorInvalidValue
 // where row_bytes is not; the caller checks the spans).
 int raykv_paged_copy(const RaykvSegment* segs, int num_segs, const int64_t* block_ids,

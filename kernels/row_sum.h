@@ -1,6 +1,6 @@
 // The row sum: raykv's one checksum of a row of bytes, on the CPU (block_hash.cpp's row_sums),
 // the GPU (paged_copy.cu: taken while a kernel copies the row) and the wire; the torch reference
-// is raykv.ops_reference.row_sums. A row is read as little-endian 64-bit words x_j (a width that
+// is raykv.ops.reference.row_sums. A row is read as little-endian 64-bit words x_j (a width that
 // is not a multiple of 8 counts as zero-padded); its sum is the wrapping sum over j of
 // raykv_word_term(x_j, j). The term is a bijection of x_j for every j (an add, then
 // xor-shift, multiply by an odd constant, xor-shift: each invertible), so a change of any one

@@ -20,11 +20,6 @@ BELOW_SERVICE = {
     "layout",
     "blocks",
     "ops",
-    "ops_checks",
-    "ops_kernel",
-    "ops_pools",
-    "ops_reference",
-    "ops_threads",
     "tiers",
     "transport",
     "models",
@@ -34,16 +29,11 @@ MAY_IMPORT: dict[str, set[str]] = {
     "errors": set(),
     "layout": BASE,
     "blocks": BASE | {"layout"},
-    "ops": BASE | {"layout", "ops_checks", "ops_kernel", "ops_reference"},
-    "ops_checks": BASE | {"ops_reference"},  # ops' argument validation, in a file of its own
-    "ops_kernel": set(),  # ops' CUDA extension: built on first use, or ruled out, and why
-    # the torch half of ops, in a file of its own; its host copies with row sums run in the
-    # native extension that raykv.blocks.hashing builds (kernels/block_hash.cpp)
-    "ops_reference": {"ops_threads", "blocks"},
-    "ops_threads": set(),  # the host threads ops' host copies (and the hashing) run on
-    "ops_pools": BASE | {"ops", "ops_checks", "ops_reference"},  # block to block, pool to pool
-    "tiers": BASE | {"layout", "blocks", "ops", "ops_reference", "ops_threads"},
-    "transport": BASE | {"layout", "tiers", "ops", "ops_pools", "ops_threads"},
+    # the paged copy (raykv/ops/): its host copies with row sums run in the native
+    # extension that raykv.blocks.hashing builds (kernels/block_hash.cpp)
+    "ops": BASE | {"layout", "blocks"},
+    "tiers": BASE | {"layout", "blocks", "ops"},
+    "transport": BASE | {"layout", "tiers", "ops"},
     "models": BASE | {"layout", "ops"},
     # the client API's values: its input checks (the client runs them, the pools trust
     # them) and the result types of its calls

@@ -47,7 +47,7 @@ def _row_arithmetic(tree: ast.AST) -> list[int]:
 def test_the_host_checksum_is_taken_in_tiers_checksum_only() -> None:
     """The row sum is raykv's one checksum: the host takes it (the native extension) only in
     raykv.tiers.checksum (rows at rest) and in the host path of raykv.ops' paged copies
-    (raykv.ops_reference: rows as they are copied, the same kernel of block_hash.cpp), and no
+    (raykv.ops.reference: rows as they are copied, the same kernel of block_hash.cpp), and no
     module hashes rows another way (xxhash)."""
     users, other = set(), set()
     for path, tree in _trees().items():
@@ -61,7 +61,7 @@ def test_the_host_checksum_is_taken_in_tiers_checksum_only() -> None:
                     users.add(path)
             if any(n.split(".")[0] == "xxhash" for n in names):
                 other.add(path)
-    assert users == {"raykv/tiers/checksum.py", "raykv/ops_reference.py"} and not other
+    assert users == {"raykv/tiers/checksum.py", "raykv/ops/reference.py"} and not other
 
 
 def test_arena_rows_are_computed_by_arena_rows_only() -> None:

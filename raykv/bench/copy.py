@@ -110,8 +110,8 @@ class _Pool:
         flat = self.staging.view(-1)[: n * self.row_bytes]
         parts, offset = [], 0
         for e in self.entries:
-            width = ops._block_bytes(e)
-            part = flat[offset : offset + n * width].view(ops._as_int(e).dtype)
+            width = ops.block_bytes(e)
+            part = flat[offset : offset + n * width].view(ops.as_int(e).dtype)
             parts.append(part.view(n, *e.shape[1:]))
             offset += n * width
         return parts
@@ -132,7 +132,7 @@ def _methods(pool: _Pool, ids: torch.Tensor, to_host: bool) -> dict[str, Callabl
     loop = _loop_pointers(pool, ids, host, to_host)
     per_entry = _per_entry(loop, len(pool.entries))
     parts = pool.entry_major(n)
-    as_int = [ops._as_int(e) for e in pool.entries]
+    as_int = [ops.as_int(e) for e in pool.entries]
     flat_staging = pool.staging.view(-1)[: n * pool.row_bytes]
     flat_host = host.view(-1)
 
@@ -191,7 +191,7 @@ def _loop_pointers(pool: _Pool, ids: torch.Tensor, host: torch.Tensor, to_host: 
     block = ids.numpy().astype(np.int64)[:, None]
     starts = np.array([e.data_ptr() for e in pool.entries], dtype=np.int64)[None, :]
     strides = np.array([e.stride(0) * e.element_size() for e in pool.entries], dtype=np.int64)
-    widths = np.array([ops._block_bytes(e) for e in pool.entries])
+    widths = np.array([ops.block_bytes(e) for e in pool.entries])
     offsets = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(np.int64)[None, :]
     paged = starts + block * strides[None, :]
     rows = host.data_ptr() + np.arange(len(block), dtype=np.int64)[:, None] * pool.row_bytes
@@ -211,7 +211,7 @@ def _per_entry(loop, num_entries: int) -> list[tuple[torch.Tensor, ...]]:
 def _python_loop(pool: _Pool, ids: torch.Tensor, host: torch.Tensor, to_host: bool):
     offset, views = 0, []
     for e in pool.entries:
-        width, as_int = ops._block_bytes(e), ops._as_int(e)
+        width, as_int = ops.block_bytes(e), ops.as_int(e)
         part = host[:, offset : offset + width].view(as_int.dtype)
         views.append((as_int, part.view(ids.numel(), *e.shape[1:])))
         offset += width
@@ -253,7 +253,7 @@ def _verify(fn: Callable[[], None], pool: _Pool, ids: torch.Tensor, to_host: boo
     if pool.device.type == "cuda":
         torch.cuda.synchronize(pool.device)
     want = torch.empty(few.numel(), pool.row_bytes, dtype=torch.uint8)
-    ops._gather_reference(pool.entries, few, want)
+    ops.gather_reference(pool.entries, few, want)
     return torch.equal(pool.host[: few.numel()], want)
 
 
@@ -496,7 +496,7 @@ def _check_rows(pool: _DuplexPool, ids: torch.Tensor, rows: torch.Tensor) -> boo
         else torch.cat([torch.arange(4), torch.arange(n - 4, n)])
     )
     want = torch.empty(picks.numel(), pool.row_bytes, dtype=torch.uint8)
-    ops._gather_reference(pool.entries, ids[picks], want)
+    ops.gather_reference(pool.entries, ids[picks], want)
     return torch.equal(rows[picks].cpu(), want)
 
 
@@ -506,7 +506,7 @@ def _verify_duplex(pool: _DuplexPool, lanes: _Lanes, store, load, store_ids, loa
     n = store_ids.numel()
     pool.host_out[:n].fill_(0xA5)
     for e in pool.entries:
-        ops._as_int(e).index_fill_(0, load_ids.to(pool.device), 0x5A)
+        ops.as_int(e).index_fill_(0, load_ids.to(pool.device), 0x5A)
     lanes.once([store, load])
     if pool.device.type == "cuda":
         torch.cuda.synchronize(pool.device)

@@ -30,7 +30,7 @@
 * Peer reads (``raykv.transport.peer_read``, split-heads rows, per rank pair): A's pool lives
   in memory B's process
   maps (``raykv.tiers.peer_memory``; shared memory on the CPU); B's kernel copies A's blocks
-  straight into its own with their wire sums (``raykv.ops_pools.PoolCopy``, one extension call) and
+  straight into its own with their wire sums (``raykv.ops.pools.PoolCopy``, one extension call) and
   checks them against the sums A stated. The halves run one after the other, as in the
   service: A states the sums of its blocks, then B reads; *peer* is B's read alone (the
   holder's sums known: a pool takes them as its blocks become valid and keeps them while they
@@ -234,7 +234,7 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
     import torch.distributed as dist
 
     from raykv import ops
-    from raykv.ops_pools import PoolCopy
+    from raykv.ops.pools import PoolCopy
     from raykv.transport.collective import Collective
     from raykv.transport.pair import Pair
     from raykv.transport.peer_read import read_blocks, stated_sums

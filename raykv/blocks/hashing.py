@@ -245,7 +245,7 @@ if hasattr(os, "register_at_fork"):
 
 def _native_source() -> Path | None:
     """kernels/block_hash.cpp: ``$RAYKV_KERNELS_DIR`` when set, else the wheel's copy
-    (``raykv/_kernels``), else the source checkout's (as raykv.ops_kernel finds the CUDA
+    (``raykv/_kernels``), else the source checkout's (as raykv.ops.kernel finds the CUDA
     kernel's sources, without importing torch)."""
     import importlib.resources
 

@@ -33,7 +33,7 @@ import ray
 import torch
 
 from raykv.errors import TransportError
-from raykv.ops_pools import PoolCopy
+from raykv.ops.pools import PoolCopy
 from raykv.service.spec import NAMESPACE
 from raykv.transport.collective import TIMEOUT_S, Collective, CollectiveTransport
 from raykv.transport.pair import Pair

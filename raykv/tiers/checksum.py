@@ -3,7 +3,7 @@
 
 The row sum (``kernels/row_sum.h``; ``raykv.ops.row_sums`` is its torch reference) is raykv's
 one checksum: the paged copies take it while they copy (the CUDA kernels: a CUDA engine's tier
-jobs, the NCCL pipeline; on the host the native fused copy of ``raykv.ops_reference``: a CPU
+jobs, the NCCL pipeline; on the host the native fused copy of ``raykv.ops.reference``: a CPU
 engine's tier jobs), and the host computes the same value of rows at rest here, natively (the
 extension ``raykv.blocks.hashing`` builds: four words an AVX2 instruction, ~10 GB/s a thread
 from memory on the 2-core box where the scalar loop made ~4.7; without the GIL) or, until that
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from raykv.blocks.hashing import native_module
-from raykv.ops_reference import row_sums
+from raykv.ops.reference import row_sums
 
 
 def row_checksums(rows: torch.Tensor) -> tuple[int, ...]:

@@ -8,8 +8,8 @@ goes through a staging buffer (``OffloadEngine._copy_device``).
 
 The copies take each row's checksum as they move it, on every device: on CUDA the kernels, on
 the host (a CPU-device pool, an engine attached through shared memory: ``raykv.engine``) the
-native fused copy of ``raykv.ops_reference``, which adds each 64-bit word's row-sum term as it
-copies the word, split over the host threads (``raykv.ops_threads``) without the GIL. So a
+native fused copy of ``raykv.ops.reference``, which adds each 64-bit word's row-sum term as it
+copies the word, split over the host threads (``raykv.ops.threads``) without the GIL. So a
 host store or load reads every byte once, with no checksum pass beside or after it. With the
 shared-memory bench's shapes (128 MiB of 512 KiB rows), a store or load with its sums took
 12-15 ms on the 2-core box (two threads, stores that bypass the cache) against ~20 ms for a

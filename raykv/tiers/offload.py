@@ -8,7 +8,7 @@ run synchronously and the next ``poll()`` reports them, so callers see one proto
 copies each run of consecutive arena rows directly (``raykv.tiers.host_copy``), each row's
 checksum taken by the copy itself as it moves the row (``raykv.tiers.device_copy``): on CUDA
 by the copy kernels, only the sums crossing to the host; on the host by the native fused copy
-(``raykv.ops_reference``), every byte read once.
+(``raykv.ops.reference``), every byte read once.
 
 Store: reserve CPU blocks (all-or-nothing) -> fence the GPU blocks (invariant 9) -> gather ->
 on completion checksum the rows (optional), mark the CPU blocks readable and lift the fence.

@@ -5,7 +5,7 @@ the driver's virtual memory API (``cuMemCreate``, in raykv's extension,
 ``kernels/peer_memory.cpp``), exportable as a POSIX file descriptor. Its owner serves the
 descriptor on an abstract Unix socket (``PeerExport``); a process on the same host that asks
 (``open_peer``) receives it (``SCM_RIGHTS``), maps the memory for its own GPU and reads the
-owner's blocks over NVLink with its own kernel (``raykv.ops_pools.PoolCopy``). This works
+owner's blocks over NVLink with its own kernel (``raykv.ops.pools.PoolCopy``). This works
 between processes that each see only their own GPU (``CUDA_VISIBLE_DEVICES`` under Ray),
 where torch's CUDA IPC handles do not; an engine on the pool's own GPU maps it the same way.
 

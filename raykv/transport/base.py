@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from raykv.errors import TransportError
-from raykv.ops_threads import in_parallel
+from raykv.ops.threads import in_parallel
 from raykv.tiers.checksum import verified_prefix
 
 

@@ -3,7 +3,7 @@
 Between two pools of one host no message needs to cross: the holder's KV is memory the
 reader can map (a CUDA pool's one exportable allocation, ``raykv.tiers.peer_memory``, read
 over NVLink; a CPU pool's ``/dev/shm`` files, ``raykv.tiers.shm``), so the reader's own
-kernel copies block to block (``raykv.ops_pools.PoolCopy``): one pass over the bytes, no
+kernel copies block to block (``raykv.ops.pools.PoolCopy``): one pass over the bytes, no
 staging, no gather on the holder, no scatter after. The holder takes part only in the
 control call that names the blocks (``raykv.service.pairs``): it holds them (no eviction, no
 rewrite) until the reader releases them or a deadline passes, and states each block's wire
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from raykv.errors import TransportError
-from raykv.ops_pools import PoolCopy
+from raykv.ops.pools import PoolCopy
 from raykv.tiers.shm import process_alive
 from raykv.transport import completion
 from raykv.transport.base import DirectTransport

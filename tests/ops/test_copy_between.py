@@ -1,4 +1,4 @@
-"""CPU tests of ``raykv.ops_pools.PoolCopy`` (block to block between two pools of one layout, the
+"""CPU tests of ``raykv.ops.pools.PoolCopy`` (block to block between two pools of one layout, the
 peer-read path, and a pool's block sums alone): the torch reference against the byte oracle,
 its sums against the gather's, and bad ids refused before anything moves."""
 
@@ -13,7 +13,7 @@ from paged_copy_cases import DTYPES, kv_entries, oracle_rows
 
 from raykv import ops
 from raykv.errors import InvalidInput, TransportError
-from raykv.ops_pools import PoolCopy
+from raykv.ops.pools import PoolCopy
 
 FAST = settings(max_examples=25, deadline=None)
 layouts = st.fixed_dictionaries(

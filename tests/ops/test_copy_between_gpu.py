@@ -1,4 +1,4 @@
-"""The CUDA kernel's block-to-block copy (``raykv.ops_pools.PoolCopy``, and its sums alone) matches
+"""The CUDA kernel's block-to-block copy (``raykv.ops.pools.PoolCopy``, and its sums alone) matches
 the torch reference bit for bit, its sums included; and an exportable pool's memory, mapped
 again in this process (``raykv.tiers.peer_memory``), reads back the owner's bytes."""
 
@@ -7,7 +7,7 @@ import torch
 from paged_copy_cases import DTYPES, kv_entries, oracle_rows
 
 from raykv import ops
-from raykv.ops_pools import PoolCopy
+from raykv.ops.pools import PoolCopy
 
 pytestmark = pytest.mark.gpu
 

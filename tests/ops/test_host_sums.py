@@ -15,9 +15,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raykv import ops, ops_reference
+from raykv import ops
 from raykv.blocks import hashing
-from raykv.ops_reference import row_sums
+from raykv.ops import reference as ops_reference
+from raykv.ops.reference import row_sums
 
 DTYPES = (torch.uint8, torch.bfloat16, torch.float32, torch.int64)
 

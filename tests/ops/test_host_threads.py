@@ -1,4 +1,4 @@
-"""Host copies split over the host threads (``raykv.ops_threads.side_by_side``): every row
+"""Host copies split over the host threads (``raykv.ops.threads.side_by_side``): every row
 moves exactly once, whatever the cut, and a task on a host thread never waits for the pool."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from paged_copy_cases import DTYPES, kv_entries, oracle_rows
 
-from raykv import ops_reference
 from raykv.ops import gather_blocks, row_bytes, scatter_blocks
-from raykv.ops_threads import host_threads, in_parallel, on_host_thread, side_by_side
+from raykv.ops import reference as ops_reference
+from raykv.ops.threads import host_threads, in_parallel, on_host_thread, side_by_side
 
 FAST = settings(max_examples=25, deadline=None)
 

@@ -1,5 +1,5 @@
 """When a CUDA machine cannot use the CUDA kernel, raykv says so once, at WARNING
-(``raykv.ops_kernel``), and ``raykv.ops`` copies with its torch reference.
+(``raykv.ops.kernel``), and ``raykv.ops`` copies with its torch reference.
 
 No GPU here: CUDA's presence and the extension build are monkeypatched; each test starts from
 an undecided kernel state (what a fresh process has) and monkeypatch restores the real one.
@@ -15,9 +15,10 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
-from raykv import ops, ops_kernel
+from raykv import ops
+from raykv.ops import kernel as ops_kernel
 
-LOGGER = "raykv.ops_kernel"
+LOGGER = "raykv.ops.kernel"
 
 
 @pytest.fixture

@@ -13,10 +13,10 @@ from paged_copy_cases import DTYPES, emulate_kernel, kv_entries, oracle_rows, ra
 
 from raykv import ops
 from raykv.errors import InvalidInput
+from raykv.layout import kernel_block_ids
 from raykv.ops import (
     gather_blocks,
     kernel_available,
-    kernel_block_ids,
     kernel_status,
     logical_view,
     row_bytes,
@@ -192,7 +192,7 @@ def test_scatter_check_sees_rows_before_they_are_written_and_stops_at_a_refusal(
     on several host threads, in any order); the copy counts the rows before the first refused
     one: earlier rows are written, rows this check refuses (that one and every later one)
     are not (a check that refuses single rows: ``test_host_threads``)."""
-    from raykv import ops_reference
+    from raykv.ops import reference as ops_reference
 
     case = case | {"num_blocks": data.draw(st.integers(2, 24))}
     entries, backing, gen = build(case)
@@ -252,7 +252,7 @@ def test_logical_view_gathers_adjacent_kernel_blocks(
     ids = torch.tensor(data.draw(st.permutations(range(logical_blocks))), dtype=torch.int64)
     by_logical = rows_for(logical, ids.numel())
     gather_blocks(logical, ids, by_logical)
-    kids = kernel_block_ids(ids, k)
+    kids = torch.tensor(kernel_block_ids(ids.tolist(), k))
     assert kids.tolist() == [b * k + j for b in ids.tolist() for j in range(k)]
     for half, entry in enumerate(kernel_entries):  # each half: k kernel blocks back to back
         by_kernel = rows_for([entry], kids.numel())

@@ -10,7 +10,8 @@ import pytest
 import torch
 from paged_copy_cases import kv_entries, oracle_rows, random_bits
 
-from raykv import ops, ops_checks
+from raykv import ops
+from raykv.ops import checks as ops_checks
 from raykv.ops import gather_blocks, kernel_available, kernel_status, row_bytes, scatter_blocks
 
 pytestmark = pytest.mark.gpu
@@ -29,7 +30,7 @@ def pinned(n: int, width: int) -> torch.Tensor:
 
 def reference_rows(entries, ids: torch.Tensor) -> torch.Tensor:
     rows = torch.full((ids.numel(), row_bytes(entries)), POISON, dtype=torch.uint8)
-    ops._gather_reference(entries, ids, rows)
+    ops.gather_reference(entries, ids, rows)
     return rows
 
 

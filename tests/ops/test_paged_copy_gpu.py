@@ -50,7 +50,7 @@ def sync_all() -> None:
 
 def reference_rows(entries, ids: torch.Tensor) -> torch.Tensor:
     rows = torch.full((ids.numel(), row_bytes(entries)), POISON, dtype=torch.uint8)
-    ops._gather_reference(entries, ids, rows)
+    ops.gather_reference(entries, ids, rows)
     return rows
 
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raykv import ops_reference
+from raykv.ops import reference as ops_reference
 from raykv.tiers import (
     BlockState,
     CpuTier,

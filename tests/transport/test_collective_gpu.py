@@ -199,7 +199,7 @@ def _window_peer(side: str, addr, q, sizes=(64, 64)) -> None:
     for the window, reads through it, and sees it dropped once the holder's process is gone."""
     import asyncio
 
-    from raykv.ops_pools import PoolCopy
+    from raykv.ops.pools import PoolCopy
     from raykv.tiers.peer_memory import PeerExport, carve
     from raykv.transport.collective import Collective
     from raykv.transport.pair import Pair

@@ -8,7 +8,7 @@ import multiprocessing as mp
 import numpy as np
 import torch
 
-from raykv.ops_pools import PoolCopy
+from raykv.ops.pools import PoolCopy
 from raykv.tiers import shm
 from raykv.transport.peer_read import PeerMaps, owner_pid, read_blocks, stated_sums
 

@@ -19,17 +19,17 @@ import numpy as np
 import torch
 
 from raykv.blocks.hashing import native_module
-from raykv.ops_threads import side_by_side
+from raykv.ops.threads import side_by_side
 
 
-def _block_bytes(entry: torch.Tensor) -> int:
+def block_bytes(entry: torch.Tensor) -> int:
     return math.prod(entry.shape[1:]) * entry.element_size()
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _as_int(e: torch.Tensor) -> torch.Tensor:
+def as_int(e: torch.Tensor) -> torch.Tensor:
     """`e` reinterpreted as an integer type of the same size: bit-exact copies for every dtype
     (no NaN canonicalization) and index ops that fp8 lacks."""
     int_dtype = _SAME_SIZE_INT.get(e.element_size())
@@ -70,7 +70,7 @@ def _block_rows(e: torch.Tensor) -> torch.Tensor | None:
 CHECK_SPAN_BYTES = 1 << 20
 CHECK_SPAN_MAX_BYTES = 8 << 20
 # A host copy of many rows is cut into pieces of at least this many bytes, copied side by side
-# on the host threads (``raykv.ops_threads``): one thread moves a fetched 16 MiB chunk into a
+# on the host threads (``raykv.ops.threads``): one thread moves a fetched 16 MiB chunk into a
 # tier's scattered rows in 2.5-4 ms on the 16-core H100 host while UCX lands the next one in ~4.
 PARALLEL_PIECE_BYTES = 2 << 20
 # A host copy with sums from this size on stores past the cache (``copy_rows``' stream): its
@@ -222,7 +222,7 @@ def _summed(r: np.ndarray, blocks: list, ids: np.ndarray, scatter: bool, sums: n
     side_by_side(fused, 0, n, piece)
 
 
-def _gather_reference(
+def gather_reference(
     entries: list[torch.Tensor],
     ids: torch.Tensor,
     dst: torch.Tensor,
@@ -235,7 +235,7 @@ def _gather_reference(
         return
     n, offset = ids.numel(), 0
     for e in entries:
-        width = _block_bytes(e)
+        width = block_bytes(e)
         out = dst[:, offset : offset + width]
         rows = _block_rows(e) if e.device == dst.device else None
         src_w, dst_w = (_words(rows), _words(out)) if rows is not None else (None, None)
@@ -245,14 +245,14 @@ def _gather_reference(
             else:
                 dst_w.copy_(src_w.index_select(0, ids.to(e.device)))
         else:
-            picked = _as_int(e).index_select(0, ids.to(e.device)).contiguous()
+            picked = as_int(e).index_select(0, ids.to(e.device)).contiguous()
             out.copy_(picked.view(-1).view(torch.uint8).view(n, width))
         offset += width
     if sums is not None:
         sums.copy_(row_sums(dst))
 
 
-def _scatter_reference(
+def scatter_reference(
     src: torch.Tensor,
     entries: list[torch.Tensor],
     ids: torch.Tensor,
@@ -270,7 +270,7 @@ def _scatter_reference(
     n = ids.numel() if check is None else check(0, ids.numel())
     src, ids, offset = src[:n], ids[:n], 0
     for e in entries:
-        width, target = _block_bytes(e), _as_int(e)
+        width, target = block_bytes(e), as_int(e)
         part = src[:, offset : offset + width]
         rows = _block_rows(e) if e.device == src.device else None
         dst_w, src_w = (_words(rows), _words(part)) if rows is not None else (None, None)

@@ -17,8 +17,8 @@ import torch
 
 from raykv.errors import InvalidInput, TransportError
 from raykv.ops import _CTAS, _load, _segment_table, _spans_aligned, row_segments
-from raykv.ops_checks import _entries_key, _entries_shape, bad_ids
-from raykv.ops_reference import _gather_reference, _scatter_reference, row_sums
+from raykv.ops.checks import _entries_key, _entries_shape, bad_ids
+from raykv.ops.reference import gather_reference, row_sums, scatter_reference
 
 
 class PoolCopy:
@@ -109,10 +109,10 @@ class PoolCopy:
         out = torch.ones(2 * n, dtype=torch.int64)  # the sums, then every row's flag set
         if n:  # the torch reference
             rows = torch.empty((n, self.width), dtype=torch.uint8, device=self.device)
-            _gather_reference(self.src, torch.tensor(src_ids, device=self.device), rows)
+            gather_reference(self.src, torch.tensor(src_ids, device=self.device), rows)
             out[:n].copy_(row_sums(rows))
             if self.dst is not None:
-                _scatter_reference(rows, self.dst, torch.tensor(dst_ids, device=self.device))
+                scatter_reference(rows, self.dst, torch.tensor(dst_ids, device=self.device))
         return out
 
     def leading_good(self, got: torch.Tensor, sent: Sequence[int] | np.ndarray) -> int:

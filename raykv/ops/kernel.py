@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 # Where the CUDA sources live: the wheel ships the repo's kernels/ folder as raykv/_kernels
 # (pyproject.toml maps it); a source checkout or editable install reads kernels/ itself.
 _PACKAGED_KERNELS = "_kernels"
-_SOURCE_KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+_SOURCE_KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 _KERNEL_SOURCES = (
     "paged_copy_binding.cpp", "paged_copy.cu", "wire_pipeline.cpp", "peer_memory.cpp"
 )  # fmt: skip

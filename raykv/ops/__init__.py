@@ -11,7 +11,8 @@ bytes.
 Logical vs kernel blocks (invariant 7): a logical block b covers the ADJACENT kernel blocks
 b*k .. b*k+k-1 (k = block_size // kernel_block_size), so `logical_view(t, k)` regroups dim 0
 of a paged tensor into logical blocks for free; pass logical views and logical block ids here,
-and the kernel block expansion costs nothing. `kernel_block_ids` spells the id mapping out.
+and the kernel block expansion costs nothing. `raykv.layout.kernel_block_ids` spells the id
+mapping out.
 
 Copies are asynchronous on the current CUDA stream of the entries' device, like any torch op:
 synchronize before reading a host `dst` or handing `src` back to the allocator.
@@ -29,37 +30,40 @@ from types import ModuleType
 import torch
 
 from raykv.errors import InvalidInput
-from raykv.ops_checks import (  # argument validation: before anything is touched
+from raykv.ops.checks import (  # argument validation: before anything is touched
     _check,
     _check_chunks,
     _check_distinct,
     _check_sums,
     _entries_key,
     _entries_shape,
-    bad_ids,  # noqa: F401  (the wording of a bad block id, for the C++ callers above ops)
+    bad_ids,  # the wording of a bad block id, for the C++ callers above ops
     row_bytes,
 )
-from raykv.ops_kernel import (  # the CUDA extension: built on first use, or ruled out
+from raykv.ops.kernel import (  # the CUDA extension: built on first use, or ruled out
     kernel_available,
     kernel_module,
     kernel_sources_dir,
     kernel_status,
 )
-from raykv.ops_kernel import load as _load
-from raykv.ops_reference import (  # the torch reference path, bit-exact with the kernel
-    _as_int,  # noqa: F401  (the benches read rows as same-size ints through ops)
-    _block_bytes,
-    _gather_reference,
-    _scatter_reference,
+from raykv.ops.kernel import load as _load
+from raykv.ops.reference import (  # the torch reference path, bit-exact with the kernel
+    as_int,  # rows as same-size ints (the benches read them so)
+    block_bytes,
+    gather_reference,
     row_sums,
+    scatter_reference,
 )
 
 __all__ = [
     "MAX_SEGMENT_BYTES",
     "MODES",
+    "as_int",
+    "bad_ids",
+    "block_bytes",
     "gather_blocks",
+    "gather_reference",
     "kernel_available",
-    "kernel_block_ids",
     "kernel_module",
     "kernel_sources_dir",
     "kernel_status",
@@ -68,6 +72,7 @@ __all__ = [
     "row_segments",
     "row_sums",
     "scatter_blocks",
+    "scatter_reference",
 ]
 
 # Mirrors RAYKV_MAX_SEGMENT_BYTES in kernels/paged_copy.h: larger per-block spans are split so
@@ -110,14 +115,7 @@ def logical_view(t: torch.Tensor, blocks_per_block: int) -> torch.Tensor:
     return t.view(n // k, k * t.shape[1], *t.shape[2:])
 
 
-def kernel_block_ids(logical_ids: torch.Tensor, blocks_per_block: int) -> torch.Tensor:
-    """Kernel block ids covered by `logical_ids`, in order: b -> b*k + 0 .. b*k + k-1."""
-    k = blocks_per_block
-    offsets = torch.arange(k, dtype=torch.int64, device=logical_ids.device)
-    return (logical_ids.to(torch.int64)[:, None] * k + offsets).reshape(-1)
-
-
-# --- CUDA kernel: built just in time, loaded once (raykv.ops_kernel) ------------------------
+# --- CUDA kernel: built just in time, loaded once (raykv.ops.kernel) ------------------------
 
 _lock = threading.Lock()  # the caches below: store and load jobs copy from several threads
 _tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # segment tables per entries key, LRU
@@ -134,7 +132,7 @@ def row_segments(entries: Sequence[torch.Tensor]) -> list[tuple[int, int, int, i
     """
     segments, offset = [], 0
     for e in entries:
-        width, stride = _block_bytes(e), e.stride(0) * e.element_size()
+        width, stride = block_bytes(e), e.stride(0) * e.element_size()
         for start in range(0, width, _PIECE_BYTES):
             size = min(_PIECE_BYTES, width - start)
             segments.append((e.data_ptr() + start, stride, size, offset + start))
@@ -302,7 +300,7 @@ def _reference(
     each: Callable[[int, int], None] | None,
 ) -> None:
     """The torch reference of ``_launch``, chunk by chunk in the same order (host rows and
-    blocks: their sums taken natively as they are copied, ``raykv.ops_reference``)."""
+    blocks: their sums taken natively as they are copied, ``raykv.ops.reference``)."""
     start = 0
     for count in chunks or (ids.numel(),):
         part = slice(start, start + count)
@@ -310,9 +308,9 @@ def _reference(
         if each is not None and not gather:
             each(start, count)
         if gather:
-            _gather_reference(entries, ids[part], rows[part], got)
+            gather_reference(entries, ids[part], rows[part], got)
         else:
-            _scatter_reference(rows[part], entries, ids[part], sums=got)
+            scatter_reference(rows[part], entries, ids[part], sums=got)
         if each is not None and gather:
             each(start, count)
         start += count
@@ -504,6 +502,6 @@ def scatter_blocks(
         staged.run(_segment_table(entries, key), block_ids, _CTAS, _sums_pointer(sums))
     elif block_ids.numel() and not _launch(entries, key, block_ids, src, False, sums, chunks, each):
         if check is not None:
-            return _scatter_reference(src, entries, block_ids, check)
+            return scatter_reference(src, entries, block_ids, check)
         _reference(entries, block_ids, src, False, sums, chunks, each)
     return block_ids.numel()

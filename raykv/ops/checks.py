@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from raykv.errors import InvalidInput
-from raykv.ops_reference import _block_bytes
+from raykv.ops.reference import block_bytes
 
 _lock = threading.Lock()
 _shapes: OrderedDict[tuple, tuple[int, int]] = OrderedDict()  # entries that passed the checks
@@ -22,7 +22,7 @@ _shapes: OrderedDict[tuple, tuple[int, int]] = OrderedDict()  # entries that pas
 
 def row_bytes(entries: Sequence[torch.Tensor]) -> int:
     """Bytes of one gathered row: one block of every entry, concatenated."""
-    return sum(_block_bytes(e) for e in entries)
+    return sum(block_bytes(e) for e in entries)
 
 
 def _entries_key(entries: list[torch.Tensor], what: str) -> tuple:
@@ -172,7 +172,7 @@ _BAD_ID_REASONS = 4  # kernels/wire_pipeline.cpp: position * 4 + reason
 
 def bad_ids(what: str, block_ids: Sequence[int], num_blocks: int, code: int) -> InvalidInput:
     """The error for the first bad id the C++ pipeline found (``code``, see ``wire_send``;
-    ``pool_read`` and ``raykv.ops_pools.PoolCopy`` report theirs alike), worded here: the pipeline
+    ``pool_read`` and ``raykv.ops.pools.PoolCopy`` report theirs alike), worded here: the pipeline
     formats no message and throws nothing for bad input."""
     at, reason = divmod(code, _BAD_ID_REASONS)
     if reason == 1:

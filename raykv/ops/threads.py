@@ -1,5 +1,5 @@
 """The process's host worker threads: rows hashed (``raykv.tiers.checksum``) and large host
-copies (``raykv.ops_reference``) run side by side on them. xxh3, numpy and torch release the
+copies (``raykv.ops.reference``) run side by side on them. xxh3, numpy and torch release the
 GIL while they hash or copy, so the threads add up (one thread copies ~12 GB/s of 256 KiB rows
 on this project's 2-core CI box, two 22).
 
