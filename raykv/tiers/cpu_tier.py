@@ -316,7 +316,8 @@ class ArenaRows:
         """``[num_blocks * factor, gpu_bytes_per_block]`` rows of one TP copy."""
         return self.arena[copy]
 
-    def row(self, block: int, sub: int) -> int:
+    def row(self, block: int | np.ndarray, sub: int | np.ndarray) -> int | np.ndarray:
+        """The row of GPU block ``sub`` of CPU block ``block`` (numbers or arrays of them)."""
         return block * self.factor + sub
 
     def run_view(self, rows: Sequence[int], width: int, copy: int = 0) -> torch.Tensor | None:

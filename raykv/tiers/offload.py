@@ -5,8 +5,8 @@ out of) the arena's rows when a group's rows are full-width and consecutive, els
 staging buffer and one host-side row copy. On CUDA the copies run on a side stream that first
 waits for the compute stream, and ``poll()`` reports jobs whose event has fired; on CPU they
 run synchronously and the next ``poll()`` reports them, so callers see one protocol. A job
-copies each run of consecutive arena rows directly (``raykv.tiers.host_copy``), each row's
-checksum taken by the copy itself as it moves the row (``raykv.tiers.device_copy``): on CUDA
+copies each run of consecutive arena rows directly, each row's checksum taken by the copy
+itself as it moves the row (``raykv.tiers.job_copy``): on CUDA
 by the copy kernels, only the sums crossing to the host; on the host by the native fused copy
 (``raykv.ops.reference``), every byte read once.
 
@@ -36,7 +36,7 @@ import torch
 from raykv import ops
 from raykv.errors import TierError
 from raykv.layout import tp
-from raykv.tiers import device_copy, host_copy
+from raykv.tiers import job_copy
 from raykv.tiers.cpu_tier import (
     CpuTier,
     KeyRows,
@@ -85,8 +85,8 @@ class _InFlight:
     lease: LoadLease | None = None
     event: torch.cuda.Event | None = None
     host_copies: list[_HostCopy] = field(default_factory=list)
-    taken: list[device_copy.TakenSums] = field(default_factory=list)  # a store's row sums
-    checks: list[device_copy.LoadCheck] = field(default_factory=list)  # a load's
+    taken: list[job_copy.TakenSums] = field(default_factory=list)  # a store's row sums
+    checks: list[job_copy.LoadCheck] = field(default_factory=list)  # a load's
     asked: tuple[bytes, ...] = ()  # a load: the keys requested
     missed: tuple[bytes, ...] = ()
     error: str | None = None
@@ -211,7 +211,7 @@ class OffloadEngine:
         # each position's arena row, for the whole job at once (numpy, not a step per block)
         rec.entry = _index_in(held.keys, job.keys)
         a = job.arrays
-        rows_of = held.block_array[rec.entry][a.keys] * tier.factor + a.subs
+        rows_of = tier.row(held.block_array[rec.entry][a.keys], a.subs)
         if self.stream is not None:  # copies see every KV write queued before them
             self.stream.wait_stream(torch.cuda.current_stream(self.gpu.device))
         stream_ctx = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
@@ -224,12 +224,12 @@ class OffloadEngine:
                 rows = rows_of[sl]
                 ids_t = torch.from_numpy(a.ids[sl])
                 # a load is checked in poll(), once it landed
-                self._copy_device(rec, entries, ids_t, rows, sl, width, gather)
+                self._copy_rows(rec, entries, ids_t, rows, sl, width, gather)
             if self.stream is not None:
                 rec.event = torch.cuda.Event()
                 rec.event.record(self.stream)
 
-    def _copy_device(
+    def _copy_rows(
         self,
         rec: _InFlight,
         entries: list,
@@ -240,28 +240,28 @@ class OffloadEngine:
         gather: bool,
     ) -> None:
         """One group's copy (on CUDA queued on the side stream; on the host run now), each
-        row's checksum taken as it is copied (``raykv.tiers.device_copy``): each run of
+        row's checksum taken as it is copied (``raykv.tiers.job_copy``): each run of
         consecutive full-width arena rows straight between the blocks and the arena; rows
         more scattered (or narrower) through a staging buffer (a store lands it in poll(), a
         load keeps it alive till then). A load's sums are compared with the stored ones in
         poll()."""
         rows_all = self.tier.rows(self.copy)
-        runs = _row_runs(rows) if width == self.tier.slot_bytes else None
+        runs = job_copy.row_runs(rows) if width == self.tier.slot_bytes else None
         if runs is not None:
-            g = device_copy.GroupRows(entries, ids_t, rows_all, rows, runs)
+            g = job_copy.GroupRows(entries, ids_t, rows_all, rows, runs)
         else:  # through a staging buffer
             idx = torch.from_numpy(rows)
             src = torch.empty((len(rows), width), dtype=torch.uint8, pin_memory=self.pin)
             rec.host_copies.append(_HostCopy(idx, src, width))
             if not gather:
                 torch.index_select(rows_all[:, :width], 0, idx, out=src)
-            g = device_copy.GroupRows(entries, ids_t, src, range(len(rows)), [(0, len(rows))])
-        sums = device_copy.copy_rows(g, gather, self.checksums)
+            g = job_copy.GroupRows(entries, ids_t, src, range(len(rows)), [(0, len(rows))])
+        sums = job_copy.copy_rows(g, gather, self.checksums)
         if sums is None:
             return
         a = rec.job.arrays
         if gather:
-            rec.taken.append(device_copy.TakenSums(a.keys[at], a.subs[at], sums))
+            rec.taken.append(job_copy.TakenSums(a.keys[at], a.subs[at], sums))
         else:  # the expected sums are looked up while the copy runs
             rec.checks.append(self._load_check(rec, at, sums))
 
@@ -318,14 +318,6 @@ class OffloadEngine:
         rec.host_copies.clear()
 
     # ---------------------------------------------------------------- checksums
-    def _key_rows(self, job: BlockJob, blocks: Sequence[int]) -> list[list[tuple[int, int, int]]]:
-        """Per key: (sub-slot, arena row, bytes) of each GPU block the job carries in it."""
-        widths = {g.group_id: self.gpu.row_bytes(g.group_id) for g in self.gpu.plan.groups}
-        out: list[list[tuple[int, int, int]]] = [[] for _ in job.keys]
-        for k, s in job.slots:
-            out[k].append((s, self.tier.row(blocks[k], s), widths[job.key_groups[k]]))
-        return out
-
     def _store_checksums(self, rec: _InFlight) -> Sequence[tuple[int, ...]]:
         """Per key, one checksum per sub-slot (0 where a null block carried nothing): the
         sums the copy took of every position of every group (``rec.taken``)."""
@@ -369,14 +361,11 @@ class OffloadEngine:
         if refused:
             rec.job = rec.job.select(k for k in rec.job.keys if k not in refused)
 
-    def _load_check(self, rec: _InFlight, at: slice, sums: torch.Tensor) -> device_copy.LoadCheck:
+    def _load_check(self, rec: _InFlight, at: slice, sums: torch.Tensor) -> job_copy.LoadCheck:
         """The check of one group's load (positions ``at`` of the job, ``sums`` the copy
         takes): each row's stored checksum, from the lease's arrays."""
         job, stored = rec.job, rec.lease.checksums
-        if not isinstance(stored, KeySums):  # a lease not from a tier: its dicts
-            slots = job.slots[at]
-            keys = [job.keys[k] for k, _ in slots]
-            return device_copy.load_check(keys, self._expected(rec, slots), sums)
+        assert isinstance(stored, KeySums)  # a tier's lease (prepare_load) carries its arrays
         a = job.arrays
         entry, subs = rec.entry[a.keys[at]], a.subs[at]
         n = stored.lengths[self.copy, entry]
@@ -384,17 +373,7 @@ class OffloadEngine:
             raise IndexError("a key's stored checksums cover fewer sub-slots than it carries")
         known = n >= 0
         expected = np.where(known, stored.sums[self.copy, entry, np.where(known, subs, 0)], 0)
-        return device_copy.LoadCheck(_KeyAt(job.keys, a.keys[at]), expected, known, sums)
-
-    def _expected(self, rec: _InFlight, slots: Sequence) -> list[int | None]:
-        """The checksum each position's row was stored with (None: none was)."""
-        job, lease = rec.job, rec.lease
-        at = {key: i for i, key in enumerate(lease.keys)}
-        out: list[int | None] = []
-        for k, s in slots:
-            stored = lease.checksums[at[job.keys[k]]].get(self.copy)
-            out.append(None if stored is None else stored[s])
-        return out
+        return job_copy.LoadCheck(_KeyAt(job.keys, a.keys[at]), expected, known, sums)
 
     # ---------------------------------------------------------------- bookkeeping
     def _next_id(self) -> int:
@@ -413,16 +392,6 @@ def _index_in(keys: tuple[bytes, ...], wanted: tuple[bytes, ...]) -> np.ndarray:
         return np.arange(len(keys), dtype=np.int64)
     at = dict(zip(keys, range(len(keys)), strict=True))
     return int_array(map(at.__getitem__, wanted), len(wanted))
-
-
-def _row_runs(rows: np.ndarray) -> list[tuple[int, int]] | None:
-    """``host_copy.row_runs`` of an array of rows, in numpy: (start, end) position ranges of
-    each run of consecutive rows, or None past one run per ``host_copy.RUN_ROWS`` rows."""
-    cuts = (np.flatnonzero(rows[1:] != rows[:-1] + 1) + 1).tolist()
-    if len(cuts) + 1 > max(1, len(rows) // host_copy.RUN_ROWS):
-        return None
-    edges = [0, *cuts, len(rows)]
-    return list(itertools.pairwise(edges)) if len(rows) else []
 
 
 class _KeyAt(Sequence[bytes]):

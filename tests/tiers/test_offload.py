@@ -22,7 +22,7 @@ from raykv.tiers import (
     StoreFence,
     StoreJob,
     group_factor,
-    host_copy,
+    job_copy,
 )
 from raykv.tiers import offload as offload_mod
 from raykv.tiers.checksum import row_checksums
@@ -272,7 +272,7 @@ def test_a_corrupt_entry_is_a_counted_miss_with_the_rest_of_its_prefix(
     width = tier.rows(0).shape[1]
     with (
         mock.patch.object(ops_reference, "PARALLEL_PIECE_BYTES", piece_rows * width),
-        mock.patch.object(host_copy, "RUN_ROWS", run_rows),  # 1: runs of one row are runs
+        mock.patch.object(job_copy, "RUN_ROWS", run_rows),  # 1: runs of one row are runs
     ):
         res = run(eng, eng.submit_load, LoadJob.build(p, "r2", [dst], hashes))
     assert res.ok and res.missed == tuple(keys[bad_key:])
@@ -317,7 +317,7 @@ def test_store_and_load_through_scattered_arena_rows_restore_bytes_and_checksums
     width = max(kv.row_bytes(g.group_id) for g in p.groups)
     with (
         mock.patch.object(ops_reference, "PARALLEL_PIECE_BYTES", width),  # a row a host thread
-        mock.patch.object(host_copy, "RUN_ROWS", run_rows),
+        mock.patch.object(job_copy, "RUN_ROWS", run_rows),
     ):
         store = StoreJob.build(p, "req", tables, hashes)
         if eng.submit_store(store) is None:

@@ -1,26 +1,39 @@
-"""CUDA tier jobs: the copy kernels take each row's checksum while they copy, so the host never
-reads the bytes (invariant 12 on the GPU).
+"""A tier job's copies: runs of arena rows, each row's checksum taken by the copy itself as it
+moves the row, and a load's check of those sums (invariant 12).
 
-A GPU <-> pinned-arena copy moves at PCIe's pace (~55 GB/s on the H200 host). Checksums
-taken by host threads beside it cost most of that bandwidth (the tier's CUDA jobs ran at
-0.27 x a plain pinned copy with 16 threads summing). Instead ``OffloadEngine._copy_device``
-hands each group's rows to these two, which pass ``sums=`` to ``raykv.ops``' paged copy: the
-kernel adds each row's sum (``kernels/row_sum.h``, the tiers' one checksum) as it fills or
-empties the device chunk of the staged pipeline, and only the sums (8 bytes a row) cross to
-the host, behind the copy on the same stream:
+A job's rows (one per GPU block it carries) land wherever the tier's free entries are. Each run
+of consecutive full-width arena rows moves straight into (or out of) the arena in one paged
+copy (``row_runs``; a staging buffer's fresh pages and its landing cost more than the copy
+itself); a job whose rows are more scattered than one run per ``RUN_ROWS`` rows (or narrower
+than a slot) goes through a staging buffer (``OffloadEngine._copy_rows``).
 
-* a store gathers the blocks into the arena rows (``copy_rows``); its sums (``TakenSums``)
-  are the rows' checksums once the job's event fired;
-* a load scatters the arena rows into the engine's blocks; ``LoadCheck.first_bad``
-  compares the sums the kernel took as it wrote them with the stored checksums once the
-  job's event fired. The first key that fails and every key after it in its group are not
-  loaded: the job reports them missed (the engine recomputes those blocks, whatever bytes
-  landed in them) and the failed key is dropped as corrupt. Only verified rows ever become
-  valid.
+Every copy passes ``sums=`` to ``raykv.ops``' paged copy, on every device, so no pass of its
+own reads the bytes again:
+
+* on CUDA the kernel adds each row's sum (``kernels/row_sum.h``, the tiers' one checksum) as
+  it fills or empties the device chunk of the staged pipeline, and only the sums (8 bytes a
+  row) cross to the host, behind the copy on the same stream. Host threads summing beside a
+  GPU <-> pinned copy ran the tier's CUDA jobs at 0.27 x a plain pinned copy (16 threads,
+  H200 host); the kernels move the rows with their sums at PCIe's pace;
+* on the host (a CPU-device pool, an engine attached through shared memory:
+  ``raykv.engine``) the native fused copy of ``raykv.ops.reference`` adds each 64-bit word's
+  row-sum term as it copies the word, split over the host threads (``raykv.ops.threads``)
+  without the GIL. With the shared-memory bench's shapes (128 MiB of 512 KiB rows), a store
+  or load with its sums took 12-15 ms on the 2-core box (two threads, stores that bypass the
+  cache) against ~20 ms for a plain one-thread copy, and 7-9 ms on the 16-core H200 host
+  (eight threads) against 24-33 ms; a copy on the caller's thread with the sums on a
+  checksum thread beside it ran at 0.6-0.7 x a plain copy.
+
+A store's sums (``TakenSums``) are the rows' checksums once the job's copy completed. A
+load's (``LoadCheck``) are compared with the stored checksums then: the first key that fails
+and every key after it in its group are not loaded (the job reports them missed; the engine
+recomputes those blocks, whatever bytes landed in them) and the failed key is dropped as
+corrupt. Only verified rows ever become valid.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,12 +42,24 @@ import torch
 
 from raykv import ops
 
+RUN_ROWS = 8  # row_runs gives up beyond one run per this many rows (a staging copy is cheaper)
+
+
+def row_runs(rows: np.ndarray) -> list[tuple[int, int]] | None:
+    """``(start, end)`` position ranges of each run of consecutive arena ``rows`` (each run
+    is one direct copy), or None where there are more than one per ``RUN_ROWS`` rows."""
+    cuts = (np.flatnonzero(rows[1:] != rows[:-1] + 1) + 1).tolist()
+    if len(cuts) + 1 > max(1, len(rows) // RUN_ROWS):
+        return None
+    edges = [0, *cuts, len(rows)]
+    return list(itertools.pairwise(edges)) if len(rows) else []
+
 
 @dataclass(frozen=True)
 class GroupRows:
     """One group's copy: ``entries[block_ids[i]]`` <-> ``rows_of[rows[i]]`` (full-width
     rows of the arena or of a staging buffer, ``runs`` of consecutive ones,
-    ``host_copy.row_runs``)."""
+    ``row_runs``)."""
 
     entries: list[torch.Tensor]
     block_ids: torch.Tensor
@@ -103,12 +128,3 @@ class LoadCheck:
         while i > 0 and self.keys[i - 1] == self.keys[i]:
             i -= 1
         return i
-
-
-def load_check(
-    keys: Sequence[bytes], expected: Sequence[int | None], sums: torch.Tensor
-) -> LoadCheck:
-    """``LoadCheck`` of positions with these keys and stored checksums."""
-    known = np.fromiter((c is not None for c in expected), bool, len(expected))
-    want = np.fromiter((0 if c is None else c for c in expected), np.int64, len(expected))
-    return LoadCheck(keys, want, known, sums)
