@@ -18,9 +18,10 @@ smoke-test it; those numbers say nothing about a GPU.
 
 `--duplex`: both directions at once, as an engine offloading one request while loading
 another. A store (gather_blocks of n scattered blocks to pinned rows) on one CUDA stream and a
-load (scatter_blocks of n other rows into n other, disjoint blocks) on another, each timed
-alone and both together from one start, against the same pair of contiguous pinned copies of
-the same bytes (GPU -> pinned and pinned -> GPU, each on its own stream). GB/s per direction
+load (scatter_blocks of n other rows into n other, disjoint blocks) on another, each taking
+every row's checksum as a tier job does (``sums=``), each timed alone and both together from
+one start, against the same pair of contiguous pinned copies of the same bytes (GPU -> pinned
+and pinned -> GPU, each on its own stream). GB/s per direction
 (its bytes over the time from the common start to its own end) and total (both directions'
 bytes over the time until the later one ends); ratios raykv / contiguous and together / one
 after the other. On CPU the two run in two threads on the reference (a smoke test).
@@ -421,12 +422,15 @@ def _duplex_jobs(pool: _DuplexPool, store_ids: torch.Tensor, load_ids: torch.Ten
     n = store_ids.numel()
     host_out, host_in = pool.host_out[:n], pool.host_in[:n]
     gpu_out, gpu_in = pool.gpu_out[:n], pool.gpu_in[:n]
+    # each row's checksum taken as it is copied, as a tier job takes it (invariant 12)
+    device = pool.entries[0].device
+    store_sums, load_sums = (torch.empty(n, dtype=torch.int64, device=device) for _ in "sl")
 
     def raykv_store() -> None:
-        ops.gather_blocks(pool.entries, store_ids, host_out)
+        ops.gather_blocks(pool.entries, store_ids, host_out, sums=store_sums)
 
     def raykv_load() -> None:
-        ops.scatter_blocks(host_in, pool.entries, load_ids)
+        ops.scatter_blocks(host_in, pool.entries, load_ids, sums=load_sums)
 
     def contiguous_store() -> None:
         host_out.copy_(gpu_out, non_blocking=True)
