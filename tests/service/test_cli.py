@@ -200,14 +200,25 @@ def test_demo_matches_a_full_recompute(host, home) -> None:
 
 
 def test_bench_service_quick(home) -> None:
-    out = run([], RAYKV, "bench", "service", "--quick", "--json", env=plain_env(home))
+    """One quick run of every part (one cluster start): the lookups and hashing, the object
+    store against raw Ray, the shared-memory rounds (median and best), and what it prints."""
+    args = ["bench", "service", "--quick", "--rounds", "3", "--json"]
+    out = run([], RAYKV, *args, env=plain_env(home))
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
-    assert r["lookup"]["hit"]["hit_tokens"] == 32768 and r["lookup"]["miss"]["hit_tokens"] == 0
-    assert r["lookup"]["hit"]["p99_ms"] >= r["lookup"]["hit"]["p50_ms"] > 0
+    lk = r["lookup"]
+    assert lk["hit"]["hit_tokens"] == 32768 and lk["miss"]["hit_tokens"] == 0
+    assert lk["hit"]["p99_ms"] >= lk["hit"]["p50_ms"] > 0
+    assert lk["hashing_ms"] > 0 and lk["ping"]["p50_ms"] > 0
+    assert lk["ratios"]["hit_p50_vs_ping"] > 0  # the engine's, from its replica
+    assert lk["driver_hit"]["hit_tokens"] == 32768
     assert r["object_store"]["gb_per_s"] > 0
     sm = r["shared_memory"]  # issue 10: engine <-> tier through shared memory vs a plain copy
-    assert sm["store_ratio"] > 0 and sm["load_ratio"] > 0 and sm["plain_copy_gb_per_s"] > 0
+    assert sm["rounds"] == 3 and sm["bytes"] == sm["blocks"] * (8 * 2 * 16 * 8 * 128 * 2)
+    assert sm["plain_copy_gb_per_s"] > 0
+    for kind, copy in (("store", "copy_ms"), ("load", "load_copy_ms")):
+        assert sm[f"best_{kind}_ms"] <= sm[f"{kind}_ms"]  # the best round, the median round
+        assert sm[f"{kind}_ratio"] == pytest.approx(sm[copy] / sm[f"{kind}_ms"])
     from raykv.bench.service import format_report
 
     text = format_report(r)  # what `raykv bench service` prints: every ratio with its target
@@ -216,28 +227,26 @@ def test_bench_service_quick(home) -> None:
     assert "store (engine->tier)" in text and "load (tier->engine)" in text
 
 
-def test_bench_service_lookup_only(home) -> None:
-    args = ["bench", "service", "--quick", "--lookup-only", "--json"]
-    out = run([], RAYKV, *args, env=plain_env(home))
-    assert out.returncode == 0, out.stderr
-    r = json.loads(out.stdout)
-    assert set(r) == {"lookup", "quick"} and r["lookup"]["hit"]["hit_tokens"] == 32768
-    assert r["lookup"]["hashing_ms"] > 0 and r["lookup"]["ping"]["p50_ms"] > 0
-    assert r["lookup"]["ratios"]["hit_p50_vs_ping"] > 0  # the engine's, from its replica
-    assert r["lookup"]["driver_hit"]["hit_tokens"] == 32768
+@pytest.mark.parametrize(
+    "args, parts",
+    [
+        (["--lookup-only"], ("lookup",)),
+        (["--only", "shared-memory"], ("shared-memory",)),
+        (["--only", "lookup", "--only", "object-store"], ("lookup", "object-store")),
+        ([], ()),
+    ],
+)
+def test_bench_service_runs_the_parts_asked_for(monkeypatch, args, parts) -> None:
+    from click.testing import CliRunner
 
+    from raykv import cli
+    from raykv.bench import service
 
-def test_bench_service_only_shared_memory_reports_median_and_best_rounds(home) -> None:
-    args = ["bench", "service", "--quick", "--only", "shared-memory", "--rounds", "3", "--json"]
-    out = run([], RAYKV, *args, env=plain_env(home))
-    assert out.returncode == 0, out.stderr
-    r = json.loads(out.stdout)
-    assert set(r) == {"shared_memory", "quick"}
-    sm = r["shared_memory"]
-    assert sm["rounds"] == 3 and sm["bytes"] == sm["blocks"] * (8 * 2 * 16 * 8 * 128 * 2)
-    for kind, copy in (("store", "copy_ms"), ("load", "load_copy_ms")):
-        assert sm[f"best_{kind}_ms"] <= sm[f"{kind}_ms"]  # the best round, the median round
-        assert sm[f"{kind}_ratio"] == pytest.approx(sm[copy] / sm[f"{kind}_ms"])
+    asked = []
+    monkeypatch.setattr(service, "main", lambda **kw: asked.append(kw))
+    result = CliRunner().invoke(cli.main, ["bench", "service", "--quick", *args])
+    assert result.exit_code == 0, result.output
+    assert asked == [dict(quick=True, as_json=False, parts=parts, rounds=None)]
 
 
 def test_a_killed_up_leaves_nothing_unrecorded(host, home) -> None:
