@@ -1,7 +1,7 @@
 """The process's host worker threads: rows hashed (``raykv.tiers.checksum``) and large host
-copies (``raykv.ops.reference``) run side by side on them. xxh3, numpy and torch release the
-GIL while they hash or copy, so the threads add up (one thread copies ~12 GB/s of 256 KiB rows
-on this project's 2-core CI box, two 22).
+copies (``raykv.ops.reference``) run side by side on them. The native row sums and copies,
+numpy and torch release the GIL while they hash or copy, so the threads add up (one thread
+copies ~12 GB/s of 256 KiB rows on this project's 2-core CI box, two 22).
 
 A task running on one of these threads never waits for another task of the pool
 (``side_by_side`` runs inline there): with every thread waiting, nothing would run.

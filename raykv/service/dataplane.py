@@ -10,7 +10,7 @@ Where the invariants are kept:
   before its first await, and the rank engines' ``StoreJob`` fences them again while the
   copy runs; only when every writer rank finished is the fence lifted.
 * 12 (copied bytes are checksum-verified before the block is readable): every valid block
-  has the xxh3 checksum of each distinct TP copy (``sums``), taken from the rows ``store``
+  has the checksum (row sum) of each distinct TP copy (``sums``), taken from the rows ``store``
   wrote, or carried over from the copy a load verified. A load from the node's CPU tier runs
   a ``LoadJob`` (the engine verifies each entry against the checksums its ``StoreJob``
   computed); a fetch from another member verifies each chunk as it arrives, before a byte

@@ -297,7 +297,7 @@ class RowCheck:
 
     async def rest(self) -> int:
         """Check every row not checked yet before the first one that failed, on the process's
-        hashing threads (``in_parallel``; xxh3 releases the GIL), in pieces of about
+        hashing threads (``in_parallel``; the native row sum releases the GIL), in pieces of about
         ``VERIFY_PIECE_BYTES`` side by side, the awaiting loop free meanwhile; returns
         ``passed``. (Measured on a 16-core host: one thread on the reader's loop verified a
         16 MiB chunk in 2-5 ms while a UCX fetch ran, as long as the reader then took to

@@ -21,9 +21,10 @@ one go (from C++ where the kernel extension has the NCCL pipeline,
 ``kernels/wire_pipeline.cpp``; the receiver's copies on a side stream of its own, so a peer
 that never sends cannot stall the pool's stream) and the host waits once per batch. Only the
 leading rows whose sums match become valid (a corrupt row ends the batch there; the rest are
-misses, counted by the caller). Where the rows are in host memory (gloo) the xxh3 checksums
-they were stored with are checked too; on a GPU they travel with the blocks and are not
-recomputed (xxh3 runs on the host: a 2 GiB batch would cross PCIe twice).
+misses, counted by the caller). Where the rows are in host memory (gloo) the checksums they
+were stored with (row sums, the same function as the wire sums) are checked too; on a GPU they
+travel with the blocks and are not recomputed on the host (a 2 GiB batch would cross PCIe
+twice).
 
 Operations of one pair run in order on one thread of their own (NCCL and gloo point-to-point
 ops match in issue order, and both ends issue the same messages per batch), never on the
@@ -549,7 +550,7 @@ class Collective:
             return _Pending(works, event, [buf, ids, got])
 
         await self._issue([pair, *forward], program, False, native=table is not None)
-        if cuda:  # the stored xxh3 checksums are not recomputed on a GPU (count_intact)
+        if cuda:  # the stored checksums are not recomputed on a GPU (count_intact)
             return int(good[0][0])
         return count_intact(int(good[0][0]), plan.split(buf)[0], expected)
 

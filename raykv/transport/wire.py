@@ -119,10 +119,10 @@ def leading_matches(got: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
 
 def count_intact(good: int, rows: torch.Tensor, expected: Sequence[int] | None) -> int:
     """How many leading rows arrived intact: the first ``good`` rows' wire sums matched
-    (``leading_matches``) and, where the rows are in host memory, their xxh3 checksums equal
-    ``expected`` (the ones they were stored with; None: unchecked). On a GPU the xxh3 is not
-    recomputed (it runs on the host: a 2 GiB batch would cross PCIe twice); the stored
-    checksums travel with the blocks."""
+    (``leading_matches``) and, where the rows are in host memory, their checksums (row sums)
+    equal ``expected`` (the ones they were stored with; None: unchecked). On a GPU they are
+    not recomputed on the host (a 2 GiB batch would cross PCIe twice); the stored checksums
+    travel with the blocks."""
     if expected is None or not good or rows.device.type != "cpu":
         return good
     return verified_prefix(rows[:good], expected[:good])

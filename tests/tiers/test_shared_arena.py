@@ -4,10 +4,10 @@ Checksums are computed on store and verified on load through the view as on the 
 
 import subprocess
 import sys
+import zlib
 
 import pytest
 import torch
-import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -85,12 +85,12 @@ def test_an_attached_mapping_takes_no_page_faults_when_read() -> None:
     t.fill_(3)
     view = shm.attach(spec)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    seen = xxhash.xxh3_64_intdigest(view.numpy())  # reads every byte, allocates nothing
+    seen = zlib.crc32(view.numpy())  # reads every byte, allocates nothing
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     if torch.cuda.is_available() or not shm.populate(view):
         pytest.skip("pages are pinned by CUDA, or the kernel lacks MADV_POPULATE_WRITE")
     assert faults < 64, f"{faults} page faults reading 4096 populated pages"
-    assert seen == xxhash.xxh3_64_intdigest(t.numpy())
+    assert seen == zlib.crc32(t.numpy())
     shm.release(spec)
 
 
