@@ -28,15 +28,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from raykv.blocks.hashing import BlockHasher
 from raykv.engine.agent import NodeAgent
 from raykv.errors import InvalidInput, RaykvError
 from raykv.service import agent_protocol as p
 from raykv.service.groups import as_tables, complete_chunks, group_keys
-from raykv.tiers.cpu_tier import LoadLease
+from raykv.tiers.cpu_tier import LoadLease, int_array
 from raykv.tiers.gpu_kv import GpuKV
-from raykv.tiers.jobs import LoadJob, StoreJob
-from raykv.tiers.offload import OffloadEngine
+from raykv.tiers.jobs import JobArrays, LoadJob, StoreJob, slots_of
+from raykv.tiers.offload import JobResult, OffloadEngine
 from raykv.tiers.tier_view import CpuTierView
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,8 @@ PULL_TIMEOUT_S = 60.0  # a pull crosses nodes: as long as a transport may take
 class TierLease:
     """Read references the node's CPU tier holds for this engine on its copies of a prompt's
     blocks: per group, the blocks from position ``first[g]`` on that it holds, as a
-    ``LoadLease`` on their entries and, per block, (entry index in it, sub-slot). Until
+    ``LoadLease`` on their entries and, per block, (entry index in it, sub-slot): ``chosen[g]``,
+    int64 ``[blocks, 2]`` (arrays: a 2048-block lease pickles as one buffer). Until
     released the entries stay readable (never evicted), unless the tier reclaims them
     (``RAYKV_LEASE_TIMEOUT_S`` after the lease, or at once when the engine detaches): a load
     of them is then a miss."""
@@ -55,7 +58,7 @@ class TierLease:
     spec: Any  # the arena's SharedSpec
     first: tuple[int, ...]
     leases: tuple[LoadLease | None, ...]
-    chosen: tuple[tuple[tuple[int, int], ...], ...]
+    chosen: tuple[np.ndarray, ...]
 
     def blocks(self, group: int) -> int:
         """Leading blocks of group ``group`` held: the caller's own ``first``, then the tier's."""
@@ -161,7 +164,9 @@ class AttachedKV:
         job = StoreJob.build(self.plan, "attached", tables, keys)
         if not job.keys:
             return 0
-        members = tuple(c.members for c in complete_chunks(self.plan, tables, keys))
+        members = None  # entries of one block each are their own only member: no tuples
+        if not (job.arrays.widths == 1).all():
+            members = tuple(c.members for c in complete_chunks(self.plan, tables, keys))
         self._answered()
         spec, res = self.agent.call(p.Reserve(self.model, job.keys, members))
         if res is None:
@@ -196,7 +201,7 @@ class AttachedKV:
             p.LeaseGroups(self.model, [list(k[f:]) for k, f in zip(keys, first, strict=True)])
         )
         leases = tuple(lease for lease, _ in groups)
-        return TierLease(spec, tuple(first), leases, tuple(tuple(c) for _, c in groups))
+        return TierLease(spec, tuple(first), leases, tuple(c for _, c in groups))
 
     def load_into(
         self, token_ids: Sequence[int], block_ids: Sequence, skip: int | Sequence[int] = 0
@@ -233,30 +238,48 @@ class AttachedKV:
                 if s >= len(table):
                     loaded.append(len(table) * g.block_size)
                     continue
-                if lease_g is None or s < first or not picks:
+                if lease_g is None or s < first or not len(picks):
                     loaded.append(s * g.block_size)
                     continue
-                f = max(1, self.plan.block_size_factor)
-                sizes = [0] * len(self.plan.groups)
-                sizes[gi] = len(picks)
-                n_keys = len(lease_g.keys)
-                job = LoadJob(
-                    "attached", lease_g.keys, (g.group_id,) * n_keys, (f,) * n_keys,
-                    tuple(table[s : s + len(picks)]), tuple(sizes), tuple(picks),
-                )  # fmt: skip
+                job = self._load_job(g.group_id, gi, lease_g.keys, table[s : s + len(picks)],
+                                     picks)  # fmt: skip
                 eng = self._engine(lease.spec)
                 pending.discard(gi)
                 eng.submit_load(job, lease_g)
                 (res,) = eng.wait_all()
                 ops += eng.tier.take()
-                lost = set(res.missed) if res.ok else set(lease_g.keys)
-                n = next(
-                    (i for i, (e, _) in enumerate(picks) if lease_g.keys[e] in lost), len(picks)
-                )
-                loaded.append((s + n) * g.block_size)
+                loaded.append((s + _loaded(res, lease_g.keys, picks)) * g.block_size)
         finally:  # the references of groups not loaded go back too (``send``)
             ops += [("finish_load", lease.leases[gi], 0) for gi in sorted(pending)]
             if ops:
                 with self._held_lock:
                     self._held.append(ops)
         return min(loaded) if loaded else 0
+
+    def _load_job(
+        self, group_id: int, gi: int, keys: tuple[bytes, ...], ids: Sequence[int], picks: Any
+    ) -> LoadJob:
+        """The ``LoadJob`` of one group's leased ``keys`` into blocks ``ids``: block ``i``
+        from sub-slot ``picks[i, 1]`` of entry ``picks[i, 0]``, its arrays handed over (no
+        step per block to read them back from the tuples)."""
+        picks = np.asarray(picks, np.int64).reshape(-1, 2)
+        f, n = max(1, self.plan.block_size_factor), len(keys)
+        sizes = [0] * len(self.plan.groups)
+        sizes[gi] = len(picks)
+        entry, sub = picks[:, 0].copy(), picks[:, 1].copy()
+        job = LoadJob("attached", keys, (group_id,) * n, (f,) * n, tuple(ids), tuple(sizes),
+                      slots_of(entry, sub))  # fmt: skip
+        arrays = JobArrays(int_array(job.block_ids), entry, sub, np.full(n, f, np.int64))
+        job.__dict__["arrays"] = arrays  # what ``arrays`` would compute
+        return job
+
+
+def _loaded(res: JobResult, keys: tuple[bytes, ...], picks: Any) -> int:
+    """Leading blocks of ``picks`` (entry index, sub-slot) a load's result ``res`` loaded:
+    up to the first whose entry it missed (every one, if it failed)."""
+    if res.ok and not res.missed:
+        return len(picks)
+    lost = set(res.missed) if res.ok else set(keys)
+    missed = np.fromiter(map(lost.__contains__, keys), bool, len(keys))
+    bad = missed[np.asarray(picks, np.int64).reshape(-1, 2)[:, 0]]
+    return int(bad.argmax()) if bad.any() else len(picks)

@@ -71,7 +71,7 @@ class ServedTier(Protocol):
         self,
         model: str,
         keys: tuple[bytes, ...],
-        members: tuple[tuple[bytes | None, ...], ...],
+        members: tuple[tuple[bytes | None, ...], ...] | None,
         writers: int = 1,
         holder: Any = None,
     ) -> Any: ...

@@ -113,16 +113,18 @@ class Arena:
 
 @dataclass(frozen=True)
 class Reserve:
-    """``CpuTierActor.reserve`` for the connection's process."""
+    """``CpuTierActor.reserve`` for the connection's process (``members`` None: each entry
+    is one block, its own key; no tuple per key on the wire)."""
 
     model: str
     keys: tuple[bytes, ...]
-    members: tuple[tuple[bytes | None, ...], ...]
+    members: tuple[tuple[bytes | None, ...], ...] | None
 
 
 @dataclass(frozen=True)
 class LeaseGroups:
-    """``CpuTierActor.lease_groups`` for the connection's process."""
+    """``CpuTierActor.lease_groups`` for the connection's process: per group, a
+    ``LoadLease`` or None and, per block, (entry index in it, sub-slot) as an int64 array."""
 
     model: str
     keys: list[list[bytes]]

@@ -33,10 +33,13 @@ changes nothing, and a reader that copied reclaimed entries sees their generatio
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import operator
 import os
 import pickle
-from collections.abc import Coroutine, Hashable
+from collections.abc import Coroutine, Hashable, Sequence
+from itertools import filterfalse, repeat
 from typing import Any
 
 import numpy as np
@@ -71,6 +74,21 @@ def lease_timeout_s() -> float:
     return check_timeout(os.environ.get(LEASE_TIMEOUT_ENV, DEFAULT_TIMEOUT_S), LEASE_TIMEOUT_ENV)
 
 
+class _Own:
+    """``OWN``: an entry that is its own only member, ``(entry,)``, and a block held by its
+    own entry alone, at sub-slot 0 (``{key: 0}``): every entry of a plan without a
+    block-size factor. One shared marker instead of a tuple or dict per key, so that a
+    store's or a load's thousands of keys are a few passes of C over the dicts (issue 45)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "OWN"
+
+
+OWN = _Own()
+
+
 class _ModelTier:
     """One model's arena plus the block-key -> (entry key, sub-slot) map."""
 
@@ -87,44 +105,117 @@ class _ModelTier:
         self.replica_shm = shared
         self.reclaimed = (0, 0)  # (expired, released) holds already counted in the metrics
         self.widths = {g.group_id: w for g, w in zip(plan.groups, row_widths(plan), strict=True)}
-        self.entries: dict[bytes, Members] = {}  # entry key -> its members
-        self.where: dict[bytes, dict[bytes, int]] = {}  # block key -> {entry key: sub-slot}
-        self.pending: dict[bytes, Members] = {}  # entries being written -> their members
+        # entry key -> its members; block key -> {entry key: sub-slot}; entries being
+        # written -> their members (``OWN`` for ``(entry,)`` and ``{key: 0}`` alike)
+        self.entries: dict[bytes, Members | _Own] = {}
+        self.where: dict[bytes, dict[bytes, int] | _Own] = {}
+        self.pending: dict[bytes, Members | _Own] = {}
         self.unpublished: list[bytes] = []  # evicted block keys the index still lists
+
+    def holders(self, key: bytes) -> dict[bytes, int]:
+        """{entry: sub-slot} of the entries holding block ``key`` (empty: none)."""
+        held = self.where.get(key)
+        if held is OWN:
+            return {key: 0}
+        return {} if held is None else held
 
     def forget(self, entry: bytes) -> list[bytes]:
         """Drop an evicted entry's members; returns block keys no entry holds any more."""
+        return self.forget_all((entry,))
+
+    def forget_all(self, entries: Sequence[bytes]) -> list[bytes]:
+        """``forget`` of each of ``entries`` in turn: entries that are their own only member
+        and blocks their own entry alone held (the rule) in a few passes of C."""
+        popped = list(map(self.entries.pop, entries, repeat(())))
+        where, n = self.where, len(entries)
+        # each its own member (a key named twice pops () the second time), held alone
+        if popped.count(OWN) == n and list(map(where.get, entries)).count(OWN) == n:
+            list(map(where.pop, entries))  # no entry holds any of them now
+            return list(entries)
         gone = []
-        for s, m in enumerate(self.entries.pop(entry, ())):
-            held = self.where.get(m) if m is not None else None
-            if held is not None and held.pop(entry, None) == s and not held:
-                del self.where[m]
-                gone.append(m)
+        for entry, members in zip(entries, popped, strict=True):
+            for s, m in enumerate((entry,) if members is OWN else members):
+                held = where.get(m) if m is not None else None
+                if held is OWN:
+                    held = where[m] = {m: 0}
+                if held is not None and held.pop(entry, None) == s and not held:
+                    del where[m]
+                    gone.append(m)
         return gone
 
-    def note(self, entry: bytes, members: Members) -> list[bytes]:
+    def note(self, entry: bytes, members: Members | _Own) -> list[bytes]:
         """Record a stored entry; returns block keys that became available."""
-        self.entries[entry] = members
+        return self.note_all([entry], [members])
+
+    def note_all(self, entries: Sequence[bytes], members: list[Members | _Own]) -> list[bytes]:
+        """``note`` of each entry with its members, in turn; entries that are their own
+        only member, all new to ``where`` (a store's, as a rule), in a few passes of C."""
+        self.entries.update(zip(entries, members, strict=True))
+        where, n = self.where, len(entries)
+        if members.count(OWN) == n and where.keys().isdisjoint(entries):
+            before = len(where)
+            where.update(zip(entries, repeat(OWN)))
+            return list(entries) if len(where) - before == n else list(dict.fromkeys(entries))
         new = []
-        for s, m in enumerate(members):
-            if m is None:
-                continue
-            held = self.where.setdefault(m, {})
-            if not held:
-                new.append(m)
-            held[entry] = s
+        for entry, ms in zip(entries, members, strict=True):
+            for s, m in enumerate((entry,) if ms is OWN else ms):
+                if m is None:
+                    continue
+                held = where.get(m)
+                if held is None:
+                    held = where[m] = {}
+                elif held is OWN:
+                    held = where[m] = {m: 0}
+                if not held:
+                    new.append(m)
+                held[entry] = s
         return new
 
     def choose(self, keys: list[bytes]) -> list[tuple[bytes, int]]:
         """(entry, sub-slot) of the leading ``keys`` (one group) held here."""
-        gid = key_group(keys[0]) if keys else None
-        chosen: list[tuple[bytes, int]] = []
-        for key in keys:
-            held = self.where.get(key)
-            if not held or key_group(key) != gid:
-                break
-            chosen.append(next(iter(held.items())))
-        return chosen
+        return _pairs(keys, self.holding(keys))
+
+    def holding(self, keys: Sequence[bytes]) -> list[dict[bytes, int] | _Own]:
+        """``where`` of the leading ``keys`` held here (those of ``keys[0]``'s group, up to
+        the first not held): the lookups in C, the group compared on the keys' prefixes."""
+        held = list(map(self.where.get, keys))
+        if None in held:
+            held = held[: held.index(None)]
+        if held.count(OWN) < len(held) and {} in held:  # an empty holder dict: not held
+            held = held[: held.index({})]
+        return held[: _group_run(keys[: len(held)])]
+
+
+def _pairs(keys: Sequence[bytes], held: list[dict[bytes, int] | _Own]) -> list[tuple[bytes, int]]:
+    """(entry, sub-slot) of each leading key by its ``where`` (``held``): the first holder."""
+    return [(k, 0) if h is OWN else next(iter(h.items())) for k, h in zip(keys, held, strict=False)]
+
+
+def _group_run(keys: Sequence[bytes]) -> int:
+    """How many leading ``keys`` are of ``keys[0]``'s group (``key_group``): keys of one
+    length (as a rule) compared on their 4-byte prefixes in one numpy pass, others in C,
+    ``key_group`` itself only from a prefix that differs on."""
+    if not keys:
+        return 0
+    n, width = len(keys), len(keys[0])
+    if width >= 4 and list(map(len, keys)).count(width) == n:
+        rows = np.frombuffer(b"".join(keys), np.uint8).reshape(n, width)[:, :4]
+        other = (rows != rows[0]).any(axis=1)
+        n = int(other.argmax()) if other.any() else n
+    elif width >= 4:
+        same = list(map(keys[0][:4].__eq__, map(_PREFIX, keys)))
+        n = same.index(False) if False in same else n
+    else:
+        n = 1
+    gid = key_group(keys[0])
+    while n < len(keys) and key_group(keys[n]) == gid:  # a shorter key of the same id
+        n += 1
+    return n
+
+
+_PREFIX = operator.itemgetter(slice(0, 4))
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_KEY_BITS = operator.itemgetter(1, 2)  # a feed change's (group key, bits)
 
 
 class CpuTierActor(Member):
@@ -179,8 +270,12 @@ class CpuTierActor(Member):
                     for mt in self.tiers.values():
                         mt.replica.clear_holders()
                 by_model: dict[str, list[tuple[bytes, int]]] = {}
-                for model, key, bits in changes:
-                    by_model.setdefault(model, []).append((key, bits))
+                models = set(map(_FIRST, changes))
+                if len(models) == 1:  # one model (the rule): its changes in C, as they came
+                    by_model[models.pop()] = list(map(_KEY_BITS, changes))
+                else:
+                    for model, key, bits in changes:
+                        by_model.setdefault(model, []).append((key, bits))
                 for model, batch in by_model.items():
                     mt = self.tiers.get(model)
                     if mt is not None:
@@ -199,7 +294,7 @@ class CpuTierActor(Member):
         is answered sees it."""
         mt = self.tiers.get(model)
         if mt is not None:
-            mt.replica.set_local([k for k, _ in stored], True)
+            mt.replica.set_local(list(map(_FIRST, stored)), True)
             mt.replica.set_local(removed, False)
         return super().publish(model, stored, removed)
 
@@ -284,7 +379,7 @@ class CpuTierActor(Member):
         self,
         model: str,
         keys: tuple[bytes, ...],
-        members: tuple[Members, ...],
+        members: tuple[Members, ...] | None,
         writers: int = 1,
         holder: Any = None,
     ) -> Any:
@@ -292,25 +387,39 @@ class CpuTierActor(Member):
         already are skipped): (the arena's ``SharedSpec``, a ``StoreReservation`` for
         ``writers`` TP writers or None), ``holder``'s until applied or its deadline. The
         spec rides along so a writer never needs a call of its own to find (or re-find,
-        after the tier was placed again) the arena."""
+        after the tier was placed again) the arena. ``members``: each entry's block keys;
+        None: each entry is one block, its own key (``(key,)`` each: an engine's store of a
+        plan without a block-size factor sends no tuple per key). The reservation's
+        ``evicted`` are forgotten and unpublished here, so it comes back without them."""
         mt = self._tier(model)
-        if len(members) != len(keys) or any(len(m) != mt.tier.factor for m in members):
-            raise InvalidInput(
-                f"each stored entry of model {model!r} needs {mt.tier.factor} member keys"
-            )
+        factor = mt.tier.factor
+        if members is None:
+            bad = factor != 1  # each entry one member
+        else:
+            bad = len(members) != len(keys) or any(len(m) != factor for m in members)
+        if bad:
+            raise InvalidInput(f"each stored entry of model {model!r} needs {factor} member keys")
         spec = mt.tier.arena_spec
         res = mt.tier.prepare_store(keys, writers=writers, holder=holder)
         self._reclaimed(model, mt)  # overdue holds it reclaimed first, if any
         if res is None:
             return spec, None
-        removed = [m for e in res.evicted for m in mt.forget(e)]
+        removed = mt.forget_all(res.evicted)
         self.metrics.evicted(model, CPU, len(res.evicted))
-        member_of = dict(zip(keys, members, strict=True))
-        for k in res.keys:
-            mt.pending[k] = member_of[k]
+        if members is None or list(members) == list(zip(keys)):  # each its own member
+            mt.pending.update(zip(res.keys, repeat(OWN)))
+        elif res.keys == tuple(keys):  # every key new, none twice: as they came
+            mt.pending.update(zip(keys, members, strict=True))
+        else:
+            member_of = dict(zip(keys, members, strict=True))
+            mt.pending.update(zip(res.keys, map(member_of.__getitem__, res.keys), strict=True))
         # evicted keys leave the index with the next apply (off the writer's critical path);
         # until then a lookup may still name them here: a lease then misses, never wrong KV
         mt.unpublished += removed
+        if res.evicted:  # done with here: the writer gets (and sends back) none of them
+            kept = res.block_array
+            res = dataclasses.replace(res, evicted=())
+            res.__dict__["block_array"] = kept  # what ``block_array`` would compute
         return spec, res
 
     async def lease(
@@ -320,35 +429,54 @@ class CpuTierActor(Member):
         ``holder``'s until released or their deadline: (the arena's ``SharedSpec``,
         ``LoadLease`` or None, per block (entry index in the lease, sub-slot))."""
         mt = self.tiers.get(model)
-        chosen = mt.choose(keys) if mt is not None and keys else []
-        entries = list(dict.fromkeys(e for e, _ in chosen))
-        lease = mt.tier.prepare_load(entries, holder=holder) if entries else None
+        lease, chosen = self._lease(model, mt, keys, holder)
         spec = mt.tier.arena_spec if mt is not None else None
+        return spec, lease, list(map(tuple, chosen.tolist()))
+
+    def _lease(
+        self, model: str, mt: _ModelTier | None, keys: Sequence[bytes], holder: Any
+    ) -> tuple[Any, np.ndarray]:
+        """``lease`` of one group's ``keys``: (``LoadLease`` or None, int64 [blocks, 2]: per
+        block its entry's index in the lease and its sub-slot). The entries of a plan
+        without a block-size factor are the keys themselves, so a 2048-key lease is a few
+        passes of C and numpy, its answer arrays (no tuple per block to pickle; issue 45)."""
+        held = mt.holding(keys) if mt is not None and keys else []
+        n = len(held)
+        own = held.count(OWN) == n  # each block its own entry's, at sub-slot 0 (the rule)
+        chosen = keys[:n] if own else _pairs(keys, held)
+        entries = list(dict.fromkeys(chosen if own else map(_FIRST, chosen)))
+        lease = mt.tier.prepare_load(entries, holder=holder) if entries else None
         if lease is None:
             self.metrics.miss(model, CPU, len(keys))
-            return spec, None, []
-        self.metrics.miss(model, CPU, len(keys) - len(chosen))
-        self.metrics.hit(model, CPU, len(chosen))
+            return None, np.empty((0, 2), np.int64)
+        self.metrics.miss(model, CPU, len(keys) - n)
+        self.metrics.hit(model, CPU, n)
         width = mt.widths[key_group(keys[0])]
-        self.metrics.moved(model, CPU, len(chosen) * width * mt.tier.copies)
-        at = {e: i for i, e in enumerate(lease.keys)}
-        return spec, lease, [(at[e], s) for e, s in chosen]
+        self.metrics.moved(model, CPU, n * width * mt.tier.copies)
+        out = np.zeros((n, 2), np.int64)
+        if len(entries) == n:  # each block a distinct entry's: block i's is entry i
+            out[:, 0] = np.arange(n)
+        else:
+            at = dict(zip(lease.keys, range(len(lease.keys)), strict=True))
+            out[:, 0] = np.fromiter(map(at.__getitem__, chosen if own else map(_FIRST, chosen)),
+                                    np.int64, n)  # fmt: skip
+        if not own:
+            out[:, 1] = np.fromiter(map(_SECOND, chosen), np.int64, n)
+        return lease, out
 
     async def lease_groups(
         self,
         model: str,
         keys: list[list[bytes]],
         holder: Any = None,
-    ) -> tuple[Any, list[tuple[Any, list[tuple[int, int]]]]]:
+    ) -> tuple[Any, list[tuple[Any, np.ndarray]]]:
         """``lease`` for every group at once (one round trip for a hybrid model's load):
-        (the arena's ``SharedSpec``, per group (``LoadLease`` or None, per block (entry index
-        in the lease, sub-slot))): an engine's load, through the node agent."""
-        mt, out = self.tiers.get(model), []
+        (the arena's ``SharedSpec``, per group (``LoadLease`` or None, int64 [blocks, 2]: per
+        block its entry's index in the lease and its sub-slot)): an engine's load, through
+        the node agent."""
+        mt = self.tiers.get(model)
         spec = mt.tier.arena_spec if mt is not None else None
-        for gk in keys:
-            _, lease, chosen = await self.lease(model, gk, holder)
-            out.append((lease, chosen))
-        return spec, out
+        return spec, [self._lease(model, mt, gk, holder) for gk in keys]
 
     async def apply(
         self,
@@ -380,8 +508,13 @@ class CpuTierActor(Member):
         for op in ops:
             if op[0] != "finish_store":
                 continue
-            keys = [k for k in op[1].keys if k in mt.pending]
-            for k, state in zip(keys, tier.states(keys), strict=True):
+            keys = list(filter(mt.pending.__contains__, op[1].keys))
+            states = tier.states(keys)
+            if sum(map(states.count, READABLE)) == len(keys):  # the usual: all stored
+                added += mt.note_all(keys, list(map(mt.pending.pop, keys)))
+                stored += len(keys)
+                continue
+            for k, state in zip(keys, states, strict=True):
                 if state is None:  # a writer failed: back to free
                     mt.pending.pop(k)
                 elif state in READABLE:  # every writer done
@@ -393,9 +526,9 @@ class CpuTierActor(Member):
         if not counted:
             self.metrics.checksum_errors(model, CPU, dropped)
         self.metrics.used(model, CPU, tier.num_blocks - tier.num_free)
-        removed = [m for m in removed if m not in mt.where]
+        removed = list(filterfalse(mt.where.__contains__, removed))
         if added or removed:
-            sent = self.publish(model, [(m, -1) for m in added], removed)
+            sent = self.publish(model, list(zip(added, repeat(-1))), removed)
             if wait_publish:
                 await sent
             else:
@@ -416,7 +549,7 @@ class CpuTierActor(Member):
         mt = self.tiers.get(model)
         if mt is None:
             return
-        entries = {e for k in keys for e in mt.where.get(k, {})}
+        entries = {e for k in keys for e in mt.holders(k)}
         await self._apply(model, [("drop", e, True) for e in entries], True, counted=True)
 
     # --- other nodes ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 from raykv.api import check_block_ids
 from raykv.blocks.managers import GroupManager, manager_for
@@ -78,7 +79,7 @@ def per_group(plan: Plan, ids: list) -> Tables:
     """Block ids as ``check_block_ids`` returns them (the client checked them), per group:
     a one-group model also takes one flat list, any other one list per group."""
     n = len(plan.groups)
-    if not any(isinstance(t, list) for t in ids):
+    if not any(map(isinstance, ids, repeat(list))):  # in C: a prompt's ids, no step each
         if n != 1:
             raise InvalidInput(
                 f"the model has {n} KV groups: pass block ids per group (a list of {n} "

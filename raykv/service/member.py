@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 from collections.abc import Hashable
 from typing import Any
 
@@ -18,6 +19,7 @@ import ray
 from raykv.service.spec import COORDINATOR, NAMESPACE
 from raykv.transport.select import OBJECT_STORE, UCX
 
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 HEARTBEAT_S = 1.0
 CALL_TIMEOUT_S = 10.0
 log = logging.getLogger(__name__)
@@ -124,7 +126,7 @@ class Member:
         if not stored and not removed:
             return
         self.seq += 1
-        keys, blocks = [k for k, _ in stored], [b for _, b in stored]
+        keys, blocks = list(map(_FIRST, stored)), list(map(_SECOND, stored))  # C: 2048 each
         ok = await self._call("events", self.name, self.seq, model, keys, blocks, removed)
         if ok is False:
             await self._call("register", self.snapshot())

@@ -447,7 +447,10 @@ class CpuTier(ArenaRows):
         """Each key's block state (None: not here), under one lock (a pull's store asks for
         hundreds at once)."""
         with self._lock:
-            idx = [-1 if i is None else i for i in map(self._by_key.get, keys)]
+            got = list(map(self._by_key.get, keys))
+            if None not in got:  # every key here (an apply's stored keys): no step per key
+                return list(map(_STATES.__getitem__, self._state[int_array(got)].tolist()))
+            idx = [-1 if i is None else i for i in got]
             codes = self._state[int_array(idx)].tolist()
             return [None if i < 0 else _STATES[c] for i, c in zip(idx, codes, strict=True)]
 

@@ -104,6 +104,15 @@ def _unit_slots(first: int, n: int) -> list[tuple[int, int]]:
     return _units[first : first + n]
 
 
+def slots_of(keys: np.ndarray, subs: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """``(keys[i], subs[i])`` for each position, as a job's ``slots``: the shared tuples
+    where position ``i`` is key ``i``'s sub-slot 0 (a one-block-per-key job), else made."""
+    n = len(keys)
+    if not subs.any() and np.array_equal(keys, np.arange(n)):
+        return tuple(_unit_slots(0, n))
+    return tuple(zip(keys.tolist(), subs.tolist(), strict=True))
+
+
 @dataclass(frozen=True)
 class BlockJob:
     """GPU blocks <-> CPU-tier blocks of one request.

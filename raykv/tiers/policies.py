@@ -128,9 +128,7 @@ class LRUPolicy:
                 self.touch(key)
 
     def evict_all(self, keys: Sequence[Key]) -> None:
-        pop = self._order.pop
-        for key in keys:
-            pop(key, None)
+        deque(map(self._order.pop, keys, itertools.repeat(None)), 0)  # no Python step each
 
     def victims(self, n: int, ok: Callable[[Key], bool]) -> list[Key] | None:
         out = _take(n, self._order, ok)

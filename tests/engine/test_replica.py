@@ -96,6 +96,47 @@ def test_a_full_replica_rebuilds_then_drops_keys_as_misses(tmp_path) -> None:
     assert (reader.flags(key_lanes([block_hash(i) for i in range(400, 700)], 0)) != 0).all()
 
 
+def test_a_key_dropped_for_want_of_room_keeps_its_truth_for_its_next_write(tmp_path) -> None:
+    writer, reader = replica(tmp_path, 1024)
+    keys = [group_key(0, block_hash(i)) for i in range(513)]
+    writer.set_local(keys[:512], True)  # the table at half: the next new key has no room
+    writer.set_local(keys[512:], True)
+    assert writer.dropped == 1
+    lanes = key_lanes([block_hash(512)], 0)
+    assert reader.flags(lanes).tolist() == [0]  # a miss, never wrong
+    writer.set_local(keys[:300], False)  # dead slots: room once rebuilt
+    writer.set_holders([(keys[512], LOCAL_POOL), (keys[512], ELSEWHERE)])  # the last counts
+    assert reader.flags(lanes).tolist() == [LOCAL_TIER | ELSEWHERE]  # its tier bit kept aside
+    writer.clear_holders()
+    assert reader.flags(lanes).tolist() == [LOCAL_TIER]
+    got = reader.flags(key_lanes([block_hash(i) for i in range(512)], 0))
+    assert (got[:300] == 0).all() and (got[300:] == LOCAL_TIER).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    homes=st.lists(st.integers(0, 40), min_size=1, max_size=300),
+    drop=st.lists(st.integers(0, 299), max_size=100),
+)
+def test_keys_crowding_a_few_homes_are_each_found_where_a_reader_probes(tmp_path_factory, homes,
+                                                                       drop):  # fmt: skip
+    """Batch placement (keys probing in rounds, several after one free slot) leaves every
+    key on its probe path, unique, and none past the probe limit: what the reader finds."""
+    writer, reader = replica(tmp_path_factory.mktemp("r"), 1024)
+    # keys whose home slots collide on purpose: a home lane of their own, distinct keys
+    lanes = np.array([((i + 1) << 8, h) for i, h in enumerate(homes)], np.uint64)
+    writer._update(lanes, lambda old: old | np.uint64(LOCAL_TIER))
+    first = reader.flags(lanes)
+    assert set(first.tolist()) <= {0, LOCAL_TIER}
+    placed = len(lanes) - writer.dropped  # the rest had no slot within the probe limit
+    assert (first != 0).sum() == placed == len(np.flatnonzero(writer.t.slots))
+    assert int(writer.t.header[3]) == placed
+    gone = np.zeros(len(lanes), bool)
+    gone[[d for d in drop if d < len(lanes)]] = True
+    writer._update(lanes[gone], lambda old: old & ~np.uint64(LOCAL_TIER))
+    assert (reader.flags(lanes) == np.where(gone, 0, first)).all()  # dead slots read 0
+
+
 def test_a_group_key_and_a_hash_of_that_group_are_the_same_replica_key() -> None:
     h = [block_hash(i) for i in range(5)]
     for g in (0, 3):

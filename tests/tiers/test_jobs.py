@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 from raykv.errors import InvalidInput
 from raykv.layout import SlidingWindow
 from raykv.tiers import NULL_BLOCK, LoadJob, StoreJob, group_block_hashes, group_factor
-from raykv.tiers.jobs import BlockJob
+from raykv.tiers.jobs import BlockJob, slots_of
 
 from .helpers import make_plan
 
@@ -167,3 +168,15 @@ def test_jobs_from_a_block_managers_sliding_window_tables(block_size, factor, wi
         )
         assert job.num_skipped == sum(c.count(NULL_BLOCK) for c in chunks if any(c))
         assert sum(map(sum, job.valid_masks())) == len(job.block_ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pairs=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), max_size=20))
+def test_slots_from_arrays_are_the_pairs_they_hold(pairs):
+    """``slots_of`` (a lease's arrays as a job's slots): the same pairs, the shared tuples of a
+    one-block-per-key job included."""
+    keys = np.array([k for k, _ in pairs], np.int64)
+    subs = np.array([s for _, s in pairs], np.int64)
+    assert slots_of(keys, subs) == tuple(pairs)
+    n = len(pairs)
+    assert slots_of(np.arange(n), np.zeros(n, np.int64)) == tuple((i, 0) for i in range(n))
