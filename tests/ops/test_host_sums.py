@@ -16,20 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raykv import ops
-from raykv.blocks import hashing
 from raykv.ops import reference as ops_reference
 from raykv.ops.reference import row_sums
 
 DTYPES = (torch.uint8, torch.bfloat16, torch.float32, torch.int64)
-
-
-@pytest.fixture(scope="module")
-def native():
-    """The fused copy must load on a machine with a C++ compiler (CI has one)."""
-    hashing.build_native()
-    module = hashing.native_module()
-    assert module is not None, hashing.native_status()
-    return module
 
 
 @st.composite

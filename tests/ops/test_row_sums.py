@@ -11,18 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raykv.blocks import hashing
 from raykv.ops import row_sums
 from raykv.tiers import checksum
-
-
-@pytest.fixture(scope="module")
-def native():
-    """The native row sums must load on a machine with a C++ compiler (CI has one)."""
-    hashing.build_native()
-    module = hashing.native_module()
-    assert module is not None, hashing.native_status()
-    return module
 
 
 def host_sums(rows: torch.Tensor) -> list[int]:
