@@ -80,6 +80,16 @@ def _module_of(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a ``from ... import`` names (relative ones resolved in ``package``)."""
+    base = node.module or ""
+    if node.level:
+        up = package.split(".")
+        up = up[: len(up) - node.level + 1]
+        base = ".".join([*up, base] if base else up)
+    return base
+
+
 def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
     """(line, imported raykv module or third-party top name) of every import in ``path``;
     ``raykv.<attr>`` uses after a bare ``import raykv`` count as imports of ``<attr>``."""
@@ -94,11 +104,7 @@ def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
                 found.append((node.lineno, a.name))
                 bare |= a.name == "raykv" and a.asname is None
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = package.split(".")
-                up = up[: len(up) - node.level + 1]
-                base = ".".join([*up, base] if base else up)
+            base = _from_module(node, package)
             for a in node.names:
                 found.append((node.lineno, f"{base}.{a.name}" if base == "raykv" else base))
     if bare:
@@ -200,11 +206,7 @@ def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
                         add(a.name if a.name != top else f"{top}.__init__", node.lineno)
                         bare |= a.name == top and a.asname is None
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")
-                    up = up[: len(up) - node.level + 1]
-                    base = ".".join([*up, base] if base else up)
+                base = _from_module(node, package)
                 if base != top and not base.startswith(f"{top}."):
                     continue
                 for a in node.names:
