@@ -236,6 +236,15 @@ class _Base:
         )
 
 
+def _step_args(
+    request_id: Hashable, count: int, token_ids: Sequence[int] | None, what: str
+) -> tuple[Hashable, int, Any]:
+    """A step's checked arguments, in this order: the request id, its token count (``what``),
+    its ids."""
+    request_id, count = check_request_id(request_id), check_count(count, what)
+    return request_id, count, None if token_ids is None else check_token_ids(token_ids)
+
+
 # --- what an operation asks of an actor ------------------------------------------------------
 
 
@@ -439,9 +448,7 @@ class _Operations(_Base):
         """Register the request if the blocks its ``num_tokens`` need are free now (False: not
         yet; nothing registered). ``token_ids``: its prompt, at most ``num_tokens`` ids; an
         empty request (0 tokens) or a request id None raises InvalidInput."""
-        request_id = check_request_id(request_id)
-        num_tokens = check_count(num_tokens, "num_tokens")
-        ids = None if token_ids is None else check_token_ids(token_ids)
+        request_id, num_tokens, ids = _step_args(request_id, num_tokens, token_ids, "num_tokens")
         check_admit(num_tokens, ids)
         return PoolCall(GpuPool.admit, (request_id, num_tokens, ids))
 
@@ -450,9 +457,9 @@ class _Operations(_Base):
         self, request_id: Hashable, num_new_tokens: int, token_ids: Sequence[int] | None = None
     ) -> PoolCall[int]:
         """Free blocks the request's next step of ``num_new_tokens`` takes."""
-        request_id = check_request_id(request_id)
-        num_new_tokens = check_count(num_new_tokens, "num_new_tokens")
-        ids = None if token_ids is None else check_token_ids(token_ids)
+        request_id, num_new_tokens, ids = _step_args(
+            request_id, num_new_tokens, token_ids, "num_new_tokens"
+        )
         return PoolCall(GpuPool.blocks_needed, (request_id, num_new_tokens, ids))
 
     @operation
@@ -460,9 +467,9 @@ class _Operations(_Base):
         self, request_id: Hashable, num_new_tokens: int, token_ids: Sequence[int] | None = None
     ) -> PoolCall[list[list[int]] | None]:
         """The block ids, per group, the request's next step appends (None: it does not fit)."""
-        request_id = check_request_id(request_id)
-        num_new_tokens = check_count(num_new_tokens, "num_new_tokens")
-        ids = None if token_ids is None else check_token_ids(token_ids)
+        request_id, num_new_tokens, ids = _step_args(
+            request_id, num_new_tokens, token_ids, "num_new_tokens"
+        )
         return PoolCall(GpuPool.allocate, (request_id, num_new_tokens, ids))
 
     @operation
