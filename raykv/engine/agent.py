@@ -181,11 +181,15 @@ class NodeAgent:
     def call(self, request: p.Request, timeout_s: float | None = None) -> Any:
         """Send and wait (``timeout_s``, default ``self.timeout_s``). Raises the agent's
         raykv error, or ``AgentUnavailable`` (the breaker opens on a timeout)."""
-        f = self._submit(request)
+        return self.answer(self._submit(request), type(request).__name__, timeout_s)
+
+    def answer(self, sent: Future, what: str, timeout_s: float | None = None) -> Any:
+        """Wait for the answer of a request ``send`` sent (``what``: its name, for the
+        error), as ``call`` waits: its raykv error raised, or ``AgentUnavailable``."""
         try:
-            return f.result(self.timeout_s if timeout_s is None else timeout_s)
+            return sent.result(self.timeout_s if timeout_s is None else timeout_s)
         except FutureTimeout:
-            self._trip(f"{type(request).__name__} took over {timeout_s or self.timeout_s:.1f}s")
+            self._trip(f"{what} took over {timeout_s or self.timeout_s:.1f}s")
             raise self._unavailable() from None
 
     def _read(self, sock: socket.socket) -> None:

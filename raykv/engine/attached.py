@@ -20,12 +20,13 @@ process ends, the agent releases them at once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,10 @@ from raykv.tiers.tier_view import CpuTierView
 
 log = logging.getLogger(__name__)
 PULL_TIMEOUT_S = 60.0  # a pull crosses nodes: as long as a transport may take
+# A store or load of more bytes moves in pieces of about this much, the node agent's
+# bookkeeping of the next piece (a round trip) running beside the copy of this one: 128 MiB
+# is ~2.4 ms over PCIe 5, longer than the agent takes for its 256 blocks of 512 KiB.
+PIECE_BYTES = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,7 @@ class AttachedKV:
         num_blocks: int | None = None,
         layout: str = "kv_outer",
         device: str = "cpu",
+        piece_bytes: int = PIECE_BYTES,
     ) -> None:
         if plan.tp_size != 1:
             raise InvalidInput(
@@ -87,6 +93,7 @@ class AttachedKV:
         if num_blocks is not None:  # the engine's own pool: its block count, the model's layout
             plan = dataclasses.replace(plan, num_gpu_blocks=num_blocks)
         self.model, self.plan, self.agent = model, plan, agent
+        self.piece_bytes = piece_bytes
         self.kv = (
             GpuKV.allocate(plan, device)
             if tensors is None
@@ -153,12 +160,30 @@ class AttachedKV:
             return 0
 
     def keys(self, token_ids: Sequence[int]) -> list[list[bytes]]:
-        return group_keys(self.plan, self.hasher.hash_blocks(list(token_ids)))
+        return group_keys(self.plan, self.hasher.hash_blocks_joined(token_ids))
+
+    def _cuts(self, count: int, block_bytes: int) -> list[int]:
+        """Where a copy of ``count`` blocks of ``block_bytes`` is cut into pieces (0 first,
+        ``count`` last): the first piece about a quarter of ``piece_bytes`` (its copy starts
+        early), each next one twice the one before, up to ``piece_bytes``."""
+        most = max(1, self.piece_bytes // max(block_bytes, 1))
+        cuts, size = [0], max(1, most // 4)
+        while cuts[-1] < count:
+            cuts.append(min(count, cuts[-1] + size))
+            size = min(most, 2 * size)
+        return cuts
 
     def store_from(self, token_ids: Sequence[int], block_ids: Sequence) -> int:
         """Copy the engine's blocks ``block_ids`` (per group, by position; a flat list for
         one group) holding ``token_ids``' full blocks into the node's CPU tier; returns the
-        entries newly stored (0 when the tier has no room: a miss later, never wrong)."""
+        entries newly stored (0 when the tier has no room: a miss later, never wrong).
+
+        A store of more than ``piece_bytes`` goes in pieces of leading entries, each
+        reserved (all or nothing) while the piece before it copies, and each made readable
+        as its copy completes once every reservation is in (no piece's reservation may
+        evict another's entries): the tier's bookkeeping runs beside the copy. Where the
+        tier has no room for a piece, it and the pieces after it are not stored (the ones
+        before are: a prefix)."""
         tables = as_tables(self.plan, block_ids)
         keys = self.keys(token_ids)
         job = StoreJob.build(self.plan, "attached", tables, keys)
@@ -168,14 +193,45 @@ class AttachedKV:
         if not (job.arrays.widths == 1).all():
             members = tuple(c.members for c in complete_chunks(self.plan, tables, keys))
         self._answered()
-        spec, res = self.agent.call(p.Reserve(self.model, job.keys, members))
-        if res is None:
-            return 0
-        eng = self._engine(spec)
-        eng.submit_store(job, res)
-        (done,) = eng.wait_all()
-        self._apply(eng.tier.take())
-        return len(res.keys) if done.ok else 0
+        n = len(job.keys)
+        at = self._cuts(n, self.plan.gpu_bytes_per_block * int(job.arrays.widths.max()))
+        cuts = list(map(slice, at, at[1:]))
+
+        def reserve(cut: slice) -> Future:
+            piece_members = None if members is None else members[cut]
+            return self.agent.send(p.Reserve(self.model, job.keys[cut], piece_members))
+
+        sent, counts, results = [reserve(cuts[0])], {}, []
+        eng: OffloadEngine | None = None
+        try:
+            for i, cut in enumerate(cuts):
+                if i + 1 < len(cuts):  # the tier reserves it while this piece copies
+                    sent.append(reserve(cuts[i + 1]))
+                spec, res = self.agent.answer(sent[i], "Reserve")
+                if res is None or (eng is not None and spec != self._view.spec):
+                    break  # no room (or the tier was placed again): a prefix is stored
+                eng = self._engine(spec)
+                counts[eng.submit_store(job.piece(cut), res)] = len(res.keys)
+            for job_id in list(counts)[:-1]:  # readable as they complete, the last below
+                results += eng.wait(job_id)
+                self._apply(eng.tier.take())
+        finally:  # the copies end before the call returns (they read the engine's blocks)
+            if eng is not None:
+                results += eng.wait_all()
+                self._apply(eng.tier.take())
+            self._give_back(sent[len(counts) :])
+        return sum(counts[r.job_id] for r in results if r.ok)
+
+    def _give_back(self, sent: list[Future]) -> None:
+        """Release the reservations asked for pieces not stored (a piece before had no
+        room, or the store failed)."""
+        ops = []
+        for f in sent:
+            with contextlib.suppress(RaykvError):
+                _, res = self.agent.answer(f, "Reserve")
+                if res is not None:
+                    ops.append(("finish_store", res, False, None, None, 0))
+        self._apply(ops)
 
     def pull(self, token_ids: Sequence[int], num_blocks: int | Sequence[int]) -> list[int]:
         """Make the node's tier hold the prompt's first ``num_blocks`` blocks (per group, or
@@ -189,6 +245,18 @@ class AttachedKV:
         ]
         return [f.result(PULL_TIMEOUT_S) if f is not None else 0 for f in asked]
 
+    def _lease_send(
+        self, keys: list[list[bytes]], first: Sequence[int], stop: Sequence[int]
+    ) -> Future:
+        """Ask for read references on positions ``first[g]`` to ``stop[g]`` of each group."""
+        wanted = [list(k[f:e]) for k, f, e in zip(keys, first, stop, strict=True)]
+        return self.agent.send(p.LeaseGroups(self.model, wanted))
+
+    def _leased(self, sent: Future, first: Sequence[int]) -> TierLease:
+        spec, groups = self.agent.answer(sent, "LeaseGroups")
+        leases = tuple(lease for lease, _ in groups)
+        return TierLease(spec, tuple(first), leases, tuple(c for _, c in groups))
+
     def lease(
         self, token_ids: Sequence[int], num_blocks: Sequence[int], skip: Sequence[int]
     ) -> TierLease:
@@ -197,11 +265,7 @@ class AttachedKV:
         keys = [k[:n] for k, n in zip(self.keys(token_ids), num_blocks, strict=True)]
         first = [min(s, len(k)) for s, k in zip(skip, keys, strict=True)]
         self._answered()
-        spec, groups = self.agent.call(
-            p.LeaseGroups(self.model, [list(k[f:]) for k, f in zip(keys, first, strict=True)])
-        )
-        leases = tuple(lease for lease, _ in groups)
-        return TierLease(spec, tuple(first), leases, tuple(c for _, c in groups))
+        return self._leased(self._lease_send(keys, first, list(map(len, keys))), first)
 
     def load_into(
         self, token_ids: Sequence[int], block_ids: Sequence, skip: int | Sequence[int] = 0
@@ -211,13 +275,44 @@ class AttachedKV:
         loaded in every group (entries that fail their checksum are dropped: misses).
         ``skip`` (per group, or one count for all): leading positions the engine already
         holds (its own prefix cache, or null blocks out of a window); they are neither read
-        nor written and count as loaded."""
+        nor written and count as loaded.
+
+        A load of more than ``piece_bytes`` goes in pieces (each group's positions cut
+        alike), each leased while the piece before it copies."""
         tables = as_tables(self.plan, block_ids)
         skips = [skip] * len(tables) if isinstance(skip, int) else list(skip)
-        lease = self.lease(token_ids, [len(t) for t in tables], skips)
-        loaded = self.load_leased(lease, tables, skips)
+        keys = [k[: len(t)] for k, t in zip(self.keys(token_ids), tables, strict=True)]
+        first = [min(s, len(k)) for s, k in zip(skips, keys, strict=True)]
+        rest = [len(k) - f for k, f in zip(keys, first, strict=True)]
+        most = max(*rest, 1)
+        at = self._cuts(most, self.plan.gpu_bytes_per_block)  # each group's cut alike
+        cut = [[f + a * r // most for f, r in zip(first, rest, strict=True)] for a in at]
+        n = len(cut) - 1
+        self._answered()
+        sent = [self._lease_send(keys, cut[0], cut[1])]
+        loading: list[_Loading] = []
+        reached, taken = list(first), 0
+        try:
+            for i in range(n):
+                if i + 1 < n:  # the tier leases it while this piece copies
+                    sent.append(self._lease_send(keys, cut[i + 1], cut[i + 2]))
+                lease, taken = self._leased(sent[i], cut[i]), i + 1
+                if loading and self._view is not None and lease.spec != self._view.spec:
+                    self._hold([("finish_load", x, 0) for x in lease.leases if x is not None])
+                    break  # the tier was placed again: the pieces loaded are the hit
+                loading.append(self._submit_leased(lease, tables, cut[i]))
+        finally:
+            results = self._wait(loading)
+            for f in sent[taken:]:  # leased but never loaded: released with ``send``
+                with contextlib.suppress(RaykvError):
+                    unused = self._leased(f, first).leases
+                    self._hold([("finish_load", x, 0) for x in unused if x is not None])
+        for i, piece in enumerate(loading):  # each group's leading positions loaded, in order
+            for g, got in enumerate(piece.reached(results)):
+                if reached[g] >= cut[i][g]:
+                    reached[g] = max(reached[g], got)
         self.send()
-        return loaded
+        return min(r * g.block_size for r, g in zip(reached, self.plan.groups, strict=True))
 
     def load_leased(
         self, lease: TierLease, block_ids: Sequence, skip: int | Sequence[int] = 0
@@ -228,33 +323,52 @@ class AttachedKV:
         loaded."""
         tables = as_tables(self.plan, block_ids)
         skips = [skip] * len(tables) if isinstance(skip, int) else list(skip)
-        pending = {gi for gi, lease_g in enumerate(lease.leases) if lease_g is not None}
-        ops: list[tuple] = []
-        loaded = []
+        loading = self._submit_leased(lease, tables, skips)
+        got = loading.reached(self._wait([loading]))
+        return min(r * g.block_size for r, g in zip(got, self.plan.groups, strict=True))
+
+    def _submit_leased(self, lease: TierLease, tables: list, skips: Sequence[int]) -> _Loading:
+        """Start the copies of ``lease``'s blocks into ``tables`` (each group's from position
+        ``skips[g]``); the references of groups with nothing to copy go back with ``send``."""
+        loading = _Loading()
+        unused = []
         try:
             for gi, (g, table) in enumerate(zip(self.plan.groups, tables, strict=True)):
                 s, first, lease_g = skips[gi], lease.first[gi], lease.leases[gi]
                 picks = lease.chosen[gi][max(s - first, 0) : max(len(table) - first, 0)]
                 if s >= len(table):
-                    loaded.append(len(table) * g.block_size)
-                    continue
-                if lease_g is None or s < first or not len(picks):
-                    loaded.append(s * g.block_size)
-                    continue
-                job = self._load_job(g.group_id, gi, lease_g.keys, table[s : s + len(picks)],
-                                     picks)  # fmt: skip
-                eng = self._engine(lease.spec)
-                pending.discard(gi)
-                eng.submit_load(job, lease_g)
-                (res,) = eng.wait_all()
-                ops += eng.tier.take()
-                loaded.append((s + _loaded(res, lease_g.keys, picks)) * g.block_size)
+                    loading.groups.append((len(table), None, (), picks))
+                elif lease_g is None or s < first or not len(picks):
+                    loading.groups.append((s, None, (), picks))
+                    unused.append(lease_g)
+                else:
+                    job = self._load_job(g.group_id, gi, lease_g.keys, table[s : s + len(picks)],
+                                         picks)  # fmt: skip
+                    job_id = self._engine(lease.spec).submit_load(job, lease_g)
+                    loading.groups.append((s, job_id, lease_g.keys, picks))
         finally:  # the references of groups not loaded go back too (``send``)
-            ops += [("finish_load", lease.leases[gi], 0) for gi in sorted(pending)]
-            if ops:
-                with self._held_lock:
-                    self._held.append(ops)
-        return min(loaded) if loaded else 0
+            leased = len(loading.groups)
+            unused += [lease.leases[gi] for gi in range(leased, len(lease.leases))]
+            self._hold([("finish_load", u, 0) for u in unused if u is not None])
+        return loading
+
+    def _wait(self, loading: list[_Loading]) -> dict[int, JobResult]:
+        """Wait for the copies of ``loading``, checking each piece's as it lands while the
+        next ones copy; their tier calls go with the next ``send``."""
+        jobs = [job for piece in loading for _, job, _, _ in piece.groups if job is not None]
+        results: dict[int, JobResult] = {}
+        for job in jobs:
+            if job not in results:
+                results |= {r.job_id: r for r in self.engine.wait(job)}
+        if jobs:
+            self._hold(self.engine.tier.take())
+        return results
+
+    def _hold(self, ops: list[tuple]) -> None:
+        """Queue tier calls for ``send``."""
+        if ops:
+            with self._held_lock:
+                self._held.append(ops)
 
     def _load_job(
         self, group_id: int, gi: int, keys: tuple[bytes, ...], ids: Sequence[int], picks: Any
@@ -272,6 +386,19 @@ class AttachedKV:
         arrays = JobArrays(int_array(job.block_ids), entry, sub, np.full(n, f, np.int64))
         job.__dict__["arrays"] = arrays  # what ``arrays`` would compute
         return job
+
+
+@dataclass
+class _Loading:
+    """A leased load's copies, submitted: per group (its first position, the copy's job id
+    or None where nothing is copied, the leased keys, the (entry, sub-slot) picks)."""
+
+    groups: list[tuple[int, int | None, tuple[bytes, ...], Any]] = field(default_factory=list)
+
+    def reached(self, results: dict[int, JobResult]) -> list[int]:
+        """Per group, the position up to which its blocks are loaded."""
+        return [s if job is None else s + _loaded(results[job], keys, picks)
+                for s, job, keys, picks in self.groups]  # fmt: skip
 
 
 def _loaded(res: JobResult, keys: tuple[bytes, ...], picks: Any) -> int:

@@ -33,14 +33,16 @@ from raykv.layout.kernel_blocks import require_logical
 from raykv.layout.plan import KVGroup, Plan
 
 
-def group_block_hashes(plan: Plan, hashes: Sequence[bytes]) -> list[list[bytes]]:
+def group_block_hashes(plan: Plan, hashes: Sequence[bytes] | bytes) -> list[list[bytes]]:
     """Per group, the CPU-tier key of each of its full blocks, from a request's chained
-    hashes per hash block (``raykv.blocks`` hashing): the hash at the end of the block,
-    prefixed with the group id so that groups never share a key. Hashes of the hasher's
-    length are cut in one numpy pass per group (a 32k-token prompt: 2048 keys without
-    per-key Python); any other length goes key by key, to the same keys."""
-    n = len(hashes)
-    blob = b"".join(hashes)
+    hashes per hash block (``raykv.blocks`` hashing; or joined in one bytes object,
+    ``hash_blocks_joined``): the hash at the end of the block, prefixed with the group id
+    so that groups never share a key. Hashes of the hasher's length are cut in one numpy
+    pass per group (a 32k-token prompt: 2048 keys without per-key Python); any other
+    length goes key by key, to the same keys."""
+    joined = isinstance(hashes, bytes)
+    n = len(hashes) // DIGEST_BYTES if joined else len(hashes)
+    blob = hashes if joined else b"".join(hashes)
     whole = len(blob) == n * DIGEST_BYTES
     rows = np.frombuffer(blob, np.uint8).reshape(n, DIGEST_BYTES) if whole else None
     out = []
@@ -194,7 +196,18 @@ class BlockJob:
         keep = set(keep)
         if len(keep) >= len(self.keys) and keep.issuperset(self.keys):
             return self  # every key kept (the usual store / load): the job as it is
-        kept = np.fromiter((k in keep for k in self.keys), bool, len(self.keys))
+        return self._kept(np.fromiter((k in keep for k in self.keys), bool, len(self.keys)))
+
+    def piece(self, keys: slice) -> Self:
+        """The same job restricted to its keys ``self.keys[keys]`` (a store in pieces)."""
+        if keys.indices(len(self.keys)) == (0, len(self.keys), 1):
+            return self
+        kept = np.zeros(len(self.keys), bool)
+        kept[keys] = True
+        return self._kept(kept)
+
+    def _kept(self, kept: np.ndarray) -> Self:
+        """The job restricted to the keys where ``kept`` (bool, one per key) is set."""
         a = self.arrays
         at = kept[a.keys]  # the positions kept, in order (each group's stay together)
         renumber = np.cumsum(kept) - 1

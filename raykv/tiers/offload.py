@@ -185,6 +185,16 @@ class OffloadEngine:
             done, self._done = self._done, []
         return done
 
+    def wait(self, job_id: int) -> list[JobResult]:
+        """Wait for job ``job_id``'s copy (jobs submitted after it may still run), then
+        ``poll``."""
+        with self._lock:
+            rec = self._inflight.get(job_id)
+        if rec is not None and rec.event is not None and rec.error is None:
+            with contextlib.suppress(Exception):  # a CUDA error: ``_ready`` records it
+                rec.event.synchronize()
+        return self.poll()
+
     def wait_all(self) -> list[JobResult]:
         if self.stream is not None:
             self.stream.synchronize()

@@ -232,6 +232,56 @@ def test_an_attached_engine_stores_and_loads_through_shared_memory(ray_cluster) 
     del arena, eb
 
 
+def test_an_engines_store_and_load_go_in_pieces_and_stop_where_one_fails(ray_cluster) -> None:
+    """Issue 45: a store or load of more than ``piece_bytes`` moves in pieces, the next
+    piece's reservation / lease taken while this one copies. The bytes come back exact; a
+    corrupt entry in a middle piece ends the load there (a counted miss); where the tier
+    has no room for a piece, the pieces before it are stored (a prefix), the reservations
+    asked for the rest are given back, and nothing stays held."""
+    from raykv import ops
+    from raykv.engine import NodeKV
+    from raykv.engine.attached import AttachedKV
+
+    _, _, plan = setup(ray_cluster, "dp-pieces")
+    node = NodeKV.open(node_id=ray_cluster.head)
+    node.use("dp-pieces")
+    cap = plan.cpu_num_blocks
+    eng = AttachedKV("dp-pieces", plan, node.agent, num_blocks=cap + 16, piece_bytes=2 * ROW)
+    gid = plan.groups[0].group_id
+    ids, src = tokens(9 * BS, 11), rows(9, 12)
+    ops.scatter_blocks(src, eng.kv.entries(gid), torch.tensor(range(1, 10)))
+    assert eng.store_from(ids, list(range(1, 10))) == 9  # 5 pieces: 1, 2, 2, 2, 2
+    eng.flush()
+    mine = [30, 29, 28, 27, 26, 25, 24, 23, 22]
+    assert eng.load_into(ids, mine, skip=1) == 9 * BS
+    out = torch.empty((8, ROW), dtype=torch.uint8)
+    ops.gather_blocks(eng.kv.entries(gid), torch.tensor(mine[1:]), out)
+    assert torch.equal(out, src[1:])
+
+    tier = ray.get_actor(tier_name(ray_cluster.head), namespace=NAMESPACE)
+    arena = shm.attach(ray.get(tier.arena.remote("dp-pieces")))
+    errors = stats_of(tier_name(ray_cluster.head)).get("checksum_errors", 0)
+    arena[0][(arena[0] == src[5]).all(dim=1).nonzero()[0, 0], 3] ^= 4  # block 5: 4th piece
+    assert eng.load_into(ids, mine) == 5 * BS
+    eng.flush()
+    assert stats_of(tier_name(ray_cluster.head)).get("checksum_errors", 0) == errors + 1
+    del arena
+
+    # 5 entries pinned by a lease: a store of ``cap`` blocks finds room for ``cap - 5``
+    lease = eng.lease(ids, [9], [0])
+    assert lease.blocks(0) == 5  # the leading blocks held (5 was dropped as corrupt)
+    others = tokens(cap * BS, 13)
+    room = 1 + (cap - 5 - 1) // 2 * 2  # whole pieces: 1 block, then 2 each
+    assert eng.store_from(others, list(range(1, cap + 1))) == room
+    eng.flush()
+    stored = eng.lease(others, [cap], [0])
+    assert stored.blocks(0) == room  # the leading pieces
+    assert eng.load_leased(stored, list(range(1, cap + 1))) == room * BS
+    assert eng.load_leased(lease, list(range(1, 10))) == 5 * BS  # then releases it
+    assert eng.close() == 0  # no reservation or lease left behind
+    node.close()
+
+
 def test_an_engines_lookup_reads_its_nodes_replica_and_a_lease_pins_its_entries(
     ray_cluster,
 ) -> None:
