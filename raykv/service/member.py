@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from raykv.service.spec import COORDINATOR, NAMESPACE
+from raykv.service.served import COORDINATOR, NAMESPACE
 from raykv.transport.select import OBJECT_STORE, UCX
 
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)

@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from raykv.service.spec import NAMESPACE
+from raykv.service.served import NAMESPACE
 from raykv.transport import FALLBACK, ObjectStoreTransport, Transport
 from raykv.transport.select import UCX
 

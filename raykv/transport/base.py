@@ -120,7 +120,7 @@ class Transport(Protocol):
 
 class DirectTransport:
     """A ``Transport`` whose batches land straight in the reader's blocks (``direct``): the
-    pool drives it rank to rank (``raykv.service.pairs``), so it streams nothing; ``instead``
+    pool drives it rank to rank (``raykv.service.pool.pairs``), so it streams nothing; ``instead``
     says what it does, for the error a stream gets."""
 
     direct = True

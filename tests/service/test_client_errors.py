@@ -17,9 +17,9 @@ from ray import exceptions as rex
 from raykv.client import AsyncClient, Client
 from raykv.errors import InvalidInput, RaykvError, ServiceError
 from raykv.layout import FullAttention
-from raykv.service.coordinator import Coordinator
-from raykv.service.gpu_pool import GpuPool
-from raykv.service.spec import COORDINATOR, NAMESPACE, pool_name, tier_name
+from raykv.service.control.coordinator import Coordinator
+from raykv.service.pool.gpu_pool import GpuPool
+from raykv.service.served import COORDINATOR, NAMESPACE, pool_name, tier_name
 
 # the tier kill runs a helper of this module inside the pool
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -12,7 +12,7 @@ import torch
 from kvdata import ROW, rows, tokens
 
 from raykv.layout import MLA, FullAttention
-from raykv.service.spec import NAMESPACE, pool_name, rank_name
+from raykv.service.served import NAMESPACE, pool_name, rank_name
 from raykv.transport.wire import SHARE_MIN_BYTES
 
 pytestmark = pytest.mark.ray

@@ -35,7 +35,7 @@ def kv():
 def test_two_gpu_pools_of_one_node_read_each_other_in_place(kv) -> None:
     import ray
 
-    from raykv.service.spec import NAMESPACE, pool_name
+    from raykv.service.served import NAMESPACE, pool_name
 
     got = load_between_two_pools(kv, "p1")
     assert set(got.values()) == {"peer"}, got
@@ -49,7 +49,7 @@ def test_two_gpu_pools_of_one_node_read_each_other_in_place(kv) -> None:
 def test_a_failed_peer_read_is_retried_over_nccl(kv) -> None:
     import ray
 
-    from raykv.service.spec import NAMESPACE, pool_name
+    from raykv.service.served import NAMESPACE, pool_name
 
     node = ray.get_runtime_context().get_node_id()
 

@@ -25,8 +25,8 @@ from raykv.api import (
 )
 from raykv.errors import AccessDenied, InvalidInput
 from raykv.layout import FullAttention
-from raykv.service.gpu_pool import GpuPool
-from raykv.service.spec import ServedModel
+from raykv.service.pool.gpu_pool import GpuPool
+from raykv.service.served import ServedModel
 
 BS, ROW = 16, 2 * 16 * 1 * 16 * 4  # one layer: K,V x 16 tokens x 1 head x 16 x 4 bytes
 ENGINE = "engine"  # the client id every call of these in-process pools comes from

@@ -15,7 +15,7 @@ import torch
 from kvdata import ROW, rows, tokens
 
 from raykv.layout import FullAttention
-from raykv.service.spec import NAMESPACE, pool_name
+from raykv.service.served import NAMESPACE, pool_name
 
 pytestmark = pytest.mark.ray
 RAY_WORKERS = 0
@@ -33,9 +33,9 @@ def peer_reads_on():
 @pytest.fixture(scope="module")
 def two_pools(ray_cluster):
     """(client of the placed pool, client of a second pool on the same node, model)."""
-    from raykv.service.gpu_pool import GpuPool
-    from raykv.service.placement import DETACHED
-    from raykv.service.spec import COORDINATOR
+    from raykv.service.control.placement import DETACHED
+    from raykv.service.pool.gpu_pool import GpuPool
+    from raykv.service.served import COORDINATOR
 
     kv, node = ray_cluster.kv, ray_cluster.head
     plan = kv.add_model("pr", LAYERS, max_model_len=512, pool_bytes=40 * ROW, cpu_bytes=40 * ROW)

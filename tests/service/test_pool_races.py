@@ -11,9 +11,9 @@ from kvdata import tokens
 
 from raykv.errors import InvalidInput
 from raykv.layout import FullAttention
-from raykv.service.gpu_pool import GpuPool
-from raykv.service.index import GPU, Located, Location
-from raykv.service.spec import ServedModel
+from raykv.service.control.index import GPU, Located, Location
+from raykv.service.pool.gpu_pool import GpuPool
+from raykv.service.served import ServedModel
 from raykv.tiers.checksum import row_checksums
 from raykv.transport import OBJECT_STORE, BlockBatch
 

@@ -15,8 +15,8 @@ import ray
 import torch
 
 from raykv.errors import ServiceError
-from raykv.service.rows import as_tensor
-from raykv.service.spec import NAMESPACE
+from raykv.service.pool.rows import as_tensor
+from raykv.service.served import NAMESPACE
 
 
 class TpFanOut:

@@ -18,7 +18,7 @@ id only when ``allocate`` returns, and the offload fences the blocks before its 
 await). On a node without GPUs the same actors run with ``device="cpu"`` (development and
 CI).
 
-The bytes move in ``raykv.service.dataplane`` (``PoolDataPlane``, mixed in here): offload and
+The bytes move in ``raykv.service.pool.dataplane`` (``PoolDataPlane``, mixed in here): offload and
 load through ``raykv.tiers`` jobs on the node's shared arena, fetches through
 ``raykv.transport``, a checksum for every valid block (``sums``; invariants 9 and 12 are
 kept there). This module keeps requests, their epochs and the validity of blocks.
@@ -40,8 +40,8 @@ import torch
 from raykv.api import StoreResult, check_token_count
 from raykv.errors import AccessDenied, InvalidInput, ServiceError
 from raykv.layout import tp
-from raykv.service.dataplane import PoolDataPlane
-from raykv.service.fanout import TpFanOut
+from raykv.service.control.index import GPU
+from raykv.service.control.metrics import ServiceMetrics
 from raykv.service.groups import (
     Chunk,
     check_servable,
@@ -53,13 +53,13 @@ from raykv.service.groups import (
     per_group,
     row_widths,
 )
-from raykv.service.index import GPU
 from raykv.service.member import Member
-from raykv.service.metrics import ServiceMetrics
-from raykv.service.pairs import CollectivePlane
-from raykv.service.rank import RankKV
-from raykv.service.rows import RankRows, as_rank_rows
-from raykv.service.spec import NAMESPACE, ServedModel, tier_name
+from raykv.service.pool.dataplane import PoolDataPlane
+from raykv.service.pool.fanout import TpFanOut
+from raykv.service.pool.pairs import CollectivePlane
+from raykv.service.pool.rank import RankKV
+from raykv.service.pool.rows import RankRows, as_rank_rows
+from raykv.service.served import NAMESPACE, ServedModel, tier_name
 from raykv.tiers.checksum import row_checksums
 from raykv.tiers.jobs import NULL_BLOCK
 

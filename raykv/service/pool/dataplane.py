@@ -36,10 +36,10 @@ import numpy as np
 import ray
 
 from raykv.errors import TransportError
-from raykv.service import holders
+from raykv.service.control.index import CPU, GPU, Location
 from raykv.service.groups import Chunk
-from raykv.service.index import CPU, GPU, Location
-from raykv.service.spec import COORDINATOR, NAMESPACE, tier_name
+from raykv.service.served import COORDINATOR, NAMESPACE, tier_name
+from raykv.tiers import holds
 from raykv.tiers.jobs import LoadJob, StoreJob
 from raykv.transport import FALLBACK, BlockBatch, Transport, export_rows, fetch_over
 from raykv.transport.select import PEER
@@ -147,7 +147,7 @@ class PoolDataPlane:
                 tier = self._tier()
                 arena, res = await tier.reserve.remote(
                     self.model.name, job.keys, members, len(self.writers),
-                    holders.this_process(self.name),
+                    holds.this_process(self.name),
                 )  # fmt: skip
             except (ray.exceptions.RayError, ValueError) as e:  # no tier: a miss later
                 log.warning("pool %s: no CPU tier to offload to (%s)", self.name, e)
@@ -202,7 +202,7 @@ class PoolDataPlane:
         ``LoadJob`` per rank on the shared arena, verified by the engine. Returns bytes."""
         tier = self._tier()
         arena, lease, chosen = await tier.lease.remote(
-            self.model.name, [k for k, _ in want], holders.this_process(self.name)
+            self.model.name, [k for k, _ in want], holds.this_process(self.name)
         )
         if lease is None:
             return 0
@@ -303,7 +303,7 @@ class PoolDataPlane:
         every chunk is written (a freed request's blocks may be someone else's)."""
         source = loc.member
         while getattr(self.transports.get(loc.transport), "direct", False):
-            try:  # rank to rank into our blocks (``raykv.service.pairs``)
+            try:  # rank to rank into our blocks (``raykv.service.pool.pairs``)
                 return await self._collective_fetch(loc, gi, want, filled, live)
             except TransportError as e:
                 # a peer route carries the next transport both ends offer; else the store

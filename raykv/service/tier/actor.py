@@ -20,7 +20,7 @@ and counted once (``checksum_errors``: here, "cpu", when a pool or engine of thi
 it loading; by the reader, "remote", when it came from here to another member); it is a
 miss from then on.
 
-Every reservation and lease names its holder (``raykv.service.holders``: the asking
+Every reservation and lease names its holder (``raykv.tiers.holds``: the asking
 process) and ends at a deadline, ``RAYKV_LEASE_TIMEOUT_S`` seconds (default 60) after it was
 taken: a sweep every ``SWEEP_S`` reclaims holds past their deadline and releases at once
 those of holders that exited (``reserve`` also reclaims overdue holds first), and a holder
@@ -45,16 +45,15 @@ from typing import Any
 import numpy as np
 
 from raykv.errors import InvalidInput, RaykvError
-from raykv.service import holders
-from raykv.service.agent import AgentServer
+from raykv.service.control.index import CPU
+from raykv.service.control.metrics import ServiceMetrics
 from raykv.service.groups import check_servable, key_group, row_widths
-from raykv.service.index import CPU
 from raykv.service.member import Member
-from raykv.service.metrics import ServiceMetrics
-from raykv.service.replica import ReplicaSpec, ReplicaWriter, replica_slots
-from raykv.service.spec import NAMESPACE, tier_name
+from raykv.service.node.agent import AgentServer
+from raykv.service.node.replica import ReplicaSpec, ReplicaWriter, replica_slots
+from raykv.service.served import NAMESPACE, tier_name
 from raykv.service.transports import reader_transports
-from raykv.tiers import shm
+from raykv.tiers import holds, shm
 from raykv.tiers.cpu_tier import READABLE
 from raykv.transport import Lent, export_rows
 
@@ -100,7 +99,7 @@ class _ModelTier:
         self.tier = CpuTier(plan, "lru", shared=True, lease_timeout_s=timeout_s)
         spec = ReplicaSpec("", replica_slots())
         buf, shared = shm.create((spec.nbytes,), "replica")
-        # the node's engines answer lookups from it (``raykv.service.replica``)
+        # the node's engines answer lookups from it (``raykv.service.node.replica``)
         self.replica = ReplicaWriter(buf.numpy(), ReplicaSpec(shared.path, spec.slots))
         self.replica_shm = shared
         self.reclaimed = (0, 0)  # (expired, released) holds already counted in the metrics
@@ -331,7 +330,7 @@ class CpuTierActor(Member):
         for model, mt in self.tiers.items():
             n += mt.tier.reclaim(limit=SWEEP_LIMIT)
             for h in mt.tier.holders():
-                if holders.gone(h):
+                if holds.gone(h):
                     got = mt.tier.release_holder(h)
                     log.warning("tier %s: %s exited holding %d leases of %s; released",
                                 self.name, h, got, model)  # fmt: skip
@@ -588,8 +587,8 @@ class CpuTierActor(Member):
         that other members hold into this node's arena (CPU tier -> CPU tier over UCX where
         both run it, else the object store): verified, stored with their checksums,
         published. Returns how many leading ``keys`` this tier holds afterwards; the rest
-        are misses (``raykv.service.tier_pull``)."""
-        from raykv.service.tier_pull import pull
+        are misses (``raykv.service.tier.pull``)."""
+        from raykv.service.tier.pull import pull
 
         return await pull(self, model, keys)
 

@@ -34,7 +34,7 @@ import torch
 
 from raykv.errors import TransportError
 from raykv.ops.pools import PoolCopy
-from raykv.service.spec import NAMESPACE
+from raykv.service.served import NAMESPACE
 from raykv.transport.collective import TIMEOUT_S, Collective, CollectiveTransport
 from raykv.transport.pair import Pair
 from raykv.transport.peer_read import (
@@ -231,8 +231,8 @@ class CollectivePlane:
         """The control call of a collective fetch (see the module docstring): the leading
         ``keys`` still valid here are sent to ``reader``'s ranks; returns (count, stored
         checksums per copy, row width, this group's idents)."""
+        from raykv.service.control.index import GPU
         from raykv.service.groups import key_group
-        from raykv.service.index import GPU
 
         idents = await self._idents()  # before choosing blocks: nothing awaits after that
         blocks = self._exportable(model, keys)
@@ -290,8 +290,8 @@ class CollectivePlane:
         blocks, stored checksums and wire sums per copy (taken by the writer ranks at a
         block's first export, then remembered while it stays valid), the ranks' handles and
         the hold's token (None: nothing to read)."""
+        from raykv.service.control.index import GPU
         from raykv.service.groups import key_group
-        from raykv.service.index import GPU
 
         self._expire_holds()
         self._read_in_place = True
