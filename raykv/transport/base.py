@@ -111,7 +111,7 @@ class Transport(Protocol):
         """The leading ``keys`` (one group, prefix order) that member ``source`` holds, as
         stored (not verified: read them through ``receive``), in one or more chunks in key
         order; ``endpoint`` is what the source advertised for this transport
-        (``Member.endpoints``); ``land``: where the rows may be received in place (``Land``;
+        (``Membership.endpoints``); ``land``: where the rows may be received in place (``Land``;
         a transport that cannot ignores it); ``asked`` is called once the request is on its
         way (``Asked``; not if it never is). Raises ``TransportError`` (or Ray's actor error) if the
         source is gone or the transfer fails; closing the iterator early ends the transfer."""

@@ -129,7 +129,7 @@ def windows_of(model: str, index: int) -> dict:
     node = ray.get_runtime_context().get_node_id()
     pool = ray.get_actor(pool_name(model, node, index), namespace=NAMESPACE)
     return ray.get(pool.__ray_call__.remote(
-        lambda self: {m: pairs is not None for m, (_, pairs) in self._window_of.items()}
+        lambda self: {m: pairs is not None for m, (_, pairs) in self.pairs._window_of.items()}
     ))  # fmt: skip
 
 
@@ -199,7 +199,7 @@ def test_issue13_two_tp2_groups_exchange_a_32k_prefix_over_nccl(kv) -> None:
     old = ray.get(src.snapshot.remote())["actor_id"]
 
     def die_on_send(self):
-        self.transports["nccl"].collective.tamper = lambda buf: os._exit(1)
+        self.fetch.transports["nccl"].collective.tamper = lambda buf: os._exit(1)
 
     ray.get(src.__ray_call__.remote(die_on_send))
     a, b, n = run["a"], run["b"], run["n"]

@@ -41,7 +41,9 @@ def test_two_gpu_pools_of_one_node_read_each_other_in_place(kv) -> None:
     assert set(got.values()) == {"peer"}, got
     node = ray.get_runtime_context().get_node_id()
     holder = ray.get_actor(pool_name("p1", node, 0), namespace=NAMESPACE)
-    left = ray.get(holder.__ray_call__.remote(lambda s: (len(s._holds), s.bm.pool.num_used_blocks)))
+    left = ray.get(
+        holder.__ray_call__.remote(lambda s: (len(s.pairs._holds), s.bm.pool.num_used_blocks))
+    )
     assert left == (0, 0), left  # released: nothing held, nothing in use
     stop_service(kv)
 

@@ -9,7 +9,7 @@ every live member (found by name) for a snapshot, so the index comes back whole;
 that talks to it first just re-registers (its heartbeat or event sequence says "unknown").
 A member that dies on a live node (or a TP group that lost a rank: its leader leaves) is
 dropped from the index at once and started afresh under its name: its blocks are misses.
-The coordinator keeps one long call open on every member (``Member.watch``), so a death is
+The coordinator keeps one long call open on every member (``Membership.watch``), so a death is
 seen when Ray reports it, not only when heartbeats stop; the fresh member is placed on the
 next health tick (a second), on the same node (and so the same GPU slot).
 """
@@ -72,7 +72,7 @@ class Member:
     last_seen: float = field(default_factory=time.monotonic)
     stats: dict[str, Any] = field(default_factory=dict)
     actor_id: str | None = None  # the incarnation that registered (a name outlives actors)
-    # transport name -> endpoint it advertised (``Member.endpoints``)
+    # transport name -> endpoint it advertised (``Membership.endpoints``)
     transports: dict[str, Any] = field(default_factory=lambda: {OBJECT_STORE: None})
 
 

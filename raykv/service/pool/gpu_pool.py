@@ -18,16 +18,18 @@ id only when ``allocate`` returns, and the offload fences the blocks before its 
 await). On a node without GPUs the same actors run with ``device="cpu"`` (development and
 CI).
 
-The bytes move in ``raykv.service.pool.dataplane`` (``PoolDataPlane``, mixed in here): offload and
-load through ``raykv.tiers`` jobs on the node's shared arena, fetches through
-``raykv.transport``, a checksum for every valid block (``sums``; invariants 9 and 12 are
-kept there). This module keeps requests, their epochs and the validity of blocks.
+The pool is its public (Ray-called) methods over named parts, each given in its
+constructor only what it uses: ``requests`` (``raykv.service.pool.requests``: who owns each
+request, its tokens and keys, and the validity and checksums of blocks), ``ranks`` (the TP
+fan-out, ``fanout``), ``tier_io`` (offload to and load from the node's CPU tier through
+``raykv.tiers`` jobs on the shared arena, ``dataplane``), ``fetch`` (blocks from other
+members through ``raykv.transport``, ``dataplane``), ``pairs`` (NCCL / gloo batches and peer
+reads between pools, ``pairs``) and ``member`` (the coordinator: registration, heartbeats,
+KV events, ``raykv.service.member``). Invariants 9 and 12 are kept in ``dataplane``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Hashable, Sequence
@@ -37,37 +39,38 @@ import numpy as np
 import ray
 import torch
 
-from raykv.api import StoreResult, check_token_count
+from raykv.api import StoreResult
+from raykv.blocks import BlockManager
 from raykv.errors import AccessDenied, InvalidInput, ServiceError
-from raykv.layout import tp
 from raykv.service.control.index import GPU
 from raykv.service.control.metrics import ServiceMetrics
 from raykv.service.groups import (
-    Chunk,
     check_servable,
     common_hit,
     complete_chunks,
-    group_keys,
     key_group,
     managers,
     per_group,
-    row_widths,
 )
-from raykv.service.member import Member
-from raykv.service.pool.dataplane import PoolDataPlane
-from raykv.service.pool.fanout import TpFanOut
-from raykv.service.pool.pairs import CollectivePlane
+from raykv.service.member import Membership
+from raykv.service.pool.dataplane import Fetch, TierIO
+from raykv.service.pool.fanout import Ranks
+from raykv.service.pool.pairs import Pairs
 from raykv.service.pool.rank import RankKV
+from raykv.service.pool.requests import Requests
 from raykv.service.pool.rows import RankRows, as_rank_rows
 from raykv.service.served import NAMESPACE, ServedModel, tier_name
+from raykv.service.transports import reader_transports
 from raykv.tiers.checksum import row_checksums
 from raykv.tiers.jobs import NULL_BLOCK
+from raykv.transport import export_rows
 
 log = logging.getLogger(__name__)
-WRITE_WAIT_S = 30.0  # the longest a store or read waits for another call writing its blocks
 
 
-class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
+class GpuPool:
+    """One TP group's paged KV for one model (see the module docstring)."""
+
     kind = "pool"
 
     def __init__(
@@ -79,234 +82,56 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         device: str = "cpu",
         ranks: Sequence[str] = (),
     ) -> None:
-        from raykv.blocks import BlockManager
-
-        super().__init__(name, node_id)
         check_servable(plan)
         if len(ranks) != plan.tp_size - 1:
             raise ServiceError(
                 f"pool {name!r}: tp_size={plan.tp_size} needs {plan.tp_size - 1} other ranks, "
                 f"got {len(ranks)}"
             )
+        self.name, self.node_id = name, node_id
         self.model, self.plan, self.device = model, plan, device
         self.bm = BlockManager(plan, enable_prefix_caching=True)
         self.local = RankKV(plan, device, 0)  # rank 0
         self.rank_names = list(ranks)
-        self._rank_handles: list[Any] | None = None
-        self._leaving: asyncio.Task | None = None  # set once a rank died (see _retire)
-        self.gids = [g.group_id for g in plan.groups]
-        self.gindex = {gid: i for i, gid in enumerate(self.gids)}
-        self.widths = row_widths(plan)
+        self.gindex = {g.group_id: i for i, g in enumerate(plan.groups)}
         self.managers = managers(plan)
-        self.copy_of = tp.copy_ranks(plan)
-        self.writers = tp.writer_ranks(plan)
-        self.tokens: dict[Hashable, list[int]] = {}
-        # admission number of each live request: a call that awaited checks it is still the
-        # same request (a free and a re-admit under the same id hand its blocks to others)
-        self._gen: dict[Hashable, int] = {}
-        # The client that admitted each live request: only it may step, write, load, read or
-        # free it. (Ray's token keeps strangers out of the cluster; this keeps the engines
-        # in it from touching each other's requests, e.g. through a reused request id.)
-        self.owner: dict[Hashable, str] = {}
-        self._admitted = 0
-        self._hashes: dict[Hashable, list[bytes]] = {}
-        # per request, its group keys as of that many hashes (a load or store asks twice)
-        self._group_keys: dict[Hashable, tuple[int, list[list[bytes]]]] = {}
-        self.valid: dict[bytes, int] = {}  # group key -> block holding its bytes
-        self.key_of: dict[int, bytes] = {}
-        self.chunk_of: dict[bytes, Chunk] = {}  # valid key -> a complete chunk it is part of
-        self._writing: set[int] = set()  # blocks a store or load is writing now
-        self._written: tuple[Any, asyncio.Condition] | None = None  # (loop, its condition)
-        # checksums of bytes written into blocks not yet valid (moved to sums on validation)
-        self._pending_sums: dict[int, tuple[int, ...]] = {}
-        # blocks a load meant to fill that got no verified bytes: out of the block manager's
-        # prefix map (no prefix hit finds them) and zeroed, until a write makes them whole
-        self._unverified: set[int] = set()
         self.metrics = ServiceMetrics("pool")
-        self._init_dataplane()
+        self.member = Membership(name, node_id, self.kind, self.metrics, self, self.export_blocks)
+        self.ranks = Ranks(name, plan, self.local, self.rank_names, self.member.leave)
+        self.requests = Requests(name, model, plan, self.bm, self.metrics)
+        transports = reader_transports()  # the object store, and UCX where it runs
+        # nccl (GPU KV) or gloo (host KV), and peer reads where they run, join them
+        self.pairs = Pairs(name, model, node_id, plan, self.local, self.ranks, self.requests,
+                           self.bm, self.metrics, transports)  # fmt: skip
+        self.tier_io = TierIO(name, model, plan, node_id, self.local, self.ranks, self.requests,
+                              self.bm, self.metrics, self.member.publish)  # fmt: skip
+        self.fetch = Fetch(name, model, node_id, self.ranks, self.requests, self.tier_io,
+                           self.pairs, self.metrics, transports)  # fmt: skip
 
     async def start(self) -> str:
         tier = ray.get_actor(tier_name(self.node_id), namespace=NAMESPACE)
         await tier.add_model.remote(self.model.name, self.plan)
-        return await super().start()
-
-    # --- helpers ------------------------------------------------------------------------
-    # The engine-facing calls take their arguments as ``raykv.client`` checked them
-    # (``raykv.api``: request ids, counts, token ids and block ids of the right types and
-    # forms) and check only what the pool alone can: ownership (``_mine``, ``_own_blocks``,
-    # ``read``'s published-or-mine), the plan's limits and a request's state.
-
-    def _ids(self, ids: list[int] | None, rid: Hashable = None) -> list[int] | None:
-        """The request's token ids (a list of ints: the client checked them), within the
-        model's length; those of a known request must extend the ones it had."""
-        if ids is None:
-            return None
-        check_token_count(len(ids), self.plan.max_model_len, self.model.name)
-        known = self.tokens.get(rid)
-        n = min(len(known), len(ids)) if known is not None else 0
-        if n and known[:n] != ids[:n]:
-            at = next(i for i in range(n) if known[i] != ids[i])
-            raise InvalidInput(
-                f"token_ids of request {rid!r} differ at position {at} from the {len(known)} "
-                "it was given before; a request's tokens only grow (free it and admit the new "
-                "prompt under a new request id)"
-            )
-        return ids
-
-    def _mine(self, client: str, rid: Hashable) -> Hashable:
-        """``rid`` if no other client admitted it (else AccessDenied)."""
-        owner = self.owner.get(rid)
-        if owner is not None and owner != client:
-            raise AccessDenied(
-                f"request {rid!r} on pool {self.name!r} was admitted by another client; a "
-                "request belongs to the handle that admitted it (and the handles it is pickled "
-                "to): use that handle, or a request id of your own"
-            )
-        return rid
-
-    def _live(self, rid: Hashable, gen: int | None) -> bool:
-        return gen is not None and self._gen.get(rid) == gen
-
-    def _keys(self, rid: Hashable) -> list[list[bytes]]:
-        """Per group, the key of each full block of the request's known tokens (read-only:
-        kept until the request's tokens grow)."""
-        tokens = self.tokens.get(rid, [])
-        hashes = self._hashes.setdefault(rid, [])
-        hbs = self.bm.hasher.hash_block_size
-        if len(tokens) // hbs > len(hashes):
-            hashes += self.bm.hasher.hash_blocks(
-                tokens, first_block=len(hashes), parent=hashes[-1] if hashes else None
-            )
-        known = self._group_keys.get(rid)
-        if known is None or known[0] != len(hashes):
-            known = self._group_keys[rid] = (len(hashes), group_keys(self.plan, hashes))
-        return known[1]
-
-    def _immutable(self, block: int) -> bool:
-        """A block nobody may write now: it holds published bytes (valid), or another call
-        is writing it."""
-        return block in self.key_of or block in self._writing
-
-    def _condition(self) -> asyncio.Condition:
-        loop = asyncio.get_running_loop()
-        if self._written is None or self._written[0] is not loop:
-            self._written = (loop, asyncio.Condition())
-        return self._written[1]
-
-    async def _settle(self, blocks: set[int]) -> None:
-        """Wait until no other call is writing ``blocks`` (a request sharing a prefix block
-        with one whose load or store is filling it): a store then sees whether those bytes
-        were published, and a read never returns them half-written. Bounded: after
-        ``WRITE_WAIT_S`` the caller goes on as before (the block counts as being written)."""
-        if not blocks & self._writing:
-            return
-        cond = self._condition()
-        async with cond:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    cond.wait_for(lambda: not blocks & self._writing), WRITE_WAIT_S
-                )
-
-    async def _done_writing(self, busy: set[int]) -> None:
-        self._writing -= busy
-        if busy and self._written is not None:
-            cond = self._condition()
-            async with cond:
-                cond.notify_all()
-
-    def _cached_as(self, block: int, key: bytes) -> bool:
-        return self.bm.pool.block_keys[block] == (key_group(key), key[4:])
-
-    def _invalidate(self, block: int) -> bytes | None:
-        self.sums.pop(block, None)
-        self.wire_sums.pop(block, None)
-        key = self.key_of.pop(block, None)
-        if key is not None and self.valid.get(key) == block:
-            del self.valid[key]
-            self.chunk_of.pop(key, None)
-        return key
-
-    def _gone(self, keys: list[bytes | None]) -> list[bytes]:
-        """The keys no block here holds any more (a KV event's ``removed``)."""
-        return [k for k in dict.fromkeys(keys) if k is not None and k not in self.valid]
-
-    def _validate(
-        self, rid: Hashable, written: list[list[int]]
-    ) -> tuple[list[tuple[bytes, int]], list[bytes]]:
-        """Mark written blocks valid where the block manager caches them under their
-        position's key. Returns the newly valid (key, block) pairs and the keys that
-        blocks re-keyed here held before and no block holds now."""
-        tables, keys = self.bm.block_table(rid), self._keys(rid)
-        out, old = [], []
-        for gi, ids in enumerate(written):
-            pos = {b: j for j, b in enumerate(tables[gi]) if b != NULL_BLOCK}
-            for b in ids:
-                j = pos[b]
-                if j >= len(keys[gi]):
-                    continue
-                key = keys[gi][j]
-                if b in self._unverified:  # written whole now: findable again, under its key
-                    self._unverified.discard(b)
-                    parent = keys[gi][j - 1][4:] if j else None
-                    group = self.plan.groups[gi]
-                    self.bm.pool.cache(group.group_id, [key[4:]], [b], parent, group.block_size)
-                # one published block per key: a duplicate (the block pool keeps those
-                # findable, its bytes may be a different computation of the same tokens)
-                # stays private while another block serves the key
-                held = self.valid.get(key)
-                if held is not None and held != b:
-                    continue
-                if self._cached_as(b, key) and self.key_of.get(b) != key:
-                    old.append(self._invalidate(b))
-                    self.valid[key], self.key_of[b] = b, key
-                    if (sums := self._pending_sums.pop(b, None)) is not None:
-                        self.sums[b] = sums
-                    out.append((key, b))
-        for chunk in complete_chunks(self.plan, tables, keys):
-            for m in chunk.members:
-                if m is not None and m in self.valid:
-                    self.chunk_of[m] = chunk
-        return out, self._gone(old)
-
-    def _own_blocks(self, rid: Hashable, tables: list[list[int]]) -> None:
-        """Every non-null id must be in the request's table of its group, once. Ids are the
-        plain ints the client sends: a look-alike (True, 3.0) would equal an id of the table
-        and mean something else to a copy, so it is in no table."""
-        have = self.bm.block_table(rid)
-        for gi, ids in enumerate(tables):
-            real = [b for b in ids if b != NULL_BLOCK]
-            table = set(have[gi])
-            bad = [b for b in real if type(b) is not int or b not in table]
-            where = f" (group {gi})" if len(tables) > 1 else ""
-            if bad:
-                raise InvalidInput(
-                    f"blocks {bad[:8]} are not in request {rid!r}'s block table{where} (it "
-                    f"holds {len(have[gi])} blocks); pass ids that allocate returned for it"
-                )
-            if len(set(real)) != len(real):
-                raise InvalidInput(f"block ids {real[:8]}...{where} hold duplicates")
+        return await self.member.start()
 
     # --- engine-facing ------------------------------------------------------------------
+    # They take their arguments as ``raykv.client`` checked them (``raykv.api``); the pool's
+    # own checks (ownership, the plan's limits, a request's state) are ``Requests``'.
 
     async def admit(
         self, client: str, rid: Hashable, num_tokens: int, token_ids: list[int] | None = None
     ) -> bool:
-        rid = self._mine(client, rid)
-        ids = self._ids(token_ids, rid)
+        rid = self.requests.mine(client, rid)
+        ids = self.requests.ids(token_ids, rid)
         ok = self.bm.admit(rid, num_tokens, ids)
         if ok:
-            self._admitted += 1
-            self._gen[rid] = self._admitted
-            self.owner[rid] = client
-            if ids is not None:
-                self.tokens[rid] = ids
+            self.requests.admitted(rid, client, ids)
         return ok
 
     async def blocks_needed(
         self, client: str, rid: Hashable, num_new_tokens: int, token_ids: list[int] | None = None
     ) -> int:
-        rid = self._mine(client, rid)
-        return self.bm.blocks_needed(rid, num_new_tokens, self._ids(token_ids, rid))
+        rid = self.requests.mine(client, rid)
+        return self.bm.blocks_needed(rid, num_new_tokens, self.requests.ids(token_ids, rid))
 
     async def allocate(
         self,
@@ -315,14 +140,16 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         num_new_tokens: int,
         token_ids: list[int] | None = None,
     ) -> list[list[int]] | None:
-        rid = self._mine(client, rid)
-        ids = self._ids(token_ids, rid)
+        rid = self.requests.mine(client, rid)
+        ids = self.requests.ids(token_ids, rid)
         new = self.bm.allocate(rid, num_new_tokens, ids)
         if new is None:
             return None
         if ids is not None:
-            self.tokens[rid] = ids
-        self._unverified.difference_update(b for table in new for b in table)  # fresh owners
+            self.requests.tokens[rid] = ids
+        self.requests.unverified.difference_update(
+            b for table in new for b in table
+        )  # fresh owners
         self.bm.drain_events()  # our index is ``valid``: only written blocks count
         # Blocks whose cached prefix the manager evicted to make this step fit: their bytes
         # are still intact (nobody wrote them yet), so offload their chunks first.
@@ -330,14 +157,18 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
             b
             for table in new
             for b in table
-            if b in self.key_of and not self._cached_as(b, self.key_of[b])
+            if b in self.requests.key_of and not self.requests.cached_as(b, self.requests.key_of[b])
         ]
         if evicted:
-            chunks = {c.key: c for b in evicted if (c := self.chunk_of.get(self.key_of[b]))}
-            await self._offload(list(chunks.values()))
-            keys = self._gone([self._invalidate(b) for b in evicted])
+            chunks = {
+                c.key: c
+                for b in evicted
+                if (c := self.requests.chunk_of.get(self.requests.key_of[b]))
+            }
+            await self.tier_io.offload(list(chunks.values()))
+            keys = self.requests.gone([self.requests.invalidate(b) for b in evicted])
             self.metrics.evicted(self.model.name, GPU, len(evicted))
-            await self.publish(self.model.name, [], keys)
+            await self.member.publish(self.model.name, [], keys)
         self.metrics.used(self.model.name, GPU, self.bm.pool.num_used_blocks)
         return new
 
@@ -354,21 +185,21 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         also copies the request's complete chunks to the node's CPU tier now. Returns a
         ``StoreResult``: the blocks newly published (its int value), the blocks written and
         the ones skipped."""
-        rid = self._mine(client, rid)
+        rid = self.requests.mine(client, rid)
         tables = per_group(self.plan, block_ids)
-        self._own_blocks(rid, tables)
-        data: RankRows = as_rank_rows(self.plan, rows, tables, self.widths)
+        self.requests.own_blocks(rid, tables)
+        data: RankRows = as_rank_rows(self.plan, rows, tables, self.ranks.widths)
         real = [[b for b in t if b != NULL_BLOCK] for t in tables]
-        gen = self._gen.get(rid)
-        await self._settle({b for ids in real for b in ids})
-        if not self._live(rid, gen):  # freed while we waited: its blocks may be others' now
+        gen = self.requests.gen.get(rid)
+        await self.requests.settle({b for ids in real for b in ids})
+        if not self.requests.live(rid, gen):  # freed while we waited: its blocks may be others' now
             return StoreResult(0, 0, [[] for _ in real])
-        keep = [[i for i, b in enumerate(ids) if not self._immutable(b)] for ids in real]
+        keep = [[i for i, b in enumerate(ids) if not self.requests.immutable(b)] for ids in real]
         written = [[ids[i] for i in k] for ids, k in zip(real, keep, strict=True)]
-        skipped = [[b for b in ids if self._immutable(b)] for ids in real]
+        skipped = [[b for b in ids if self.requests.immutable(b)] for ids in real]
         num_written = sum(len(w) for w in written)
         busy = {b for ids in written for b in ids}
-        self._writing |= busy
+        self.requests.writing |= busy
         try:
             for gi, ids in enumerate(written):
                 if not ids:
@@ -378,20 +209,20 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
                 if sel is not None:
                     per_rank = [x[sel] for x in per_rank]
                 # invariant 12: the checksum of each distinct copy, from the rows written
-                sums = [row_checksums(per_rank[r]) for r in self.writers]
+                sums = [row_checksums(per_rank[r]) for r in self.ranks.writers]
                 for j, b in enumerate(ids):
-                    self._pending_sums[b] = tuple(c[j] for c in sums)
-                await self._scatter(gi, per_rank, ids)
+                    self.requests.pending_sums[b] = tuple(c[j] for c in sums)
+                await self.ranks.scatter(gi, per_rank, ids)
         finally:
-            await self._done_writing(busy)
-        if not self._live(rid, gen):  # freed meanwhile: its blocks may be someone else's
+            await self.requests.done_writing(busy)
+        if not self.requests.live(rid, gen):  # freed meanwhile: its blocks may be someone else's
             return StoreResult(0, num_written, skipped)
-        stored, removed = self._validate(rid, written)
-        await self.publish(self.model.name, stored, removed)
-        self._sum_soon(stored)
-        if offload and self._live(rid, gen):
-            keys = self._keys(rid)
-            await self._offload(complete_chunks(self.plan, self.bm.block_table(rid), keys))
+        stored, removed = self.requests.validate(rid, written)
+        await self.member.publish(self.model.name, stored, removed)
+        self.pairs.sum_soon(stored)
+        if offload and self.requests.live(rid, gen):
+            keys = self.requests.keys(rid)
+            await self.tier_io.offload(complete_chunks(self.plan, self.bm.block_table(rid), keys))
         return StoreResult(len(stored), num_written, skipped)
 
     async def read(self, client: str, block_ids: list, rank: int = 0) -> list[np.ndarray]:
@@ -408,21 +239,21 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         bad = [b for t in tables for b in t if type(b) is not int or not 0 < b < n]
         if bad:
             raise InvalidInput(f"block ids {bad[:8]} out of range 1..{n - 1}")
-        await self._settle({b for t in tables for b in t})  # never bytes half-written
+        await self.requests.settle({b for t in tables for b in t})  # never bytes half-written
         mine = [set() for _ in tables]
-        for rid in (r for r, c in self.owner.items() if c == client):
+        for rid in (r for r, c in self.requests.owner.items() if c == client):
             for gi, table in enumerate(self.bm.block_table(rid)[: len(tables)]):
                 mine[gi].update(table)
         # published blocks are anyone's to load, so anyone's to read; the rest is private
         private = [b for gi, t in enumerate(tables) for b in t if b not in mine[gi]]
-        foreign = [b for b in private if b not in self.key_of]
+        foreign = [b for b in private if b not in self.requests.key_of]
         if foreign:
             raise AccessDenied(
                 f"blocks {foreign[:8]} are neither published nor in this client's live requests "
                 f"on pool {self.name!r}; read your own requests' blocks (load a published prefix "
                 "into them to read what others computed)"
             )
-        return [(await self._gather(gi, t, [rank]))[0].numpy() for gi, t in enumerate(tables)]
+        return [(await self.ranks.gather(gi, t, [rank]))[0].numpy() for gi, t in enumerate(tables)]
 
     async def load(self, client: str, rid: Hashable, token_ids: list[int], into: list) -> dict:
         """Fill ``into`` (blocks of this request's tables, per group) with the KV of their
@@ -430,15 +261,15 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         nobody holds (e.g. out of a sliding window), are misses. Returns the request's
         leading tokens now backed by written KV in every group."""
         t0 = time.perf_counter()
-        rid = self._mine(client, rid)
-        ids = self._ids(token_ids, rid)
+        rid = self.requests.mine(client, rid)
+        ids = self.requests.ids(token_ids, rid)
         into_tables = per_group(self.plan, into)
-        self._own_blocks(rid, into_tables)
-        gen = self._gen.get(rid)
+        self.requests.own_blocks(rid, into_tables)
+        gen = self.requests.gen.get(rid)
         nothing = {"num_tokens": 0, "loaded_blocks": 0, "bytes": 0, "seconds": 0.0}
-        if ids is not None and len(ids) > len(self.tokens.get(rid, [])):
-            self.tokens[rid] = ids
-        tables, keys = self.bm.block_table(rid), self._keys(rid)
+        if ids is not None and len(ids) > len(self.requests.tokens.get(rid, [])):
+            self.requests.tokens[rid] = ids
+        tables, keys = self.bm.block_table(rid), self.requests.keys(rid)
         todo: list[list[tuple[int, int]]] = []
         for gi, blocks in enumerate(into_tables):
             pos = {b: j for j, b in enumerate(tables[gi]) if b != NULL_BLOCK}
@@ -450,43 +281,43 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
                     f"({len(keys[gi])}); pass the request's token_ids"
                 )
             # published blocks keep their bytes (valid under this key: already backed)
-            todo.append(sorted((pos[b], b) for b in real if not self._immutable(b)))
+            todo.append(sorted((pos[b], b) for b in real if not self.requests.immutable(b)))
         filled: set[int] = set()
         moved = 0
         busy = {b for want in todo for _, b in want}
-        self._writing |= busy
+        self.requests.writing |= busy
         # held while the load writes them: freed meanwhile, they reach nobody else before
         # their bytes are verified or dropped (``_drop_unverified``)
         self.bm.pool.touch(busy)
         try:
             for gi, want in enumerate(todo):
                 # 1) another block of this pool already holds the bytes
-                local = [(j, b) for j, b in want if keys[gi][j] in self.valid]
+                local = [(j, b) for j, b in want if keys[gi][j] in self.requests.valid]
                 if local:
-                    src = [self.valid[keys[gi][j]] for j, _ in local]
+                    src = [self.requests.valid[keys[gi][j]] for j, _ in local]
                     n = await self._copy_blocks(gi, src, [b for _, b in local])
                     filled.update(b for _, b in local[:n])
                 # 2) the node's CPU tier or another node, best copy first
                 rest = [(keys[gi][j], b) for j, b in want if b not in filled]
                 if rest:
-                    moved += await self._fetch(rid, gen, gi, rest, filled)
-                if not self._live(rid, gen):  # freed meanwhile: nothing to publish
+                    moved += await self.fetch.fetch(rid, gen, gi, rest, filled)
+                if not self.requests.live(rid, gen):  # freed meanwhile: nothing to publish
                     return nothing | {"bytes": moved}
         finally:
             try:
                 await self._drop_unverified([[b for _, b in want if b not in filled]
                                              for want in todo])  # fmt: skip
             finally:
-                await self._done_writing(busy)
+                await self.requests.done_writing(busy)
                 self.bm.pool.free(busy)
         written = [[b for b in t if b in filled] for t in into_tables]
-        valid, removed = self._validate(rid, written)
-        await self.publish(self.model.name, valid, removed)
-        self._sum_soon(valid)
+        valid, removed = self.requests.validate(rid, written)
+        await self.member.publish(self.model.name, valid, removed)
+        self.pairs.sum_soon(valid)
 
         def backed(gi: int, j: int) -> bool:
             b = tables[gi][j]
-            return b != NULL_BLOCK and (b in filled or self.key_of.get(b) == keys[gi][j])
+            return b != NULL_BLOCK and (b in filled or self.requests.key_of.get(b) == keys[gi][j])
 
         limit = min(len(k) * g.block_size for k, g in zip(keys, self.plan.groups, strict=True))
         self.metrics.moved(self.model.name, "load", moved)
@@ -496,6 +327,28 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
             "bytes": moved,
             "seconds": time.perf_counter() - t0,
         }
+
+    async def _copy_blocks(self, gi: int, src: list[int], dst: list[int]) -> int:
+        """Block ``dst[i]`` gets block ``src[i]``'s bytes on every rank, for the leading
+        blocks whose bytes still match their checksums on every copy's writer (invariant
+        12); returns how many. The first corrupt source is dropped (a miss)."""
+        valid_sums, copy_of = self.requests.sums, self.ranks.copy_of
+
+        def expected(r: int) -> list[int] | None:
+            if r not in self.ranks.writers:
+                return None
+            c = copy_of[r]
+            return [valid_sums[b][c] if b in valid_sums else -1 for b in src]
+
+        sums = [valid_sums.get(b) for b in src]  # the bytes' checksums, read before any await
+        n = await self.ranks.copy(gi, src, dst, expected)
+        for s_, d in zip(sums[:n], dst[:n], strict=True):
+            self.requests.pending_sums[d] = s_
+        if n < len(src):
+            self.requests.corrupt([src[n]])
+            if self.requests.key_of.get(src[n]) is not None and valid_sums.get(src[n]) == sums[n]:
+                await self.member.publish(self.model.name, [], self.requests.drop([src[n]]))
+        return n
 
     async def _drop_unverified(self, blocks: list[list[int]]) -> None:
         """Blocks (per group) a load meant to fill that got no verified bytes: bytes that
@@ -508,34 +361,89 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
         if not flat:
             return
         self.bm.pool.uncache(flat)  # before anything awaits
-        self._unverified.update(flat)
+        self.requests.unverified.update(flat)
         for b in flat:
-            self._pending_sums.pop(b, None)
+            self.requests.pending_sums.pop(b, None)
         try:
             for gi, ids in enumerate(blocks):
                 if ids:
-                    zeros = torch.zeros((len(ids), self.widths[gi]), dtype=torch.uint8)
-                    await self._scatter(gi, [zeros] * self.plan.tp_size, ids)
+                    zeros = torch.zeros((len(ids), self.ranks.widths[gi]), dtype=torch.uint8)
+                    await self.ranks.scatter(gi, [zeros] * self.plan.tp_size, ids)
         except ServiceError as e:  # a rank died: the group retires, its KV goes with it
             log.warning("pool %s: cannot zero blocks %s (%s)", self.name, flat[:8], e)
 
     async def block_table(self, client: str, rid: Hashable) -> list[list[int]]:
         """The request's logical block ids per group now (null slots are 0)."""
-        return self.bm.block_table(self._mine(client, rid))
+        return self.bm.block_table(self.requests.mine(client, rid))
 
     async def free(self, client: str, rid: Hashable) -> None:
-        self.bm.free(self._mine(client, rid))
-        self.owner.pop(rid, None)
-        self.tokens.pop(rid, None)
-        self._hashes.pop(rid, None)
-        self._group_keys.pop(rid, None)
-        self._gen.pop(rid, None)
+        self.bm.free(self.requests.mine(client, rid))
+        self.requests.forget(rid)
         self.metrics.used(self.model.name, GPU, self.bm.pool.num_used_blocks)
 
-    # --- membership ---------------------------------------------------------------------
+    # --- serving other members ----------------------------------------------------------
+
+    async def export_blocks(
+        self, model: str, keys: list[bytes], out: np.ndarray | None = None
+    ) -> tuple[int, np.ndarray, list[list[int]]]:
+        """For ``raykv.transport``: the leading ``keys`` (one group) still valid here, as one
+        buffer uint8 [distinct copies, count, row_bytes] plus their checksums per copy.
+        ``out`` (a UCX server's spare buffer) is not used: the rows come off the pool's
+        device in a buffer of the gather's own."""
+        blocks = self.requests.exportable(model, keys)
+        gid = key_group(keys[0]) if keys else None
+        self.metrics.miss(model, GPU, len(keys) - len(blocks))
+        writers = self.ranks.writers
+        if not blocks:
+            return 0, np.empty((len(writers), 0, 0), np.uint8), []
+        # the checksums of the bytes the gather reads now, before anything may yield
+        sums = [[self.requests.sums[b][c] for b in blocks] for c in range(len(writers))]
+        rows = await self.ranks.gather(self.gindex[gid], blocks, writers)
+        self.metrics.hit(model, GPU, len(blocks))
+        self.metrics.moved(model, GPU, rows.numel())
+        return len(blocks), export_rows(rows), sums
+
+    async def drop_keys(self, model: str, keys: list[bytes]) -> None:
+        """A reader found these blocks' bytes corrupt: unpublish them (misses from now; the
+        reader counted them, ``checksum_errors`` "remote")."""
+        valid = self.requests.valid
+        bad = [valid[k] for k in keys if model == self.model.name and k in valid]
+        if bad:
+            log.warning("pool %s: a reader found blocks %s corrupt; dropped", self.name, bad[:8])
+            await self.member.publish(model, [], self.requests.drop(bad))
+
+    async def collective_export(
+        self, model: str, keys: list[bytes], reader: dict[str, Any]
+    ) -> tuple[int, list[list[int]], int, list[str]]:
+        """The control call of a collective fetch (``Pairs.export``)."""
+        return await self.pairs.export(model, keys, reader)
+
+    async def peer_export(self, model: str, keys: list[bytes]) -> dict[str, Any] | None:
+        """The control call of a peer read (``Pairs.peer_export``)."""
+        return await self.pairs.peer_export(model, keys)
+
+    async def release_peer_hold(self, token: int) -> None:
+        """A peer reader is done with the blocks of hold ``token`` (a no-op once expired)."""
+        await self.pairs.release_peer_hold(token)
+
+    # --- membership (``Membership``: what it asks of the pool, ``Contents``) ---------------
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.member.snapshot()
+
+    async def watch(self, seconds: float) -> str | None:
+        return await self.member.watch(seconds)
+
+    def endpoints(self) -> dict[str, Any]:
+        """Every transport this pool serves, with what a reader needs to reach it."""
+        out = self.member.endpoints()
+        for name, t in self.fetch.transports.items():
+            if hasattr(t, "endpoint"):
+                out[name] = t.endpoint()
+        return out
 
     def blocks(self) -> dict[str, list[tuple[Hashable, int]]]:
-        return {self.model.name: [(h, b) for h, b in self.valid.items()]}
+        return {self.model.name: [(h, b) for h, b in self.requests.valid.items()]}
 
     def extra_snapshot(self) -> dict[str, Any]:
         return {"model": self.model.name, "models": {self.model.name: (self.model, self.plan)}}
@@ -547,8 +455,8 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
             "ranks": [self.name, *self.rank_names],
             "blocks_total": self.bm.pool.num_usable_blocks,
             "blocks_used": self.bm.pool.num_used_blocks,
-            "blocks_valid": len(self.valid),
-            "requests": len(self.tokens),
+            "blocks_valid": len(self.requests.valid),
+            "requests": len(self.requests.tokens),
             **self.metrics.tally,
         }
 
@@ -574,4 +482,4 @@ class GpuPool(TpFanOut, CollectivePlane, PoolDataPlane, Member):
             "node_id": ray.get_runtime_context().get_node_id(),
             "bytes": self.local.kv.total_bytes,
         }
-        return [me, *await self._remote([h.info.remote() for h in self._ranks()])]
+        return [me, *await self.ranks.remote([h.info.remote() for h in self.ranks.handles()])]

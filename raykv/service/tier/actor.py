@@ -48,7 +48,7 @@ from raykv.errors import InvalidInput, RaykvError
 from raykv.service.control.index import CPU
 from raykv.service.control.metrics import ServiceMetrics
 from raykv.service.groups import check_servable, key_group, row_widths
-from raykv.service.member import Member
+from raykv.service.member import Membership
 from raykv.service.node.agent import AgentServer
 from raykv.service.node.replica import ReplicaSpec, ReplicaWriter, replica_slots
 from raykv.service.served import NAMESPACE, tier_name
@@ -217,17 +217,23 @@ _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _KEY_BITS = operator.itemgetter(1, 2)  # a feed change's (group key, bits)
 
 
-class CpuTierActor(Member):
+class CpuTierActor:
+    """The node's CPU tier actor (see the module docstring); a member of the coordinator's
+    cluster through its ``member`` part, the node agent's host through ``agent``."""
+
     kind = "tier"
-    lends_rows = True  # its UCX server sends from the arena where it can (``export_blocks``)
 
     def __init__(self, node_id: str, plans: dict[str, Any] | None = None) -> None:
-        super().__init__(tier_name(node_id), node_id)
+        self.name, self.node_id = tier_name(node_id), node_id
         self.timeout_s = lease_timeout_s()
         # the served models' arenas from the start: a tier placed again after it died must
         # take its node's offloads before it registers (its pools added them to the old one)
         self.tiers = {m: _ModelTier(p, self.timeout_s) for m, p in (plans or {}).items()}
         self.metrics = ServiceMetrics("tier")
+        # its UCX server sends from the arena where it can (``export_blocks``: lends rows)
+        self.member = Membership(
+            self.name, node_id, self.kind, self.metrics, self, self.export_blocks, lends_rows=True
+        )
         self._publishing: set[asyncio.Task] = set()
         self.transports = reader_transports()  # for pull: the object store, UCX where it runs
         self.pull_sources: dict[str, Any] = {}  # model -> where its last pull was sent first
@@ -237,7 +243,7 @@ class CpuTierActor(Member):
         self._feed: tuple[str, int] = ("", 0)  # (epoch, since) of the coordinator's feed
 
     async def start(self) -> str:
-        name = await super().start()
+        name = await self.member.start()
         if self._sweeper is None:
             loop = asyncio.get_running_loop()
             self._sweeper = loop.create_task(self._sweeps())
@@ -261,7 +267,7 @@ class CpuTierActor(Member):
         while True:
             await asyncio.sleep(FEED_S)
             try:
-                answer = await self._call("index_changes", *self._feed, self.node_id)
+                answer = await self.member.call("index_changes", *self._feed, self.node_id)
                 if answer is None:
                     continue
                 epoch, since, resync, changes = pickle.loads(answer)
@@ -288,14 +294,14 @@ class CpuTierActor(Member):
     def publish(
         self, model: str, stored: list[tuple[Hashable, int]], removed: list[Hashable]
     ) -> Coroutine[Any, Any, None]:
-        """``Member.publish`` (to the coordinator: returned, to await or run as a task), after
+        """``Membership.publish`` (to the coordinator: returned, to await or run as a task), after
         the node's replica took the change at once: an engine's lookup right after its store
         is answered sees it."""
         mt = self.tiers.get(model)
         if mt is not None:
             mt.replica.set_local(list(map(_FIRST, stored)), True)
             mt.replica.set_local(removed, False)
-        return super().publish(model, stored, removed)
+        return self.member.publish(model, stored, removed)
 
     async def add_model(self, model: str, plan: Any) -> int:
         """Make room for ``model`` (idempotent); returns its CPU-tier block count."""
@@ -591,6 +597,20 @@ class CpuTierActor(Member):
         from raykv.service.tier.pull import pull
 
         return await pull(self, model, keys)
+
+    # --- membership (``Membership``: what it asks of the tier, ``Contents``) ---------------
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.member.snapshot()
+
+    async def watch(self, seconds: float) -> str | None:
+        return await self.member.watch(seconds)
+
+    def endpoints(self) -> dict[str, Any]:
+        return self.member.endpoints()
+
+    def extra_snapshot(self) -> dict[str, Any]:
+        return {}
 
     def blocks(self) -> dict[str, list[tuple[Hashable, int]]]:
         return {m: [(k, -1) for k in mt.where] for m, mt in self.tiers.items()}
