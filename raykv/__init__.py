@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # `raykv.connect` / `raykv.Client` import Ray only when used, so `import raykv` stays light.
     if name in ("connect", "Client", "AsyncClient"):
-        from raykv.service.ray_join import prepare_auth
+        from raykv.service.control.ray_join import prepare_auth
 
         prepare_auth()  # before Ray is imported: it reads the auth mode once
         from raykv import client

@@ -176,10 +176,10 @@ def up(
     """Start (or join) the raykv service and print where it runs."""
     from raykv.errors import RaykvError
     from raykv.layout.report import parse_size
-    from raykv.service.ray_join import prepare_auth
+    from raykv.service.control.ray_join import prepare_auth
 
     prepare_auth(create=address is None)  # before Ray is imported
-    from raykv.service import launcher
+    from raykv.service.control import launcher
 
     _bounded(timeout_s or 300, "raykv up")
 
@@ -223,10 +223,10 @@ def status(address, as_json, timeout_s) -> None:
     import json
 
     from raykv.errors import RaykvError
-    from raykv.service.ray_join import prepare_auth
+    from raykv.service.control.ray_join import prepare_auth
 
     prepare_auth()  # before Ray is imported
-    from raykv.service import launcher
+    from raykv.service.control import launcher
 
     _bounded(timeout_s or 60, "raykv status")
 
@@ -243,10 +243,10 @@ def status(address, as_json, timeout_s) -> None:
 def down(address, timeout_s) -> None:
     """Stop the service (and the local Ray head if `raykv up` started it)."""
     from raykv.errors import RaykvError
-    from raykv.service.ray_join import prepare_auth
+    from raykv.service.control.ray_join import prepare_auth
 
     prepare_auth()  # before Ray is imported
-    from raykv.service import launcher
+    from raykv.service.control import launcher
 
     _bounded(timeout_s or 180, "raykv down")
 

@@ -58,14 +58,14 @@ from raykv.api import (  # the result types: raykv.LookupResult & co.
     token_id_array,
 )
 from raykv.errors import RaykvError, ServiceError
-from raykv.service.control import ensure_service
-from raykv.service.ray_join import join
-from raykv.service.spec import COORDINATOR, NAMESPACE, ServedModel, served_model
+from raykv.service.control.calls import ensure_service
+from raykv.service.control.ray_join import join
+from raykv.service.served import COORDINATOR, NAMESPACE, ServedModel, served_model
 
 if TYPE_CHECKING:
     from raykv.layout import Plan
-    from raykv.service.coordinator import Coordinator
-    from raykv.service.gpu_pool import GpuPool
+    from raykv.service.control.coordinator import Coordinator
+    from raykv.service.pool.gpu_pool import GpuPool
 
 RETRY_S = 60.0
 log = logging.getLogger(__name__)
@@ -379,7 +379,7 @@ def _flat(block_ids: list) -> bool:
 
 def _rows_as_tensors(flat: bool) -> Callable[[list], Any]:
     """``read``'s answer (numpy rows per group) as tensors: one for a flat list of ids."""
-    from raykv.service.rows import as_tensor
+    from raykv.service.pool.rows import as_tensor
 
     def result(rows: list) -> Any:
         tensors = [as_tensor(r) for r in rows]
@@ -418,8 +418,8 @@ class _Operations(_Base):
     def lookup(self, token_ids: Sequence[int]) -> CoordinatorCall[LookupResult]:
         """The leading tokens of ``token_ids`` whose KV some pool or CPU tier holds, and where."""
         from raykv.blocks import BlockHasher
+        from raykv.service.control.index import pack, unpack
         from raykv.service.groups import primary_group
-        from raykv.service.index import pack, unpack
 
         model, plan = self._info  # resolved before this runs (``operation.with_model``)
         ids = token_id_array(token_ids, plan.max_model_len, model.name)
@@ -491,7 +491,7 @@ class _Operations(_Base):
         again if need be. Returns a ``StoreResult``: an int, the blocks newly published,
         with ``written`` (blocks written) and ``skipped`` (per group, the ids left as they
         were). Bad input raises InvalidInput before anything is written."""
-        from raykv.service.rows import to_wire
+        from raykv.service.pool.rows import to_wire
 
         request_id, ids = check_request_id(request_id), check_block_ids(block_ids)
         return PoolCall(GpuPool.store, (request_id, ids, to_wire(rows), offload))

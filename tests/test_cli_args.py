@@ -9,7 +9,7 @@ from raykv import cli
 
 
 def test_up_passes_tp_and_sizes_to_the_launcher(monkeypatch) -> None:
-    from raykv.service import launcher, ray_join
+    from raykv.service.control import launcher, ray_join
 
     seen: dict = {}
 

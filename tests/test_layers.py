@@ -41,7 +41,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "service": BELOW_SERVICE,
     "client": BELOW_SERVICE | {"service", "engine"},
     # the engine's side: on the service's Ray-free modules (agent protocol, replica,
-    # groups, spec), never on Ray itself (``tests/test_engine_without_ray.py``)
+    # groups, served), never on Ray itself (``tests/test_engine_without_ray.py``)
     "engine": BELOW_SERVICE | {"service"},
     "integrations": BELOW_SERVICE | {"service", "client", "engine"},
     # tools on top: the demo and the benches drive the service through the client

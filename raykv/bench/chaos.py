@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from raykv.errors import RaykvError, ServiceError, UnknownRequest
-from raykv.service.agent_protocol import AGENT_DIR_ENV
+from raykv.service.node.agent_protocol import AGENT_DIR_ENV
 
 MODEL = "chaos"
 BLOCK = 16
@@ -422,24 +422,24 @@ class Soak:
         """Actor ``name``'s handle and pid (every member runs on this host)."""
         import ray
 
-        from raykv.service.spec import NAMESPACE
+        from raykv.service.served import NAMESPACE
 
         handle = ray.get_actor(name, namespace=NAMESPACE)
         # Ray's own actor table (there is no dashboard, so no public state API)
         return handle, ray._private.state.actors(handle._actor_id.hex())["Pid"]
 
     def _fault_pool(self, slot: int) -> str:
-        from raykv.service.spec import pool_name
+        from raykv.service.served import pool_name
 
         return self._kill(pool_name(MODEL, self.nodes[slot], 0))
 
     def _fault_tier(self, slot: int) -> str:
-        from raykv.service.spec import tier_name
+        from raykv.service.served import tier_name
 
         return self._kill(tier_name(self.nodes[slot]))
 
     def _fault_coordinator(self, slot: int) -> str:
-        from raykv.service.spec import COORDINATOR
+        from raykv.service.served import COORDINATOR
 
         return self._kill(COORDINATOR, restart=True)  # as when its process crashes
 
@@ -463,7 +463,7 @@ class Soak:
         first pull of other such blocks, not killed, times one (and opens the UCX route);
         the kill lands at a random point of the second's expected span."""
         from raykv import ops
-        from raykv.service.spec import tier_name
+        from raykv.service.served import tier_name
 
         other = self.rng.choice([s for s in (0, 1, 2) if s != slot])
         with self.fresh_lock:
@@ -524,7 +524,7 @@ class Soak:
 
         from raykv.blocks import BlockHasher
         from raykv.service.groups import group_keys
-        from raykv.service.spec import NAMESPACE, tier_name
+        from raykv.service.served import NAMESPACE, tier_name
         from raykv.tiers import shm
 
         tier = ray.get_actor(tier_name(self.nodes[slot]), namespace=NAMESPACE)
@@ -619,7 +619,7 @@ class Soak:
         seconds to settle (leases of dead holders end at once, others at their deadline)."""
         import ray
 
-        from raykv.service.spec import NAMESPACE
+        from raykv.service.served import NAMESPACE
 
         whole = self._wait_whole(SETTLE_S)
         for node, rid in self.unfreed:

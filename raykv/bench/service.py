@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from raykv.service.agent_protocol import AGENT_DIR_ENV
+from raykv.service.node.agent_protocol import AGENT_DIR_ENV
 
 LOOKUP_MODEL, BW_MODEL = "bench-lookup", "bench-bandwidth"
 
@@ -348,7 +348,7 @@ def _rows(eng: Any, blocks: list[int]) -> torch.Tensor:
 
 def _shm_rounds(kv: Any, nblocks: int, reps: int, row: int, device: str) -> dict[str, Any]:
     from raykv import ops
-    from raykv.service.agent_protocol import Arena
+    from raykv.service.node.agent_protocol import Arena
 
     eng = kv.attach(device=device, num_blocks=nblocks + 8)
     gid = eng.plan.groups[0].group_id

@@ -253,7 +253,7 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
         entries = pool(cfg, device, 2000 + r)
     if a:
         store.set(f"peer/{r}", pickle.dumps(handle if isinstance(handle, list) else handle.spec))
-    if cfg.cuda:  # as a pool's ranks keep it (``raykv.service.pairs``)
+    if cfg.cuda:  # as a pool's ranks keep it (``raykv.service.pool.pairs``)
         coll.window_memory = (handle.buffer, handle.spec.tensors)
     src_ids, dst_ids = block_ids(cfg, 1), block_ids(cfg, 2)
     width, n = cfg.row_bytes, cfg.blocks

@@ -243,7 +243,7 @@ def _tier_pull(kv: Any, a_node: str, b_node: str, blocks: int, reps: int) -> dic
     from raykv.blocks import BlockHasher
     from raykv.layout import FullAttention
     from raykv.service.groups import group_keys
-    from raykv.service.spec import NAMESPACE, tier_name
+    from raykv.service.served import NAMESPACE, tier_name
 
     layers = {
         f"l{i}": FullAttention(dtype="float16", num_kv_heads=8, head_dim=128) for i in range(4)

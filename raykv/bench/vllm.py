@@ -165,7 +165,7 @@ def _kill_service() -> None:
     """The coordinator first (else it places fresh members), then every pool and tier."""
     import ray
 
-    from raykv.service.spec import COORDINATOR, NAMESPACE
+    from raykv.service.served import COORDINATOR, NAMESPACE
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["namespace"] == NAMESPACE and a["name"].startswith("raykv-")]  # fmt: skip

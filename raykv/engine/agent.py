@@ -1,12 +1,12 @@
 """An engine's connection to its node agent, behind a circuit breaker.
 
-``NodeAgent.call`` sends one request (``raykv.service.agent_protocol``) and waits for its answer;
-``send`` does not wait (a ``Future``). One reader thread matches answers to requests. Any
-failure of the connection (the agent's process died, the Ray head went down and took the
-node's raykv with it, a call timed out) opens the breaker: pending calls fail with
-``AgentUnavailable``, and so does every call until a background thread has connected again
-(it re-probes every ``reprobe_s``). An engine therefore never waits on a dead cache: a call
-while the breaker is open fails at once, and the engine computes (a miss).
+``NodeAgent.call`` sends one request (``raykv.service.node.agent_protocol``) and waits for
+its answer; ``send`` does not wait (a ``Future``). One reader thread matches answers to
+requests. Any failure of the connection (the agent's process died, the Ray head went down
+and took the node's raykv with it, a call timed out) opens the breaker: pending calls fail
+with ``AgentUnavailable``, and so does every call until a background thread has connected
+again (it re-probes every ``reprobe_s``). An engine therefore never waits on a dead cache: a
+call while the breaker is open fails at once, and the engine computes (a miss).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from raykv.errors import RaykvError, ServiceError
-from raykv.service import agent_protocol as p
+from raykv.service.node import agent_protocol as p
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 10.0  # a control call (reserve, lease, apply) the agent answers in ~0.1 ms

@@ -34,13 +34,12 @@ import numpy as np
 from raykv.blocks.hashing import BlockHasher
 from raykv.engine.agent import NodeAgent
 from raykv.errors import InvalidInput, RaykvError
-from raykv.service import agent_protocol as p
 from raykv.service.groups import as_tables, complete_chunks, group_keys
-from raykv.tiers.cpu_tier import LoadLease, int_array
+from raykv.service.node import agent_protocol as p
+from raykv.tiers.cpu_tier import CpuTierView, LoadLease, int_array
 from raykv.tiers.gpu_kv import GpuKV
 from raykv.tiers.jobs import JobArrays, LoadJob, StoreJob, slots_of
 from raykv.tiers.offload import JobResult, OffloadEngine
-from raykv.tiers.tier_view import CpuTierView
 
 log = logging.getLogger(__name__)
 PULL_TIMEOUT_S = 60.0  # a pull crosses nodes: as long as a transport may take

@@ -6,7 +6,7 @@
     kv = node.attach(engine_tensors, num_blocks=n)
     kv.store_from(prompt, block_ids); kv.load_into(prompt, block_ids)
 
-Lookups read the node's prefix index replica (``raykv.service.replica``) in shared memory
+Lookups read the node's prefix index replica (``raykv.service.node.replica``) in shared memory
 and tell apart blocks this node's CPU tier holds (a load copies them at once) from blocks
 held elsewhere (the tier pulls them first). They are counted at the agent, in messages that
 are not waited for, at most every ``COUNT_S``. While the agent is unreachable (``NodeAgent``'s
@@ -31,10 +31,10 @@ from raykv.blocks.hashing import BlockHasher, build_native
 from raykv.engine.agent import NodeAgent
 from raykv.engine.attached import AttachedKV
 from raykv.errors import RaykvError
-from raykv.service import agent_protocol as p
 from raykv.service.groups import common_hit, managers, needed_slots
-from raykv.service.replica import LOCAL_TIER, ReplicaReader, key_lanes
-from raykv.service.spec import NAMESPACE, ServedModel, served_model
+from raykv.service.node import agent_protocol as p
+from raykv.service.node.replica import LOCAL_TIER, ReplicaReader, key_lanes
+from raykv.service.served import NAMESPACE, ServedModel, served_model
 
 log = logging.getLogger(__name__)
 COUNT_S = 0.05  # lookups are counted at the agent in batches this far apart

@@ -5,7 +5,7 @@ device pools on GPU-less nodes) — and one ``CpuTierActor`` per node. Any plan 
 makes is served (hybrid groups, TP ranks, CPU-tier entries of several GPU blocks; see
 ``raykv.service.groups``).
 
-One data path (``raykv.service.dataplane``): every byte that enters or leaves a block goes
+One data path (``raykv.service.pool.dataplane``): every byte that enters or leaves a block goes
 through ``raykv.tiers`` jobs and ``raykv.ops`` paged copies. The node's CPU tier arena and
 CPU-device pools' KV live in shared memory (``raykv.tiers.shm``): pools, their TP ranks and
 attached engines (``raykv.engine``) run ``OffloadEngine`` Store/Load jobs on the
@@ -17,5 +17,13 @@ Invariant 9 is kept in ``dataplane`` (the pool's ``StoreFence`` on the block man
 ``raykv.tiers.offload``; invariant 12 (checksum before a block is readable) in ``dataplane``,
 ``raykv.tiers.offload`` and ``raykv.transport.receive``.
 
-Modules import Ray; ``import raykv`` does not (``raykv.connect`` loads it on first use).
+Packages: ``control`` (the coordinator and its calls), ``pool`` (the pool actors and their
+data path), ``tier`` (the CPU tier actor), ``node`` (the node agent engines talk to, and the
+index replica they read). ``served`` names what the service serves (``ServedModel``) and its
+actors; ``groups`` maps a plan's groups to blocks and keys; ``member`` is what every pool
+and tier does as a member of the coordinator's cluster.
+
+Modules import Ray, except those the engine side uses without it (``served``, ``groups``,
+``node.agent_protocol``, ``node.replica``); ``import raykv`` loads none of them
+(``raykv.connect`` loads Ray on first use).
 """

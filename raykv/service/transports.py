@@ -3,7 +3,7 @@
 Every member (GPU pool, CPU tier) reads through the object store and, where this node can
 (``raykv[ucx]`` installed, ``RAYKV_TRANSPORT_SECRET`` set, ``RAYKV_UCX`` not 0), over UCX;
 and where it can, it also runs a UCX server for its ``export_blocks`` and advertises it
-(``Member.endpoints``: ``{"ucx": (host, worker address hex, hello tag)}``: readers connect
+(``Membership.endpoints``: ``{"ucx": (host, worker address hex, hello tag)}``: readers connect
 by worker address, nothing listens on a port), so the coordinator routes the pair over UCX
 when both ends have it. Without ucxx or the secret nothing advertises UCX and every
 fetch takes the object store.
@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
-from raykv.service.spec import NAMESPACE
+from raykv.service.control.metrics import ServiceMetrics
+from raykv.service.served import NAMESPACE
 from raykv.transport import FALLBACK, ObjectStoreTransport, Transport
 from raykv.transport.select import UCX
 
@@ -39,23 +41,24 @@ def reader_transports() -> dict[str, Transport]:
     return out
 
 
-def serve_ucx(member: Any) -> Any:
-    """Start ``member``'s UCX server (on its actor's running loop), or None. Refused
-    peers are counted in ``member.metrics`` (``failures_transport_auth``)."""
+def serve_ucx(
+    name: str, export_blocks: Callable[..., Any], metrics: ServiceMetrics, lends: bool
+) -> Any:
+    """Start member ``name``'s UCX server for its ``export_blocks`` (on its actor's running
+    loop), or None. Refused peers are counted in ``metrics`` (``failures_transport_auth``)."""
     from raykv.transport.ucx_server import ucx_server
 
     def refused(reason: str) -> None:
-        if member.metrics is not None:
-            member.metrics.failed("transport_auth")
+        metrics.failed("transport_auth")
 
     try:
         return ucx_server(
-            member.export_blocks,
+            export_blocks,
             host=ray.util.get_node_ip_address(),
             owner_loop=asyncio.get_running_loop(),
             on_refused=refused,
-            lends=getattr(member, "lends_rows", False),
+            lends=lends,
         )
     except Exception as e:  # UCX is an optimization: a member never fails over it
-        log.warning("%s: no UCX listener (%r); serving over the object store", member.name, e)
+        log.warning("%s: no UCX listener (%r); serving over the object store", name, e)
         return None

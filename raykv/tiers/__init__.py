@@ -6,6 +6,7 @@ from raykv.tiers.cpu_tier import (
     ArenaRows,
     BlockState,
     CpuTier,
+    CpuTierView,
     LoadLease,
     StoreReservation,
     TierStats,
@@ -22,7 +23,6 @@ from raykv.tiers.jobs import (
 )
 from raykv.tiers.offload import JobResult, OffloadEngine
 from raykv.tiers.policies import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
-from raykv.tiers.tier_view import CpuTierView
 
 __all__ = [
     "NULL_BLOCK",

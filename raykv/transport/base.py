@@ -111,7 +111,7 @@ class Transport(Protocol):
         """The leading ``keys`` (one group, prefix order) that member ``source`` holds, as
         stored (not verified: read them through ``receive``), in one or more chunks in key
         order; ``endpoint`` is what the source advertised for this transport
-        (``Member.endpoints``); ``land``: where the rows may be received in place (``Land``;
+        (``Membership.endpoints``); ``land``: where the rows may be received in place (``Land``;
         a transport that cannot ignores it); ``asked`` is called once the request is on its
         way (``Asked``; not if it never is). Raises ``TransportError`` (or Ray's actor error) if the
         source is gone or the transfer fails; closing the iterator early ends the transfer."""
@@ -120,7 +120,7 @@ class Transport(Protocol):
 
 class DirectTransport:
     """A ``Transport`` whose batches land straight in the reader's blocks (``direct``): the
-    pool drives it rank to rank (``raykv.service.pairs``), so it streams nothing; ``instead``
+    pool drives it rank to rank (``raykv.service.pool.pairs``), so it streams nothing; ``instead``
     says what it does, for the error a stream gets."""
 
     direct = True

@@ -607,7 +607,7 @@ class Collective:
 class CollectiveTransport(DirectTransport):
     """The ``Transport`` entry for ``nccl`` / ``gloo`` (``raykv.transport.select`` routes a pair
     over it): this process's ``Collective``. Its batches land straight in the receiving ranks'
-    blocks (``direct``), so the pool drives it rank to rank (``raykv.service.pairs``) rather
+    blocks (``direct``), so the pool drives it rank to rank (``raykv.service.pool.pairs``) rather
     than through ``fetch``."""
 
     instead = "nccl and gloo move batches rank to rank into the reader's blocks"

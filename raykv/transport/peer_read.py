@@ -5,7 +5,7 @@ reader can map (a CUDA pool's one exportable allocation, ``raykv.tiers.peer_memo
 over NVLink; a CPU pool's ``/dev/shm`` files, ``raykv.tiers.shm``), so the reader's own
 kernel copies block to block (``raykv.ops.pools.PoolCopy``): one pass over the bytes, no
 staging, no gather on the holder, no scatter after. The holder takes part only in the
-control call that names the blocks (``raykv.service.pairs``): it holds them (no eviction, no
+control call that names the blocks (``raykv.service.pool.pairs``): it holds them (no eviction, no
 rewrite) until the reader releases them or a deadline passes, and states each block's wire
 sum (``PoolCopy`` without a destination). The reader takes the same sums while it copies; only the
 leading rows whose sums match become valid, so a block the holder changed after all (its
@@ -134,7 +134,7 @@ class PeerTransport(DirectTransport):
     mapped by another process of its node. Its endpoint names the node and the blocks'
     layout; the coordinator routes a pair over it only where both ends' endpoints are equal
     (``raykv.transport.select.choose``). Like NCCL it lands straight in the reader's blocks
-    (``direct``): the pool drives it (``raykv.service.pairs``), not ``fetch``."""
+    (``direct``): the pool drives it (``raykv.service.pool.pairs``), not ``fetch``."""
 
     name = PEER
     instead = "peer reads copy blocks straight into the reader's blocks"

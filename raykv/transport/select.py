@@ -1,7 +1,7 @@
 """Which transport a pair of members uses: the fastest one both ends offer.
 
 Every member (pool or tier) advertises the transports it can serve and how to reach it
-(``Member.endpoints``: name -> endpoint info, e.g. a UCX server's worker address); the
+(``Membership.endpoints``: name -> endpoint info, e.g. a UCX server's worker address); the
 coordinator picks, for each (holder, reader) pair, the first name of ``PREFERENCE`` both
 advertise (``choose``), hands it out with every ``Location`` of a lookup, and remembers it
 for ``raykv status``. ``OBJECT_STORE`` works on any Ray cluster and is always offered, so a

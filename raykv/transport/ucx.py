@@ -1,7 +1,7 @@
 """``UcxTransport``: fetch a batch of blocks from another member's UCX server (ucxx).
 
 A member that serves UCX runs a ``UcxServer`` (``raykv.transport.ucx_server``) and advertises
-``{"ucx": (host, [worker address hex, ...], hello tag)}`` in ``Member.endpoints``; a reader
+``{"ucx": (host, [worker address hex, ...], hello tag)}`` in ``Membership.endpoints``; a reader
 fetches from it here, connecting by worker address (no sockaddr listener anywhere:
 ``raykv.transport.ucx_wire``), stripe ``i`` from this process's worker ``i`` to the server's
 worker ``i`` (each worker has its own progress thread, so the stripes move in parallel:

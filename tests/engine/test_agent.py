@@ -15,8 +15,8 @@ import pytest
 
 from raykv.engine.agent import AgentUnavailable, NodeAgent
 from raykv.errors import InvalidInput
-from raykv.service import agent_protocol as p
-from raykv.service.agent import AgentServer
+from raykv.service.node import agent_protocol as p
+from raykv.service.node.agent import AgentServer
 
 
 class FakeTier:

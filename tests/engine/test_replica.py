@@ -1,5 +1,5 @@
-"""The node's prefix index replica (``raykv.service.replica``) and the coordinator's change
-feed that keeps it current (``raykv.service.index.IndexFeed``).
+"""The node's prefix index replica (``raykv.service.node.replica``) and the coordinator's change
+feed that keeps it current (``raykv.service.control.index.IndexFeed``).
 
 Invariant: what an engine reads for a key is the writer's truth, or 0 (a miss) where the
 replica had no room for it; never a hit the truth does not hold. Rebuilds (dead slots
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raykv.blocks.events import PrefixIndex
-from raykv.service.index import IndexFeed, group_key
-from raykv.service.replica import (
+from raykv.service.control.index import IndexFeed, group_key
+from raykv.service.node.replica import (
     ELSEWHERE,
     LOCAL_POOL,
     LOCAL_TIER,

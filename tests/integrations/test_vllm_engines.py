@@ -80,7 +80,7 @@ def reference(b, tokens: list[int]) -> list[int]:
 def _tier_rows_written(engine, model: str, node: str, tokens: list[int]):
     """Node ``node``'s CPU-tier arena, mapped here, and the rows of it that ``engine``'s
     answer to ``tokens`` wrote (whose bytes changed)."""
-    from raykv.service.spec import NAMESPACE, tier_name
+    from raykv.service.served import NAMESPACE, tier_name
     from raykv.tiers import shm
 
     tier = ray.get_actor(tier_name(node), namespace=NAMESPACE)

@@ -26,8 +26,8 @@ import torch
 
 from integrations.engine_process import EngineProcess
 from raykv.integrations.vllm.tiny import TinyLlama, build_tiny_llama
-from raykv.service.agent_protocol import AGENT_DIR_ENV, default_socket
-from raykv.service.spec import COORDINATOR, NAMESPACE, tier_name
+from raykv.service.node.agent_protocol import AGENT_DIR_ENV, default_socket
+from raykv.service.served import COORDINATOR, NAMESPACE, tier_name
 
 pytestmark = pytest.mark.ray
 

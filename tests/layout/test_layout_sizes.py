@@ -12,7 +12,7 @@ import pytest
 
 from raykv.errors import ConfigError
 from raykv.layout import FullAttention, plan
-from raykv.service.spec import ServedModel, served_model
+from raykv.service.served import ServedModel, served_model
 
 LAYERS = {"l0": FullAttention(dtype="float32", num_kv_heads=1, head_dim=16)}
 ROW = 2 * 16 * 16 * 4  # K,V x 16 tokens x 16 x float32

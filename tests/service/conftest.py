@@ -42,7 +42,7 @@ def member_state(kv) -> list:
     counts, read from the members themselves (the coordinator's copy lags a heartbeat)."""
     import ray
 
-    from raykv.service.spec import NAMESPACE
+    from raykv.service.served import NAMESPACE
 
     s = kv.stats()
     out: list = [s["indexed_blocks"], sorted(s["models"])]

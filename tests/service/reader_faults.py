@@ -22,15 +22,15 @@ def peer_reads_fail_and_the_store_is_down(pool) -> None:
             raise TransportError("object store down (test)")
             yield
 
-    pool._store_before_faults = pool.transports[FALLBACK]
-    pool._peer_fetch, pool.transports[FALLBACK] = unmappable, Down()
+    pool._store_before_faults = pool.fetch.transports[FALLBACK]
+    pool.pairs._peer_fetch, pool.fetch.transports[FALLBACK] = unmappable, Down()
 
 
 def restore(pool) -> None:
     from raykv.transport import FALLBACK
 
-    del pool._peer_fetch  # the class's again
-    pool.transports[FALLBACK] = pool._store_before_faults
+    del pool.pairs._peer_fetch  # the class's again
+    pool.fetch.transports[FALLBACK] = pool._store_before_faults
 
 
 def peer_failures(pool) -> int:

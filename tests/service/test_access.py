@@ -11,8 +11,8 @@ import torch
 from raykv.client import Client
 from raykv.errors import AccessDenied
 from raykv.layout import FullAttention
-from raykv.service.admin import admin_key
-from raykv.service.spec import COORDINATOR, NAMESPACE
+from raykv.service.control.admin import admin_key
+from raykv.service.served import COORDINATOR, NAMESPACE
 
 pytestmark = pytest.mark.ray
 RAY_WORKERS = 1

@@ -17,9 +17,9 @@ from ray import exceptions as rex
 from raykv.client import AsyncClient, Client
 from raykv.errors import InvalidInput, RaykvError, ServiceError
 from raykv.layout import FullAttention
-from raykv.service.coordinator import Coordinator
-from raykv.service.gpu_pool import GpuPool
-from raykv.service.spec import COORDINATOR, NAMESPACE, pool_name, tier_name
+from raykv.service.control.coordinator import Coordinator
+from raykv.service.pool.gpu_pool import GpuPool
+from raykv.service.served import COORDINATOR, NAMESPACE, pool_name, tier_name
 
 # the tier kill runs a helper of this module inside the pool
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -186,10 +186,11 @@ def _wait(what: str, check: Callable[[], bool], bound: float = 45.0) -> None:
 def _kill_tier_before_apply(pool: Any) -> None:
     """Inside the pool: the next offload's tier dies between its reservation and its apply
     (the call under way then finds the tier dead)."""
-    orig = type(pool)._apply
+    io = pool.tier_io  # the part that offloads
+    orig = type(io)._apply
 
     async def killing(tier: Any, ops: list) -> int:
-        del pool._apply  # once
+        del io._apply  # once
         ray.kill(tier, no_restart=True)
         for _ in range(100):
             try:
@@ -197,9 +198,9 @@ def _kill_tier_before_apply(pool: Any) -> None:
             except rex.RayActorError:
                 break
             await asyncio.sleep(0.1)
-        return await orig(pool, tier, ops)
+        return await orig(io, tier, ops)
 
-    pool._apply = killing
+    io._apply = killing
 
 
 def _run_under(svc: Any, kill: Callable[[], None]) -> dict[str, str]:

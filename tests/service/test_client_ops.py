@@ -58,8 +58,8 @@ def test_every_actor_method_the_client_names_is_one_of_the_actor() -> None:
     """In ``raykv.client`` ``GpuPool.x`` and ``Coordinator.x`` are names only (the actors'
     modules are not imported there): each must be a method of the real class, a pool's
     taking the client id first."""
-    from raykv.service.coordinator import Coordinator
-    from raykv.service.gpu_pool import GpuPool
+    from raykv.service.control.coordinator import Coordinator
+    from raykv.service.pool.gpu_pool import GpuPool
 
     actors = {"GpuPool": GpuPool, "Coordinator": Coordinator}
     tree = ast.parse(Path(raykv.client.__file__).read_text())

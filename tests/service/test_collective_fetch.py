@@ -12,7 +12,7 @@ import torch
 from kvdata import ROW, rows, tokens
 
 from raykv.layout import MLA, FullAttention
-from raykv.service.spec import NAMESPACE, pool_name, rank_name
+from raykv.service.served import NAMESPACE, pool_name, rank_name
 from raykv.transport.wire import SHARE_MIN_BYTES
 
 pytestmark = pytest.mark.ray
@@ -145,7 +145,7 @@ def test_corrupt_in_flight_is_a_counted_miss(ray_cluster) -> None:
                 msg[3 * ROW + 1] ^= 0x40  # row 3, after the sender took its sum
 
         def hook(self):
-            self.transports["gloo"].collective.tamper = flip if what else None
+            self.fetch.transports["gloo"].collective.tamper = flip if what else None
 
         ray.get(pool.__ray_call__.remote(hook))
 
@@ -167,7 +167,7 @@ def test_holder_killed_mid_transfer_is_a_miss_in_bounded_time(ray_cluster) -> No
     old = ray.get(src.snapshot.remote())["actor_id"]
 
     def die_on_send(self):
-        self.transports["gloo"].collective.tamper = lambda buf: os._exit(1)
+        self.fetch.transports["gloo"].collective.tamper = lambda buf: os._exit(1)
 
     ray.get(src.__ray_call__.remote(die_on_send))
     t0 = time.monotonic()

@@ -8,7 +8,7 @@ import ray
 import torch
 
 from raykv.layout import FullAttention
-from raykv.service.spec import NAMESPACE, pool_name, tier_name
+from raykv.service.served import NAMESPACE, pool_name, tier_name
 from raykv.tiers import shm
 
 RAY_WORKERS = 1
@@ -159,7 +159,7 @@ def test_after_corruption_the_engines_logits_match_a_full_recompute(ray_cluster)
     ``raykv status`` prints), computes the rest and gets the logits of a full recompute."""
     from raykv.demo import DemoEngine
     from raykv.models import TinyDecoder
-    from raykv.service.launcher import status_table
+    from raykv.service.control.launcher import status_table
 
     kv = ray_cluster.kv
     layers = TinyDecoder().kv_layers()

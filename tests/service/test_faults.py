@@ -25,7 +25,7 @@ from raykv.bench import chaos
 from raykv.client import Client
 from raykv.errors import AccessDenied, ServiceError
 from raykv.layout import FullAttention
-from raykv.service.spec import COORDINATOR, NAMESPACE, pool_name, tier_name
+from raykv.service.served import COORDINATOR, NAMESPACE, pool_name, tier_name
 
 pytestmark = pytest.mark.ray
 # the Engine actor runs this module's helpers on other nodes, where it is not importable

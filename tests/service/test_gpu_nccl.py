@@ -53,7 +53,7 @@ def engine(kv, model: str, index: int):
     """A client bound to pool ``index`` of this node (several GPU pools on one node)."""
     import ray
 
-    from raykv.service.spec import pool_name
+    from raykv.service.served import pool_name
 
     node = ray.get_runtime_context().get_node_id()
     c = kv.on(node)
@@ -65,8 +65,8 @@ def engine(kv, model: str, index: int):
 def stop_service(kv) -> None:
     import ray
 
-    from raykv.service.admin import admin_key
-    from raykv.service.spec import COORDINATOR, NAMESPACE
+    from raykv.service.control.admin import admin_key
+    from raykv.service.served import COORDINATOR, NAMESPACE
 
     coord = ray.get_actor(COORDINATOR, namespace=NAMESPACE)
     ray.get(coord.shutdown_service.remote(admin_key()))
@@ -124,12 +124,12 @@ def windows_of(model: str, index: int) -> dict:
     """Pool ``index``'s holders and whether it reads each through NCCL windows."""
     import ray
 
-    from raykv.service.spec import NAMESPACE, pool_name
+    from raykv.service.served import NAMESPACE, pool_name
 
     node = ray.get_runtime_context().get_node_id()
     pool = ray.get_actor(pool_name(model, node, index), namespace=NAMESPACE)
     return ray.get(pool.__ray_call__.remote(
-        lambda self: {m: pairs is not None for m, (_, pairs) in self._window_of.items()}
+        lambda self: {m: pairs is not None for m, (_, pairs) in self.pairs._window_of.items()}
     ))  # fmt: skip
 
 
@@ -191,7 +191,7 @@ def test_issue13_two_tp2_groups_exchange_a_32k_prefix_over_nccl(kv) -> None:
     # A's pool dies as it sends: B's load is a miss within the timeout, A is placed again
     import ray
 
-    from raykv.service.spec import NAMESPACE, pool_name
+    from raykv.service.served import NAMESPACE, pool_name
 
     node = ray.get_runtime_context().get_node_id()
     name = pool_name("deepseek-v3", node, 0)
@@ -199,7 +199,7 @@ def test_issue13_two_tp2_groups_exchange_a_32k_prefix_over_nccl(kv) -> None:
     old = ray.get(src.snapshot.remote())["actor_id"]
 
     def die_on_send(self):
-        self.transports["nccl"].collective.tamper = lambda buf: os._exit(1)
+        self.fetch.transports["nccl"].collective.tamper = lambda buf: os._exit(1)
 
     ray.get(src.__ray_call__.remote(die_on_send))
     a, b, n = run["a"], run["b"], run["n"]

@@ -35,13 +35,15 @@ def kv():
 def test_two_gpu_pools_of_one_node_read_each_other_in_place(kv) -> None:
     import ray
 
-    from raykv.service.spec import NAMESPACE, pool_name
+    from raykv.service.served import NAMESPACE, pool_name
 
     got = load_between_two_pools(kv, "p1")
     assert set(got.values()) == {"peer"}, got
     node = ray.get_runtime_context().get_node_id()
     holder = ray.get_actor(pool_name("p1", node, 0), namespace=NAMESPACE)
-    left = ray.get(holder.__ray_call__.remote(lambda s: (len(s._holds), s.bm.pool.num_used_blocks)))
+    left = ray.get(
+        holder.__ray_call__.remote(lambda s: (len(s.pairs._holds), s.bm.pool.num_used_blocks))
+    )
     assert left == (0, 0), left  # released: nothing held, nothing in use
     stop_service(kv)
 
@@ -49,7 +51,7 @@ def test_two_gpu_pools_of_one_node_read_each_other_in_place(kv) -> None:
 def test_a_failed_peer_read_is_retried_over_nccl(kv) -> None:
     import ray
 
-    from raykv.service.spec import NAMESPACE, pool_name
+    from raykv.service.served import NAMESPACE, pool_name
 
     node = ray.get_runtime_context().get_node_id()
 

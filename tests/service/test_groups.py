@@ -19,7 +19,7 @@ from raykv.service.groups import (
     managers,
     row_widths,
 )
-from raykv.service.rows import as_rank_rows
+from raykv.service.pool.rows import as_rank_rows
 
 SW, FULL = SlidingWindow("float32", 1, 16, window=32), FullAttention("float32", 1, 16)
 HYBRID = {"s0": SW, "s1": SW, "f0": FULL, "s2": SW, "s3": SW, "f1": FULL}

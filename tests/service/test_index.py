@@ -2,7 +2,7 @@
 ranked from the caller's node, members leaving."""
 
 from raykv.blocks import BlockRemoved, BlockStored, PrefixIndex
-from raykv.service.index import CPU, GPU, Location, key_events, rank, split_key
+from raykv.service.control.index import CPU, GPU, Location, key_events, rank, split_key
 
 
 def key(gid: int, h: bytes) -> bytes:

@@ -25,8 +25,8 @@ from raykv.api import (
 )
 from raykv.errors import AccessDenied, InvalidInput
 from raykv.layout import FullAttention
-from raykv.service.gpu_pool import GpuPool
-from raykv.service.spec import ServedModel
+from raykv.service.pool.gpu_pool import GpuPool
+from raykv.service.served import ServedModel
 
 BS, ROW = 16, 2 * 16 * 1 * 16 * 4  # one layer: K,V x 16 tokens x 1 head x 16 x 4 bytes
 ENGINE = "engine"  # the client id every call of these in-process pools comes from
@@ -260,7 +260,9 @@ def test_published_bytes_never_change(monkeypatch, ops) -> None:
     skips: list[int] = []
 
     def published() -> dict[bytes, tuple[int, torch.Tensor]]:
-        return {k: (b, pool.local.gather(0, [b])[0].clone()) for k, b in pool.valid.items()}
+        return {
+            k: (b, pool.local.gather(0, [b])[0].clone()) for k, b in pool.requests.valid.items()
+        }
 
     async def run() -> None:
         for op, r, x, n in ops:
@@ -274,7 +276,7 @@ def test_published_bytes_never_change(monkeypatch, ops) -> None:
                 op = "store"  # and store what it computed
             if op == "store" and r in tables:
                 ids = tables[r][:n]
-                immutable = [b for b in ids if b in pool.key_of]
+                immutable = [b for b in ids if b in pool.requests.key_of]
                 data = _rows(len(ids), x)
                 res = await pool.store(ENGINE, r, ids, data)
                 skips.append(res.num_skipped)
@@ -292,7 +294,7 @@ def test_published_bytes_never_change(monkeypatch, ops) -> None:
                     assert torch.equal(after[key][1], data), (op, r, b)
             # a block handed to a request is valid only while its owner's position key is
             for k, (b, _) in after.items():
-                assert pool.key_of[b] == k
+                assert pool.requests.key_of[b] == k
 
     asyncio.run(run())
     event(f"stores skipping published blocks: {min(sum(map(bool, skips)), 3)}+")
@@ -317,7 +319,7 @@ def test_a_second_request_sharing_a_prefix_cannot_overwrite_it(monkeypatch) -> N
         assert (res, res.written, res.skipped) == (0, 1, [t1[:4]])
         assert torch.equal(pool.local.gather(0, t1[:5]), x)
         assert torch.equal(pool.local.gather(0, [t2[4]]), y[4:])  # private, unpublished
-        assert t2[4] not in pool.key_of
+        assert t2[4] not in pool.requests.key_of
         again = await pool.store(ENGINE, "a1", t1[:5], y)  # the owner cannot rewrite them either
         assert (again, again.written, again.skipped) == (0, 0, [t1[:5]])
         assert torch.equal(pool.local.gather(0, t1[:5]), x)
@@ -399,7 +401,7 @@ def test_the_pool_checks_ownership_and_its_plans_limits(monkeypatch) -> None:
     async def run() -> None:
         assert await pool.admit(ENGINE, "r", 64, BASE[:64])
         table = (await pool.allocate(ENGINE, "r", 64, BASE[:64]))[0]
-        free, tokens = pool.bm.num_free_blocks, list(pool.tokens["r"])
+        free, tokens = pool.bm.num_free_blocks, list(pool.requests.tokens["r"])
         for call in (pool.free, pool.block_table):
             with pytest.raises(AccessDenied, match="admitted by another client"):
                 await call("stranger", "r")
@@ -413,7 +415,7 @@ def test_the_pool_checks_ownership_and_its_plans_limits(monkeypatch) -> None:
             await pool.allocate(ENGINE, "r", 16, BASE + _tokens(16, 9))
         with pytest.raises(InvalidInput, match="rank 1 is outside tp_size=1"):
             await pool.read(ENGINE, table, 1)
-        assert pool.bm.num_free_blocks == free and pool.tokens["r"] == tokens
-        assert not pool.valid and await pool.block_table(ENGINE, "r") == [table]
+        assert pool.bm.num_free_blocks == free and pool.requests.tokens["r"] == tokens
+        assert not pool.requests.valid and await pool.block_table(ENGINE, "r") == [table]
 
     asyncio.run(run())

@@ -19,7 +19,7 @@ from kvdata import ROW, rows, tokens
 
 from raykv.errors import InvalidInput, UnknownRequest
 from raykv.layout import FullAttention
-from raykv.service.spec import NAMESPACE, pool_name
+from raykv.service.served import NAMESPACE, pool_name
 
 pytestmark = pytest.mark.ray
 
@@ -253,7 +253,7 @@ def test_a_model_whose_pools_cannot_start_is_not_added(svc) -> None:
     """All or nothing: ServiceError naming the pool and why; no plan, no pools, no tier arena
     left and no placing it again; once the cause is fixed it is added as any model."""
     from raykv.errors import ServiceError
-    from raykv.service.spec import COORDINATOR, tier_name
+    from raykv.service.served import COORDINATOR, tier_name
 
     def break_pools(self) -> None:  # (runs in the coordinator: pickled by value, as a closure)
         """The pools of "broken" die in their constructor (a GpuPool given a TP-2 plan and

@@ -17,9 +17,9 @@ from raykv.errors import BlockSizeError, ConfigError, InvalidInput, ServiceError
 from raykv.layout import FullAttention, Mamba
 from raykv.layout.hf_config import layers_from_hf_config
 from raykv.layout.presets import get_preset
-from raykv.service.admin import admin_key
+from raykv.service.control.admin import admin_key
 from raykv.service.groups import group_keys
-from raykv.service.spec import NAMESPACE, group_name, rank_name, tier_name
+from raykv.service.served import NAMESPACE, group_name, rank_name, tier_name
 
 pytestmark = pytest.mark.ray
 RAY_WORKERS = 1
@@ -249,7 +249,7 @@ def test_bad_input_and_unservable_models_change_nothing(svc, state) -> None:
 
 
 def test_down_removes_tp_ranks_and_placement_groups(svc) -> None:
-    from raykv.service.spec import COORDINATOR
+    from raykv.service.served import COORDINATOR
 
     coord = ray.get_actor(COORDINATOR, namespace=NAMESPACE)
     assert ray.get(coord.shutdown_service.remote(admin_key())) == 2 + 2 * 2 + 2  # tiers, tp2, gemma

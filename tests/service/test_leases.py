@@ -11,9 +11,9 @@ import torch
 
 from raykv import ops
 from raykv.layout import FullAttention
-from raykv.service import holders
-from raykv.service.cpu_tier import LEASE_TIMEOUT_ENV
-from raykv.service.spec import NAMESPACE, tier_name
+from raykv.service.served import NAMESPACE, tier_name
+from raykv.service.tier.actor import LEASE_TIMEOUT_ENV
+from raykv.tiers import holds
 
 RAY_WORKERS = 0
 TIMEOUT_S = 6
@@ -145,7 +145,7 @@ def test_a_late_store_apply_after_expiry_is_never_published(svc) -> None:
     n = plan.cpu_num_blocks
     stale_ids = tokens(n * BS, 6)
     keys = tuple(ea.keys(stale_ids)[0])
-    me = holders.this_process("stalled writer")
+    me = holds.this_process("stalled writer")
     _, res = ray.get(tier.reserve.remote("lease-late-store", keys, tuple((k,) for k in keys),
                                          1, me))  # fmt: skip
     assert res is not None and len(res.keys) == n
@@ -167,7 +167,7 @@ def test_a_late_store_apply_after_expiry_is_never_published(svc) -> None:
 
 
 def test_status_shows_the_lease_counters(svc) -> None:
-    from raykv.service.launcher import status_table
+    from raykv.service.control.launcher import status_table
 
     s = svc.kv.stats()
     for k in ("leases_expired", "leases_released", "late_finishes"):
@@ -185,18 +185,18 @@ def test_a_holder_is_gone_only_when_surely_exited() -> None:
     import subprocess
     import sys
 
-    me = holders.this_process("test")
-    assert not holders.gone(me) and holders.this_process("test") == me
+    me = holds.this_process("test")
+    assert not holds.gone(me) and holds.this_process("test") == me
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
                              stdin=subprocess.PIPE)  # fmt: skip
-    h = dataclasses.replace(me, pid=child.pid, start=holders._start_time(child.pid))
-    assert not holders.gone(h)
+    h = dataclasses.replace(me, pid=child.pid, start=holds._start_time(child.pid))
+    assert not holds.gone(h)
     child.communicate(b"")
-    assert holders.gone(h)  # exited (and reaped)
-    assert holders.gone(dataclasses.replace(me, start=me.start + 1))  # the pid was reused
-    assert not holders.gone(dataclasses.replace(h, pidns=me.pidns + 1))  # another container
-    assert not holders.gone(dataclasses.replace(h, boot="another host"))
-    assert not holders.gone("a name") and not holders.gone(None)
+    assert holds.gone(h)  # exited (and reaped)
+    assert holds.gone(dataclasses.replace(me, start=me.start + 1))  # the pid was reused
+    assert not holds.gone(dataclasses.replace(h, pidns=me.pidns + 1))  # another container
+    assert not holds.gone(dataclasses.replace(h, boot="another host"))
+    assert not holds.gone("a name") and not holds.gone(None)
 
 
 def test_an_engine_that_detaches_releases_its_leases_at_once(svc) -> None:

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from raykv.blocks import BlockHasher
 from raykv.errors import InvalidInput
 from raykv.layout import FullAttention, SlidingWindow
-from raykv.service.coordinator import Coordinator, Member
+from raykv.service.control.coordinator import Coordinator, Member
+from raykv.service.control.index import CPU, GPU, rank
 from raykv.service.groups import common_hit, group_keys, managers, needed_slots, primary_group
-from raykv.service.index import CPU, GPU, rank
 from tests.blocks.helpers import make_plan
 
 # one pool and one tier per node: every member has its own rank seen from either node
@@ -132,7 +132,7 @@ def test_locate_answers_one_shared_location_per_member():
 
 
 def test_packed_lookup_answers_what_lookup_answers_and_refuses_anything_else():
-    from raykv.service.index import pack, unpack
+    from raykv.service.control.index import pack, unpack
 
     plan = PLANS["hybrid"]
     c = coordinator(plan)
@@ -144,5 +144,5 @@ def test_packed_lookup_answers_what_lookup_answers_and_refuses_anything_else():
     assert want["hit_tokens"] == 30
     assert unpack(asyncio.run(c.lookup_packed(pack(args))), None, "answer") == want
     for bad in (args, pack(args[:3]), pack(list(args))):
-        with pytest.raises(InvalidInput, match=r"packed by raykv\.service\.index\.pack"):
+        with pytest.raises(InvalidInput, match=r"packed by raykv\.service\.control\.index\.pack"):
             asyncio.run(c.lookup_packed(bad))

@@ -15,7 +15,7 @@ import torch
 from kvdata import ROW, rows, tokens
 
 from raykv.layout import FullAttention
-from raykv.service.spec import NAMESPACE, pool_name
+from raykv.service.served import NAMESPACE, pool_name
 
 pytestmark = pytest.mark.ray
 RAY_WORKERS = 0
@@ -33,9 +33,9 @@ def peer_reads_on():
 @pytest.fixture(scope="module")
 def two_pools(ray_cluster):
     """(client of the placed pool, client of a second pool on the same node, model)."""
-    from raykv.service.gpu_pool import GpuPool
-    from raykv.service.placement import DETACHED
-    from raykv.service.spec import COORDINATOR
+    from raykv.service.control.placement import DETACHED
+    from raykv.service.pool.gpu_pool import GpuPool
+    from raykv.service.served import COORDINATOR
 
     kv, node = ray_cluster.kv, ray_cluster.head
     plan = kv.add_model("pr", LAYERS, max_model_len=512, pool_bytes=40 * ROW, cpu_bytes=40 * ROW)
@@ -63,7 +63,9 @@ def publish(client, rid, ids, data, n):
 
 def holder_state(ray_cluster):
     a = ray.get_actor(pool_name("pr", ray_cluster.head, 0), namespace=NAMESPACE)
-    return a, ray.get(a.__ray_call__.remote(lambda s: (len(s._holds), s.bm.pool.num_used_blocks)))
+    return a, ray.get(
+        a.__ray_call__.remote(lambda s: (len(s.pairs._holds), s.bm.pool.num_used_blocks))
+    )
 
 
 def summed(holder, ids, n: int) -> tuple[list[int], bool]:
@@ -74,8 +76,8 @@ def summed(holder, ids, n: int) -> tuple[list[int], bool]:
         from raykv.service.groups import group_keys
 
         keys = group_keys(self.plan, self.bm.hasher.hash_blocks(ids))[0][:n]
-        blocks = [self.valid[k] for k in keys]
-        return blocks, all(b in self.wire_sums for b in blocks)
+        blocks = [self.requests.valid[k] for k in keys]
+        return blocks, all(b in self.requests.wire_sums for b in blocks)
 
     deadline = time.monotonic() + 10
     while True:
@@ -109,10 +111,10 @@ def test_a_block_stated_wrongly_is_a_counted_miss(ray_cluster, two_pools):
     holder, _ = holder_state(ray_cluster)
     blocks, done = summed(holder, ids, 6)
     assert done
-    valid = ray.get(holder.__ray_call__.remote(lambda s: len(s.valid)))
+    valid = ray.get(holder.__ray_call__.remote(lambda s: len(s.requests.valid)))
 
     def misstate(self, block):  # the holder states the 4th block's sum off by one
-        self.wire_sums[block] = tuple(x + 1 for x in self.wire_sums[block])
+        self.requests.wire_sums[block] = tuple(x + 1 for x in self.requests.wire_sums[block])
 
     ray.get(holder.__ray_call__.remote(misstate, blocks[3]))
     assert b.admit("r2", len(ids), ids)
@@ -122,7 +124,7 @@ def test_a_block_stated_wrongly_is_a_counted_miss(ray_cluster, two_pools):
     assert torch.equal(b.read(table[:3]), data[:3])
     b.free("r2")
     # the reader told the holder: the misstated block is unpublished there (a miss from now)
-    assert ray.get(holder.__ray_call__.remote(lambda s: len(s.valid))) == valid - 1
+    assert ray.get(holder.__ray_call__.remote(lambda s: len(s.requests.valid))) == valid - 1
 
 
 def test_blocks_are_summed_when_they_become_valid_so_a_first_read_asks_no_rank(
@@ -182,14 +184,16 @@ def test_a_hold_nobody_releases_expires(ray_cluster, two_pools):
     publish(a, "w3", ids, data, 4)
     holder, (_, used_before) = holder_state(ray_cluster)
 
-    keys = ray.get(holder.__ray_call__.remote(lambda s: list(s.valid)[:1]))
+    keys = ray.get(holder.__ray_call__.remote(lambda s: list(s.requests.valid)[:1]))
     got = ray.get(holder.peer_export.remote("pr", keys))  # exported, never released
     assert got is not None and len(got["blocks"]) >= 1
     _, (holds, used) = holder_state(ray_cluster)
     assert holds == 1 and used > used_before
     ray.get(holder.__ray_call__.remote(
-        lambda s: s._holds.update({t: (b, time.monotonic() - 1) for t, (b, _) in s._holds.items()})
+        lambda s: s.pairs._holds.update(
+            {t: (b, time.monotonic() - 1) for t, (b, _) in s.pairs._holds.items()}
+        )
     ))  # fmt: skip
-    ray.get(holder.__ray_call__.remote(lambda s: s._expire_holds()))
+    ray.get(holder.__ray_call__.remote(lambda s: s.pairs._expire_holds()))
     _, (holds, used) = holder_state(ray_cluster)
     assert (holds, used) == (0, used_before)

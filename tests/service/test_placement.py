@@ -1,8 +1,8 @@
 """Where the service places each model's TP groups (pure: from ``ray.nodes()`` entries)."""
 
 from raykv.layout import FullAttention
-from raykv.service.placement import engine_groups
-from raykv.service.spec import ServedModel
+from raykv.service.control.placement import engine_groups
+from raykv.service.served import ServedModel
 
 LAYERS = {"l0": FullAttention(dtype="bfloat16", num_kv_heads=8, head_dim=128)}
 
@@ -29,7 +29,7 @@ def test_clusters_without_gpus_get_one_cpu_device_group_per_node_and_model() -> 
 
 
 def test_the_placer_places_again_for_a_new_node_or_a_dead_member() -> None:
-    from raykv.service.placement import Placer
+    from raykv.service.control.placement import Placer
 
     placer = Placer()
     placer.placed_on.update({"n1", "n2"})

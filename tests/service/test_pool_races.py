@@ -11,9 +11,9 @@ from kvdata import tokens
 
 from raykv.errors import InvalidInput
 from raykv.layout import FullAttention
-from raykv.service.gpu_pool import GpuPool
-from raykv.service.index import GPU, Located, Location
-from raykv.service.spec import ServedModel
+from raykv.service.control.index import GPU, Located, Location
+from raykv.service.pool.gpu_pool import GpuPool
+from raykv.service.served import ServedModel
 from raykv.tiers.checksum import row_checksums
 from raykv.transport import OBJECT_STORE, BlockBatch
 
@@ -94,14 +94,14 @@ def test_a_load_whose_request_is_freed_and_readmitted_writes_and_publishes_nothi
         return table, res, (await pool.allocate(ENGINE, "r", len(second), second))[0]
 
     race: list = []
-    pool.transports = {OBJECT_STORE: RacingTransport()}
+    pool.fetch.transports = {OBJECT_STORE: RacingTransport()}
     table, res, again = asyncio.run(run())
     assert race == [False]  # the load still held the freed request's blocks
     assert res["num_tokens"] == 0 and res["loaded_blocks"] == 0
     assert set(again) & set(table[:4]), "the new request must have reused the freed blocks"
     # the new request's blocks never got the first prompt's bytes, and nothing became a hit
     assert not (pool.local.gather(0, again) == 7).all(dim=1).any()
-    assert pool.coord.stored == [] and pool.valid == {}
+    assert pool.coord.stored == [] and pool.requests.valid == {}
 
 
 def test_token_ids_that_disagree_with_the_requests_are_refused(pool) -> None:
@@ -139,7 +139,7 @@ def test_a_store_into_a_reused_block_publishes_the_old_key_as_removed(pool) -> N
         return keys
 
     keys = asyncio.run(run())
-    assert sorted(pool.coord.removed) == sorted(keys) and pool.valid == {}
+    assert sorted(pool.coord.removed) == sorted(keys) and pool.requests.valid == {}
     # an index that still points here (a lost event, a restarted coordinator) gets a miss,
     # never the bytes b wrote into those blocks
     assert asyncio.run(pool.export_blocks("u", keys))[0] == 0

@@ -6,7 +6,7 @@ import torch
 
 from raykv import ops
 from raykv.layout import FullAttention, plan
-from raykv.service.rank import RankKV
+from raykv.service.pool.rank import RankKV
 from raykv.tiers.checksum import row_checksums
 
 

@@ -14,7 +14,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv.client import Client
 from raykv.errors import InvalidInput, ServiceError, UnknownRequest
 from raykv.layout import FullAttention
-from raykv.service.spec import COORDINATOR, NAMESPACE, pool_name, tier_name
+from raykv.service.served import COORDINATOR, NAMESPACE, pool_name, tier_name
 
 pytestmark = pytest.mark.ray
 

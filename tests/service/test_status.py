@@ -7,9 +7,9 @@ from collections import Counter
 
 from raykv.blocks import PrefixIndex
 from raykv.layout import FullAttention, plan
-from raykv.service import status
-from raykv.service.coordinator import Member
-from raykv.service.spec import ServedModel
+from raykv.service.control import status
+from raykv.service.control.coordinator import Member
+from raykv.service.served import ServedModel
 
 
 def test_the_status_counts_nodes_members_models_and_lookups() -> None:

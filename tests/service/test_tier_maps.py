@@ -1,4 +1,4 @@
-"""The node tier's entry maps (``raykv.service.cpu_tier._ModelTier``): which entries hold
+"""The node tier's entry maps (``raykv.service.tier.actor._ModelTier``): which entries hold
 which block keys. Entries that are their own only member (every entry of a plan without a
 block-size factor) are kept as one shared marker (``OWN``) and moved in batches
 (``note_all`` / ``forget_all``), leases answer per block (entry index, sub-slot) as arrays;
@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raykv.layout import FullAttention
-from raykv.service.cpu_tier import OWN, CpuTierActor, _ModelTier
 from raykv.service.groups import key_group
-from raykv.service.spec import ServedModel
+from raykv.service.served import ServedModel
+from raykv.service.tier.actor import OWN, CpuTierActor, _ModelTier
 from raykv.tiers import shm
 
 BS, ROW = 16, 2 * 16 * 1 * 16 * 4

@@ -1,5 +1,5 @@
 """The tier pull writes each run of consecutive rows of a received chunk as one paged copy
-(``raykv.service.tier_pull._runs``): every row to write exactly once, in order, and a run
+(``raykv.service.tier.pull._runs``): every row to write exactly once, in order, and a run
 never spans a row that is skipped (its entry is stored already)."""
 
 import itertools
@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from raykv.service.tier_pull import _held_run, _runs
+from raykv.service.tier.pull import _held_run, _runs
 
 
 @given(st.lists(st.one_of(st.just(-1), st.integers(0, 10_000)), max_size=40))

@@ -17,9 +17,9 @@ import torch
 
 from raykv.errors import TransportError
 from raykv.layout import FullAttention
-from raykv.service.cpu_tier import CpuTierActor
-from raykv.service.index import CPU, Located, Location
-from raykv.service.spec import ServedModel
+from raykv.service.control.index import CPU, Located, Location
+from raykv.service.served import ServedModel
+from raykv.service.tier.actor import CpuTierActor
 from raykv.tiers.checksum import row_checksums
 from raykv.transport import OBJECT_STORE, BlockBatch
 
@@ -359,7 +359,7 @@ class Landing(Streaming):
 @pytest.fixture
 def copies(monkeypatch) -> list:
     """The paged copies the pull's writes make (a row received in place needs none)."""
-    from raykv.service import tier_pull
+    from raykv.service.tier import pull as tier_pull
 
     made: list = []
     real = tier_pull.ops.scatter_blocks

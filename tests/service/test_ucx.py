@@ -18,7 +18,7 @@ from raykv.blocks import BlockHasher
 from raykv.errors import TransportError
 from raykv.layout import FullAttention
 from raykv.service.groups import group_keys
-from raykv.service.spec import NAMESPACE, tier_name
+from raykv.service.served import NAMESPACE, tier_name
 from raykv.tiers import shm
 from raykv.tiers.checksum import row_checksums
 from raykv.transport.ucx_config import UcxConfig

@@ -15,10 +15,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from raykv import ops
 from raykv.errors import ConfigError
 from raykv.tiers import CpuTier, GpuKV, LoadJob, OffloadEngine, StoreJob, shm
-from raykv.tiers.cpu_tier import BlockState
+from raykv.tiers.cpu_tier import BlockState, CpuTierView
 from raykv.tiers.holds import Holds, check_timeout
 from raykv.tiers.jobs import group_block_hashes
-from raykv.tiers.tier_view import CpuTierView
 
 from .helpers import filled_kv, make_plan
 

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raykv.tiers import CpuTier, GpuKV, LoadJob, OffloadEngine, StoreJob, shm
+from raykv.tiers.cpu_tier import CpuTierView
 from raykv.tiers.jobs import group_block_hashes
-from raykv.tiers.tier_view import CpuTierView
 
 from .helpers import filled_kv, make_plan
 

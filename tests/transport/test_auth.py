@@ -111,7 +111,7 @@ def test_secrets_are_checked_and_read_from_the_environment() -> None:
 
 
 def test_raykv_up_keeps_one_owner_only_secret_next_to_the_token(tmp_path) -> None:
-    from raykv.service.ray_join import ensure_transport_secret, transport_secret_path
+    from raykv.service.control.ray_join import ensure_transport_secret, transport_secret_path
 
     path = transport_secret_path(tmp_path / "auth_token")
     first = ensure_transport_secret(path)

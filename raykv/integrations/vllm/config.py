@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from raykv.errors import ConfigError
-from raykv.service.spec import DEFAULT_TIER_BYTES, NAMESPACE
+from raykv.service.served import DEFAULT_TIER_BYTES, NAMESPACE
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from raykv.engine.node import NodeKV
 from raykv.errors import RaykvError, ServiceError
 from raykv.integrations.vllm.config import RaykvVllmConfig
 from raykv.integrations.vllm.model import check_groups, engine_layout, model_name
-from raykv.service.agent_protocol import default_socket, socket_path
+from raykv.service.node.agent_protocol import default_socket, socket_path
 
 log = logging.getLogger(__name__)
 

@@ -114,7 +114,7 @@ def unpack(blob: bytes, fields: int | None, what: str) -> Any:
             return value
     n = "one value" if fields is None else f"its {fields} arguments"
     raise InvalidInput(
-        f"{what} takes {n} packed by raykv.service.index.pack into one bytes object, got "
+        f"{what} takes {n} packed by raykv.service.control.index.pack into one bytes object, got "
         f"{type(blob).__name__}; call it through raykv.Client"
     )
 
@@ -125,7 +125,7 @@ def group_key(group_id: int, block_hash: bytes) -> bytes:
 
 
 class IndexFeed:
-    """The index's changes, numbered, for the nodes' index replicas (``raykv.service.replica``,
+    """The index's changes, numbered, for the nodes' index replicas (``raykv.service.node.replica``,
     ``Coordinator.index_changes``): the (model, group id, hash) whose holders changed, from
     the index's journal. A reader past the log's start, or of another epoch (this
     coordinator restarted), gets every key instead (a resync)."""

@@ -2,14 +2,14 @@
 
 It keeps membership (pools and tiers register, then heartbeat), one ``Plan`` per served
 model and the cluster-wide prefix index fed by the members' KV events; it places pools and
-tiers on nodes through ``raykv.service.placement`` and reports through
-``raykv.service.status``. It holds NO block data: every byte lives in the pools and
+tiers on nodes through ``raykv.service.control.placement`` and reports through
+``raykv.service.control.status``. It holds NO block data: every byte lives in the pools and
 tiers, which are detached actors of their own. When Ray restarts the coordinator it asks
 every live member (found by name) for a snapshot, so the index comes back whole; a member
 that talks to it first just re-registers (its heartbeat or event sequence says "unknown").
 A member that dies on a live node (or a TP group that lost a rank: its leader leaves) is
 dropped from the index at once and started afresh under its name: its blocks are misses.
-The coordinator keeps one long call open on every member (``Member.watch``), so a death is
+The coordinator keeps one long call open on every member (``Membership.watch``), so a death is
 seen when Ray reports it, not only when heartbeats stop; the fresh member is placed on the
 next health tick (a second), on the same node (and so the same GPU slot).
 """
@@ -28,16 +28,8 @@ import ray
 from raykv.blocks.events import PrefixIndex
 from raykv.blocks.hashing import split_hashes
 from raykv.errors import ConfigError, InsufficientMemoryError, InvalidInput, ServiceError
-from raykv.service import placement, status
-from raykv.service.groups import (
-    check_servable,
-    common_hit,
-    key_limit,
-    managers,
-    needed_slots,
-    primary_group,
-)
-from raykv.service.index import (
+from raykv.service.control import placement, status
+from raykv.service.control.index import (
     CPU,
     GPU,
     IndexFeed,
@@ -50,8 +42,16 @@ from raykv.service.index import (
     split_key,
     unpack,
 )
-from raykv.service.metrics import ServiceMetrics
-from raykv.service.spec import COORDINATOR, NAMESPACE, ServedModel
+from raykv.service.control.metrics import ServiceMetrics
+from raykv.service.groups import (
+    check_servable,
+    common_hit,
+    key_limit,
+    managers,
+    needed_slots,
+    primary_group,
+)
+from raykv.service.served import COORDINATOR, NAMESPACE, ServedModel
 from raykv.transport.select import COLLECTIVE, OBJECT_STORE, PEER, choose
 
 HEARTBEAT_S = 1.0
@@ -72,7 +72,7 @@ class Member:
     last_seen: float = field(default_factory=time.monotonic)
     stats: dict[str, Any] = field(default_factory=dict)
     actor_id: str | None = None  # the incarnation that registered (a name outlives actors)
-    # transport name -> endpoint it advertised (``Member.endpoints``)
+    # transport name -> endpoint it advertised (``Membership.endpoints``)
     transports: dict[str, Any] = field(default_factory=lambda: {OBJECT_STORE: None})
 
 
@@ -317,7 +317,7 @@ class Coordinator:
 
     async def _place(self) -> None:
         """Start whatever is missing on every alive node that runs engines (its CPU tier
-        and every model's TP groups: ``raykv.service.placement``)."""
+        and every model's TP groups: ``raykv.service.control.placement``)."""
         await self.placer.place(self.models, self.plans)
 
     def model(self, name: str) -> tuple[ServedModel, Any]:
@@ -437,11 +437,11 @@ class Coordinator:
 
     @ray.method(max_task_retries=0, enable_task_events=False)
     async def index_changes(self, epoch: str, since: int, node_id: str) -> bytes:
-        """For node ``node_id``'s index replica (``raykv.service.replica``): the blocks whose
+        """For node ``node_id``'s index replica (``raykv.service.node.replica``): the blocks whose
         holders changed since ``since`` (``IndexFeed``), each with where members other than
         that node's CPU tier hold it, packed: (epoch, next since, resync, [(model, group
         key, LOCAL_POOL | ELSEWHERE bits)]). The node's tier keeps its own bit itself."""
-        from raykv.service.replica import ELSEWHERE, LOCAL_POOL
+        from raykv.service.node.replica import ELSEWHERE, LOCAL_POOL
 
         await self._up()
         epoch, seq, resync, keys = self.feed.changes(epoch, since)
@@ -479,7 +479,7 @@ class Coordinator:
     @ray.method(max_task_retries=0, enable_task_events=False)
     async def lookup_packed(self, request: bytes) -> bytes:
         """``lookup`` as clients call it: the arguments packed into one bytes object and the
-        answer packed into another (``raykv.service.index.pack``), so Ray moves two bytes
+        answer packed into another (``raykv.service.control.index.pack``), so Ray moves two bytes
         objects instead of serializing five values. Ray does not retry it (the client
         retries through a coordinator restart itself) nor record it as a task event (the
         metrics count lookups): both cost every call."""
@@ -608,7 +608,7 @@ class Coordinator:
     # --- stats and shutdown -------------------------------------------------------------
 
     async def stats(self) -> dict:
-        """The cluster's status (``raykv.service.status``): what ``raykv status`` prints."""
+        """The cluster's status (``raykv.service.control.status``): what ``raykv status`` prints."""
         await self._up()
         return status.cluster(
             ray_nodes=ray.nodes(),
@@ -624,11 +624,11 @@ class Coordinator:
 
     async def shutdown_service(self, admin: str | None = None) -> int:
         """Kill every pool, TP rank and tier and remove the TP placement groups (``raykv
-        down``, with the admin key: ``raykv.service.admin``); the caller then kills this
+        down``, with the admin key: ``raykv.service.control.admin``); the caller then kills this
         actor. Returns the actors killed."""
         from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-        from raykv.service.admin import admin_key, check_admin
+        from raykv.service.control.admin import admin_key, check_admin
 
         check_admin(admin, admin_key(), "shutdown_service")
 
@@ -666,7 +666,7 @@ class Coordinator:
 
 
 def coordinator_actor(max_restarts: int = -1):
-    """The ``ray.remote`` form, created by ``raykv.service.control.ensure_service``."""
+    """The ``ray.remote`` form, created by ``raykv.service.control.calls.ensure_service``."""
     return ray.remote(Coordinator).options(
         name=COORDINATOR,
         namespace=NAMESPACE,

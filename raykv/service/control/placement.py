@@ -7,7 +7,7 @@ group of CPU-device pools (development and CI). Every node that runs engines get
 tier. A TP group of ``tp_size`` ranks lives on one node: tp_size=1 is one pool pinned to the
 node; more ranks share a STRICT_PACK placement group there (one GPU per bundle, or a sliver
 of CPU for CPU-device pools: bundles cannot be empty). Members are detached actors named
-after their slot (``raykv.service.spec``), so a fresh one placed after a death serves under
+after their slot (``raykv.service.served``), so a fresh one placed after a death serves under
 the same name on the same node (and GPU slot). Every wait is bounded by PLACE_TIMEOUT_S.
 """
 
@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import (
 )
 
 from raykv.errors import ConfigError, RaykvError, ServiceError
-from raykv.service.spec import (
+from raykv.service.served import (
     DEFAULT_POOL_BYTES,
     NAMESPACE,
     ServedModel,
@@ -184,7 +184,7 @@ class Placer:
         return [n for n, _ in pools]
 
     async def _place_all(self, models: dict[str, ServedModel], plans: dict[str, Any]) -> None:
-        from raykv.service.cpu_tier import CpuTierActor
+        from raykv.service.tier.actor import CpuTierActor
 
         nodes = alive_nodes()
         starting: list[tuple[str, str | None, Any]] = []  # (member, its model, its start)
@@ -234,8 +234,8 @@ class Placer:
         self, m: ServedModel, plan: Any, nid: str, index: int, num_gpus: int
     ) -> str:
         """One TP group of ``m`` on node ``nid`` (see the module docstring)."""
-        from raykv.service.gpu_pool import GpuPool
-        from raykv.service.rank import RankPool
+        from raykv.service.pool.gpu_pool import GpuPool
+        from raykv.service.pool.rank import RankPool
 
         gpu = num_gpus > 0
         pname, device = pool_name(m.name, nid, index), "cuda" if gpu else "cpu"

@@ -20,7 +20,7 @@ and counted once (``checksum_errors``: here, "cpu", when a pool or engine of thi
 it loading; by the reader, "remote", when it came from here to another member); it is a
 miss from then on.
 
-Every reservation and lease names its holder (``raykv.service.holders``: the asking
+Every reservation and lease names its holder (``raykv.tiers.holds``: the asking
 process) and ends at a deadline, ``RAYKV_LEASE_TIMEOUT_S`` seconds (default 60) after it was
 taken: a sweep every ``SWEEP_S`` reclaims holds past their deadline and releases at once
 those of holders that exited (``reserve`` also reclaims overdue holds first), and a holder
@@ -45,16 +45,15 @@ from typing import Any
 import numpy as np
 
 from raykv.errors import InvalidInput, RaykvError
-from raykv.service import holders
-from raykv.service.agent import AgentServer
+from raykv.service.control.index import CPU
+from raykv.service.control.metrics import ServiceMetrics
 from raykv.service.groups import check_servable, key_group, row_widths
-from raykv.service.index import CPU
-from raykv.service.member import Member
-from raykv.service.metrics import ServiceMetrics
-from raykv.service.replica import ReplicaSpec, ReplicaWriter, replica_slots
-from raykv.service.spec import NAMESPACE, tier_name
+from raykv.service.member import Membership
+from raykv.service.node.agent import AgentServer
+from raykv.service.node.replica import ReplicaSpec, ReplicaWriter, replica_slots
+from raykv.service.served import NAMESPACE, tier_name
 from raykv.service.transports import reader_transports
-from raykv.tiers import shm
+from raykv.tiers import holds, shm
 from raykv.tiers.cpu_tier import READABLE
 from raykv.transport import Lent, export_rows
 
@@ -100,7 +99,7 @@ class _ModelTier:
         self.tier = CpuTier(plan, "lru", shared=True, lease_timeout_s=timeout_s)
         spec = ReplicaSpec("", replica_slots())
         buf, shared = shm.create((spec.nbytes,), "replica")
-        # the node's engines answer lookups from it (``raykv.service.replica``)
+        # the node's engines answer lookups from it (``raykv.service.node.replica``)
         self.replica = ReplicaWriter(buf.numpy(), ReplicaSpec(shared.path, spec.slots))
         self.replica_shm = shared
         self.reclaimed = (0, 0)  # (expired, released) holds already counted in the metrics
@@ -218,17 +217,23 @@ _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _KEY_BITS = operator.itemgetter(1, 2)  # a feed change's (group key, bits)
 
 
-class CpuTierActor(Member):
+class CpuTierActor:
+    """The node's CPU tier actor (see the module docstring); a member of the coordinator's
+    cluster through its ``member`` part, the node agent's host through ``agent``."""
+
     kind = "tier"
-    lends_rows = True  # its UCX server sends from the arena where it can (``export_blocks``)
 
     def __init__(self, node_id: str, plans: dict[str, Any] | None = None) -> None:
-        super().__init__(tier_name(node_id), node_id)
+        self.name, self.node_id = tier_name(node_id), node_id
         self.timeout_s = lease_timeout_s()
         # the served models' arenas from the start: a tier placed again after it died must
         # take its node's offloads before it registers (its pools added them to the old one)
         self.tiers = {m: _ModelTier(p, self.timeout_s) for m, p in (plans or {}).items()}
         self.metrics = ServiceMetrics("tier")
+        # its UCX server sends from the arena where it can (``export_blocks``: lends rows)
+        self.member = Membership(
+            self.name, node_id, self.kind, self.metrics, self, self.export_blocks, lends_rows=True
+        )
         self._publishing: set[asyncio.Task] = set()
         self.transports = reader_transports()  # for pull: the object store, UCX where it runs
         self.pull_sources: dict[str, Any] = {}  # model -> where its last pull was sent first
@@ -238,7 +243,7 @@ class CpuTierActor(Member):
         self._feed: tuple[str, int] = ("", 0)  # (epoch, since) of the coordinator's feed
 
     async def start(self) -> str:
-        name = await super().start()
+        name = await self.member.start()
         if self._sweeper is None:
             loop = asyncio.get_running_loop()
             self._sweeper = loop.create_task(self._sweeps())
@@ -262,7 +267,7 @@ class CpuTierActor(Member):
         while True:
             await asyncio.sleep(FEED_S)
             try:
-                answer = await self._call("index_changes", *self._feed, self.node_id)
+                answer = await self.member.call("index_changes", *self._feed, self.node_id)
                 if answer is None:
                     continue
                 epoch, since, resync, changes = pickle.loads(answer)
@@ -289,14 +294,14 @@ class CpuTierActor(Member):
     def publish(
         self, model: str, stored: list[tuple[Hashable, int]], removed: list[Hashable]
     ) -> Coroutine[Any, Any, None]:
-        """``Member.publish`` (to the coordinator: returned, to await or run as a task), after
+        """``Membership.publish`` (to the coordinator: returned, to await or run as a task), after
         the node's replica took the change at once: an engine's lookup right after its store
         is answered sees it."""
         mt = self.tiers.get(model)
         if mt is not None:
             mt.replica.set_local(list(map(_FIRST, stored)), True)
             mt.replica.set_local(removed, False)
-        return super().publish(model, stored, removed)
+        return self.member.publish(model, stored, removed)
 
     async def add_model(self, model: str, plan: Any) -> int:
         """Make room for ``model`` (idempotent); returns its CPU-tier block count."""
@@ -331,7 +336,7 @@ class CpuTierActor(Member):
         for model, mt in self.tiers.items():
             n += mt.tier.reclaim(limit=SWEEP_LIMIT)
             for h in mt.tier.holders():
-                if holders.gone(h):
+                if holds.gone(h):
                     got = mt.tier.release_holder(h)
                     log.warning("tier %s: %s exited holding %d leases of %s; released",
                                 self.name, h, got, model)  # fmt: skip
@@ -588,10 +593,24 @@ class CpuTierActor(Member):
         that other members hold into this node's arena (CPU tier -> CPU tier over UCX where
         both run it, else the object store): verified, stored with their checksums,
         published. Returns how many leading ``keys`` this tier holds afterwards; the rest
-        are misses (``raykv.service.tier_pull``)."""
-        from raykv.service.tier_pull import pull
+        are misses (``raykv.service.tier.pull``)."""
+        from raykv.service.tier.pull import pull
 
         return await pull(self, model, keys)
+
+    # --- membership (``Membership``: what it asks of the tier, ``Contents``) ---------------
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.member.snapshot()
+
+    async def watch(self, seconds: float) -> str | None:
+        return await self.member.watch(seconds)
+
+    def endpoints(self) -> dict[str, Any]:
+        return self.member.endpoints()
+
+    def extra_snapshot(self) -> dict[str, Any]:
+        return {}
 
     def blocks(self) -> dict[str, list[tuple[Hashable, int]]]:
         return {m: [(k, -1) for k in mt.where] for m, mt in self.tiers.items()}

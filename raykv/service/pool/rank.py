@@ -25,7 +25,7 @@ import torch
 
 from raykv import ops
 from raykv.service.groups import row_widths
-from raykv.service.pairs import RankCollective
+from raykv.service.pool.pairs import RankCollective
 from raykv.tiers.checksum import row_checksums, verified_prefix
 
 log = logging.getLogger(__name__)
@@ -78,8 +78,8 @@ class RankKV(RankCollective):
     def engine(self, arena: Any) -> Any:
         """This rank's ``OffloadEngine`` on the arena ``arena`` (a ``SharedSpec``), mapped
         once per arena (a re-placed tier has a new one)."""
+        from raykv.tiers.cpu_tier import CpuTierView
         from raykv.tiers.offload import OffloadEngine
-        from raykv.tiers.tier_view import CpuTierView
 
         if self._engine is None or self._arena != arena:
             view = CpuTierView(self.plan, arena)
@@ -122,14 +122,14 @@ class RankPool:
         return self.kv.gather(gi, block_ids).numpy()
 
     def scatter(self, gi: int, rows: np.ndarray, block_ids: list[int]) -> None:
-        from raykv.service.rows import as_tensor
+        from raykv.service.pool.rows import as_tensor
 
         self.kv.scatter(gi, as_tensor(rows), block_ids)
 
     def copy(self, gi: int, src: list[int], dst: list[int], expected=None) -> int:
         return self.kv.copy(gi, src, dst, expected)
 
-    # --- NCCL / gloo batches (``raykv.service.pairs``) ---
+    # --- NCCL / gloo batches (``raykv.service.pool.pairs``) ---
 
     async def coll_ident(self) -> str:
         return self.kv.collective(self.name).ident
@@ -148,7 +148,7 @@ class RankPool:
     def checksums(self, gi: int, block_ids: list[int]) -> tuple[int, ...]:
         return row_checksums(self.kv.gather(gi, block_ids))
 
-    # --- peer reads (``raykv.service.pairs``) ---
+    # --- peer reads (``raykv.service.pool.pairs``) ---
 
     def peer_handle(self) -> Any:
         return self.kv.peer_handle()

@@ -1,47 +1,54 @@
 """How a GPU pool's blocks move: offload to and load from the node's CPU tier through
 ``raykv.tiers`` jobs, fetches from other members through ``raykv.transport``, checksums on
-every copy. ``PoolDataPlane`` is the part of ``GpuPool`` that moves bytes; the pool keeps
-the requests, their epochs and the validity of blocks.
+every copy. ``GpuPool`` holds the two parts that move its bytes: ``TierIO`` (the node's CPU
+tier) and ``Fetch`` (from wherever a block is held); its ``Requests`` keep the requests,
+their epochs and the validity of blocks.
 
 Where the invariants are kept:
 
-* 9 (a block with a store in flight is not reused): ``_offload`` fences the job's GPU blocks
-  in the pool's ``StoreFence`` (hooked to ``BlockManager.hold_blocks`` / ``release_blocks``)
-  before its first await, and the rank engines' ``StoreJob`` fences them again while the
-  copy runs; only when every writer rank finished is the fence lifted.
-* 12 (copied bytes are checksum-verified before the block is readable): every valid block
-  has the checksum (row sum) of each distinct TP copy (``sums``), taken from the rows ``store``
-  wrote, or carried over from the copy a load verified. A load from the node's CPU tier runs
-  a ``LoadJob`` (the engine verifies each entry against the checksums its ``StoreJob``
-  computed); a fetch from another member verifies each chunk as it arrives, before a byte
-  of it is scattered (``raykv.transport.receive``); a copy between two blocks of this pool
-  verifies the source rows; an offload compares the arena rows' checksums with ``sums`` (a
-  GPU block corrupted since it was published is never offloaded). A mismatch drops the bad
-  copy where it lives (pool block invalidated, tier entry dropped), counts it once in
-  ``checksum_errors`` (stats, ``raykv status``, the ``raykv_checksum_errors`` metric), where
-  it was found: "gpu" (a pool's own block), "cpu" (a tier entry loaded on its node: the
-  tier counts it as it drops it), "remote" (a copy from another member: the reader counts
-  it, the holder drops it uncounted), and is a miss: the caller recomputes, never reads
-  wrong KV.
+* 9 (a block with a store in flight is not reused): ``TierIO.offload`` fences the job's GPU
+  blocks in the pool's ``StoreFence`` (hooked to ``BlockManager.hold_blocks`` /
+  ``release_blocks``) before its first await, and the rank engines' ``StoreJob`` fences them
+  again while the copy runs; only when every writer rank finished is the fence lifted.
+* 12 (copied bytes are checksum-verified before the block is readable): every valid block has
+  the checksum (row sum) of each distinct TP copy (``Requests.sums``), taken from the rows
+  ``store`` wrote, or carried over from the copy a load verified. A load from the node's CPU
+  tier runs a ``LoadJob`` (the engine verifies each entry against the checksums its
+  ``StoreJob`` computed); a fetch from another member verifies each chunk as it arrives,
+  before a byte of it is scattered (``raykv.transport.receive``); a copy between two blocks
+  of this pool verifies the source rows; an offload compares the arena rows' checksums with
+  ``sums`` (a GPU block corrupted since it was published is never offloaded). A mismatch
+  drops the bad copy where it lives (pool block invalidated, tier entry dropped), counts it
+  once in ``checksum_errors`` (stats, ``raykv status``, the ``raykv_checksum_errors``
+  metric), where it was found: "gpu" (a pool's own block), "cpu" (a tier entry loaded on its
+  node: the tier counts it as it drops it), "remote" (a copy from another member: the reader
+  counts it, the holder drops it uncounted), and is a miss: the caller recomputes, never
+  reads wrong KV.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import ray
 
+from raykv.blocks import BlockManager
 from raykv.errors import TransportError
-from raykv.service import holders
+from raykv.service.control.index import CPU, GPU, Location
+from raykv.service.control.metrics import ServiceMetrics
 from raykv.service.groups import Chunk
-from raykv.service.index import CPU, GPU, Location
-from raykv.service.spec import COORDINATOR, NAMESPACE, tier_name
+from raykv.service.member import Publish
+from raykv.service.pool.fanout import Ranks
+from raykv.service.pool.pairs import Pairs
+from raykv.service.pool.rank import RankKV
+from raykv.service.pool.requests import Requests
+from raykv.service.served import COORDINATOR, NAMESPACE, ServedModel, tier_name
+from raykv.tiers import holds
 from raykv.tiers.jobs import LoadJob, StoreJob
-from raykv.transport import FALLBACK, BlockBatch, Transport, export_rows, fetch_over
+from raykv.transport import FALLBACK, BlockBatch, Transport, fetch_over
 from raykv.transport.select import PEER
 
 log = logging.getLogger(__name__)
@@ -51,32 +58,34 @@ class _Freed(Exception):
     """A load's request was freed while its rows travelled: the fetch stops."""
 
 
-class PoolDataPlane:
-    """Mixed into ``GpuPool``: needs its ``plan``, ``model``, ``node_id``, ``name``,
-    ``local`` (rank 0's ``RankKV``), ``_ranks()``, ``_remote()``, ``valid`` / ``key_of`` /
-    ``sums``, ``_cached_as``, ``_invalidate``, ``_gone``, ``publish``, ``metrics``,
-    ``fence``, ``writers``, ``copy_of``, ``gids``, ``gindex``."""
+class TierIO:
+    """Pool ``name``'s copies to and from its node's CPU tier: ``offload`` (complete chunks
+    of valid blocks, every distinct TP copy written by its rank's ``StoreJob`` straight into
+    the shared arena) and ``load`` (a rank's ``LoadJob`` each, verified by the engine). What
+    becomes unpublished goes out through ``publish``."""
 
-    transports: dict[str, Transport]  # by name (``raykv.transport.select``)
-
-    def _init_dataplane(self) -> None:
-        from raykv.service.transports import reader_transports
+    def __init__(
+        self,
+        name: str,
+        model: ServedModel,
+        plan: Any,
+        node_id: str,
+        local: RankKV,
+        ranks: Ranks,
+        requests: Requests,
+        bm: BlockManager,
+        metrics: ServiceMetrics,
+        publish: Publish,
+    ) -> None:
         from raykv.tiers.fence import StoreFence
 
-        self.transports = reader_transports()  # the object store, and UCX where it runs
-        self._init_collective()  # nccl (GPU KV) or gloo (host KV): ``service.pairs``
+        self.name, self.model, self.plan, self.node_id = name, model, plan, node_id
+        self.local, self.ranks, self.requests = local, ranks, requests
+        self.metrics, self.publish = metrics, publish
+        self.gids = [g.group_id for g in plan.groups]
         # invariant 9: a fenced block keeps a block-manager reference until its store is done
-        self.fence = StoreFence(hold=self.bm.hold_blocks, release=self.bm.release_blocks)
-        self.sums: dict[int, tuple[int, ...]] = {}  # valid block -> checksum per TP copy
+        self.fence = StoreFence(hold=bm.hold_blocks, release=bm.release_blocks)
         self._fences = 0
-
-    def endpoints(self) -> dict[str, Any]:
-        """Every transport this pool serves, with what a reader needs to reach it."""
-        out = dict(super().endpoints())
-        for name, t in self.transports.items():
-            if hasattr(t, "endpoint"):
-                out[name] = t.endpoint()
-        return out
 
     def _tier(self) -> Any:
         return ray.get_actor(tier_name(self.node_id), namespace=NAMESPACE)
@@ -87,7 +96,7 @@ class PoolDataPlane:
     # --- GPU -> CPU tier ------------------------------------------------------------------
 
     def _store_job(self, chunks: list[Chunk]) -> tuple[StoreJob, tuple] | None:
-        ready = [c for c in chunks if all(m is None or m in self.valid for m in c.members)]
+        ready = [c for c in chunks if all(m is None or m in self.requests.valid for m in c.members)]
         if not ready:
             return None
         keys, kgroups, widths, ids, sizes, slots, members = [], [], [], [], [], [], []
@@ -101,7 +110,7 @@ class PoolDataPlane:
                 members.append(c.members)
                 for s, m in enumerate(c.members):
                     if m is not None:
-                        ids.append(self.valid[m])
+                        ids.append(self.requests.valid[m])
                         slots.append((k, s))
                         n += 1
             sizes.append(n)
@@ -129,7 +138,7 @@ class PoolDataPlane:
                     bad.add(b)
         return bad
 
-    async def _offload(self, chunks: list[Chunk]) -> int:
+    async def offload(self, chunks: list[Chunk]) -> int:
         """Copy complete chunks whose real blocks are all valid here to the node's CPU tier
         (every distinct TP copy, each written by its rank's ``StoreJob`` straight into the
         shared arena). Returns the entries newly stored; 0 when there is no tier or no room
@@ -141,13 +150,13 @@ class PoolDataPlane:
         self._fences += 1
         fence_id = ("offload", self._fences)
         self.fence.fence(fence_id, job.block_ids)  # before the first await (invariant 9)
-        published = {b: self.sums.get(b) for b in job.block_ids}
+        published = {b: self.requests.sums.get(b) for b in job.block_ids}
         try:
             try:
                 tier = self._tier()
                 arena, res = await tier.reserve.remote(
-                    self.model.name, job.keys, members, len(self.writers),
-                    holders.this_process(self.name),
+                    self.model.name, job.keys, members, len(self.ranks.writers),
+                    holds.this_process(self.name),
                 )  # fmt: skip
             except (ray.exceptions.RayError, ValueError) as e:  # no tier: a miss later
                 log.warning("pool %s: no CPU tier to offload to (%s)", self.name, e)
@@ -155,19 +164,21 @@ class PoolDataPlane:
                 return 0
             if res is None:
                 return 0
-            handles = self._ranks()
-            refs = [handles[r - 1].store_job.remote(arena, job, res) for r in self.writers if r]
-            ops = self.local.store_job(arena, job, res) if 0 in self.writers else []
+            handles = self.ranks.handles()
+            refs = [
+                handles[r - 1].store_job.remote(arena, job, res) for r in self.ranks.writers if r
+            ]
+            ops = self.local.store_job(arena, job, res) if 0 in self.ranks.writers else []
             per_rank = (
-                [ops, *await self._remote(refs)]
-                if 0 in self.writers
-                else [*await self._remote(refs)]
+                [ops, *await self.ranks.remote(refs)]
+                if 0 in self.ranks.writers
+                else [*await self.ranks.remote(refs)]
             )
             bad: set[int] = set()
             for c, rank_ops in enumerate(per_rank):
                 bad |= self._corrupt_in(job, rank_ops, c, published)
             if bad:  # fail every writer's store: the entries go back to free
-                self._corrupt(sorted(bad))
+                self.requests.corrupt(sorted(bad))
                 per_rank = [
                     [(*op[:2], False, *op[3:]) if op[0] == "finish_store" else op for op in r]
                     for r in per_rank
@@ -181,28 +192,22 @@ class PoolDataPlane:
         finally:
             self.fence.release(fence_id)
         if bad:
-            await self.publish(self.model.name, [], self._gone([self._invalidate(b) for b in bad]))
+            await self.publish(
+                self.model.name, [], self.requests.gone([self.requests.invalidate(b) for b in bad])
+            )
         self.metrics.offloaded(self.model.name, n)
         return n
 
-    def _corrupt(self, blocks: list[int]) -> None:
-        log.warning(
-            "pool %s: GPU blocks %s no longer match their checksums; dropped (misses)",
-            self.name,
-            blocks[:8],
-        )
-        self.metrics.checksum_errors(self.model.name, GPU, len(blocks))
+    # --- CPU tier -> GPU ------------------------------------------------------------------
 
-    # --- CPU tier / other members -> GPU --------------------------------------------------
-
-    async def _load_local_tier(
-        self, gi: int, want: list[tuple[bytes, int]], filled: set[int], live: Any
+    async def load(
+        self, gi: int, want: list[tuple[bytes, int]], filled: set[int], live: Callable[[], bool]
     ) -> int:
         """Fill the leading blocks of ``want`` (key, our block) from the node's CPU tier: one
         ``LoadJob`` per rank on the shared arena, verified by the engine. Returns bytes."""
         tier = self._tier()
         arena, lease, chosen = await tier.lease.remote(
-            self.model.name, [k for k, _ in want], holders.this_process(self.name)
+            self.model.name, [k for k, _ in want], holds.this_process(self.name)
         )
         if lease is None:
             return 0
@@ -216,11 +221,11 @@ class PoolDataPlane:
             "load", lease.keys, (self.gids[gi],) * len(lease.keys), (f,) * len(lease.keys),
             tuple(b for _, b in want[: len(chosen)]), tuple(sizes), tuple(chosen),
         )  # fmt: skip
-        handles = self._ranks()
+        handles = self.ranks.handles()
         refs = [h.load_job.remote(arena, job, lease) for h in handles]
         missed, ops = self.local.load_job(arena, job, lease)
         lost = set(missed)
-        for m, rank_ops in await self._remote(refs):
+        for m, rank_ops in await self.ranks.remote(refs):
             lost |= set(m)
             ops += [op for op in rank_ops if op[0] == "drop"]  # one finish_load: the leader's
         # corrupt entries are dropped by these ops and counted once, by the tier ("cpu")
@@ -233,14 +238,37 @@ class PoolDataPlane:
             n += 1
         got = want[:n]
         for (e, s), (_, b) in zip(chosen[:n], got, strict=True):
-            self._pending_sums[b] = tuple(
-                c[s] for c in _copies(lease.checksums[e], len(self.writers))
+            self.requests.pending_sums[b] = tuple(
+                c[s] for c in _copies(lease.checksums[e], len(self.ranks.writers))
             )
         filled.update(b for _, b in got)
         width = self.local.widths[gi]
-        return n * width * len(self.writers)
+        return n * width * len(self.ranks.writers)
 
-    async def _fetch(
+
+class Fetch:
+    """Pool ``name``'s reads of blocks it does not hold: located at the coordinator, from
+    the node's CPU tier (``tier_io``) or another member over the route the coordinator
+    chose (``transports``, by name; a pool's direct routes through ``pairs``), verified
+    chunk by chunk, scattered to every rank."""
+
+    def __init__(
+        self,
+        name: str,
+        model: ServedModel,
+        node_id: str,
+        ranks: Ranks,
+        requests: Requests,
+        tier_io: TierIO,
+        pairs: Pairs,
+        metrics: ServiceMetrics,
+        transports: dict[str, Transport],
+    ) -> None:
+        self.name, self.model, self.node_id = name, model, node_id
+        self.ranks, self.requests, self.tier_io, self.pairs = ranks, requests, tier_io, pairs
+        self.metrics, self.transports = metrics, transports
+
+    async def fetch(
         self, rid: Hashable, gen: int | None, gi: int, want: list[tuple[bytes, int]], filled: set
     ) -> int:
         """Copy the blocks of ``want`` (key, our block) from wherever they are held: the
@@ -260,7 +288,7 @@ class PoolDataPlane:
         moved, i = 0, 0
 
         def live() -> bool:
-            return self._live(rid, gen)
+            return self.requests.live(rid, gen)
 
         while i < len(want):
             loc = next((c for c in where[i] if c.member not in failed), None)
@@ -275,10 +303,10 @@ class PoolDataPlane:
             before = len(filled)
             try:
                 if loc.node_id == self.node_id and loc.tier == CPU:
-                    moved += await self._load_local_tier(gi, batch, filled, live)
+                    moved += await self.tier_io.load(gi, batch, filled, live)
                     n = len(filled) - before
                 else:
-                    n, nbytes = await self._fetch_remote(loc, gi, batch, filled, live)
+                    n, nbytes = await self._from_member(loc, gi, batch, filled, live)
                     moved += nbytes
             except (ray.exceptions.RayActorError, ValueError, TransportError) as e:  # gone
                 log.warning("pool %s: copy source %s failed (%s)", self.name, loc.member, e)
@@ -288,23 +316,28 @@ class PoolDataPlane:
                 except ray.exceptions.RayError as e2:
                     log.warning("pool %s: cannot report %s (%s)", self.name, loc.member, e2)
                 continue
-            if not self._live(rid, gen):  # freed: our blocks may be someone else's now
+            if not self.requests.live(rid, gen):  # freed: our blocks may be someone else's now
                 return moved
             if n < len(batch):
                 failed.add(loc.member)  # it lost (or corrupted) the rest; try the next copy
             i += n
         return moved
 
-    async def _fetch_remote(
-        self, loc: Location, gi: int, want: list[tuple[bytes, int]], filled: set[int], live: Any
+    async def _from_member(
+        self,
+        loc: Location,
+        gi: int,
+        want: list[tuple[bytes, int]],
+        filled: set[int],
+        live: Callable[[], bool],
     ) -> tuple[int, int]:
         """One batch from another member, chunk by chunk: each chunk verified, then
         scattered to every rank while the next one travels; ``live()`` is checked before
         every chunk is written (a freed request's blocks may be someone else's)."""
         source = loc.member
         while getattr(self.transports.get(loc.transport), "direct", False):
-            try:  # rank to rank into our blocks (``raykv.service.pairs``)
-                return await self._collective_fetch(loc, gi, want, filled, live)
+            try:  # rank to rank into our blocks (``raykv.service.pool.pairs``)
+                return await self.pairs.fetch(loc, gi, want, filled, live)
             except TransportError as e:
                 # a peer route carries the next transport both ends offer; else the store
                 then = (loc.endpoint or {}).get("then") if loc.transport == PEER else None
@@ -326,9 +359,9 @@ class PoolDataPlane:
             if not live():  # freed while the rows travelled: stop, write nothing more
                 raise _Freed
             blocks = [b for _, b in want[at : at + chunk.count]]
-            await self._scatter_copies(gi, chunk.rows, blocks)
+            await self.ranks.scatter_copies(gi, chunk.rows, blocks)
             for j, b in enumerate(blocks):
-                self._pending_sums[b] = tuple(c[j] for c in chunk.checksums)
+                self.requests.pending_sums[b] = tuple(c[j] for c in chunk.checksums)
             filled.update(blocks)
             written[0], written[1] = written[0] + chunk.count, written[1] + chunk.nbytes
 
@@ -349,54 +382,6 @@ class PoolDataPlane:
             except ray.exceptions.RayError as e:
                 log.warning("pool %s: cannot tell %s to drop (%s)", self.name, source, e)
         return written[0], written[1]
-
-    # --- serving other members ------------------------------------------------------------
-
-    async def export_blocks(
-        self, model: str, keys: list[bytes], out: np.ndarray | None = None
-    ) -> tuple[int, np.ndarray, list[list[int]]]:
-        """For ``raykv.transport``: the leading ``keys`` (one group) still valid here, as one
-        buffer uint8 [distinct copies, count, row_bytes] plus their checksums per copy.
-        ``out`` (a UCX server's spare buffer) is not used: the rows come off the pool's
-        device in a buffer of the gather's own."""
-        from raykv.service.groups import key_group
-
-        blocks = self._exportable(model, keys)
-        gid = key_group(keys[0]) if keys else None
-        self.metrics.miss(model, GPU, len(keys) - len(blocks))
-        if not blocks:
-            return 0, np.empty((len(self.writers), 0, 0), np.uint8), []
-        # the checksums of the bytes the gather reads now, before anything may yield
-        sums = [[self.sums[b][c] for b in blocks] for c in range(len(self.writers))]
-        rows = await self._gather(self.gindex[gid], blocks, self.writers)
-        self.metrics.hit(model, GPU, len(blocks))
-        self.metrics.moved(model, GPU, rows.numel())
-        return len(blocks), export_rows(rows), sums
-
-    def _exportable(self, model: str, keys: list[bytes]) -> list[int]:
-        """Our blocks holding the leading ``keys`` (one group) that are still valid here."""
-        from raykv.service.groups import key_group
-
-        blocks: list[int] = []
-        gid = key_group(keys[0]) if keys else None
-        for key in keys:
-            b = self.valid.get(key)
-            # a stale index entry (evicted, re-keyed, a restarted coordinator's guess) is a
-            # miss: only a block the manager still caches under this very key is served
-            if b is None or model != self.model.name or key_group(key) != gid:
-                break
-            if not self._cached_as(b, key) or b not in self.sums:
-                break
-            blocks.append(b)
-        return blocks
-
-    async def drop_keys(self, model: str, keys: list[bytes]) -> None:
-        """A reader found these blocks' bytes corrupt: unpublish them (misses from now; the
-        reader counted them, ``checksum_errors`` "remote")."""
-        bad = [self.valid[k] for k in keys if model == self.model.name and k in self.valid]
-        if bad:
-            log.warning("pool %s: a reader found blocks %s corrupt; dropped", self.name, bad[:8])
-            await self.publish(model, [], self._gone([self._invalidate(b) for b in bad]))
 
 
 def _copies(per_copy: dict[int, tuple[int, ...]], n: int) -> list[tuple[int, ...]]:

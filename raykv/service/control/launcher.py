@@ -2,7 +2,8 @@
 
 With no address, ``up`` starts a local Ray head on 127.0.0.1 that outlives the command
 (``ray start --head --block`` in its own session; its pid and address go to the state file,
-``raykv.service.ray_join.state_file()``), so ``status`` and ``down`` from other processes find it.
+``raykv.service.control.ray_join.state_file()``), so ``status`` and ``down`` from other
+processes find it.
 ``down`` stops the service's actors and, if ``up`` started the head, that process group.
 """
 
@@ -19,9 +20,9 @@ import time
 from typing import Any
 
 from raykv.errors import RaykvError, ServiceError
-from raykv.service import control
-from raykv.service.admin import admin_key
-from raykv.service.ray_join import (
+from raykv.service.control import calls
+from raykv.service.control.admin import admin_key
+from raykv.service.control.ray_join import (
     ensure_token,
     ensure_transport_secret,
     join,
@@ -138,11 +139,11 @@ def up(
     try:
         import ray
 
-        from raykv.service.spec import NAMESPACE, ServedModel
+        from raykv.service.served import NAMESPACE, ServedModel
 
         if not ray.is_initialized():
             join(address, NAMESPACE, start_local=True)
-        coord = control.ensure_service()
+        coord = calls.ensure_service()
         model = ServedModel(
             preset,
             dict(p.layers()),
@@ -153,7 +154,7 @@ def up(
             pool_bytes=pool_bytes,
             tp_size=tp_size,
         )
-        plan = control.call(coord, "add_model", model, timeout_s=control.ADD_MODEL_TIMEOUT_S)
+        plan = calls.call(coord, "add_model", model, timeout_s=calls.ADD_MODEL_TIMEOUT_S)
     except RaykvError as e:
         if started is None:
             raise
@@ -161,7 +162,7 @@ def up(
             f"{e}\n(the Ray head raykv up started at {address} keeps running: run raykv up "
             "again with other settings, or raykv down)"
         ) from e
-    stats = control.call(coord, "stats")
+    stats = calls.call(coord, "stats")
     return {
         "address": address,
         "started_head": started is not None,
@@ -175,7 +176,7 @@ def up(
 
 
 def _join(address: str | None) -> str:
-    from raykv.service.spec import NAMESPACE
+    from raykv.service.served import NAMESPACE
 
     joined = join(address, NAMESPACE, start_local=False)
     return joined
@@ -184,19 +185,19 @@ def _join(address: str | None) -> str:
 def status(address: str | None) -> dict[str, Any]:
     addr = _join(address)
     try:
-        coord = control.coordinator()
+        coord = calls.coordinator()
     except ServiceError:
         raise ServiceError(
             f"Ray runs at {addr} but the raykv service does not (raykv up)"
         ) from None
-    return {"address": addr, **control.call(coord, "stats")}
+    return {"address": addr, **calls.call(coord, "stats")}
 
 
 def down(address: str | None) -> dict[str, Any]:
     """Stop the service's actors, then the Ray head if ``raykv up`` started it."""
     import ray
 
-    from raykv.service.spec import COORDINATOR, NAMESPACE
+    from raykv.service.served import COORDINATOR, NAMESPACE
 
     addr = _join(address)
     killed = 0

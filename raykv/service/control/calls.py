@@ -12,7 +12,7 @@ from typing import Any
 import ray
 
 from raykv.errors import RaykvError, ServiceError
-from raykv.service.spec import COORDINATOR, NAMESPACE
+from raykv.service.served import COORDINATOR, NAMESPACE
 
 START_TIMEOUT_S = 60.0
 CALL_TIMEOUT_S = 10.0
@@ -23,7 +23,7 @@ ADD_MODEL_TIMEOUT_S = 600.0
 
 def ensure_service(namespace: str = NAMESPACE) -> Any:
     """The coordinator actor, created (named, detached) if it does not exist yet."""
-    from raykv.service.coordinator import coordinator_actor
+    from raykv.service.control.coordinator import coordinator_actor
 
     coord = coordinator_actor().remote() if namespace == NAMESPACE else None
     if coord is None:

@@ -72,7 +72,8 @@ class ServiceMetrics:
 
     def checksum_errors(self, model: str, tier: str, n: int) -> None:
         """Copies found corrupt (dropped, served as misses, never as KV), each counted once,
-        by where it was found: ``tier`` "gpu", "cpu" or "remote" (``raykv.service.dataplane``)."""
+        by where it was found: ``tier`` "gpu", "cpu" or "remote"
+        (``raykv.service.pool.dataplane``)."""
         if n:
             self.tally["checksum_errors"] += n
             self.tally[f"checksum_errors_{tier}"] += n

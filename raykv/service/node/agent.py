@@ -1,13 +1,13 @@
 """The node agent: the door through which engine processes on this node reach raykv.
 
 The node's ``CpuTierActor`` runs it (an asyncio Unix-socket server on the actor's own event
-loop, ``raykv.service.agent_protocol``), so an engine is never a Ray driver: its life is not
+loop, ``raykv.service.node.agent_protocol``), so an engine is never a Ray driver: its life is not
 tied to the Ray head, it exports nothing, and a dead service is a closed socket it sees at
 once. The agent answers each connection's requests in order (a ``Pull``, which crosses nodes,
 runs beside them), with the tier's own methods (``reserve``, ``lease_groups``, ``apply``,
 ``pull``) for the connection's process, and forwards what only
 the coordinator knows (``AddModel``, ``GetModel``). Each connection is one holder
-(``raykv.service.holders``): when it closes (the engine detached, exited or crashed) its
+(``raykv.tiers.holds``): when it closes (the engine detached, exited or crashed) its
 leases and reservations are released at once.
 
 Access: the socket's folder is the agent's user's alone (0700), and each connection's peer
@@ -31,11 +31,11 @@ from typing import Any, Protocol
 import ray
 
 from raykv.errors import RaykvError, ServiceError
-from raykv.service import agent_protocol as p
-from raykv.service import holders
-from raykv.service.metrics import ServiceMetrics
-from raykv.service.replica import ReplicaSpec
-from raykv.service.spec import COORDINATOR, served_model
+from raykv.service.control.metrics import ServiceMetrics
+from raykv.service.node import agent_protocol as p
+from raykv.service.node.replica import ReplicaSpec
+from raykv.service.served import COORDINATOR, served_model
+from raykv.tiers import holds
 
 log = logging.getLogger(__name__)
 COORDINATOR_TIMEOUT_S = 60.0  # an AddModel places pools: as long as placement may take
@@ -60,7 +60,7 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int]:
 
 
 class ServedTier(Protocol):
-    """What the agent uses of the tier that runs it (``raykv.service.cpu_tier.CpuTierActor``):
+    """What the agent uses of the tier that runs it (``raykv.service.tier.actor.CpuTierActor``):
     its node, its models and counters, and the methods it answers requests with."""
 
     node_id: str
@@ -94,7 +94,8 @@ class ServedTier(Protocol):
 
 
 class AgentServer:
-    """Serves ``raykv.service.agent_protocol`` requests for one tier (see the module docstring)."""
+    """Serves ``raykv.service.node.agent_protocol`` requests for one tier (see the module
+    docstring)."""
 
     def __init__(self, tier: ServedTier, namespace: str) -> None:
         self.tier, self.namespace = tier, namespace
@@ -149,7 +150,7 @@ class AgentServer:
             return
         self._connections += 1
         self.clients += 1
-        holder = holders.process_holder(f"engine #{self._connections}", pid)
+        holder = holds.process_holder(f"engine #{self._connections}", pid)
         writing = asyncio.Lock()  # answers of concurrent pulls and of the in-order requests
         pulls: set[asyncio.Task] = set()
         try:
@@ -182,7 +183,7 @@ class AgentServer:
         writing: asyncio.Lock,
         number: int,
         request: p.Request,
-        holder: holders.Holder,
+        holder: holds.Holder,
         pid: int,
     ) -> None:
         try:
@@ -199,7 +200,7 @@ class AgentServer:
                 writer.write(p.frame(out))
                 await writer.drain()
 
-    async def answer(self, request: p.Request, holder: holders.Holder, pid: int) -> Any:
+    async def answer(self, request: p.Request, holder: holds.Holder, pid: int) -> Any:
         tier = self.tier
         match request:
             case p.Hello():

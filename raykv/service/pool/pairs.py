@@ -16,7 +16,7 @@ every rank wrote (the least). A holder's replicas hold the same bytes (every way
 becomes valid writes each rank's copy alike; an engine's own store is checked for it). One
 collective fetch at a time per reader pool keeps the order of every pair's messages the same
 at both ends; a failure anywhere bumps the reader's generation (fresh groups next time) and
-is a ``TransportError`` (``_fetch_remote`` retries the batch over the object store, then the
+is a ``TransportError`` (``Fetch`` retries the batch over the object store, then the
 source counts as failed: misses).
 """
 
@@ -26,15 +26,21 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import ray
 import torch
 
+from raykv.blocks import BlockManager
 from raykv.errors import TransportError
 from raykv.ops.pools import PoolCopy
-from raykv.service.spec import NAMESPACE
+from raykv.service.control.metrics import ServiceMetrics
+from raykv.service.pool.fanout import Ranks
+from raykv.service.pool.requests import Requests
+from raykv.service.served import NAMESPACE, ServedModel
+from raykv.transport import Transport
 from raykv.transport.collective import TIMEOUT_S, Collective, CollectiveTransport
 from raykv.transport.pair import Pair
 from raykv.transport.peer_read import (
@@ -174,27 +180,38 @@ class RankCollective:
                 del self._windowed[p]
 
 
-class CollectivePlane:
-    """Mixed into ``GpuPool``: needs ``name``, ``local``, ``_ranks()``, ``_remote()``,
-    ``transports``, ``writers``, ``copy_of``, ``gindex``, ``sums``, ``model``, ``metrics``,
-    ``_exportable`` and ``_pending_sums``."""
+class Pairs:
+    """Pool ``name``'s NCCL / gloo pairs and peer reads with the other pools: both halves of
+    a batch (see the module docstring). Registers its transports in ``transports`` (the
+    pool's, by name)."""
 
-    def _init_collective(self) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: ServedModel,
+        node_id: str,
+        plan: Any,
+        local: RankCollective,
+        ranks: Ranks,
+        requests: Requests,
+        bm: BlockManager,
+        metrics: ServiceMetrics,
+        transports: dict[str, Transport],
+    ) -> None:
+        self.name, self.model, self.local, self.ranks = name, model, local, ranks
+        self.requests, self.bm, self.metrics, self.transports = requests, bm, metrics, transports
+        self.gindex = {g.group_id: i for i, g in enumerate(plan.groups)}
         coll = self.local.collective(self.name)
         self.transports[coll.backend] = CollectiveTransport(coll)
         if (
             enabled()
             and self.local.peer_handle() is not None
-            and len(self.writers) == len(self.copy_of)
+            and len(ranks.writers) == len(ranks.copy_of)
         ):
             # every rank its own copy (an MLA group's replicas stay on NCCL: it moves once)
-            layout = (self.model.name, len(self.copy_of), *self.widths)
-            self.transports[PEER] = PeerTransport(self.node_id, layout)
+            layout = (self.model.name, len(ranks.copy_of), *ranks.widths)
+            self.transports[PEER] = PeerTransport(node_id, layout)
         self._holds: dict[int, tuple[list[int], float]] = {}
-        # valid block -> its wire sum per copy, taken when it became valid (``_sum_soon``) or
-        # at its first peer export (its bytes cannot change while it stays valid; dropped
-        # with it, ``_invalidate``)
-        self.wire_sums: dict[int, tuple[int, ...]] = {}
         self._hold_seq = 0
         self._peer_handles: list[Any] | None = None
         self._coll_gen = 0
@@ -209,7 +226,7 @@ class CollectivePlane:
     async def _idents(self) -> list[str]:
         """Every rank's endpoint ident, rank 0 first."""
         if self._coll_idents is None:
-            rest = await self._remote([h.coll_ident.remote() for h in self._ranks()])
+            rest = await self.ranks.remote([h.coll_ident.remote() for h in self.ranks.handles()])
             self._coll_idents = [self.local.collective(self.name).ident, *rest]
         return self._coll_idents
 
@@ -225,25 +242,25 @@ class CollectivePlane:
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
 
-    async def collective_export(
+    async def export(
         self, model: str, keys: list[bytes], reader: dict[str, Any]
     ) -> tuple[int, list[list[int]], int, list[str]]:
         """The control call of a collective fetch (see the module docstring): the leading
         ``keys`` still valid here are sent to ``reader``'s ranks; returns (count, stored
         checksums per copy, row width, this group's idents)."""
+        from raykv.service.control.index import GPU
         from raykv.service.groups import key_group
-        from raykv.service.index import GPU
 
         idents = await self._idents()  # before choosing blocks: nothing awaits after that
-        blocks = self._exportable(model, keys)
+        blocks = self.requests.exportable(model, keys)
         self.metrics.miss(model, GPU, len(keys) - len(blocks))
         if not blocks:
             return 0, [], 0, idents
         gi = self.gindex[key_group(keys[0])]
-        sums = [[self.sums[b][c] for b in blocks] for c in range(len(self.writers))]
+        sums = [[self.requests.sums[b][c] for b in blocks] for c in range(len(self.ranks.writers))]
         store = tuple(reader["store"])
-        handles = self._ranks()
-        for r, share in self._shares(len(blocks), self.widths[gi]):  # a share per replica
+        handles = self.ranks.handles()
+        for r, share in self._shares(len(blocks), self.ranks.widths[gi]):  # a share per replica
             if not share:
                 continue
             part = blocks[share.start : share.stop]
@@ -253,14 +270,10 @@ class CollectivePlane:
             else:
                 send = handles[r - 1].coll_send.remote(pair, gi, part)
             self._background(send, f"sending {len(part)} blocks to {pair.dst}")
-        width = self.widths[gi]
+        width = self.ranks.widths[gi]
         self.metrics.hit(model, GPU, len(blocks))
-        self.metrics.moved(model, GPU, len(blocks) * width * len(self.writers))
+        self.metrics.moved(model, GPU, len(blocks) * width * len(self.ranks.writers))
         return len(blocks), sums, width, idents
-
-    def _replicas(self, r: int) -> list[int]:
-        """The ranks holding rank ``r``'s copy, in order."""
-        return [x for x in range(len(self.copy_of)) if self.copy_of[x] == self.copy_of[r]]
 
     def _shares(self, n: int, width: int) -> list[tuple[int, range]]:
         """(rank, its share of a batch of ``n`` rows of ``width`` bytes) for every rank: a
@@ -270,8 +283,8 @@ class CollectivePlane:
         all the copy's links at once (a small batch: whole, from the first replica); a rank
         that holds its own copy sends all of it."""
         out = []
-        for r in range(len(self.copy_of)):
-            replicas = self._replicas(r)
+        for r in range(len(self.ranks.copy_of)):
+            replicas = self.ranks.replicas(r)
             out.append((r, shares(n, len(replicas), width)[replicas.index(r)]))
         return out
 
@@ -290,15 +303,15 @@ class CollectivePlane:
         blocks, stored checksums and wire sums per copy (taken by the writer ranks at a
         block's first export, then remembered while it stays valid), the ranks' handles and
         the hold's token (None: nothing to read)."""
+        from raykv.service.control.index import GPU
         from raykv.service.groups import key_group
-        from raykv.service.index import GPU
 
         self._expire_holds()
         self._read_in_place = True
         if self._peer_handles is None:
-            rest = await self._remote([h.peer_handle.remote() for h in self._ranks()])
+            rest = await self.ranks.remote([h.peer_handle.remote() for h in self.ranks.handles()])
             self._peer_handles = [self.local.peer_handle(), *rest]
-        blocks = self._exportable(model, keys)
+        blocks = self.requests.exportable(model, keys)
         self.metrics.miss(model, GPU, len(keys) - len(blocks))
         if not blocks:
             return None
@@ -307,45 +320,51 @@ class CollectivePlane:
         token = self._hold_seq
         self._holds[token] = (blocks, time.monotonic() + HOLD_S)
         gi = self.gindex[key_group(keys[0])]
-        stored = [[self.sums[b][c] for b in blocks] for c in range(len(self.writers))]
-        new = [b for b in blocks if b not in self.wire_sums]
-        if new:  # not summed since they became valid (``_sum_soon``): the ranks state them now
+        stored = [
+            [self.requests.sums[b][c] for b in blocks] for c in range(len(self.ranks.writers))
+        ]
+        new = [b for b in blocks if b not in self.requests.wire_sums]
+        if new:  # not summed since they became valid (``sum_soon``): the ranks state them now
             try:
                 await self._take_wire_sums(gi, new)
             except BaseException:
                 await self.release_peer_hold(token)
                 raise
-            if any(b not in self.wire_sums for b in blocks):  # invalidated meanwhile: a miss
+            if any(
+                b not in self.requests.wire_sums for b in blocks
+            ):  # invalidated meanwhile: a miss
                 await self.release_peer_hold(token)
                 return None
         wire = [
-            np.fromiter((self.wire_sums[b][c] for b in blocks), np.int64, len(blocks))
-            for c in range(len(self.writers))
+            np.fromiter((self.requests.wire_sums[b][c] for b in blocks), np.int64, len(blocks))
+            for c in range(len(self.ranks.writers))
         ]  # int64 arrays: the readers compare them as they are
         self.metrics.hit(model, GPU, len(blocks))
-        self.metrics.moved(model, GPU, len(blocks) * self.widths[gi] * len(self.writers))
+        self.metrics.moved(
+            model, GPU, len(blocks) * self.ranks.widths[gi] * len(self.ranks.writers)
+        )
         return {
             "blocks": blocks, "stored": stored, "wire": wire, "hold": token,
-            "handles": [self._peer_handles[w] for w in self.writers],
+            "handles": [self._peer_handles[w] for w in self.ranks.writers],
         }  # fmt: skip
 
     async def _take_wire_sums(self, gi: int, blocks: list[int]) -> None:
         """Every writer rank states the wire sums of ``blocks`` (held by the caller: their
         bytes cannot change meanwhile), remembered for those still valid after the await."""
-        handles = self._ranks()
+        handles = self.ranks.handles()
 
         async def here() -> np.ndarray:
             return self.local.peer_sums(gi, blocks)
 
         per_copy = await asyncio.gather(*(
             here() if w == 0 else handles[w - 1].peer_sums.remote(gi, blocks)
-            for w in self.writers
+            for w in self.ranks.writers
         ))  # fmt: skip
         for j, b in enumerate(blocks):
-            if b in self.key_of:
-                self.wire_sums[b] = tuple(c[j] for c in per_copy)
+            if b in self.requests.key_of:
+                self.requests.wire_sums[b] = tuple(c[j] for c in per_copy)
 
-    def _sum_soon(self, valid: list[tuple[bytes, int]]) -> None:
+    def sum_soon(self, valid: list[tuple[bytes, int]]) -> None:
         """Blocks that just became valid (``(key, block)``): where pools of this node read
         each other in place, their wire sums are taken now, in the background, each group's
         blocks held meanwhile, so a peer's first read of them waits for no pass over the
@@ -378,8 +397,13 @@ class CollectivePlane:
 
     # --- reading from another pool ------------------------------------------------------
 
-    async def _collective_fetch(
-        self, loc: Any, gi: int, want: list[tuple[bytes, int]], filled: set[int], live: Any
+    async def fetch(
+        self,
+        loc: Any,
+        gi: int,
+        want: list[tuple[bytes, int]],
+        filled: set[int],
+        live: Callable[[], bool],
     ) -> tuple[int, int]:
         """One batch from ``loc``'s pool over NCCL / gloo, straight into every rank's blocks;
         (blocks, bytes). TransportError if it could not move (the caller falls back). A
@@ -399,7 +423,12 @@ class CollectivePlane:
             return await self._collective_fetch_locked(loc, gi, want, filled, live)
 
     async def _collective_fetch_locked(
-        self, loc: Any, gi: int, want: list[tuple[bytes, int]], filled: set[int], live: Any
+        self,
+        loc: Any,
+        gi: int,
+        want: list[tuple[bytes, int]],
+        filled: set[int],
+        live: Callable[[], bool],
     ) -> tuple[int, int]:
         idents = await self._idents()
         gen, store = self._coll_gen, tuple((loc.endpoint or {}).get("store") or ())
@@ -421,14 +450,16 @@ class CollectivePlane:
             return 0, 0
         blocks = [b for _, b in want[:n]]
         calls = []
-        for r in range(len(self.copy_of)):  # rank to rank; a replicated copy in shares
-            feed, c = Pair(src[r], idents[r], gen, store), self.copy_of[r]
-            replicas = [idents[x] for x in self._replicas(r)]  # one: its own copy, whole
+        for r in range(len(self.ranks.copy_of)):  # rank to rank; a replicated copy in shares
+            feed, c = Pair(src[r], idents[r], gen, store), self.ranks.copy_of[r]
+            replicas = [idents[x] for x in self.ranks.replicas(r)]  # one: its own copy, whole
             if r == 0:
                 calls.append(self.local.recv(self.name, feed, gi, blocks, sums[c], replicas))
             else:
                 calls.append(
-                    self._ranks()[r - 1].coll_recv.remote(feed, gi, blocks, sums[c], replicas)
+                    self.ranks.handles()[r - 1].coll_recv.remote(
+                        feed, gi, blocks, sums[c], replicas
+                    )
                 )
         try:
             counts = await asyncio.gather(*calls)
@@ -439,13 +470,13 @@ class CollectivePlane:
             raise TransportError(f"{loc.transport} batch from {loc.member} failed: {e}") from e
         seen = self._window_of.get(loc.member)
         if loc.transport == NCCL and (seen is None or seen[0] != gen):
-            pairs = [Pair(src[r], idents[r], gen, store) for r in range(len(self.copy_of))]
+            pairs = [Pair(src[r], idents[r], gen, store) for r in range(len(self.ranks.copy_of))]
             await self._windows_formed(loc.member, gen, pairs)
         return await self._landed(loc, source, want, min(counts), n, sums, width, filled, live)
 
     async def _landed(
         self, loc: Any, source: Any, want: list[tuple[bytes, int]], good: int, n: int,
-        sums: list[list[int]], width: int, filled: set[int], live: Any,
+        sums: list[list[int]], width: int, filled: set[int], live: Callable[[], bool],
     ) -> tuple[int, int]:  # fmt: skip
         """After a batch of ``n`` blocks landed in ours, ``good`` leading ones intact: those
         become fillable (with their stored checksums, one per copy); a failed check is a
@@ -461,19 +492,19 @@ class CollectivePlane:
                 await source.drop_keys.remote(self.model.name, [want[good][0]])
             except ray.exceptions.RayError as e:
                 log.warning("pool %s: cannot tell %s to drop (%s)", self.name, loc.member, e)
-        self._pending_sums.update(zip(blocks[:good], zip(*sums, strict=True), strict=False))
+        self.requests.pending_sums.update(zip(blocks[:good], zip(*sums, strict=True), strict=False))
         filled.update(blocks[:good])
-        return good, good * width * len(self.writers)
+        return good, good * width * len(self.ranks.writers)
 
     async def _windows_formed(self, member: str, gen: int, pairs: list[Pair]) -> None:
         """Whether every rank pair with ``member`` formed an NCCL window (each rank its own
         copy: an MLA group's replicas stay staged, which moves the latent once)."""
         have = [False]
-        if len(self.writers) == len(self.copy_of):
+        if len(self.ranks.writers) == len(self.ranks.copy_of):
             try:
                 have = await asyncio.gather(
                     asyncio.sleep(0, self.local.has_window(pairs[0])),
-                    *(h.coll_has_window.remote(p) for h, p in zip(self._ranks(), pairs[1:],
+                    *(h.coll_has_window.remote(p) for h, p in zip(self.ranks.handles(), pairs[1:],
                                                                   strict=True)),
                 )  # fmt: skip
             except ray.exceptions.RayError as e:
@@ -481,8 +512,8 @@ class CollectivePlane:
         self._window_of[member] = (gen, pairs if all(have) else None)
 
     async def _peer_fetch(
-        self, loc: Any, gi: int, want: list[tuple[bytes, int]], filled: set[int], live: Any,
-        pairs: list[Pair] | None = None,
+        self, loc: Any, gi: int, want: list[tuple[bytes, int]], filled: set[int],
+        live: Callable[[], bool], pairs: list[Pair] | None = None,
     ) -> tuple[int, int]:  # fmt: skip
         """One batch read from ``loc``'s pool on this node: one control call (the holder
         holds the blocks and states their sums), then each of our ranks copies its rank's
@@ -506,10 +537,10 @@ class CollectivePlane:
         blocks = [b for _, b in want[:n]]
         handles = pairs or got["handles"]
         args = [(gi, handles[r], got["blocks"], blocks, got["wire"][r])
-                for r in range(len(self.copy_of))]  # fmt: skip
+                for r in range(len(self.ranks.copy_of))]  # fmt: skip
         calls = [
             self.local.peer_read(*args[0]),
-            *(h.peer_read.remote(*a) for h, a in zip(self._ranks(), args[1:], strict=True)),
+            *(h.peer_read.remote(*a) for h, a in zip(self.ranks.handles(), args[1:], strict=True)),
         ]
         try:
             counts = await asyncio.gather(*calls)
@@ -519,6 +550,6 @@ class CollectivePlane:
             raise TransportError(f"peer read from {loc.member} failed: {e}") from e
         finally:  # the copies are done (or failed): the holder may reuse its blocks
             source.release_peer_hold.remote(got["hold"])
-        width = self.widths[gi]
+        width = self.ranks.widths[gi]
         return await self._landed(loc, source, want, min(counts), n, got["stored"], width,
                                   filled, live)  # fmt: skip

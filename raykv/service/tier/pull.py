@@ -46,9 +46,9 @@ import torch
 
 from raykv import ops
 from raykv.errors import InvalidInput, TransportError
+from raykv.service.control.index import CPU
 from raykv.service.groups import key_group
-from raykv.service.index import CPU
-from raykv.service.spec import COORDINATOR, NAMESPACE
+from raykv.service.served import COORDINATOR, NAMESPACE
 from raykv.transport import FALLBACK, Asked, BlockBatch, RowCheck, fetch_over
 
 log = logging.getLogger(__name__)

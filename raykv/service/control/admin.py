@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 
 from raykv.errors import AccessDenied
-from raykv.service.spec import NAMESPACE
+from raykv.service.served import NAMESPACE
 
 _KEY = b"raykv-admin-key"
 
