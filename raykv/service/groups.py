@@ -30,8 +30,9 @@ from raykv.layout.plan import Plan
 Tables = list[list[int]]
 
 
-def group_keys(plan: Plan, hashes: Sequence[bytes]) -> list[list[bytes]]:
-    """Per group, the key of each full block (from a request's chained hashes)."""
+def group_keys(plan: Plan, hashes: Sequence[bytes] | bytes) -> list[list[bytes]]:
+    """Per group, the key of each full block (from a request's chained hashes, or the
+    hashes joined)."""
     from raykv.tiers.jobs import group_block_hashes
 
     return group_block_hashes(plan, hashes)
