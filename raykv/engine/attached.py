@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
+import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +36,7 @@ import numpy as np
 from raykv.blocks.hashing import BlockHasher
 from raykv.engine.agent import NodeAgent
 from raykv.errors import InvalidInput, RaykvError
-from raykv.service.groups import as_tables, complete_chunks, group_keys
+from raykv.service.groups import as_tables, complete_chunks, factors, group_keys
 from raykv.service.node import agent_protocol as p
 from raykv.tiers.cpu_tier import CpuTierView, LoadLease, int_array
 from raykv.tiers.gpu_kv import GpuKV
@@ -99,6 +101,7 @@ class AttachedKV:
             else GpuKV.register(plan, tensors, layout=layout)
         )
         self.hasher = BlockHasher(plan.hash_block_size)
+        self._factors = factors(plan)  # per group: engine blocks per tier entry
         self._view: CpuTierView | None = None
         self.engine: OffloadEngine | None = None
         self._applying: list[Future] = []  # applies sent, not yet seen answered
@@ -161,56 +164,80 @@ class AttachedKV:
     def keys(self, token_ids: Sequence[int]) -> list[list[bytes]]:
         return group_keys(self.plan, self.hasher.hash_blocks_joined(token_ids))
 
-    def _cuts(self, count: int, block_bytes: int) -> list[int]:
-        """Where a copy of ``count`` blocks of ``block_bytes`` is cut into pieces (0 first,
-        ``count`` last): the first piece about a quarter of ``piece_bytes`` (its copy starts
-        early), each next one twice the one before, up to ``piece_bytes``."""
-        most = max(1, self.piece_bytes // max(block_bytes, 1))
+    def _cuts(self, num_tokens: int) -> list[int]:
+        """Where a copy of a prompt's first ``num_tokens`` is cut into pieces (token
+        positions, 0 first and ``num_tokens`` last; each cut whole entries of every group):
+        the first piece about a quarter of ``piece_bytes`` (its copy starts early), each
+        next one twice the one before, up to ``piece_bytes``."""
+        plan = self.plan
+        unit = math.lcm(
+            *(g.block_size * f for g, f in zip(plan.groups, self._factors, strict=True))
+        )
+        unit_bytes = plan.gpu_bytes_per_block * unit // plan.groups[0].block_size
+        most = max(1, self.piece_bytes // max(unit_bytes, 1))
         cuts, size = [0], max(1, most // 4)
-        while cuts[-1] < count:
-            cuts.append(min(count, cuts[-1] + size))
+        while cuts[-1] + unit <= num_tokens:
+            cuts.append(min(num_tokens // unit, cuts[-1] // unit + size) * unit)
             size = min(most, 2 * size)
-        return cuts
+        return [*cuts, num_tokens] if cuts[-1] < num_tokens or len(cuts) == 1 else cuts
+
+    def _pieces(self, token_ids: Sequence[int], tables: list, cuts: list[int]) -> Iterator:
+        """Per piece (tokens ``cuts[i]`` to ``cuts[i + 1]``), hashed as it is needed (the
+        chain goes on from the piece before): (each group's first position in it, its keys
+        per group, its block ids per group)."""
+        hbs, parent = self.plan.hash_block_size, None
+        for a, b in itertools.pairwise(cuts):
+            hashes = self.hasher.hash_blocks(token_ids, first_block=a // hbs, end_block=b // hbs,
+                                             parent=parent)  # fmt: skip
+            parent = hashes[-1] if hashes else parent
+            at = [a // g.block_size for g in self.plan.groups]
+            groups = zip(tables, at, self.plan.groups, strict=True)
+            part = [t[f : b // g.block_size] for t, f, g in groups]
+            yield at, group_keys(self.plan, hashes), part
+
+    def _covered(self, token_ids: Sequence[int], tables: list) -> int:
+        """The prompt's tokens any group's table reaches: the most a store or load hashes."""
+        most = max(len(t) * g.block_size for t, g in zip(tables, self.plan.groups, strict=True))
+        return min(len(token_ids), most)
 
     def store_from(self, token_ids: Sequence[int], block_ids: Sequence) -> int:
         """Copy the engine's blocks ``block_ids`` (per group, by position; a flat list for
         one group) holding ``token_ids``' full blocks into the node's CPU tier; returns the
         entries newly stored (0 when the tier has no room: a miss later, never wrong).
 
-        A store of more than ``piece_bytes`` goes in pieces of leading entries, each
-        reserved (all or nothing) while the piece before it copies, and each made readable
-        as its copy completes once every reservation is in (no piece's reservation may
-        evict another's entries): the tier's bookkeeping runs beside the copy. Where the
-        tier has no room for a piece, it and the pieces after it are not stored (the ones
-        before are: a prefix)."""
+        A store of more than a quarter of ``piece_bytes`` goes in pieces of the prompt,
+        each hashed and reserved (all or nothing) while the piece before it copies, and each
+        made readable as its copy completes once every reservation is in (no piece's
+        reservation may evict another's entries): the tier's bookkeeping runs beside the
+        copy. Where the tier has no room for a piece, it and the pieces after it are not
+        stored (the ones before are: a prefix)."""
         tables = as_tables(self.plan, block_ids)
-        keys = self.keys(token_ids)
-        job = StoreJob.build(self.plan, "attached", tables, keys)
-        if not job.keys:
-            return 0
-        members = None  # entries of one block each are their own only member: no tuples
-        if not (job.arrays.widths == 1).all():
-            members = tuple(c.members for c in complete_chunks(self.plan, tables, keys))
+        pieces = self._pieces(token_ids, tables, self._cuts(self._covered(token_ids, tables)))
         self._answered()
-        n = len(job.keys)
-        at = self._cuts(n, self.plan.gpu_bytes_per_block * int(job.arrays.widths.max()))
-        cuts = list(map(slice, at, at[1:]))
+        sent: list[tuple[StoreJob, Future]] = []
 
-        def reserve(cut: slice) -> Future:
-            piece_members = None if members is None else members[cut]
-            return self.agent.send(p.Reserve(self.model, job.keys[cut], piece_members))
+        def ask() -> None:  # the next piece with entries to store: its reservation asked
+            for _, keys, part in pieces:
+                job = StoreJob.build(self.plan, "attached", part, keys)
+                if job.keys:
+                    members = None  # entries of one block each: their own only member
+                    if not (job.arrays.widths == 1).all():
+                        members = tuple(c.members for c in complete_chunks(self.plan, part, keys))
+                    sent.append((job, self.agent.send(p.Reserve(self.model, job.keys, members))))
+                    return
 
-        sent, counts, results = [reserve(cuts[0])], {}, []
+        ask()
+        counts: dict[int, int] = {}
+        results: list[JobResult] = []
         eng: OffloadEngine | None = None
         try:
-            for i, cut in enumerate(cuts):
-                if i + 1 < len(cuts):  # the tier reserves it while this piece copies
-                    sent.append(reserve(cuts[i + 1]))
-                spec, res = self.agent.answer(sent[i], "Reserve")
+            for job, asked in sent:  # ``ask`` appends the next one as this one is taken
+                ask()
+                spec, res = self.agent.answer(asked, "Reserve")
                 if res is None or (eng is not None and spec != self._view.spec):
                     break  # no room (or the tier was placed again): a prefix is stored
                 eng = self._engine(spec)
-                counts[eng.submit_store(job.piece(cut), res)] = len(res.keys)
+                counts[eng.submit_store(job, res)] = len(res.keys)
             for job_id in list(counts)[:-1]:  # readable as they complete, the last below
                 results += eng.wait(job_id)
                 self._apply(eng.tier.take())
@@ -218,7 +245,7 @@ class AttachedKV:
             if eng is not None:
                 results += eng.wait_all()
                 self._apply(eng.tier.take())
-            self._give_back(sent[len(counts) :])
+            self._give_back([asked for _, asked in sent[len(counts) :]])
         return sum(counts[r.job_id] for r in results if r.ok)
 
     def _give_back(self, sent: list[Future]) -> None:
@@ -276,39 +303,47 @@ class AttachedKV:
         holds (its own prefix cache, or null blocks out of a window); they are neither read
         nor written and count as loaded.
 
-        A load of more than ``piece_bytes`` goes in pieces (each group's positions cut
-        alike), each leased while the piece before it copies."""
+        A load of more than a quarter of ``piece_bytes`` goes in pieces of the prompt, each
+        hashed and leased while the piece before it copies."""
         tables = as_tables(self.plan, block_ids)
         skips = [skip] * len(tables) if isinstance(skip, int) else list(skip)
-        keys = [k[: len(t)] for k, t in zip(self.keys(token_ids), tables, strict=True)]
-        first = [min(s, len(k)) for s, k in zip(skips, keys, strict=True)]
-        rest = [len(k) - f for k, f in zip(keys, first, strict=True)]
-        most = max(*rest, 1)
-        at = self._cuts(most, self.plan.gpu_bytes_per_block)  # each group's cut alike
-        cut = [[f + a * r // most for f, r in zip(first, rest, strict=True)] for a in at]
-        n = len(cut) - 1
+        covered = self._covered(token_ids, tables)
+        groups = zip(tables, self.plan.groups, strict=True)
+        ends = [min(len(t), covered // g.block_size) for t, g in groups]
+        first = [min(s, e) for s, e in zip(skips, ends, strict=True)]
+        pieces = self._pieces(token_ids, tables, self._cuts(covered))
         self._answered()
-        sent = [self._lease_send(keys, cut[0], cut[1])]
-        loading: list[_Loading] = []
-        reached, taken = list(first), 0
+        sent: list[tuple[list[int], Future]] = []
+
+        def ask() -> None:  # the next piece's lease asked: its positions from ``first`` on
+            for at, keys, _ in pieces:
+                start = [min(max(a, f), e) for a, f, e in zip(at, first, ends, strict=True)]
+                spans = zip(keys, start, at, ends, strict=True)
+                want = [list(k[max(s - a, 0) : max(e - a, 0)]) for k, s, a, e in spans]
+                sent.append((start, self.agent.send(p.LeaseGroups(self.model, want))))
+                return
+
+        ask()
+        loading: list[tuple[list[int], _Loading]] = []
+        taken = 0
         try:
-            for i in range(n):
-                if i + 1 < n:  # the tier leases it while this piece copies
-                    sent.append(self._lease_send(keys, cut[i + 1], cut[i + 2]))
-                lease, taken = self._leased(sent[i], cut[i]), i + 1
+            for start, asked in sent:  # ``ask`` appends the next one as this one is taken
+                ask()
+                lease, taken = self._leased(asked, start), taken + 1
                 if loading and self._view is not None and lease.spec != self._view.spec:
                     self._hold([("finish_load", x, 0) for x in lease.leases if x is not None])
                     break  # the tier was placed again: the pieces loaded are the hit
-                loading.append(self._submit_leased(lease, tables, cut[i]))
+                loading.append((start, self._submit_leased(lease, tables, start)))
         finally:
-            results = self._wait(loading)
-            for f in sent[taken:]:  # leased but never loaded: released with ``send``
+            results = self._wait([piece for _, piece in loading])
+            for _, asked in sent[taken:]:  # leased but never loaded: released with ``send``
                 with contextlib.suppress(RaykvError):
-                    unused = self._leased(f, first).leases
+                    unused = self._leased(asked, first).leases
                     self._hold([("finish_load", x, 0) for x in unused if x is not None])
-        for i, piece in enumerate(loading):  # each group's leading positions loaded, in order
+        reached = list(first)
+        for start, piece in loading:  # each group's leading positions loaded, in order
             for g, got in enumerate(piece.reached(results)):
-                if reached[g] >= cut[i][g]:
+                if reached[g] >= start[g]:
                     reached[g] = max(reached[g], got)
         self.send()
         return min(r * g.block_size for r, g in zip(reached, self.plan.groups, strict=True))
