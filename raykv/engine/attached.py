@@ -45,9 +45,10 @@ from raykv.tiers.offload import JobResult, OffloadEngine
 
 log = logging.getLogger(__name__)
 PULL_TIMEOUT_S = 60.0  # a pull crosses nodes: as long as a transport may take
-# A store or load of more bytes moves in pieces of about this much, the node agent's
-# bookkeeping of the next piece (a round trip) running beside the copy of this one: 128 MiB
-# is ~2.4 ms over PCIe 5, longer than the agent takes for its 256 blocks of 512 KiB.
+# A store or load moves in pieces of at most this much (the first a quarter of it, each next
+# twice the one before), the node agent's bookkeeping of the next piece (a round trip)
+# running beside the copy of this one: 128 MiB is ~2.4 ms over PCIe 5, longer than the agent
+# takes for its 256 blocks of 512 KiB.
 PIECE_BYTES = 128 << 20
 
 
@@ -271,13 +272,6 @@ class AttachedKV:
         ]
         return [f.result(PULL_TIMEOUT_S) if f is not None else 0 for f in asked]
 
-    def _lease_send(
-        self, keys: list[list[bytes]], first: Sequence[int], stop: Sequence[int]
-    ) -> Future:
-        """Ask for read references on positions ``first[g]`` to ``stop[g]`` of each group."""
-        wanted = [list(k[f:e]) for k, f, e in zip(keys, first, stop, strict=True)]
-        return self.agent.send(p.LeaseGroups(self.model, wanted))
-
     def _leased(self, sent: Future, first: Sequence[int]) -> TierLease:
         spec, groups = self.agent.answer(sent, "LeaseGroups")
         leases = tuple(lease for lease, _ in groups)
@@ -291,7 +285,8 @@ class AttachedKV:
         keys = [k[:n] for k, n in zip(self.keys(token_ids), num_blocks, strict=True)]
         first = [min(s, len(k)) for s, k in zip(skip, keys, strict=True)]
         self._answered()
-        return self._leased(self._lease_send(keys, first, list(map(len, keys))), first)
+        wanted = [list(k[f:]) for k, f in zip(keys, first, strict=True)]
+        return self._leased(self.agent.send(p.LeaseGroups(self.model, wanted)), first)
 
     def load_into(
         self, token_ids: Sequence[int], block_ids: Sequence, skip: int | Sequence[int] = 0
@@ -370,10 +365,8 @@ class AttachedKV:
             for gi, (g, table) in enumerate(zip(self.plan.groups, tables, strict=True)):
                 s, first, lease_g = skips[gi], lease.first[gi], lease.leases[gi]
                 picks = lease.chosen[gi][max(s - first, 0) : max(len(table) - first, 0)]
-                if s >= len(table):
-                    loading.groups.append((len(table), None, (), picks))
-                elif lease_g is None or s < first or not len(picks):
-                    loading.groups.append((s, None, (), picks))
+                if s >= len(table) or lease_g is None or s < first or not len(picks):
+                    loading.groups.append((len(table) if s >= len(table) else s, None, (), picks))
                     unused.append(lease_g)
                 else:
                     job = self._load_job(g.group_id, gi, lease_g.keys, table[s : s + len(picks)],
