@@ -13,7 +13,7 @@ from kvdata import ROW, rows, tokens
 
 from raykv.layout import MLA, FullAttention
 from raykv.service.served import NAMESPACE, pool_name, rank_name
-from raykv.transport.wire import SHARE_MIN_BYTES
+from raykv.transport.collective.wire import SHARE_MIN_BYTES
 
 pytestmark = pytest.mark.ray
 RAY_WORKERS = 1

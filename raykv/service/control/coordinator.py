@@ -561,7 +561,7 @@ class Coordinator:
         ep = holder.transports.get(name)
         if name in COLLECTIVE:  # pairs of registered pools meet at our store
             if self._rendezvous is None:
-                from raykv.transport.pair import serve_rendezvous
+                from raykv.transport.collective.pair import serve_rendezvous
 
                 self._rendezvous = serve_rendezvous(ray.util.get_node_ip_address())
             ep = {**(ep or {}), "store": self._rendezvous[1:]}

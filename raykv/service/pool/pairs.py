@@ -7,17 +7,17 @@ checksums per distinct TP copy, the row width and its ranks' idents, and meanwhi
 its ranks gathers its part of the batch into one staging buffer and sends it to the reader's
 rank of the same index. So a TP-N pair moves rank to rank, each over its own pair group. A
 copy that several ranks replicate (an MLA latent: one copy per TP group) crosses once, in
-shares (``raykv.transport.wire.shares``; a small batch whole, from the copy's first rank):
-each replica of the holder sends its share to the reader's rank of the same index, which
-passes it on to its other replicas as it arrives (``Collective.recv_shares``, in its own
-group), so every link between the groups carries part of the one copy. Each receiving rank
-checks the messages and scatters the leading intact rows into its blocks; the batch is what
-every rank wrote (the least). A holder's replicas hold the same bytes (every way a block
-becomes valid writes each rank's copy alike; an engine's own store is checked for it). One
-collective fetch at a time per reader pool keeps the order of every pair's messages the same
-at both ends; a failure anywhere bumps the reader's generation (fresh groups next time) and
-is a ``TransportError`` (``Fetch`` retries the batch over the object store, then the
-source counts as failed: misses).
+shares (``raykv.transport.collective.wire.shares``; a small batch whole, from the copy's
+first rank): each replica of the holder sends its share to the reader's rank of the same
+index, which passes it on to its other replicas as it arrives (``Collective.recv_shares``,
+in its own group), so every link between the groups carries part of the one copy. Each
+receiving rank checks the messages and scatters the leading intact rows into its blocks; the
+batch is what every rank wrote (the least). A holder's replicas hold the same bytes (every
+way a block becomes valid writes each rank's copy alike; an engine's own store is checked
+for it). One collective fetch at a time per reader pool keeps the order of every pair's
+messages the same at both ends; a failure anywhere bumps the reader's generation (fresh
+groups next time) and is a ``TransportError`` (``Fetch`` retries the batch over the object
+store, then the source counts as failed: misses).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from raykv.service.pool.requests import Requests
 from raykv.service.served import NAMESPACE, ServedModel
 from raykv.transport import Transport
 from raykv.transport.collective import TIMEOUT_S, Collective, CollectiveTransport
-from raykv.transport.pair import Pair
+from raykv.transport.collective.pair import Pair
+from raykv.transport.collective.wire import shares
 from raykv.transport.peer_read import (
     PEER,
     SWEEP_S,
@@ -53,7 +54,6 @@ from raykv.transport.peer_read import (
     stated_sums,
 )
 from raykv.transport.select import NCCL
-from raykv.transport.wire import shares
 
 HOLD_S = 2 * TIMEOUT_S  # a peer read's hold on the holder's blocks, if never released
 
@@ -130,7 +130,7 @@ class RankCollective:
         self, gi: int, handle: Any, src_ids: list[int], dst_ids: list[int], sums: np.ndarray
     ) -> int:
         """Copy a peer's blocks (``handle``: its ``peer_handle``, or the ``Pair`` whose NCCL
-        window maps it, ``raykv.transport.nccl_window``) into ours; how many leading ones
+        window maps it, ``raykv.transport.collective.window``) into ours; how many leading ones
         arrived as the peer stated them."""
         from raykv.tiers.gpu_kv import GpuKV
 
@@ -412,7 +412,7 @@ class Pairs:
             return await self._peer_fetch(loc, gi, want, filled, live)
         seen = self._window_of.get(loc.member)
         if seen is not None and seen[0] == self._coll_gen and seen[1] is not None:
-            try:  # read in place through the pairs' NCCL windows (``nccl_window``)
+            try:  # read in place through the pairs' NCCL windows (``collective.window``)
                 return await self._peer_fetch(loc, gi, want, filled, live, seen[1])
             except TransportError:
                 self._coll_gen += 1  # fresh pairs (and windows) next time

@@ -40,7 +40,7 @@ class RankKV(RankCollective):
 
         self.plan, self.rank = plan, rank
         # exportable (CUDA): one allocation other pools of the node read in place, through
-        # their NCCL pairs' windows (``raykv.transport.nccl_window``) or as peer reads
+        # their NCCL pairs' windows (``raykv.transport.collective.window``) or as peer reads
         self.kv = GpuKV.allocate(plan, device, shared=True, exportable=True)
         self.entries = [self.kv.entries(g.group_id) for g in plan.groups]
         self.widths = row_widths(plan)
