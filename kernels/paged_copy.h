@@ -36,8 +36,9 @@ int raykv_paged_copy(const RaykvSegment* segs, int num_segs, const int64_t* bloc
                      unsigned long long* sums, cudaStream_t stream);
 
 // out[0] = the number of leading i < n with got[i] == sent[i] (n where all match): how many
-// leading rows of a collective batch arrived intact (raykv.transport.wire.leading_matches is
-// the torch reference). All three device memory; one small launch on `stream`.
+// leading rows of a collective batch arrived intact
+// (raykv.transport.collective.wire.leading_matches is the torch reference). All three device
+// memory; one small launch on `stream`.
 int raykv_leading_matches(const int64_t* got, const int64_t* sent, int64_t n, int64_t* out,
                           cudaStream_t stream);
 

@@ -100,10 +100,10 @@ bool available() { return nccl().send != nullptr && nccl().recv != nullptr; }
 
 // What `pinned_ids` found wrong with a batch's ids: none, or this reason at `position`. The
 // pipeline returns `position * kBadIdReasons + reason` to Python, which words the message
-// (raykv.transport.collective.pipeline_call): nothing is formatted or thrown here for bad input. (A first
-// version threw TORCH_CHECK_VALUE, a second returned a message built with c10::str: both took
-// the process down with a segmentation fault on the device's H100 host, 2 x H100, torch 2.11,
-// instead of reaching Python; this one returned every code there.)
+// (raykv.transport.collective.collective.pipeline_call): nothing is formatted or thrown here
+// for bad input. (A first version threw TORCH_CHECK_VALUE, a second returned a message built
+// with c10::str: both took the process down with a segmentation fault on the device's H100
+// host, 2 x H100, torch 2.11, instead of reaching Python; this one returned every code there.)
 enum BadId : int64_t { kIdOk = 0, kIdNotInt = 1, kIdOutside = 2, kIdTwice = 3 };
 constexpr int64_t kBadIdReasons = 4;
 

@@ -107,7 +107,7 @@ def _ucx_env() -> bool:
     installed. True if UCX will run."""
     import secrets
 
-    from raykv.transport.ucx_runtime import available
+    from raykv.transport.ucx.runtime import available
 
     if not available() or os.environ.get("RAYKV_UCX", "1") == "0":
         return False

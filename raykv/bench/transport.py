@@ -33,7 +33,7 @@ def main(
     (or only JSON with ``json_path='-'``); return every section's report."""
     from raykv.bench.transport_nccl import nccl_format, nccl_main
     from raykv.bench.transport_ucx import ucx_format, ucx_run
-    from raykv.transport.ucx_runtime import available
+    from raykv.transport.ucx.runtime import available
 
     quiet = json_path == "-"
 

@@ -4,29 +4,27 @@
   (``CUDA_VISIBLE_DEVICES``, as under Ray). Group A (GPUs 0..tp-1) holds a paged KV (4 layers,
   K and V, 16 tokens, 2 KV heads of 128, bf16: 64 KiB per block and rank), group B reads. Rank
   r of A sends ``--blocks`` scattered blocks to rank r of B through raykv's transport
-  (``raykv.transport.collective``: one ``raykv.transport.wire`` message up to 32 MiB, larger
-  batches in a few, pipelined: the paged gather takes each chunk's wire sums as it copies and
-  the chunk leaves while the next is gathered; the receiver scatters each chunk, recomputing
-  its sums, while the next one arrives), against one contiguous NCCL send of the same bytes
-  per rank pair (queued, and waited for one at a time) and (tp 1) one NCCL send/recv per
-  block. With ``--tp N`` also an MLA-like layout (one copy per TP group): it
-  crosses once, in shares (rank j of A sends share j to rank j of B, which passes it on to
-  its other ranks: ``Collective.recv_shares``; whole from rank 0 where a share would be under
-  ``SHARE_MIN_BYTES``); the wire bytes are one copy. Its baselines:
-  one contiguous send of the whole copy over rank pair 0, and the *crossing* alone (each
-  rank pair sends its share contiguously, all at once, nothing passed on). Timed on the
-  receivers: ``rounds`` of ``burst`` back-to-back batches
-  after a barrier, median round; GB/s of payload (the rows) per rank pair. *raykv* waits for
-  each batch before it issues the next (one load at a time; the burst awaited in one run of
-  an event loop, as a pool's loop runs all along); *in flight* issues the burst's
-  batches back to back and then waits for them together (several loads at once). Likewise
-  *contiguous queued* issues its sends one after another without a host wait (a torch
-  ``Work.wait()`` on NCCL only orders streams), *contiguous one at a time* waits for each:
-  raykv one at a time compares with the latter, in flight with the former. With CUDA both
-  of those run once more queued behind a GPU sleep and timed with CUDA events (*GPUs alone*:
-  no host time in them, the ceiling the host's work adds to). The reader's one
-  control round trip (a Ray actor call, ~1 ms) is not in these numbers. ``--cpu-smoke``
-  runs the same processes with gloo on the CPU (a check of the bench, not a measurement).
+  (``raykv.transport.collective``: one ``wire`` message up to 32 MiB, larger batches in a few,
+  pipelined: the paged gather takes each chunk's wire sums as it copies and the chunk leaves
+  while the next is gathered; the receiver scatters each chunk, recomputing its sums, while the
+  next one arrives), against one contiguous NCCL send of the same bytes per rank pair (queued,
+  and waited for one at a time) and (tp 1) one NCCL send/recv per block. With ``--tp N`` also an
+  MLA-like layout (one copy per TP group): it crosses once, in shares (rank j of A sends share j
+  to rank j of B, which passes it on to its other ranks: ``Collective.recv_shares``; whole from
+  rank 0 where a share would be under ``SHARE_MIN_BYTES``); the wire bytes are one copy. Its
+  baselines: one contiguous send of the whole copy over rank pair 0, and the *crossing* alone
+  (each rank pair sends its share contiguously, all at once, nothing passed on). Timed on the
+  receivers: ``rounds`` of ``burst`` back-to-back batches after a barrier, median round; GB/s of
+  payload (the rows) per rank pair. *raykv* waits for each batch before it issues the next (one
+  load at a time; the burst awaited in one run of an event loop, as a pool's loop runs all
+  along); *in flight* issues the burst's batches back to back and then waits for them together
+  (several loads at once). Likewise *contiguous queued* issues its sends one after another
+  without a host wait (a torch ``Work.wait()`` on NCCL only orders streams), *contiguous one at
+  a time* waits for each: raykv one at a time compares with the latter, in flight with the
+  former. With CUDA both of those run once more queued behind a GPU sleep and timed with CUDA
+  events (*GPUs alone*: no host time in them, the ceiling the host's work adds to). The reader's
+  one control round trip (a Ray actor call, ~1 ms) is not in these numbers. ``--cpu-smoke`` runs
+  the same processes with gloo on the CPU (a check of the bench, not a measurement).
 * Peer reads (``raykv.transport.peer_read``, split-heads rows, per rank pair): A's pool lives
   in memory B's process
   maps (``raykv.tiers.peer_memory``; shared memory on the CPU); B's kernel copies A's blocks
@@ -36,7 +34,7 @@
   holder's sums known: a pool takes them as its blocks become valid and keeps them while they
   stay valid), *unsummed* adds A's pass (a read that comes before those sums are in). B's
   blocks are zeroed before the peer rounds, so the bytes-equal check after them is theirs.
-* NCCL windows (``raykv.transport.nccl_window``, CUDA): B's pool is one exportable
+* NCCL windows (``raykv.transport.collective.window``, CUDA): B's pool is one exportable
   allocation too, and the pair's first batch registers both as an NCCL window; where every
   rank pair got one, *window* is the same read in place from A's pool as NCCL mapped it (what
   the service's NCCL route does between GPUs of one host), checked equal after its rounds.
@@ -58,7 +56,7 @@ import torch
 
 from raykv.errors import ConfigError
 from raykv.layout.presets import get_preset
-from raykv.transport.wire import SHARE_MIN_BYTES, shares
+from raykv.transport.collective.wire import SHARE_MIN_BYTES, shares
 
 NCCL_TARGET = 0.8  # raykv >= 0.8 x one contiguous NCCL send of the same bytes
 # a GPU sleep per 320 MiB of a burst (~20 ms at 2 GHz): the host issues ten 32 MiB chunks in
@@ -236,7 +234,7 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
     from raykv import ops
     from raykv.ops.pools import PoolCopy
     from raykv.transport.collective import Collective
-    from raykv.transport.pair import Pair
+    from raykv.transport.collective.pair import Pair
     from raykv.transport.peer_read import read_blocks, stated_sums
 
     device = torch.device("cuda", 0) if cfg.cuda else torch.device("cpu")
@@ -389,7 +387,7 @@ def _nccl_measure(side: str, r: int, cfg: NcclConfig, addr: tuple[str, int]) -> 
     # peer reads: B maps A's pool itself (``raykv.tiers.peer_memory``)
     mapped = None if a else open_pool(cfg, device, pickle.loads(store.get(f"peer/{r}")))
     peers = in_place("peer", mapped)
-    # the pair's NCCL window (``raykv.transport.nccl_window``), formed with its first batch:
+    # the pair's NCCL window (``raykv.transport.collective.window``), formed with its first batch:
     # where every rank pair has one, B reads A's pool as NCCL mapped it
     windows: dict = {}
     if cfg.cuda and "split" in cfg.layouts:

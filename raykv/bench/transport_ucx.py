@@ -71,8 +71,8 @@ def ucx_pair(
     from raykv.bench.ucx_peer import RUNS, block_rows, threads
     from raykv.transport.base import receive
     from raykv.transport.ucx import UcxTransport
-    from raykv.transport.ucx_config import UcxConfig
-    from raykv.transport.ucx_runtime import UcxRuntime
+    from raykv.transport.ucx.config import UcxConfig
+    from raykv.transport.ucx.runtime import UcxRuntime
 
     threads()
     secret = _secret()
@@ -176,7 +176,7 @@ class _RawUcxx:
     def __init__(self, runtime: Any, where: list, nbytes: int) -> None:
         import numpy as np
 
-        from raykv.transport.ucx_wire import new_tag
+        from raykv.transport.ucx.wire import new_tag
 
         self.runtime, self.nbytes, self.tag = runtime, nbytes, new_tag()
         self.buf = np.empty(nbytes, np.uint8)
@@ -187,7 +187,7 @@ class _RawUcxx:
         import numpy as np
         import ucxx
 
-        from raykv.transport.ucx_wire import hello_frame
+        from raykv.transport.ucx.wire import hello_frame
 
         ep = await ucxx.create_endpoint_from_worker_address(
             ucxx.get_ucx_address_from_buffer(address)

@@ -3,7 +3,7 @@
 
 ``python -m raykv.bench.ucx_peer --blocks 512 --block-bytes 262144`` prints one JSON line
 (``{"raykv": [host, address, tag], "raw": [host, address, tag]}``: worker-address endpoints,
-no sockaddr listener; ``raykv.transport.ucx_wire``) and serves until its
+no sockaddr listener; ``raykv.transport.ucx.wire``) and serves until its
 stdin closes. Used by ``raykv bench transport`` (``raykv.bench.transport_ucx.ucx_pair``), by the
 two-host test in network namespaces, and by the peer-dies-mid-transfer test
 (``--die-after-ms``: the process exits that long after it starts sending a batch).
@@ -48,10 +48,10 @@ async def serve(args: argparse.Namespace) -> None:
 
     from raykv.tiers.checksum import row_checksums
     from raykv.transport import Lent
-    from raykv.transport.ucx_config import UcxConfig
-    from raykv.transport.ucx_runtime import UcxRuntime
-    from raykv.transport.ucx_server import UcxServer
-    from raykv.transport.ucx_wire import MAX_HELLO, new_tag, parse_hello
+    from raykv.transport.ucx.config import UcxConfig
+    from raykv.transport.ucx.runtime import UcxRuntime
+    from raykv.transport.ucx.server import UcxServer
+    from raykv.transport.ucx.wire import MAX_HELLO, new_tag, parse_hello
 
     rows, perm = arena(args.blocks, args.block_bytes, args.seed)
     sums = list(row_checksums(rows[0, perm]))

@@ -46,7 +46,7 @@ def serve_ucx(
 ) -> Any:
     """Start member ``name``'s UCX server for its ``export_blocks`` (on its actor's running
     loop), or None. Refused peers are counted in ``metrics`` (``failures_transport_auth``)."""
-    from raykv.transport.ucx_server import ucx_server
+    from raykv.transport.ucx import ucx_server
 
     def refused(reason: str) -> None:
         metrics.failed("transport_auth")

@@ -35,7 +35,9 @@ class ObjectStoreTransport:
         self.namespace = namespace
         self._handles: dict[str, object] = {}
 
-    def _actor(self, source: str):
+    def actor(self, source: str) -> Any:
+        """Member ``source``'s actor handle, looked up once (its readers call it too: to tell
+        it to drop a block that failed its check)."""
         import ray  # here, not at import: the transports load on hosts without Ray too
 
         h = self._handles.get(source)
@@ -55,7 +57,7 @@ class ObjectStoreTransport:
         import ray
 
         try:
-            exported = self._actor(source).export_blocks.remote(model, list(keys))
+            exported = self.actor(source).export_blocks.remote(model, list(keys))
             if asked is not None:
                 asked()
             n, rows, sums = await exported

@@ -13,7 +13,7 @@ both offer (NCCL between GPU pools), which the coordinator hands out with the pe
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 PEER, NCCL, UCX, GLOO, OBJECT_STORE = "peer", "nccl", "ucx", "gloo", "object-store"
@@ -37,3 +37,25 @@ def choose(holder: Mapping[str, Any], reader: Mapping[str, Any], skip: tuple[str
                 continue
             return name
     return OBJECT_STORE
+
+
+def route(
+    holder: Mapping[str, Any], reader: Mapping[str, Any], endpoint: Callable[[str], Any]
+) -> tuple[str, Any]:
+    """The transport a reader fetches from a holder over (``choose``) and the holder's
+    ``endpoint(name)`` for it; a peer route also carries the next transport both offer and
+    its endpoint (``"then"``), for ``after``."""
+    name = choose(holder, reader)
+    ep = endpoint(name)
+    if name == PEER:  # where a peer read fails, the next one both offer before the store
+        then = choose(holder, reader, skip=(PEER,))
+        ep = {**ep, "then": (then, endpoint(then))}
+    return name, ep
+
+
+def after(name: str, endpoint: Any) -> tuple[str, Any]:
+    """The route a reader retries a batch over once ``name`` (a direct route) failed for it:
+    after a peer read the next transport both ends offer (``route``'s ``"then"``), else the
+    object store (the endpoint unchanged)."""
+    then = (endpoint or {}).get("then") if name == PEER else None
+    return (then[0], then[1]) if then else (FALLBACK, endpoint)

@@ -289,7 +289,7 @@ def test_transport_values_reach_every_ray_node_as_raykv_reads_them(render, monke
     in the names and forms raykv's own readers take there: the UCX settings and the switch
     for peer reads."""
     from raykv.transport import peer_read
-    from raykv.transport.ucx_config import UcxConfig
+    from raykv.transport.ucx.config import UcxConfig
 
     values = {
         "transport": {"ucx": False, "ucxTls": "rc,sm,self", "ucxNetDevices": "mlx5_0:1",
@@ -313,7 +313,7 @@ def test_transport_values_reach_every_ray_node_as_raykv_reads_them(render, monke
 
 def test_default_transport_values_leave_raykvs_own_defaults(render, monkeypatch):
     from raykv.transport import peer_read
-    from raykv.transport.ucx_config import UcxConfig
+    from raykv.transport.ucx.config import UcxConfig
 
     for container in ray_node_containers(render(values={"cpuWorkers": {"enabled": True}})):
         env = plain_env(container)

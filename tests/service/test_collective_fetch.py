@@ -13,7 +13,7 @@ from kvdata import ROW, rows, tokens
 
 from raykv.layout import MLA, FullAttention
 from raykv.service.served import NAMESPACE, pool_name, rank_name
-from raykv.transport.wire import SHARE_MIN_BYTES
+from raykv.transport.collective.wire import SHARE_MIN_BYTES
 
 pytestmark = pytest.mark.ray
 RAY_WORKERS = 1
@@ -131,7 +131,8 @@ def test_a_large_mla_batch_crosses_in_shares_from_every_holder_rank(ray_cluster)
     b.free("r")
     rank1 = ray.get_actor(rank_name(pool_name("c6", ray_cluster.ids[0], 0), 1), namespace=NAMESPACE)
     sent = ray.get(rank1.__ray_call__.remote(
-        lambda self: [p.dst for p in self.kv._coll._groups if p.src == self.kv._coll.ident]
+        lambda self: [p.dst for p in self.kv.links._coll._groups
+                      if p.src == self.kv.links._coll.ident]
     ))  # fmt: skip
     assert len(sent) == 1 and "-r1#" in sent[0], sent  # to the reader's rank 1
 

@@ -141,7 +141,7 @@ def test_blocks_are_summed_when_they_become_valid_so_a_first_read_asks_no_rank(
         def refuse(gi, blocks):
             raise AssertionError("sums asked for at export")
 
-        self._real_sums, self.local.peer_sums = self.local.peer_sums, refuse
+        self._real_sums, self.local.links.peer_sums = self.local.links.peer_sums, refuse
 
     ray.get(holder.__ray_call__.remote(no_sums))
     try:
@@ -152,7 +152,9 @@ def test_blocks_are_summed_when_they_become_valid_so_a_first_read_asks_no_rank(
         assert torch.equal(b.read(table[:5]), data)
         b.free("r4")
     finally:
-        ray.get(holder.__ray_call__.remote(lambda s: setattr(s.local, "peer_sums", s._real_sums)))
+        ray.get(
+            holder.__ray_call__.remote(lambda s: setattr(s.local.links, "peer_sums", s._real_sums))
+        )
     _, (holds, used) = holder_state(ray_cluster)
     assert (holds, used) == (0, 0)  # the background sums' holds were let go too
 

@@ -21,7 +21,7 @@ from raykv.service.groups import group_keys
 from raykv.service.served import NAMESPACE, tier_name
 from raykv.tiers import shm
 from raykv.tiers.checksum import row_checksums
-from raykv.transport.ucx_config import UcxConfig
+from raykv.transport.ucx.config import UcxConfig
 
 RAY_WORKERS = 1
 BS = 16
@@ -147,9 +147,9 @@ def test_peers_without_the_secret_are_refused_and_counted(ray_cluster) -> None:
     import ucxx
 
     from raykv.transport.ucx import UcxTransport
-    from raykv.transport.ucx_config import UcxConfig
-    from raykv.transport.ucx_runtime import UcxRuntime
-    from raykv.transport.ucx_wire import hello_frame, new_tag
+    from raykv.transport.ucx.config import UcxConfig
+    from raykv.transport.ucx.runtime import UcxRuntime
+    from raykv.transport.ucx.wire import hello_frame, new_tag
 
     _, _, _, keys = stored(ray_cluster, 2, 5)
     ep = tuple(snap(ray_cluster.head)["transports"]["ucx"])

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from raykv import ops
 from raykv.errors import InvalidInput, TransportError
 from raykv.tiers.checksum import row_checksums
-from raykv.transport import wire
-from raykv.transport.collective import Collective, pipeline_call
-from raykv.transport.pair import Pair, serve_rendezvous
-from raykv.transport.wire import (
+from raykv.transport.collective import wire
+from raykv.transport.collective.collective import Collective, pipeline_call
+from raykv.transport.collective.pair import Pair, serve_rendezvous
+from raykv.transport.collective.wire import (
     FIRST_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
     SHARE_MIN_BYTES,

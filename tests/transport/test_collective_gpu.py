@@ -54,7 +54,7 @@ def _peer(side: str, addr, q) -> None:
 
     from raykv.errors import TransportError
     from raykv.transport.collective import Collective
-    from raykv.transport.pair import Pair
+    from raykv.transport.collective.pair import Pair
 
     torch.cuda.set_device(0)
     coll = Collective(side, "cuda", timeout_s=5)
@@ -113,7 +113,7 @@ def _tamper_peer(side: str, addr, q) -> None:
     import asyncio
 
     from raykv.transport.collective import Collective
-    from raykv.transport.pair import Pair
+    from raykv.transport.collective.pair import Pair
 
     torch.cuda.set_device(0)
     width, n = 64 << 10, 600  # row messages of 512 and 88 rows, the sums behind the last
@@ -154,7 +154,7 @@ def _bad_ids_peer(side: str, addr, q) -> None:
 
     from raykv.errors import InvalidInput
     from raykv.transport.collective import Collective
-    from raykv.transport.pair import Pair
+    from raykv.transport.collective.pair import Pair
 
     torch.cuda.set_device(0)
     width, g = 4096, torch.Generator().manual_seed(3)  # the same rows in both processes
@@ -202,7 +202,7 @@ def _window_peer(side: str, addr, q, sizes=(64, 64)) -> None:
     from raykv.ops.pools import PoolCopy
     from raykv.tiers.peer_memory import PeerExport, carve
     from raykv.transport.collective import Collective
-    from raykv.transport.pair import Pair
+    from raykv.transport.collective.pair import Pair
     from raykv.transport.peer_read import read_blocks, stated_sums
 
     torch.cuda.set_device(0)

@@ -1,8 +1,9 @@
-"""NCCL windows' agreement (``raykv.transport.nccl_window``), on the CPU with a stand-in for the
-extension: registration is collective, so the two ends of a pair must enter it both or neither.
-Each end states its offer (NCCL version, allocation size, tensor layout) and registers only
-where the two are equal; the reader keeps the holder's memory and drops it once the holder's
-process is gone. The registration itself runs on GPUs: tests/transport/test_collective_gpu.py."""
+"""NCCL windows' agreement (``raykv.transport.collective.window``), on the CPU with a stand-in
+for the extension: registration is collective, so the two ends of a pair must enter it both or
+neither. Each end states its offer (NCCL version, allocation size, tensor layout) and registers
+only where the two are equal; the reader keeps the holder's memory and drops it once the
+holder's process is gone. The registration itself runs on GPUs:
+tests/transport/test_collective_gpu.py."""
 
 import os
 import subprocess
@@ -13,9 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raykv.transport import nccl_window
-from raykv.transport.nccl_window import Windows
-from raykv.transport.pair import Pair
+from raykv.transport.collective import window
+from raykv.transport.collective.pair import Pair
+from raykv.transport.collective.window import Windows
 
 
 class _Store:
@@ -62,7 +63,7 @@ END = st.tuples(
 def test_both_ends_register_or_neither(holder, reader) -> None:
     module = _Module({"end0": holder[2], "end1": reader[2]})
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(nccl_window.ops, "kernel_module", lambda: module)
+        mp.setattr(window.ops, "kernel_module", lambda: module)
         _pair_forms(module, holder, reader)
 
 
@@ -93,12 +94,12 @@ def _pair_forms(module: _Module, holder, reader) -> None:
 
 
 def test_no_offer_without_exportable_memory_or_the_extension(monkeypatch) -> None:
-    monkeypatch.setattr(nccl_window.ops, "kernel_module", lambda: None)
-    assert nccl_window.offer(torch.zeros(8, dtype=torch.uint8), ()) == ""
+    monkeypatch.setattr(window.ops, "kernel_module", lambda: None)
+    assert window.offer(torch.zeros(8, dtype=torch.uint8), ()) == ""
     module = _Module({threading.current_thread().name: 22809})
-    monkeypatch.setattr(nccl_window.ops, "kernel_module", lambda: module)
-    assert nccl_window.offer(None, ()) == ""
-    assert nccl_window.offer(torch.zeros(8, dtype=torch.uint8), ()).startswith("22809/8/")
+    monkeypatch.setattr(window.ops, "kernel_module", lambda: module)
+    assert window.offer(None, ()) == ""
+    assert window.offer(torch.zeros(8, dtype=torch.uint8), ()).startswith("22809/8/")
 
 
 def test_a_window_whose_holder_process_is_gone_is_dropped() -> None:
@@ -116,12 +117,12 @@ def test_a_holder_this_process_cannot_see_is_never_read(monkeypatch) -> None:
     """Registered (the holder entered the collective too), but a holder pid this process does
     not see (another pid namespace, or gone) could never be swept: the reader keeps nothing."""
     module = _Module({threading.current_thread().name: 22809})
-    monkeypatch.setattr(nccl_window.ops, "kernel_module", lambda: module)
+    monkeypatch.setattr(window.ops, "kernel_module", lambda: module)
     gone = subprocess.Popen(["true"])
     gone.wait()
     memory, layout = torch.zeros(64, dtype=torch.uint8), ((0, (64,)),)
     store, pair = _Store(), Pair("s", "r", 0, ("127.0.0.1", 1))
-    store.set("offer0", f"{gone.pid}|{nccl_window.offer(memory, layout)}")
+    store.set("offer0", f"{gone.pid}|{window.offer(memory, layout)}")
     windows = Windows()
     windows.form(pair, 1, 1234, store, memory, layout)
     assert module.registered == [1] and windows.peer(pair) is None

@@ -24,8 +24,8 @@ from raykv.bench.ucx_peer import block_rows
 from raykv.errors import TransportError
 from raykv.transport import verify
 from raykv.transport.ucx import UcxTransport
-from raykv.transport.ucx_config import UcxConfig
-from raykv.transport.ucx_runtime import UcxRuntime
+from raykv.transport.ucx.config import UcxConfig
+from raykv.transport.ucx.runtime import UcxRuntime
 
 SECRET = "transport-test-secret-0123456789"
 LO = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp"}  # every UCX socket binds 127.0.0.1
@@ -121,7 +121,7 @@ def test_rows_go_out_in_place_and_land_in_place_nowhere_else(stripes) -> None:
     padded with zeros), the first chunk not offered: no byte lands outside what was offered."""
     from raykv.tiers.checksum import row_checksums
     from raykv.transport import Lent
-    from raykv.transport.ucx_server import UcxServer
+    from raykv.transport.ucx.server import UcxServer
 
     held, sentinel = 36, 0xAB
     g = torch.Generator().manual_seed(5)
@@ -184,7 +184,7 @@ def test_a_reader_leaving_mid_batch_ends_every_lend() -> None:
     lent (sent, on the wire, or exported and never sent) is released, none twice, none
     left leased."""
     from raykv.transport import Lent
-    from raykv.transport.ucx_server import UcxServer
+    from raykv.transport.ucx.server import UcxServer
 
     rows = torch.zeros((1, BLOCKS, WIDTH), dtype=torch.uint8)
     lends, ends = [], []
@@ -225,7 +225,7 @@ def test_a_reader_that_offered_its_rows_leaves_once_no_receive_can_write_them(mo
     """Rows may land in the reader's own rows: a reader that leaves mid-batch returns only
     once its connections are gone (a receive still posted could write there until then),
     even when dropping them is slow; one that offered nothing leaves after a short wait."""
-    from raykv.transport.ucx_server import UcxServer
+    from raykv.transport.ucx.server import UcxServer
 
     rows = torch.zeros((1, BLOCKS, WIDTH), dtype=torch.uint8)
 
@@ -335,8 +335,8 @@ def test_two_hosts_in_network_namespaces(two_hosts) -> None:
         code = (
             "import json,sys,torch;"
             "from raykv.transport.ucx import UcxTransport;"
-            "from raykv.transport.ucx_config import UcxConfig;"
-            "from raykv.transport.ucx_runtime import UcxRuntime;"
+            "from raykv.transport.ucx.config import UcxConfig;"
+            "from raykv.transport.ucx.runtime import UcxRuntime;"
             "from raykv.transport import verify;"
             "from raykv.bench.ucx_peer import block_rows;"
             "t=UcxTransport(sys.argv[1].encode(),UcxConfig(tls='tcp',net_devices=sys.argv[3],"
@@ -361,7 +361,7 @@ def test_two_hosts_in_network_namespaces(two_hosts) -> None:
 def test_tp_copies_in_chunks_arrive_copy_major() -> None:
     """A batch of 2 TP copies sent in several chunks is one [copies, n, width] buffer."""
     from raykv.tiers.checksum import row_checksums
-    from raykv.transport.ucx_server import UcxServer
+    from raykv.transport.ucx.server import UcxServer
 
     g = torch.Generator().manual_seed(3)
     rows = torch.randint(0, 256, (2, 40, 4096), generator=g, dtype=torch.uint8)
@@ -398,7 +398,7 @@ def test_a_server_gathers_into_buffers_it_reuses_once_their_rows_are_out() -> No
     first take no fresh pages; every chunk still arrives whole and verified (no buffer is
     refilled while its rows are on the wire)."""
     from raykv.tiers.checksum import row_checksums
-    from raykv.transport.ucx_server import CHUNKS_IN_FLIGHT, UcxServer
+    from raykv.transport.ucx.server import CHUNKS_IN_FLIGHT, UcxServer
 
     g = torch.Generator().manual_seed(9)
     rows = torch.randint(0, 256, (1, 48, 4096), generator=g, dtype=torch.uint8)
@@ -438,7 +438,7 @@ def test_each_stripe_runs_on_a_ucx_worker_of_its_own_on_both_sides(served, read)
     runs, and the server answers from the worker the hello came to. Either side may run more
     stripes than the other; the rows arrive whole either way."""
     from raykv.tiers.checksum import row_checksums
-    from raykv.transport.ucx_server import UcxServer
+    from raykv.transport.ucx.server import UcxServer
 
     g = torch.Generator().manual_seed(11)
     rows = torch.randint(0, 256, (1, 40, 4096), generator=g, dtype=torch.uint8)
@@ -521,7 +521,7 @@ def test_wrong_secret_and_garbage_hellos_are_refused_and_counted() -> None:
     import numpy as np
     import ucxx
 
-    from raykv.transport.ucx_server import UcxServer
+    from raykv.transport.ucx.server import UcxServer
 
     async def export(model: str, keys: list[bytes], out=None):  # out: not used here
         raise AssertionError("a refused peer reads nothing")
@@ -578,7 +578,7 @@ def test_a_corrupt_row_mid_batch_ends_the_stream_after_the_intact_rows() -> None
     chunks, in order, each before the fetch ended), never the bad row or anything after; the
     connection is dropped (the server was mid-batch) and the next fetch reconnects."""
     from raykv.tiers.checksum import row_checksums
-    from raykv.transport.ucx_server import UcxServer
+    from raykv.transport.ucx.server import UcxServer
 
     g = torch.Generator().manual_seed(5)
     rows = torch.randint(0, 256, (1, 64, 4096), generator=g, dtype=torch.uint8)
@@ -640,7 +640,7 @@ def test_a_peer_dying_mid_stream_leaves_only_whole_verified_chunks() -> None:
 def test_a_stream_from_a_peer_with_another_secret_moves_nothing() -> None:
     """Auth comes first on a streamed fetch too: a reader with the wrong secret is refused
     before any chunk (its sink is never called), and the server counts it."""
-    from raykv.transport.ucx_server import UcxServer
+    from raykv.transport.ucx.server import UcxServer
 
     async def export(model: str, keys: list[bytes], out=None):  # out: not used here
         raise AssertionError("a refused peer reads nothing")
@@ -668,7 +668,7 @@ def test_a_fault_of_the_server_itself_is_logged_and_counted(caplog) -> None:
     import logging
     from unittest import mock
 
-    from raykv.transport.ucx_server import UcxServer
+    from raykv.transport.ucx.server import UcxServer
 
     rows = torch.zeros((1, 4, 4096), dtype=torch.uint8)
 
@@ -696,7 +696,7 @@ def test_a_fault_of_the_server_itself_is_logged_and_counted(caplog) -> None:
 
 
 _SEGMENTS_OF_A_FRESH_RUNTIME = """
-from raykv.transport.ucx_runtime import UcxRuntime
+from raykv.transport.ucx.runtime import UcxRuntime
 
 async def segments():
     import ucxx

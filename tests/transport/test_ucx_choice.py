@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from raykv.errors import ConfigError
 from raykv.transport import choose
-from raykv.transport import ucx_runtime as rt
-from raykv.transport.ucx_config import UcxConfig
-from raykv.transport.ucx_wire import FIRST_CHUNK_KEYS, next_chunk, ranges, stripes_for
+from raykv.transport.ucx import runtime as rt
+from raykv.transport.ucx.config import UcxConfig
+from raykv.transport.ucx.wire import FIRST_CHUNK_KEYS, next_chunk, ranges, stripes_for
 
 
 async def _export(model, keys):
@@ -20,7 +20,7 @@ async def _export(model, keys):
 @pytest.mark.parametrize("why", ["no ucxx", "no secret", "off"])
 def test_no_ucx_without_ucxx_the_secret_or_when_off(monkeypatch, why) -> None:
     from raykv.transport.ucx import ucx_reader
-    from raykv.transport.ucx_server import ucx_server
+    from raykv.transport.ucx.server import ucx_server
 
     monkeypatch.setenv("RAYKV_TRANSPORT_SECRET", "s" * 32)
     if why == "no ucxx":

@@ -52,7 +52,7 @@ from raykv.service.groups import (
     primary_group,
 )
 from raykv.service.served import COORDINATOR, NAMESPACE, ServedModel
-from raykv.transport.select import COLLECTIVE, OBJECT_STORE, PEER, choose
+from raykv.transport.select import COLLECTIVE, OBJECT_STORE, route
 
 HEARTBEAT_S = 1.0
 WATCH_S = 30.0  # how long one watch call stays open before the next replaces it
@@ -548,20 +548,16 @@ class Coordinator:
         offer), and the holder's endpoint for it; remembered for ``raykv status``."""
         r = self.members.get(reader) if reader else None
         theirs = r.transports if r else {OBJECT_STORE: None}
-        name = choose(holder.transports, theirs)
+        name, ep = route(holder.transports, theirs, lambda n: self._endpoint(holder, n))
         if reader:
             self.routes[(holder.name, reader)] = name
-        ep = self._endpoint(holder, name)
-        if name == PEER:  # where a peer read fails, the next one both offer before the store
-            then = choose(holder.transports, theirs, skip=(PEER,))
-            ep = {**ep, "then": (then, self._endpoint(holder, then))}
         return name, ep
 
     def _endpoint(self, holder: Member, name: str) -> Any:
         ep = holder.transports.get(name)
         if name in COLLECTIVE:  # pairs of registered pools meet at our store
             if self._rendezvous is None:
-                from raykv.transport.pair import serve_rendezvous
+                from raykv.transport.collective.pair import serve_rendezvous
 
                 self._rendezvous = serve_rendezvous(ray.util.get_node_ip_address())
             ep = {**(ep or {}), "store": self._rendezvous[1:]}

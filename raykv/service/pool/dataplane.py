@@ -49,7 +49,7 @@ from raykv.service.served import COORDINATOR, NAMESPACE, ServedModel, tier_name
 from raykv.tiers import holds
 from raykv.tiers.jobs import LoadJob, StoreJob
 from raykv.transport import FALLBACK, BlockBatch, Transport, fetch_over
-from raykv.transport.select import PEER
+from raykv.transport.select import after
 
 log = logging.getLogger(__name__)
 
@@ -339,10 +339,9 @@ class Fetch:
             try:  # rank to rank into our blocks (``raykv.service.pool.pairs``)
                 return await self.pairs.fetch(loc, gi, want, filled, live)
             except TransportError as e:
-                # a peer route carries the next transport both ends offer; else the store
-                then = (loc.endpoint or {}).get("then") if loc.transport == PEER else None
-                nxt = replace(loc, transport=then[0], endpoint=then[1]) if then else None
-                nxt = nxt or replace(loc, transport=FALLBACK)
+                # the next route both ends offer (``select.after``), else the object store
+                transport, endpoint = after(loc.transport, loc.endpoint)
+                nxt = replace(loc, transport=transport, endpoint=endpoint)
                 log.warning("pool %s: %s from %s failed (%s); retrying over %s",
                             self.name, loc.transport, source, e, nxt.transport)  # fmt: skip
                 self.metrics.failed(f"transport_{loc.transport}")
@@ -376,7 +375,7 @@ class Fetch:
             try:
                 await (
                     self.transports[FALLBACK]
-                    ._actor(source)
+                    .actor(source)
                     .drop_keys.remote(self.model.name, [want[got.count][0]])
                 )
             except ray.exceptions.RayError as e:

@@ -101,8 +101,8 @@ class GpuPool:
         self.requests = Requests(name, model, plan, self.bm, self.metrics)
         transports = reader_transports()  # the object store, and UCX where it runs
         # nccl (GPU KV) or gloo (host KV), and peer reads where they run, join them
-        self.pairs = Pairs(name, model, node_id, plan, self.local, self.ranks, self.requests,
-                           self.bm, self.metrics, transports)  # fmt: skip
+        self.pairs = Pairs(name, model, node_id, plan, self.local.links, self.ranks,
+                           self.requests, self.bm, self.metrics, transports)  # fmt: skip
         self.tier_io = TierIO(name, model, plan, node_id, self.local, self.ranks, self.requests,
                               self.bm, self.metrics, self.member.publish)  # fmt: skip
         self.fetch = Fetch(name, model, node_id, self.ranks, self.requests, self.tier_io,

@@ -7,182 +7,51 @@ checksums per distinct TP copy, the row width and its ranks' idents, and meanwhi
 its ranks gathers its part of the batch into one staging buffer and sends it to the reader's
 rank of the same index. So a TP-N pair moves rank to rank, each over its own pair group. A
 copy that several ranks replicate (an MLA latent: one copy per TP group) crosses once, in
-shares (``raykv.transport.wire.shares``; a small batch whole, from the copy's first rank):
-each replica of the holder sends its share to the reader's rank of the same index, which
-passes it on to its other replicas as it arrives (``Collective.recv_shares``, in its own
-group), so every link between the groups carries part of the one copy. Each receiving rank
-checks the messages and scatters the leading intact rows into its blocks; the batch is what
-every rank wrote (the least). A holder's replicas hold the same bytes (every way a block
-becomes valid writes each rank's copy alike; an engine's own store is checked for it). One
-collective fetch at a time per reader pool keeps the order of every pair's messages the same
-at both ends; a failure anywhere bumps the reader's generation (fresh groups next time) and
-is a ``TransportError`` (``Fetch`` retries the batch over the object store, then the
-source counts as failed: misses).
+shares (``raykv.transport.collective.wire.shares``; a small batch whole, from the copy's
+first rank): each replica of the holder sends its share to the reader's rank of the same
+index, which passes it on to its other replicas as it arrives (``Collective.recv_shares``,
+in its own group), so every link between the groups carries part of the one copy. Each
+receiving rank checks the messages and scatters the leading intact rows into its blocks; the
+batch is what every rank wrote (the least). A holder's replicas hold the same bytes (every
+way a block becomes valid writes each rank's copy alike; an engine's own store is checked
+for it). One collective fetch at a time per reader pool keeps the order of every pair's
+messages the same at both ends; a failure anywhere bumps the reader's generation (fresh
+groups next time) and is a ``TransportError`` (``Fetch`` retries the batch over the object
+store, then the source counts as failed: misses).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import ray
-import torch
 
 from raykv.blocks import BlockManager
 from raykv.errors import TransportError
-from raykv.ops.pools import PoolCopy
 from raykv.service.control.metrics import ServiceMetrics
 from raykv.service.pool.fanout import Ranks
 from raykv.service.pool.requests import Requests
 from raykv.service.served import NAMESPACE, ServedModel
 from raykv.transport import Transport
-from raykv.transport.collective import TIMEOUT_S, Collective, CollectiveTransport
-from raykv.transport.pair import Pair
-from raykv.transport.peer_read import (
-    PEER,
-    SWEEP_S,
-    PeerMaps,
-    PeerTransport,
-    enabled,
-    read_blocks,
-    stated_sums,
-)
+from raykv.transport.collective import TIMEOUT_S, CollectiveTransport, Pair, RankLinks
+from raykv.transport.collective.wire import shares
+from raykv.transport.peer_read import PEER, PeerTransport, enabled
 from raykv.transport.select import NCCL
-from raykv.transport.wire import shares
 
 HOLD_S = 2 * TIMEOUT_S  # a peer read's hold on the holder's blocks, if never released
 
 log = logging.getLogger(__name__)
 
 
-def actor_ident(name: str) -> str:
-    """An endpoint's ident: its actor name and incarnation (a re-placed actor forms new
-    pairs), or the process's when not in an actor."""
-    aid = None
-    if ray.is_initialized():  # get_runtime_context() would start a local Ray otherwise
-        aid = ray.get_runtime_context().get_actor_id()
-    return f"{name}#{(aid or str(os.getpid()))[-12:]}"
-
-
-class RankCollective:
-    """Mixed into ``RankKV``: this rank's ``Collective`` (made on first use) and its halves
-    of a batch. Needs ``entries``, ``widths`` and ``kv``."""
-
-    _coll: Collective | None = None
-
-    def collective(self, name: str) -> Collective:
-        if self._coll is None:
-            device = self.entries[0][0].device if self.entries and self.entries[0] else "cpu"
-            self._coll = Collective(actor_ident(name), device)
-            if self.kv.export is not None:  # its NCCL pairs read it through windows
-                self._coll.window_memory = (self.kv.export.buffer, self.kv.export.spec.tensors)
-        return self._coll
-
-    def start_send(self, name: str, pair: Pair, gi: int, block_ids: list[int]) -> Any:
-        """Gather now (before any later call may write the blocks), send in the background;
-        returns the send's awaitable."""
-        return self.collective(name).start_send(pair, self.entries[gi], block_ids, self.widths[gi])
-
-    async def recv(
-        self, name: str, pair: Pair, gi: int, block_ids: list[int], expected, replicas=()
-    ) -> int:
-        """``pair``'s batch into ours; ``replicas`` (this group's idents of the ranks that
-        hold this rank's copy, more than one): the copy comes in shares (``recv_shares``)."""
-        coll = self.collective(name)
-        if len(replicas) > 1:
-            return await coll.recv_shares(
-                pair, replicas, self.entries[gi], block_ids, self.widths[gi], expected
-            )
-        return await coll.recv_batch(pair, self.entries[gi], block_ids, self.widths[gi], expected)
-
-    # --- peer reads (``raykv.transport.peer_read``) ---
-
-    _peers: PeerMaps | None = None
-    _sums_of: list[PoolCopy] | None = None
-
-    def peer_handle(self) -> Any:
-        """What another process of this node needs to map this rank's blocks (a CUDA pool's
-        ``PeerSpec``, a CPU pool's shared-memory specs), or None where they cannot be."""
-        kv = self.kv
-        if kv.export is not None:
-            return kv.export.spec
-        return list(kv.shared_specs) if kv.shared_specs else None
-
-    @staticmethod
-    async def _sweep_peers(peers: PeerMaps) -> None:
-        """Free the mappings of holders that died, also while this rank reads nothing."""
-        while True:
-            await asyncio.sleep(SWEEP_S)
-            peers.sweep()
-
-    def peer_sums(self, gi: int, block_ids: list[int]) -> np.ndarray:
-        """Each block's wire sum, as a peer reader's copy will take it."""
-        if self._sums_of is None:
-            self._sums_of = [PoolCopy(e) for e in self.entries]
-        return stated_sums(self._sums_of[gi], block_ids)
-
-    async def peer_read(
-        self, gi: int, handle: Any, src_ids: list[int], dst_ids: list[int], sums: np.ndarray
-    ) -> int:
-        """Copy a peer's blocks (``handle``: its ``peer_handle``, or the ``Pair`` whose NCCL
-        window maps it, ``raykv.transport.nccl_window``) into ours; how many leading ones
-        arrived as the peer stated them."""
-        from raykv.tiers.gpu_kv import GpuKV
-
-        if isinstance(handle, Pair):
-            peer, copies = self._window_pool(handle)
-        else:
-            if self._peers is None:
-                self._peers = PeerMaps(lambda h: (GpuKV.open_handles(self.plan, h), {}))
-                asyncio.get_running_loop().create_task(self._sweep_peers(self._peers))
-            peer, copies = self._peers.get(handle)
-        copy = copies.get(gi)
-        if copy is None:  # the pair of pools checked once, its segment tables kept
-            src = peer.entries(self.plan.groups[gi].group_id)
-            copy = copies[gi] = PoolCopy(src, self.entries[gi])
-        return await read_blocks(copy, src_ids, dst_ids, sums, TIMEOUT_S)
-
-    _windowed: dict[Pair, tuple[torch.Tensor, Any, dict]] | None = None
-
-    def has_window(self, pair: Pair) -> bool:
-        """Whether this rank reads ``pair``'s holder through an NCCL window."""
-        return self._coll is not None and self._coll.window(pair) is not None
-
-    def _window_pool(self, pair: Pair) -> tuple[Any, dict]:
-        """The holder's pool mapped through ``pair``'s NCCL window (its layout is ours: the
-        window formed only where both were equal) and this pair's copies by group."""
-        from raykv.tiers.gpu_kv import GpuKV
-        from raykv.tiers.peer_memory import carve
-
-        memory = self._coll.window(pair) if self._coll is not None else None
-        if memory is None:
-            raise TransportError(f"no NCCL window from {pair.src} (its pair was dropped)")
-        if self._windowed is None:
-            self._windowed = {}
-            asyncio.get_running_loop().create_task(self._sweep_windows())
-        got = self._windowed.get(pair)
-        if got is None or got[0] is not memory:
-            tensors = carve(memory, self.kv.export.spec.tensors)
-            got = self._windowed[pair] = (memory, GpuKV.of_raw(self.plan, tensors), {})
-        return got[1], got[2]
-
-    async def _sweep_windows(self) -> None:
-        """Drop the windows (pairs) of holders that died, also while this rank reads none."""
-        while True:
-            await asyncio.sleep(SWEEP_S)
-            self._coll.sweep_windows()
-            for p in [p for p in self._windowed if self._coll.window(p) is None]:
-                del self._windowed[p]
-
-
 class Pairs:
     """Pool ``name``'s NCCL / gloo pairs and peer reads with the other pools: both halves of
-    a batch (see the module docstring). Registers its transports in ``transports`` (the
+    a batch (see the module docstring), rank 0's share through ``local`` (its ``RankLinks``),
+    the other ranks' through ``ranks``. Registers its transports in ``transports`` (the
     pool's, by name)."""
 
     def __init__(
@@ -191,7 +60,7 @@ class Pairs:
         model: ServedModel,
         node_id: str,
         plan: Any,
-        local: RankCollective,
+        local: RankLinks,
         ranks: Ranks,
         requests: Requests,
         bm: BlockManager,
@@ -412,7 +281,7 @@ class Pairs:
             return await self._peer_fetch(loc, gi, want, filled, live)
         seen = self._window_of.get(loc.member)
         if seen is not None and seen[0] == self._coll_gen and seen[1] is not None:
-            try:  # read in place through the pairs' NCCL windows (``nccl_window``)
+            try:  # read in place through the pairs' NCCL windows (``collective.window``)
                 return await self._peer_fetch(loc, gi, want, filled, live, seen[1])
             except TransportError:
                 self._coll_gen += 1  # fresh pairs (and windows) next time

@@ -25,25 +25,27 @@ import torch
 
 from raykv import ops
 from raykv.service.groups import row_widths
-from raykv.service.pool.pairs import RankCollective
 from raykv.tiers.checksum import row_checksums, verified_prefix
+from raykv.transport.collective import Pair, RankLinks
 
 log = logging.getLogger(__name__)
 
 
-class RankKV(RankCollective):
+class RankKV:
     """The paged KV tensors of one rank, addressed by group index and logical block id.
-    On CPU they live in shared memory (``GpuKV.allocate(shared=True)``)."""
+    On CPU they live in shared memory (``GpuKV.allocate(shared=True)``). Its ``links``
+    (``RankLinks``) move its share of a batch between pools: NCCL / gloo pairs, peer reads."""
 
     def __init__(self, plan: Any, device: str = "cpu", rank: int = 0) -> None:
         from raykv.tiers.gpu_kv import GpuKV
 
         self.plan, self.rank = plan, rank
         # exportable (CUDA): one allocation other pools of the node read in place, through
-        # their NCCL pairs' windows (``raykv.transport.nccl_window``) or as peer reads
+        # their NCCL pairs' windows (``raykv.transport.collective.window``) or as peer reads
         self.kv = GpuKV.allocate(plan, device, shared=True, exportable=True)
         self.entries = [self.kv.entries(g.group_id) for g in plan.groups]
         self.widths = row_widths(plan)
+        self.links = RankLinks(plan, self.kv, self.entries, self.widths)
         self._engine: Any = None
         self._arena: Any = None  # the SharedSpec the engine's view maps
 
@@ -129,21 +131,21 @@ class RankPool:
     def copy(self, gi: int, src: list[int], dst: list[int], expected=None) -> int:
         return self.kv.copy(gi, src, dst, expected)
 
-    # --- NCCL / gloo batches (``raykv.service.pool.pairs``) ---
+    # --- NCCL / gloo batches (``raykv.service.pool.pairs``, through ``RankLinks``) ---
 
     async def coll_ident(self) -> str:
-        return self.kv.collective(self.name).ident
+        return self.kv.links.collective(self.name).ident
 
-    async def coll_send(self, pair: Any, gi: int, block_ids: list[int]) -> None:
-        await self.kv.start_send(self.name, pair, gi, block_ids)
+    async def coll_send(self, pair: Pair, gi: int, block_ids: list[int]) -> None:
+        await self.kv.links.start_send(self.name, pair, gi, block_ids)
 
     async def coll_recv(
-        self, pair: Any, gi: int, block_ids: list[int], expected: Any, replicas: Any = ()
+        self, pair: Pair, gi: int, block_ids: list[int], expected: Any, replicas: Any = ()
     ) -> int:
-        return await self.kv.recv(self.name, pair, gi, block_ids, expected, replicas)
+        return await self.kv.links.recv(self.name, pair, gi, block_ids, expected, replicas)
 
-    async def coll_has_window(self, pair: Any) -> bool:
-        return self.kv.has_window(pair)
+    async def coll_has_window(self, pair: Pair) -> bool:
+        return self.kv.links.has_window(pair)
 
     def checksums(self, gi: int, block_ids: list[int]) -> tuple[int, ...]:
         return row_checksums(self.kv.gather(gi, block_ids))
@@ -151,15 +153,15 @@ class RankPool:
     # --- peer reads (``raykv.service.pool.pairs``) ---
 
     def peer_handle(self) -> Any:
-        return self.kv.peer_handle()
+        return self.kv.links.peer_handle()
 
     def peer_sums(self, gi: int, block_ids: list[int]) -> np.ndarray:
-        return self.kv.peer_sums(gi, block_ids)
+        return self.kv.links.peer_sums(gi, block_ids)
 
     async def peer_read(
         self, gi: int, handle: Any, src_ids: list[int], dst_ids: list[int], sums: np.ndarray
     ) -> int:
-        return await self.kv.peer_read(gi, handle, src_ids, dst_ids, sums)
+        return await self.kv.links.peer_read(gi, handle, src_ids, dst_ids, sums)
 
     def store_job(self, arena: Any, job: Any, reservation: Any) -> list[tuple]:
         return self.kv.store_job(arena, job, reservation)

@@ -242,7 +242,7 @@ async def _fill(
         if got.corrupt:  # the source's copy is corrupt: a miss, dropped there
             tier.metrics.checksum_errors(model, "remote", 1)
             log.warning("tier %s: block from %s failed its checksum; a miss", tier.name, loc.member)
-            actor = tier.transports[FALLBACK]._actor(loc.member)
+            actor = tier.transports[FALLBACK].actor(loc.member)
             actor.drop_keys.remote(model, [want[i + got.count]])  # fire and forget
         if writer.filled < run:
             failed.add(loc.member)  # it lost (or corrupted) the rest: try the next copy

@@ -23,7 +23,7 @@ chart and ``raykv up`` hand to every Ray node).
 * ``RAYKV_UCX_MIN_GBPS`` (0.05): a batch's rows must arrive at least this fast (a batch's
   timeout is ``timeout_s + bytes / rate``).
 * ``UCX_TCP_TX_SEG_SIZE`` / ``UCX_TCP_RX_SEG_SIZE`` (UCX's own variables; raykv's default
-  1 MiB each, ``raykv.transport.ucx_runtime.TCP_SEGMENTS``, where neither is set; a node that
+  1 MiB each, ``raykv.transport.ucx.runtime.TCP_SEGMENTS``, where neither is set; a node that
   sets one gets UCX's default for the other): UCX's defaults (8 KiB / 64 KiB) held one tcp
   endpoint to ~1.1 GB/s on loopback.
 * ``RAYKV_UCX_HOST`` (the node's IP, from Ray): the host shown next to a member's UCX

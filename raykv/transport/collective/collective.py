@@ -3,7 +3,7 @@
 Every process that holds a rank's KV (a pool and each of its TP ranks) has one
 ``Collective``: its end of raykv's **pairwise** process groups. A group has exactly two
 ranks, the sender (rank 0) and the receiver (rank 1) of one direction between two
-endpoints (``raykv.transport.pair.Pair``: source, destination, generation, rendezvous). It is
+endpoints (``pair.Pair``: source, destination, generation, rendezvous). It is
 built directly on a ``PrefixStore`` over the coordinator's ``TCPStore`` (no global
 ``init_process_group``), lazily, the first time the pair moves a batch; an endpoint's ident
 names its actor incarnation, so a re-placed pool simply forms new pairs. Backend NCCL where
@@ -12,7 +12,7 @@ the KV lives on a GPU (advertised as ``nccl``), gloo where it lives in host memo
 Under Ray each GPU actor sees its own GPU as the current CUDA device (``cuda:0`` after
 ``CUDA_VISIBLE_DEVICES``); nothing here assumes a global index.
 
-A batch crosses as one message up to 32 MiB, larger ones as a few (``raykv.transport.wire``:
+A batch crosses as one message up to 32 MiB, larger ones as a few (``wire``:
 chunks of rows, the last one with every row's wire sum; never one per block), pipelined: the
 sender's paged-copy kernel gathers chunk k+1 (taking each row's wire sum as it copies) while
 chunk k is on the wire, and the receiver scatters chunk k into its blocks (recomputing the
@@ -35,7 +35,7 @@ first batch runs on its thread (forming the group blocks until both ends join); 
 NCCL communicator is up later batches are issued straight from the event loop and their
 completion is polled. Where both ends of an NCCL pair offer their pool as one exportable
 allocation of the same size and layout, the pair registers it as an NCCL window when it forms
-(``raykv.transport.nccl_window``): between GPUs that can load from each other the reader then
+(``window``): between GPUs that can load from each other the reader then
 reads the holder's blocks in place (``window``) instead of staging them.
 """
 
@@ -58,10 +58,10 @@ from raykv import ops
 from raykv.errors import InvalidInput, TransportError
 from raykv.transport import completion
 from raykv.transport.base import DirectTransport
-from raykv.transport.nccl_window import Windows
-from raykv.transport.pair import Pair, node_address
+from raykv.transport.collective.pair import Pair, node_address
+from raykv.transport.collective.window import Windows
+from raykv.transport.collective.wire import WirePlan, count_intact, leading_matches, shares
 from raykv.transport.select import GLOO, NCCL
-from raykv.transport.wire import WirePlan, count_intact, leading_matches, shares
 
 TIMEOUT_S = float(os.environ.get("RAYKV_COLLECTIVE_TIMEOUT_S", "30"))
 CROSS, INNER = 0, 1  # a receiver's lanes: batches from another group / from its own replicas
@@ -130,7 +130,7 @@ class Collective:
         self._comms: dict[Pair, int] = {}  # NCCL communicators of formed pairs (0: none)
         self._tables: dict[int, tuple[Any, tuple, ops.WireTable | None]] = {}  # _wire_table
         # this process's pool as one exportable allocation and its tensors' layout, which its
-        # NCCL pairs register as a window (``raykv.transport.nccl_window``); None: they stage
+        # NCCL pairs register as a window (``window``); None: they stage
         self.window_memory: tuple[torch.Tensor, Any] | None = None
         self.windows = Windows()
         # tests: called with each message right before it is sent

@@ -1,11 +1,11 @@
 """``UcxTransport``: fetch a batch of blocks from another member's UCX server (ucxx).
 
-A member that serves UCX runs a ``UcxServer`` (``raykv.transport.ucx_server``) and advertises
+A member that serves UCX runs a ``UcxServer`` (``raykv.transport.ucx.server``) and advertises
 ``{"ucx": (host, [worker address hex, ...], hello tag)}`` in ``Membership.endpoints``; a reader
 fetches from it here, connecting by worker address (no sockaddr listener anywhere:
-``raykv.transport.ucx_wire``), stripe ``i`` from this process's worker ``i`` to the server's
+``raykv.transport.ucx.wire``), stripe ``i`` from this process's worker ``i`` to the server's
 worker ``i`` (each worker has its own progress thread, so the stripes move in parallel:
-``raykv.transport.ucx_runtime``). Per peer the reader keeps ``stripes`` authenticated
+``raykv.transport.ucx.runtime``). Per peer the reader keeps ``stripes`` authenticated
 connections (connected and authenticated once, reused by every later fetch;
 ``raykv.transport.auth``). A fetch is one request on stripe 0, then the batch in chunks
 (``chunk_bytes``, the source gathering the next while this one travels): per chunk one
@@ -13,7 +13,7 @@ header on stripe 0 (count, shape and stored checksums), then its rows, cut into 
 byte ranges sent on the stripes in parallel (on a tag of their own) and received straight
 into the chunk's slice of one staging buffer (or, where the reader offers them through
 ``land``, straight into the rows they are for), posted before the header arrives
-(``raykv.transport.ucx_wire``). No message per block, no round trip per block or chunk. The
+(``raykv.transport.ucx.wire``). No message per block, no round trip per block or chunk. The
 UCX loop receives (``_fetch``) and hands each chunk to the reader's loop as soon as it is in
 (``stream``), where the reader verifies it and writes it into its blocks
 (``raykv.transport.base.receive``, invariant 12) while the next chunk is on the wire.
@@ -43,9 +43,9 @@ from raykv.errors import TransportError
 from raykv.transport.auth import AuthError, check_secret, client_handshake
 from raykv.transport.base import Asked, BlockBatch, Land, collect
 from raykv.transport.select import UCX
-from raykv.transport.ucx_config import UcxConfig
-from raykv.transport.ucx_runtime import UcxRuntime
-from raykv.transport.ucx_wire import (
+from raykv.transport.ucx.config import UcxConfig
+from raykv.transport.ucx.runtime import UcxRuntime
+from raykv.transport.ucx.wire import (
     Conn,
     check_header,
     cuts,
@@ -263,7 +263,7 @@ class UcxTransport:
         order), each chunk handed on as soon as its rows are in; returns the bytes moved.
 
         Pipelined: once a header says ``more``, the next chunk's header receive and its row
-        receives (its size and cuts follow from this chunk: ``ucx_wire.next_chunk``) are
+        receives (its size and cuts follow from this chunk: ``wire.next_chunk``) are
         posted at once, so its rows land as soon as they are sent, whatever this loop is
         doing; only the first chunk's rows wait for its header (it tells the row size). Each
         chunk's rows are received where ``land`` offers, else into the staging buffer."""
@@ -492,7 +492,7 @@ def ucx_reader(config: UcxConfig | None = None) -> UcxTransport | None:
     not 0, ``RAYKV_TRANSPORT_SECRET`` set); None (and why, in the log) otherwise: the reader
     then fetches over the object store."""
     from raykv.transport.auth import SECRET_ENV, secret_from_env
-    from raykv.transport.ucx_runtime import available
+    from raykv.transport.ucx.runtime import available
 
     config = config or UcxConfig.from_env()
     secret = secret_from_env()

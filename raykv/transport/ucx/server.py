@@ -3,7 +3,7 @@
 The member hands in its ``export(model, keys)`` coroutine (the same one the object store
 transport calls: the leading keys it holds as one gathered buffer plus their stored
 checksums); the server runs it on the member's own event loop (``owner_loop``, a Ray actor's)
-and moves the buffer over UCX as ``raykv.transport.ucx_wire`` describes. A member that
+and moves the buffer over UCX as ``raykv.transport.ucx.wire`` describes. A member that
 ``lends`` (a CPU tier) may answer with a ``Lent`` instead: its own rows, where they lie one
 after another, sent from where they are (no gather) and released once they are out.
 
@@ -17,7 +17,7 @@ wildcard address (every interface of the host). So the server listens on nothing
 advertises the addresses of its UCX workers and a hello tag (``endpoint``: ``(host, [address
 hex per worker], tag)``, ``host`` only for logs), and receives hellos on each worker (on that
 tag); a reader connects by worker address, its stripe ``i`` to worker ``i`` (of as many as the
-server runs: ``stripes``, each with its own progress thread, ``raykv.transport.ucx_runtime``),
+server runs: ``stripes``, each with its own progress thread, ``raykv.transport.ucx.runtime``),
 and the server answers each connection from the worker its hello came to. The only sockets
 are UCX's transport sockets, which bind the addresses of ``UCX_NET_DEVICES``
 (``RAYKV_UCX_NET_DEVICES``).
@@ -37,9 +37,9 @@ import numpy as np
 
 from raykv.transport.auth import check_secret, serve_handshake
 from raykv.transport.base import Lent
-from raykv.transport.ucx_config import UcxConfig
-from raykv.transport.ucx_runtime import UcxRuntime
-from raykv.transport.ucx_wire import (
+from raykv.transport.ucx.config import UcxConfig
+from raykv.transport.ucx.runtime import UcxRuntime
+from raykv.transport.ucx.wire import (
     FIRST_CHUNK_KEYS,
     MAX_HELLO,
     Conn,
@@ -289,7 +289,7 @@ class UcxServer:
         rows, striped. Once a chunk's header and rows are posted on the wire, the next chunk
         is gathered (on the owner's loop) while they travel, and its header and rows follow
         as soon as it is (``CHUNKS_IN_FLIGHT`` chunks on the wire at most). A chunk after
-        the first is sent at the size the reader expects (``ucx_wire``: it posted its
+        the first is sent at the size the reader expects (``wire``: it posted its
         receives before the header); one that comes back short ends the batch (the holder's
         prefix ends there)."""
         t = self.config.timeout_s
@@ -439,7 +439,7 @@ def ucx_server(
     not 0, ``RAYKV_TRANSPORT_SECRET`` set: never an unauthenticated listener); else None."""
     from raykv.errors import TransportError
     from raykv.transport.auth import SECRET_ENV, secret_from_env
-    from raykv.transport.ucx_runtime import available
+    from raykv.transport.ucx.runtime import available
 
     config = config or UcxConfig.from_env()
     secret = secret_from_env()

@@ -30,7 +30,7 @@ import torch
 
 from raykv import ops
 from raykv.tiers.shm import process_alive
-from raykv.transport.pair import Pair
+from raykv.transport.collective.pair import Pair
 
 log = logging.getLogger(__name__)
 
