@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from raykv.layout import FullAttention
 from raykv.service.groups import key_group
+from raykv.service.member import Membership
 from raykv.service.served import ServedModel
 from raykv.service.tier.actor import OWN, CpuTierActor, _ModelTier
 from raykv.tiers import shm
@@ -154,7 +155,7 @@ def test_a_lease_names_each_block_s_entry_and_sub_slot_as_the_per_block_lease(
     async def published(*args):
         return True
 
-    monkeypatch.setattr(CpuTierActor, "_call", lambda self, *a: published())
+    monkeypatch.setattr(Membership, "call", lambda self, *a: published())
     monkeypatch.setattr(ray, "get_actor", lambda *a, **k: None)
     model = served(factor)
     t = CpuTierActor("this-node", {model.name: model.plan(16 * ROW)})

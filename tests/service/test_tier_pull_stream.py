@@ -72,7 +72,7 @@ class Streaming:
         self.rows, self.chunk, self.corrupt, self.die_after = rows, chunk, corrupt, die_after
         self.source, self.sent, self.closed = Source(), 0, False
 
-    def _actor(self, name):
+    def actor(self, name):
         return self.source
 
     async def stream(self, source, model, keys, endpoint=None, land=None, asked=None):
@@ -239,7 +239,7 @@ class BySource:
     def __init__(self, full, other=None) -> None:
         self.full, self.other = full, other
 
-    def _actor(self, name):
+    def actor(self, name):
         return self.full.source
 
     async def stream(self, source, model, keys, endpoint=None, land=None, asked=None):
