@@ -1,6 +1,6 @@
-"""The chaos soak in CI: ``raykv bench chaos`` for a minute (the whole test takes ~2.5 min
-on a 2-core box: the cluster's start, the soak with its last fault, the settle and the
-stop) through the installed command line, in a process of its own (it starts its own
+"""The chaos soak in CI (issue 44): ``raykv bench chaos`` for three minutes (the whole test
+takes ~4 min on a 2-core box: the cluster's start, the soak with its last fault, the settle
+and the stop) through the installed command line, in a process of its own (it starts its own
 cluster). Every served byte is checked against what was stored for its prefix; every error
 must be a raykv error; nothing may be left held once every request is freed."""
 
@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.ray
 
-MINUTES = "1"
+MINUTES = "3"
 
 
 def test_a_soak_under_faults_serves_no_wrong_kv_raises_only_raykv_errors_and_leaks_nothing():
@@ -20,7 +20,7 @@ def test_a_soak_under_faults_serves_no_wrong_kv_raises_only_raykv_errors_and_lea
         [sys.executable, "-m", "raykv.cli", "bench", "chaos", "--minutes", MINUTES, "--json"],
         capture_output=True,
         text=True,
-        timeout=330,
+        timeout=450,
     )
     # Ray's driver forwards its workers' log lines to stdout too: the report is the JSON
     # object that starts at its first key
