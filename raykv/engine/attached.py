@@ -102,7 +102,10 @@ class AttachedKV:
             else GpuKV.register(plan, tensors, layout=layout)
         )
         self.hasher = BlockHasher(plan.hash_block_size)
-        self._factors = factors(plan)  # per group: engine blocks per tier entry
+        # pieces are cut at whole entries of every group: multiples of this many tokens
+        self._unit = math.lcm(
+            *(g.block_size * f for g, f in zip(plan.groups, factors(plan), strict=True))
+        )
         self._view: CpuTierView | None = None
         self.engine: OffloadEngine | None = None
         self._applying: list[Future] = []  # applies sent, not yet seen answered
@@ -170,10 +173,7 @@ class AttachedKV:
         positions, 0 first and ``num_tokens`` last; each cut whole entries of every group):
         the first piece about a quarter of ``piece_bytes`` (its copy starts early), each
         next one twice the one before, up to ``piece_bytes``."""
-        plan = self.plan
-        unit = math.lcm(
-            *(g.block_size * f for g, f in zip(plan.groups, self._factors, strict=True))
-        )
+        plan, unit = self.plan, self._unit
         unit_bytes = plan.gpu_bytes_per_block * unit // plan.groups[0].block_size
         most = max(1, self.piece_bytes // max(unit_bytes, 1))
         cuts, size = [0], max(1, most // 4)

@@ -196,18 +196,7 @@ class BlockJob:
         keep = set(keep)
         if len(keep) >= len(self.keys) and keep.issuperset(self.keys):
             return self  # every key kept (the usual store / load): the job as it is
-        return self._kept(np.fromiter((k in keep for k in self.keys), bool, len(self.keys)))
-
-    def piece(self, keys: slice) -> Self:
-        """The same job restricted to its keys ``self.keys[keys]`` (a store in pieces)."""
-        if keys.indices(len(self.keys)) == (0, len(self.keys), 1):
-            return self
-        kept = np.zeros(len(self.keys), bool)
-        kept[keys] = True
-        return self._kept(kept)
-
-    def _kept(self, kept: np.ndarray) -> Self:
-        """The job restricted to the keys where ``kept`` (bool, one per key) is set."""
+        kept = np.fromiter((k in keep for k in self.keys), bool, len(self.keys))
         a = self.arrays
         at = kept[a.keys]  # the positions kept, in order (each group's stay together)
         renumber = np.cumsum(kept) - 1
