@@ -22,7 +22,7 @@ from raykv.transport.base import (
     receive,
     verify,
 )
-from raykv.transport.fallback import fetch_over
+from raykv.transport.fallback import Direct, fetch_over
 from raykv.transport.object_store import ObjectStoreTransport
 from raykv.transport.select import FALLBACK, OBJECT_STORE, PREFERENCE, choose
 
@@ -32,6 +32,7 @@ __all__ = [
     "PREFERENCE",
     "Asked",
     "BlockBatch",
+    "Direct",
     "Fetched",
     "Land",
     "Lent",

@@ -1,21 +1,31 @@
-"""One fetch, over the transport chosen for the pair, with the object store as the fallback.
+"""One fetch, over the route chosen for the pair, with the next routes behind it.
 
 Every reader (a GPU pool loading blocks, a CPU tier pulling them into its arena) fetches
 through ``fetch_over``: the transport the coordinator chose for the (holder, reader) pair
-(``Location.transport``, ``raykv.transport.select``), its chunks verified as they arrive and
-handed to the reader's sink (``raykv.transport.base.receive``); if that transport fails with
-``TransportError``, the keys that had not reached the sink yet are fetched once more over
-the object store (``FALLBACK``), the sink taking up where it stopped.
+(``Location.transport``, ``raykv.transport.select.route``). A direct route (peer reads, NCCL /
+gloo pairs: the batch lands in the reader's blocks rank to rank) is run by the reader's
+``Direct``; where it fails with ``TransportError`` the next route both ends offer is taken
+(``select.after``: a failed peer read goes over NCCL, a failed pair over the object store).
+A streamed route's chunks are verified as they arrive and handed to the reader's sink
+(``raykv.transport.base.receive``); if it fails, the keys that had not reached the sink yet
+are fetched once more over the object store (``FALLBACK``), the sink taking up where it
+stopped. So the reader picks nothing: it names the route and how its blocks are written.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from raykv.errors import TransportError
 from raykv.transport.base import Asked, Fetched, Land, Sink, Transport, Write, receive
-from raykv.transport.select import FALLBACK
+from raykv.transport.select import FALLBACK, after
+
+# a reader's direct route: (transport name, the holder's endpoint for it) -> how it went
+# (the rows written and verified in the reader's blocks); TransportError where it failed
+Direct = Callable[[str, Any], Awaitable[Fetched]]
+# told of each route that failed: (its name, the error, the route taken next)
+FellBack = Callable[[str, TransportError, str], None]
 
 
 async def fetch_over(
@@ -26,10 +36,11 @@ async def fetch_over(
     keys: Sequence[bytes],
     sink: Sink,
     endpoint: Any = None,
-    on_fallback: Callable[[str, TransportError], None] | None = None,
+    on_fallback: FellBack | None = None,
     land: Land | None = None,
     write: Write | None = None,
     asked: Asked | None = None,
+    direct: Direct | None = None,
 ) -> Fetched:
     """The leading ``keys`` ``source`` holds, verified chunk by chunk into ``sink(position in
     keys, rows)``, over ``transports[name]`` (the fallback if this reader has no such
@@ -38,7 +49,17 @@ async def fetch_over(
     reached the sink before stay there (verified). ``land`` (``Land``): where the first
     transport may receive rows in place; the fallback receives into its own buffers.
     ``write`` (``Write``): the reader's copy of each chunk, checked as it goes. ``asked``
-    (``Asked``): told once the first transport's request is on its way."""
+    (``Asked``): told once the first transport's request is on its way. ``direct``: how
+    this reader runs a direct route (a transport whose ``direct`` is set); without it such
+    a route is refused and the fallback taken."""
+    while direct is not None and getattr(transports.get(name), "direct", False):
+        try:
+            return await direct(name, endpoint)
+        except TransportError as e:
+            then, endpoint = after(name, endpoint)
+            if on_fallback is not None:
+                on_fallback(name, e, then)
+            name = then
     fallback = transports[FALLBACK]
     t = transports.get(name, fallback)
     done = Fetched()
@@ -49,5 +70,5 @@ async def fetch_over(
         if t is fallback:
             raise
         if on_fallback is not None:
-            on_fallback(t.name, e)
+            on_fallback(t.name, e, FALLBACK)
     return await receive(fallback.stream(source, model, keys[done.count :]), sink, done, write)

@@ -245,3 +245,59 @@ def test_direct_transports_refuse_a_streamed_fetch_and_say_why() -> None:
         assert t.direct
         with pytest.raises(TransportError, match=f"{says}.*use the object store"):
             asyncio.run(first(t))
+
+
+def test_fetch_over_takes_each_route_in_turn_direct_ones_through_the_reader() -> None:
+    """A failed peer read goes over the next route both ends offer (NCCL, named in the peer
+    route's endpoint), a failed pair over the object store, which streams the batch; each
+    failure is told with the route taken next. A direct route that works ends the fetch."""
+    from raykv.errors import TransportError
+    from raykv.transport import FALLBACK, Fetched, fetch_over
+    from raykv.transport.select import NCCL, PEER
+
+    batch = _batch(1, 2, seed=3)
+
+    class Direct(base.DirectTransport):
+        instead = "lands rank to rank (test)"
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    class Store:
+        name, direct = FALLBACK, False
+
+        async def stream(self, source, model, keys, *rest):
+            yield batch
+
+    transports = {PEER: Direct(PEER), NCCL: Direct(NCCL), FALLBACK: Store()}
+    endpoint = {"then": (NCCL, {"store": ("h", 1)})}
+    tried, told, got_rows = [], [], []
+
+    async def direct(name, ep, fail=(PEER, NCCL)) -> Fetched:
+        tried.append((name, ep))
+        if name in fail:
+            raise TransportError(f"{name} down (test)")
+        return Fetched(2, 8)
+
+    async def sink(at, chunk) -> None:
+        got_rows.append((at, chunk.count))
+
+    def fell_back(name, e, then) -> None:
+        told.append((name, then))
+
+    def fetch(**kw) -> Fetched:
+        keys = [b"a", b"b"]
+        return asyncio.run(fetch_over(transports, PEER, "src", "m", keys, sink, endpoint,
+                                      fell_back, **kw))  # fmt: skip
+
+    got = fetch(direct=direct)
+    assert tried == [(PEER, endpoint), (NCCL, {"store": ("h", 1)})]
+    assert told == [(PEER, NCCL), (NCCL, FALLBACK)]
+    assert (got.count, got.nbytes, got.corrupt, got_rows) == (2, 128, False, [(0, 2)])
+
+    tried.clear()
+    assert fetch(direct=lambda n, ep: direct(n, ep, fail=(PEER,))) == Fetched(2, 8)
+    assert [n for n, _ in tried] == [PEER, NCCL]
+
+    told.clear()  # a reader without a direct path: the route is refused, the store streams
+    assert fetch().count == 2 and told == [(PEER, FALLBACK)]

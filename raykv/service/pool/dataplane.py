@@ -48,8 +48,7 @@ from raykv.service.pool.requests import Requests
 from raykv.service.served import COORDINATOR, NAMESPACE, ServedModel, tier_name
 from raykv.tiers import holds
 from raykv.tiers.jobs import LoadJob, StoreJob
-from raykv.transport import FALLBACK, BlockBatch, Transport, fetch_over
-from raykv.transport.select import after
+from raykv.transport import FALLBACK, BlockBatch, Fetched, Transport, fetch_over
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +248,7 @@ class TierIO:
 class Fetch:
     """Pool ``name``'s reads of blocks it does not hold: located at the coordinator, from
     the node's CPU tier (``tier_io``) or another member over the route the coordinator
-    chose (``transports``, by name; a pool's direct routes through ``pairs``), verified
+    chose (``transports``, by name; ``fetch_over`` runs a direct route through ``pairs``), verified
     chunk by chunk, scattered to every rank."""
 
     def __init__(
@@ -331,26 +330,21 @@ class Fetch:
         filled: set[int],
         live: Callable[[], bool],
     ) -> tuple[int, int]:
-        """One batch from another member, chunk by chunk: each chunk verified, then
-        scattered to every rank while the next one travels; ``live()`` is checked before
-        every chunk is written (a freed request's blocks may be someone else's)."""
+        """One batch from another member over its route (``fetch_over``): a direct one rank to
+        rank into our blocks (``Pairs``), a streamed one chunk by chunk, each chunk verified,
+        then scattered to every rank while the next one travels; ``live()`` is checked before
+        every chunk is written (a freed request's blocks may be someone else's). A corrupt
+        block is counted here, once, and dropped at the holder."""
         source = loc.member
-        while getattr(self.transports.get(loc.transport), "direct", False):
-            try:  # rank to rank into our blocks (``raykv.service.pool.pairs``)
-                return await self.pairs.fetch(loc, gi, want, filled, live)
-            except TransportError as e:
-                # the next route both ends offer (``select.after``), else the object store
-                transport, endpoint = after(loc.transport, loc.endpoint)
-                nxt = replace(loc, transport=transport, endpoint=endpoint)
-                log.warning("pool %s: %s from %s failed (%s); retrying over %s",
-                            self.name, loc.transport, source, e, nxt.transport)  # fmt: skip
-                self.metrics.failed(f"transport_{loc.transport}")
-                loc = nxt
 
-        def fell_back(name: str, e: TransportError) -> None:
+        def fell_back(name: str, e: TransportError, then: str) -> None:
             log.warning("pool %s: %s from %s failed (%s); retrying over %s",
-                        self.name, name, source, e, FALLBACK)  # fmt: skip
+                        self.name, name, source, e, then)  # fmt: skip
             self.metrics.failed(f"transport_{name}")
+
+        async def direct(name: str, endpoint: Any) -> Fetched:  # rank to rank into our blocks
+            route = replace(loc, transport=name, endpoint=endpoint)
+            return await self.pairs.fetch(route, gi, want, filled, live)
 
         written = [0, 0]  # blocks, bytes
 
@@ -366,7 +360,8 @@ class Fetch:
 
         try:
             got = await fetch_over(self.transports, loc.transport, source, self.model.name,
-                                   [k for k, _ in want], sink, loc.endpoint, fell_back)  # fmt: skip
+                                   [k for k, _ in want], sink, loc.endpoint, fell_back,
+                                   direct=direct)  # fmt: skip
         except _Freed:
             return written[0], written[1]
         if got.corrupt:  # the source's copy is corrupt: a miss, dropped there
@@ -380,7 +375,7 @@ class Fetch:
                 )
             except ray.exceptions.RayError as e:
                 log.warning("pool %s: cannot tell %s to drop (%s)", self.name, source, e)
-        return written[0], written[1]
+        return got.count, got.nbytes
 
 
 def _copies(per_copy: dict[int, tuple[int, ...]], n: int) -> list[tuple[int, ...]]:

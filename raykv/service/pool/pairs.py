@@ -37,7 +37,7 @@ from raykv.service.control.metrics import ServiceMetrics
 from raykv.service.pool.fanout import Ranks
 from raykv.service.pool.requests import Requests
 from raykv.service.served import NAMESPACE, ServedModel
-from raykv.transport import Transport
+from raykv.transport import Fetched, Transport
 from raykv.transport.collective import TIMEOUT_S, CollectiveTransport, Pair, RankLinks
 from raykv.transport.collective.wire import shares
 from raykv.transport.peer_read import PEER, PeerTransport, enabled
@@ -273,10 +273,11 @@ class Pairs:
         want: list[tuple[bytes, int]],
         filled: set[int],
         live: Callable[[], bool],
-    ) -> tuple[int, int]:
-        """One batch from ``loc``'s pool over NCCL / gloo, straight into every rank's blocks;
-        (blocks, bytes). TransportError if it could not move (the caller falls back). A
-        peer route reads the holder's mapped blocks instead (``_peer_fetch``)."""
+    ) -> Fetched:
+        """One batch from ``loc``'s pool over NCCL / gloo, straight into every rank's blocks
+        (the pool's ``Direct`` route, ``raykv.transport.fetch_over``). TransportError if it
+        could not move (the next route is taken). A peer route reads the holder's mapped
+        blocks instead (``_peer_fetch``)."""
         if loc.transport == PEER:
             return await self._peer_fetch(loc, gi, want, filled, live)
         seen = self._window_of.get(loc.member)
@@ -298,7 +299,7 @@ class Pairs:
         want: list[tuple[bytes, int]],
         filled: set[int],
         live: Callable[[], bool],
-    ) -> tuple[int, int]:
+    ) -> Fetched:
         idents = await self._idents()
         gen, store = self._coll_gen, tuple((loc.endpoint or {}).get("store") or ())
         if len(store) != 2:
@@ -316,7 +317,7 @@ class Pairs:
                 f"{loc.member} did not answer a {loc.transport} export in {TIMEOUT_S:.0f}s"
             ) from None
         if not n:
-            return 0, 0
+            return Fetched()
         blocks = [b for _, b in want[:n]]
         calls = []
         for r in range(len(self.ranks.copy_of)):  # rank to rank; a replicated copy in shares
@@ -341,29 +342,21 @@ class Pairs:
         if loc.transport == NCCL and (seen is None or seen[0] != gen):
             pairs = [Pair(src[r], idents[r], gen, store) for r in range(len(self.ranks.copy_of))]
             await self._windows_formed(loc.member, gen, pairs)
-        return await self._landed(loc, source, want, min(counts), n, sums, width, filled, live)
+        return self._landed(want, min(counts), n, sums, width, filled, live)
 
-    async def _landed(
-        self, loc: Any, source: Any, want: list[tuple[bytes, int]], good: int, n: int,
-        sums: list[list[int]], width: int, filled: set[int], live: Callable[[], bool],
-    ) -> tuple[int, int]:  # fmt: skip
+    def _landed(
+        self, want: list[tuple[bytes, int]], good: int, n: int, sums: list[list[int]],
+        width: int, filled: set[int], live: Callable[[], bool],
+    ) -> Fetched:  # fmt: skip
         """After a batch of ``n`` blocks landed in ours, ``good`` leading ones intact: those
-        become fillable (with their stored checksums, one per copy); a failed check is a
-        miss from there on, counted, and the holder drops that block."""
+        become fillable (with their stored checksums, one per copy); the block after them
+        failed its check (``corrupt``: the reader counts it and has the holder drop it)."""
         blocks = [b for _, b in want[:n]]
         if not live():
-            return 0, 0
-        if good < n:  # a row failed its check: a miss from there on, counted
-            self.metrics.checksum_errors(self.model.name, "remote", 1)
-            log.warning("pool %s: block from %s failed its %s check; a miss",
-                        self.name, loc.member, loc.transport)  # fmt: skip
-            try:
-                await source.drop_keys.remote(self.model.name, [want[good][0]])
-            except ray.exceptions.RayError as e:
-                log.warning("pool %s: cannot tell %s to drop (%s)", self.name, loc.member, e)
+            return Fetched()
         self.requests.pending_sums.update(zip(blocks[:good], zip(*sums, strict=True), strict=False))
         filled.update(blocks[:good])
-        return good, good * width * len(self.ranks.writers)
+        return Fetched(good, good * width * len(self.ranks.writers), corrupt=good < n)
 
     async def _windows_formed(self, member: str, gen: int, pairs: list[Pair]) -> None:
         """Whether every rank pair with ``member`` formed an NCCL window (each rank its own
@@ -383,7 +376,7 @@ class Pairs:
     async def _peer_fetch(
         self, loc: Any, gi: int, want: list[tuple[bytes, int]], filled: set[int],
         live: Callable[[], bool], pairs: list[Pair] | None = None,
-    ) -> tuple[int, int]:  # fmt: skip
+    ) -> Fetched:  # fmt: skip
         """One batch read from ``loc``'s pool on this node: one control call (the holder
         holds the blocks and states their sums), then each of our ranks copies its rank's
         blocks straight into ours (``raykv.transport.peer_read``; from its memory mapped
@@ -401,7 +394,7 @@ class Pairs:
         except ray.exceptions.RayError as e:
             raise TransportError(f"{loc.member} cannot export: {e}") from e
         if got is None:
-            return 0, 0
+            return Fetched()
         n = len(got["blocks"])
         blocks = [b for _, b in want[:n]]
         handles = pairs or got["handles"]
@@ -420,5 +413,4 @@ class Pairs:
         finally:  # the copies are done (or failed): the holder may reuse its blocks
             source.release_peer_hold.remote(got["hold"])
         width = self.ranks.widths[gi]
-        return await self._landed(loc, source, want, min(counts), n, got["stored"], width,
-                                  filled, live)  # fmt: skip
+        return self._landed(want, min(counts), n, got["stored"], width, filled, live)

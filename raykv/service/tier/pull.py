@@ -374,14 +374,14 @@ def _held_run(where: list, start: int, end: int, member: str) -> int:
     return end
 
 
-def _gave_up(name: str, e: TransportError) -> None:
+def _gave_up(name: str, e: TransportError, then: str) -> None:
     raise e  # a guessed source's route failed: the located copies are asked next
 
 
 def _fell_back(tier: Any, source: str) -> Any:
-    def fell_back(name: str, e: TransportError) -> None:
+    def fell_back(name: str, e: TransportError, then: str) -> None:
         log.warning("tier %s: %s from %s failed (%s); retrying over %s",
-                    tier.name, name, source, e, FALLBACK)  # fmt: skip
+                    tier.name, name, source, e, then)  # fmt: skip
         tier.metrics.failed(f"transport_{name}")
 
     return fell_back
