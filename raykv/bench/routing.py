@@ -579,7 +579,11 @@ async def _replay(handle: Any, scenario: Scenario, time_scale: float) -> list[di
         ids = list(r.token_ids)
         payload = RoutedPrompt(r.request_id, " ".join(map(str, ids)), ids)
         out = await handle.remote(payload)
-        return out | {"scheduled_at": at, "ttft_s": out["first_token_at"] - at}
+        return out | {
+            "arrival_s": r.arrival_s,
+            "scheduled_at": at,
+            "ttft_s": out["first_token_at"] - at,
+        }
 
     return list(await asyncio.gather(*(one(r) for r in scenario.requests)))
 
@@ -596,7 +600,10 @@ def summarize(
     per_replica = Counter(r["replica"] for r in results)
     counts = list(per_replica.values()) + [0] * max(0, replicas - len(per_replica))
     span = max(r["first_token_at"] for r in results) - min(r["scheduled_at"] for r in results)
+    sent = sorted((r["request_id"], r["arrival_s"]) for r in results)
     return {
+        # the arrivals replayed (request id, simulated seconds): equal for every router
+        "arrivals_digest": hashlib.sha256(repr(sent).encode()).hexdigest()[:16],
         "requests": len(scenario.requests),
         "answered": len(results),
         "prompt_tokens": prompt,

@@ -1,0 +1,207 @@
+"""``raykv bench routing``: the workload generator's properties (pure, no Ray) and one small
+end-to-end run on a 2-node local cluster with every router that imports here (the raykv
+router's entry is skipped, with the reason, while ``RaykvRouter`` is absent)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+from itertools import pairwise
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from raykv.bench import routing as rt
+from raykv.errors import ConfigError
+
+SMALL = rt.WorkloadSpec(
+    tenants=6, system_tokens=(256, 1024), conversations=24, turns=(1, 4), user_tokens=(16, 64),
+    answer_tokens=(16, 64), hot_tokens=768, burst_clients=10, warm_requests=4,
+)  # fmt: skip
+
+
+# --- the workload ----------------------------------------------------------------------------
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10**6))
+def test_workload_is_deterministic_for_a_seed(seed: int) -> None:
+    spec = replace(SMALL, seed=seed)
+    assert rt.workload(spec) == rt.workload(spec)
+    other = rt.workload(replace(spec, seed=seed + 1))
+    assert [s.requests for s in other] != [s.requests for s in rt.workload(spec)]
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10**6))
+def test_turns_extend_the_previous_prompt(seed: int) -> None:
+    """Turn t + 1 = turn t's prompt + an answer + a user message, and arrives later."""
+    multi, _ = rt.workload(replace(SMALL, seed=seed))
+    by_conv: dict[int, list[rt.Request]] = {}
+    for r in multi.requests:
+        by_conv.setdefault(r.conversation, []).append(r)
+    assert len(by_conv) == SMALL.conversations
+    lo = SMALL.answer_tokens[0] + SMALL.user_tokens[0]
+    for turns in by_conv.values():
+        turns.sort(key=lambda r: r.turn)
+        assert [r.turn for r in turns] == list(range(len(turns)))
+        assert len({r.tenant for r in turns}) == 1
+        for a, b in pairwise(turns):
+            assert b.token_ids[: len(a.token_ids)] == a.token_ids
+            assert len(b.token_ids) >= len(a.token_ids) + lo
+            assert b.arrival_s > a.arrival_s
+    arrivals = [r.arrival_s for r in multi.requests]
+    assert arrivals == sorted(arrivals)
+    assert max(len(r.token_ids) for r in multi.requests) <= SMALL.max_prompt_tokens
+
+
+def test_conversations_share_their_tenants_system_prompt() -> None:
+    multi, _ = rt.workload(SMALL)
+    firsts: dict[int, tuple[int, ...]] = {}
+    for r in multi.requests:
+        if r.turn == 0:
+            firsts.setdefault(r.tenant, r.token_ids)
+            prefix = firsts[r.tenant]
+            common = next(
+                (i for i, (x, y) in enumerate(zip(prefix, r.token_ids, strict=False)) if x != y),
+                min(len(prefix), len(r.token_ids)),
+            )
+            assert common >= SMALL.system_tokens[0]
+
+
+def test_tenants_are_zipf_popular() -> None:
+    """Conversation counts per tenant follow 1 / (rank + 1) ** s: the top tenant is the most
+    asked, and the counts are within a loose band of the weights."""
+    spec = replace(SMALL, conversations=3000, tenants=8, zipf_s=1.1)
+    multi, _ = rt.workload(spec)
+    counts = Counter(r.tenant for r in multi.requests if r.turn == 0)
+    weights = rt.zipf_weights(spec.tenants, spec.zipf_s)
+    assert abs(sum(weights) - 1) < 1e-9
+    assert counts.most_common(1)[0][0] == 0
+    for k, w in enumerate(weights):
+        assert abs(counts[k] / spec.conversations - w) < 0.03, (k, counts[k], w)
+    assert counts[0] > 3 * counts[spec.tenants - 1]
+
+
+def test_skewed_burst_is_one_hot_prefix_at_once() -> None:
+    _, burst = rt.workload(SMALL)
+    hot = [r for r in burst.requests if r.request_id.startswith("burst-")]
+    assert len(hot) == SMALL.burst_clients
+    prefix = hot[0].token_ids[: SMALL.hot_tokens]
+    assert all(r.token_ids[: SMALL.hot_tokens] == prefix for r in hot)
+    assert len({r.token_ids for r in hot}) == len(hot)  # each client's own question
+    times = [r.arrival_s for r in hot]
+    assert max(times) - min(times) <= SMALL.burst_window_s
+    warm = [r for r in burst.requests if not r.request_id.startswith("burst-")]
+    assert max(r.arrival_s for r in warm) < min(times)
+
+
+def test_bad_specs_are_refused() -> None:
+    with pytest.raises(ConfigError, match="system_tokens"):
+        rt.WorkloadSpec(system_tokens=(4096, 1024))
+    with pytest.raises(ConfigError, match="replicas >= nodes"):
+        rt.BenchPlan(SMALL, rt.SimCosts(100.0), rt.Calibration(100.0, "x"), nodes=3, replicas=2)
+    with pytest.raises(ConfigError, match="unknown routers"):
+        rt.BenchPlan(SMALL, rt.SimCosts(100.0), rt.Calibration(100.0, "x"), routers=("nope",))
+
+
+# --- the replicas' pieces --------------------------------------------------------------------
+
+
+def test_block_hashes_chain_prefixes() -> None:
+    a = list(range(200))
+    b = a[:96] + [7] * 104
+    ha, hb = rt.block_hashes(a, 32), rt.block_hashes(b, 32)
+    assert len(ha) == 6
+    assert ha[:3] == hb[:3] and ha[3] != hb[3]
+
+
+def test_gpu_prefix_cache_is_an_lru_of_leading_blocks() -> None:
+    cache = rt.GpuPrefixCache(capacity_blocks=4)
+    one, two = rt.block_hashes(list(range(96)), 32), rt.block_hashes(list(range(1000, 1064)), 32)
+    cache.add(one)
+    assert cache.hit_blocks(one) == 3
+    cache.add(two)  # 5 blocks: the least recently used (one's first) goes
+    assert cache.hit_blocks(one) == 0
+    assert cache.hit_blocks(two) == 2
+
+
+def test_load_costs_follow_the_bandwidths() -> None:
+    c = rt.SimCosts(prefill_us_per_token=400.0, kv_kib_per_token=128.0, tier_gbps=25.0,
+                    pull_gbps=12.5)  # fmt: skip
+    tok = 128 * 1024
+    assert c.load_s(1000, 0) == pytest.approx(1000 * tok / 25e9)
+    assert c.load_s(0, 1000) == pytest.approx(1000 * tok / 25e9 + 1000 * tok / 12.5e9)
+    assert c.prefill_s(1000) == pytest.approx(0.4)
+
+
+def test_targets_read_met_open_or_not_measured() -> None:
+    res = {
+        "multi-tenant": {
+            "default": {"hit_rate": 0.5, "ttft_p50_s": 2.0},
+            "prefix": {"hit_rate": 0.6, "ttft_p50_s": 1.5},
+            "raykv": {"hit_rate": 0.75, "ttft_p50_s": 1.0},
+        },
+        "skewed-burst": {"prefix": {"ttft_p99_s": 4.0}, "default": {"ttft_p99_s": 3.0}},
+    }
+    q = rt.ratios(res)
+    assert q["hit_rate_raykv_minus_prefix"] == pytest.approx(0.15)
+    assert q["ttft_p50_raykv_over_default"] == pytest.approx(0.5)
+    assert q["burst_ttft_p99_raykv_over_prefix"] is None
+    lines = rt.target_lines(q)
+    assert lines[0].endswith("met") and lines[1].endswith("met")
+    assert "not measured" in lines[2]
+
+
+# --- one small run end to end ----------------------------------------------------------------
+
+TINY_RUN = rt.WorkloadSpec(
+    tenants=4, system_tokens=(512, 1024), conversations=6, turns=(1, 2), user_tokens=(16, 48),
+    answer_tokens=(16, 48), conversations_per_s=3.0, burst_size=3, think_s=(0.5, 1.0),
+    hot_tokens=1024, burst_clients=6, warm_requests=2, burst_at_s=1.0,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    cal = rt.Calibration(rt.CALIBRATED_US_PER_TOKEN, "the stored calibration")
+    plan = rt.BenchPlan(
+        TINY_RUN, rt.SimCosts(cal.us_per_token, time_scale=0.05), cal, nodes=2, replicas=2,
+        cpu_tier_tokens=16384,
+    )  # fmt: skip
+    return rt.run(plan, echo=lambda m: print(m, flush=True))
+
+
+@pytest.mark.ray
+def test_every_request_answered_and_sane(report: dict) -> None:
+    ran = [name for name in report["routers"] if name not in report["skipped"]]
+    assert {"default", "prefix"} <= set(ran)
+    assert set(report["results"]) == {"multi-tenant", "skewed-burst"}
+    for scenario, by_router in report["results"].items():
+        assert set(by_router) == set(ran)
+        digests = {x["arrivals_digest"] for x in by_router.values()}
+        assert len(digests) == 1, f"{scenario}: routers replayed different arrivals"
+        for name, x in by_router.items():
+            assert x["answered"] == x["requests"] == report["scenarios"][scenario]["requests"]
+            for key in ("hit_rate", "hit_rate_gpu", "hit_rate_node_tier", "hit_rate_remote"):
+                assert 0.0 <= x[key] <= 1.0, (scenario, name, key, x[key])
+            parts = x["hit_rate_gpu"] + x["hit_rate_node_tier"] + x["hit_rate_remote"]
+            assert x["hit_rate"] == pytest.approx(parts)
+            assert 0 < x["ttft_p50_s"] <= x["ttft_p99_s"]
+            assert x["throughput_rps"] > 0
+            assert x["imbalance"] >= 1.0 and sum(x["per_replica"]) == x["requests"]
+    # the skewed burst's clients share the hot prefix: some of it is cached by any router
+    assert all(x["hit_rate"] > 0.2 for x in report["results"]["skewed-burst"].values())
+    text = rt.format_report(report)
+    assert "PrefixCacheAffinityRouter" in text and "target " in text
+    assert "ray.serve.llm.request_router needs pyarrow" in text
+
+
+@pytest.mark.ray
+def test_raykv_router_in_the_run(report: dict) -> None:
+    if "raykv" in report["skipped"]:
+        pytest.skip(f"raykv router absent: {report['skipped']['raykv']}")
+    for by_router in report["results"].values():
+        assert by_router["raykv"]["answered"] == by_router["raykv"]["requests"]
+    assert all(v is not None for k, v in report["ratios"].items() if "raykv" in k)
