@@ -320,10 +320,16 @@ class SimReplica:
         n = max_prompt_tokens // self.block + 1
         self.kv = self.node.attach(num_blocks=n + 1)  # block 0 stays unused
         self.block_ids = list(range(1, n + 1))
-        self.gpu = GpuPrefixCache(self.costs.gpu_cache_tokens // self.block)
         self.prefill = asyncio.Lock()
         self.waiting = 0
         self.waiting_tokens = 0
+        self.reconfigure({"run": ""})
+
+    def reconfigure(self, config: dict[str, Any]) -> None:
+        """A new run (Serve calls this when the user config changes): an empty prefix cache
+        and error count, as a fresh replica's."""
+        self.run = config.get("run", "")
+        self.gpu = GpuPrefixCache(self.costs.gpu_cache_tokens // self.block)
         self.errors = 0
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -569,14 +575,17 @@ def _pct(xs: Sequence[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
-async def _replay(handle: Any, scenario: Scenario, time_scale: float) -> list[dict[str, Any]]:
-    """Send every request at its arrival time (scaled); TTFT from that time."""
+async def _replay(
+    handle: Any, scenario: Scenario, time_scale: float, offset: int = 0
+) -> list[dict[str, Any]]:
+    """Send every request at its arrival time (scaled), its token ids + ``offset``; TTFT
+    from that time."""
     t0 = time.time() + 0.3
 
     async def one(r: Request) -> dict[str, Any]:
         at = t0 + r.arrival_s * time_scale
         await asyncio.sleep(max(0.0, at - time.time()))
-        ids = list(r.token_ids)
+        ids = [t + offset for t in r.token_ids]
         payload = RoutedPrompt(r.request_id, " ".join(map(str, ids)), ids)
         out = await handle.remote(payload)
         return out | {
@@ -690,37 +699,42 @@ def run(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict[str, Any]:
             for _ in range(plan.nodes - 1):
                 cluster.add_node(**NODE)
             cluster.wait_for_nodes()
+            say("cluster up; connecting raykv ...")
             kv = raykv.connect(cluster.address)
+            say("raykv connected; starting Serve ...")
             nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
             serve.start(proxy_location="Disabled")
             say("Serve started")
             max_len = -(-(plan.workload.max_prompt_tokens + 1) // BLOCK) * BLOCK
-            tag = f"{os.getpid()}-{int(time.time())}"
-            for entry in entries:
-                if entry.name in skipped:
-                    continue
-                model = f"routing-{entry.name}-{tag}"
-                layers = tiny_layers()
-                _add_model(kv, model, layers, max_len, plan.cpu_tier_tokens)
-                _wait_tiers(kv, nodes)
-                say(f"[{entry.name}] raykv model {model} added")
-                say(f"[{entry.name}] deploying {plan.replicas} replicas ({entry.label}) ...")
+            # one raykv model for the run; each router replays its prompts in a token range
+            # of its own (``_replay``'s ``offset``), so it starts on a cache holding nothing it
+            # can use (the tier's LRU evicts the older routers' blocks first)
+            model = f"routing-{os.getpid()}-{int(time.time())}"
+            _add_model(kv, model, tiny_layers(), max_len, plan.cpu_tier_tokens)
+            _wait_tiers(kv, nodes)
+            say(f"raykv model {model} added")
+            ran = [e for e in entries if e.name not in skipped]
+            for k, entry in enumerate(ran):
+                # the first deploy starts the replicas; the next ones reconfigure them (a new
+                # router, their own prefix caches emptied): Serve restarts no replica for
+                # either, and a fresh handle builds the new router
+                verb = "deploying" if k == 0 else "reconfiguring"
+                say(f"[{entry.name}] {verb} {plan.replicas} replicas ({entry.label}) ...")
                 handle = _deploy(serve, entry, model, plan)
-                say(f"[{entry.name}] replicas up; warming up")
-                _warm_up(handle, plan.replicas)
+                offset = k * plan.workload.vocab
+                _warm_up(handle, plan.replicas, offset)
+                seen = _router_class(handle)
+                say(f"[{entry.name}] replicas ready; the handle routes with {seen}")
                 for s in scenarios:
                     say(f"[{entry.name}] {s.name}: {len(s.requests)} requests ...")
-                    got = asyncio.run(_replay(handle, s, plan.costs.time_scale))
+                    got = asyncio.run(_replay(handle, s, plan.costs.time_scale, offset))
                     r = summarize(got, s, plan.replicas, plan.costs.time_scale)
-                    results[s.name][entry.name] = r
+                    results[s.name][entry.name] = r | {"router_class": seen}
                     say(
                         f"[{entry.name}] {s.name}: hit {r['hit_rate']:.1%}, TTFT p50 "
                         f"{r['ttft_p50_s']:.3f}s p99 {r['ttft_p99_s']:.3f}s (simulated), "
                         f"imbalance {r['imbalance']:.2f}"
                     )
-                # not waited for: the next router's replicas start meanwhile (its replay
-                # begins once they are up, the old ones gone by then)
-                serve.delete(f"routing-{entry.name}", _blocking=False)
         finally:
             with contextlib.suppress(Exception):
                 serve.shutdown()
@@ -763,29 +777,42 @@ def _add_model(kv: Any, model: str, layers: dict[str, Any], max_len: int, tier_t
 
 
 def _deploy(serve: Any, entry: RouterEntry, model: str, plan: BenchPlan) -> Any:
-    app = f"routing-{entry.name}"
+    """The replicas behind ``entry``'s router: the same init arguments every time (so Serve
+    reconfigures the running replicas), the router's name as their user config (their
+    ``reconfigure`` empties their prefix caches)."""
     deployment = serve.deployment(
         SimReplica,
-        name=f"SimReplica-{entry.name}",
+        name="SimReplica",
         num_replicas=plan.replicas,
         max_ongoing_requests=10_000,  # the queue is the replica's own (one prefill at a time)
         max_replicas_per_node=-(-plan.replicas // plan.nodes),
         ray_actor_options={"num_cpus": 0},
         request_router_config=entry.config(model, plan.stats_period_s),
+        user_config={"run": entry.name},
     )
-    app_ = deployment.bind(model, asdict(plan.costs), plan.workload.max_prompt_tokens + BLOCK)
-    return serve.run(app_, name=app, route_prefix=None)
+    app = deployment.bind(model, asdict(plan.costs), plan.workload.max_prompt_tokens + BLOCK)
+    return serve.run(app, name="routing", route_prefix=None)
 
 
-def _warm_up(handle: Any, replicas: int) -> None:
+def _warm_up(handle: Any, replicas: int, offset: int) -> None:
     """A few short unique prompts (not counted): the replicas' first calls paid before."""
-    rng = random.Random("warm-up")
+    rng = random.Random(f"warm-up-{offset}")
     reqs = []
     for i in range(2 * replicas):
-        ids = _tokens(rng, 3 * BLOCK, 30000)
+        ids = [t + offset for t in _tokens(rng, 3 * BLOCK, 30000)]
         reqs.append(handle.remote(RoutedPrompt(f"warm-up-{i}", " ".join(map(str, ids)), ids)))
     for r in reqs:
         r.result(timeout_s=120)
+
+
+def _router_class(handle: Any) -> str:
+    """The request router class the handle built (Serve internals: "unknown" if they moved);
+    a check that a reconfigured deployment's fresh handle routes with the new router."""
+    with contextlib.suppress(Exception):
+        router = handle._router
+        router = getattr(router, "_asyncio_router", router)
+        return type(router.request_router).__name__
+    return "unknown"
 
 
 def _machine() -> str:
