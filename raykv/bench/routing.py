@@ -331,15 +331,28 @@ class SimReplica:
         self.run = config.get("run", "")
         self.gpu = GpuPrefixCache(self.costs.gpu_cache_tokens // self.block)
         self.errors = 0
+        # wall seconds per token this replica measured, by what (a router may read them)
+        self.measured: dict[str, float] = {}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What a router may read (Serve asks every ``request_routing_stats_period_s``)."""
+        m = self.measured
         return {
             "queue_len": self.waiting,
             "queued_prompt_tokens": self.waiting_tokens,
             "gpu_cache_blocks": len(self.gpu.blocks),
             "node_id": self.node_id,
+            # RaykvRouter's cost inputs: its replicas' own measurements
+            **({"prefill_s_per_token": m["prefill"]} if "prefill" in m else {}),
+            "load_s_per_token": {p: m[p] for p in ("cpu", "remote") if p in m},
         }
+
+    def _measure(self, what: str, seconds: float, tokens: int) -> None:
+        """A running estimate of wall seconds per token (the newest weighs a fifth)."""
+        if tokens > 0 and seconds >= 0:
+            x = seconds / tokens
+            old = self.measured.get(what)
+            self.measured[what] = x if old is None else 0.8 * old + 0.2 * x
 
     def _fetch(self, ids: list[int], gpu_tokens: int) -> tuple[int, int, int]:
         """Real raykv: what this node can get beyond the GPU cache, pulled here and loaded.
@@ -382,8 +395,15 @@ class SimReplica:
                 fetch_s = time.perf_counter() - t0
                 simulated = self.costs.load_s(from_tier, remote) * scale
                 await asyncio.sleep(max(0.0, simulated - fetch_s))
+                t1 = time.perf_counter()
                 await asyncio.sleep(self.costs.prefill_s(len(ids) - cached) * scale)
                 first_token = time.time()
+                self._measure("prefill", time.perf_counter() - t1, len(ids) - cached)
+                if remote:
+                    local = from_tier * self.measured.get("cpu", 0.0)
+                    self._measure("remote", t1 - t0 - local, remote)
+                elif from_tier:
+                    self._measure("cpu", t1 - t0, from_tier)
                 try:  # after the first token, as the connector saves: costs the next request
                     await asyncio.to_thread(self._store, ids)
                 except RaykvError:
@@ -715,11 +735,11 @@ def run(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict[str, Any]:
             say(f"raykv model {model} added")
             ran = [e for e in entries if e.name not in skipped]
             for k, entry in enumerate(ran):
-                # the first deploy starts the replicas; the next ones reconfigure them (a new
-                # router, their own prefix caches emptied): Serve restarts no replica for
-                # either, and a fresh handle builds the new router
-                verb = "deploying" if k == 0 else "reconfiguring"
-                say(f"[{entry.name}] {verb} {plan.replicas} replicas ({entry.label}) ...")
+                # fresh replicas (their own caches empty) behind a fresh handle: Serve keeps a
+                # handle's router once built, and a redeploy's reconfigure is no quicker
+                if k:
+                    serve.delete(f"routing-{ran[k - 1].name}", _blocking=False)
+                say(f"[{entry.name}] deploying {plan.replicas} replicas ({entry.label}) ...")
                 handle = _deploy(serve, entry, model, plan)
                 offset = k * plan.workload.vocab
                 _warm_up(handle, plan.replicas, offset)
@@ -777,12 +797,10 @@ def _add_model(kv: Any, model: str, layers: dict[str, Any], max_len: int, tier_t
 
 
 def _deploy(serve: Any, entry: RouterEntry, model: str, plan: BenchPlan) -> Any:
-    """The replicas behind ``entry``'s router: the same init arguments every time (so Serve
-    reconfigures the running replicas), the router's name as their user config (their
-    ``reconfigure`` empties their prefix caches)."""
+    """``entry``'s application: N fresh replicas behind its router."""
     deployment = serve.deployment(
         SimReplica,
-        name="SimReplica",
+        name=f"SimReplica-{entry.name}",
         num_replicas=plan.replicas,
         max_ongoing_requests=10_000,  # the queue is the replica's own (one prefill at a time)
         max_replicas_per_node=-(-plan.replicas // plan.nodes),
@@ -791,7 +809,7 @@ def _deploy(serve: Any, entry: RouterEntry, model: str, plan: BenchPlan) -> Any:
         user_config={"run": entry.name},
     )
     app = deployment.bind(model, asdict(plan.costs), plan.workload.max_prompt_tokens + BLOCK)
-    return serve.run(app, name="routing", route_prefix=None)
+    return serve.run(app, name=f"routing-{entry.name}", route_prefix=None)
 
 
 def _warm_up(handle: Any, replicas: int, offset: int) -> None:
@@ -806,8 +824,8 @@ def _warm_up(handle: Any, replicas: int, offset: int) -> None:
 
 
 def _router_class(handle: Any) -> str:
-    """The request router class the handle built (Serve internals: "unknown" if they moved);
-    a check that a reconfigured deployment's fresh handle routes with the new router."""
+    """The request router class the handle built (Serve internals: "unknown" if they moved):
+    the report says which router really ran."""
     with contextlib.suppress(Exception):
         router = handle._router
         router = getattr(router, "_asyncio_router", router)
