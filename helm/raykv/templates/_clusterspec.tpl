@@ -54,6 +54,10 @@ headGroupSpec:
             - {containerPort: 8265, name: dashboard, protocol: TCP}
             - {containerPort: 10001, name: client, protocol: TCP}
             - {containerPort: {{ $metricsPort }}, name: metrics, protocol: TCP}
+            {{- if .Values.serve.enabled }}
+            # Ray Serve's HTTP proxy: KubeRay builds the serve Service from this port's name.
+            - {containerPort: {{ .Values.serve.port }}, name: serve, protocol: TCP}
+            {{- end }}
           env:
             {{- include "raykv.nodeEnv" . | nindent 12 }}
           resources:
