@@ -47,8 +47,45 @@ EXTRA_SHAPES = {
         "raykv": {"start": "rayJob"},
     },
 }
-SHAPES = [pytest.param([f], None, id=i) for f, i in zip(CI_VALUES, CI_IDS, strict=True)] + [
-    pytest.param([], v, id=i) for i, v in EXTRA_SHAPES.items()
+# serve.enabled: a RayService running raykv's Serve application (two replicas of tensor
+# parallelism 2 on 2-GPU workers).
+SERVE = {
+    "serve": {"enabled": True, "model": "Qwen/Qwen3-8B", "replicas": 2, "tp": 2},
+    "gpuWorkers": {"gpus": 2},
+}
+SERVE_BUILDER = "raykv.integrations.serve.app:build_app"
+SERVE_SHAPES = [
+    pytest.param([], SERVE, id="serve"),
+    pytest.param(
+        [PRODUCTION],
+        {
+            "serve": {
+                "enabled": True,
+                "model": "/models/llama-70b",
+                "replicas": 4,
+                "tp": 4,
+                "router": "default",
+                "port": 9000,
+                "service": {"type": "LoadBalancer", "annotations": {"lb.example.com/x": "1"}},
+            },
+            "image": {"pipInstall": ["raykv @ https://files.example.com/raykv.whl"]},
+        },
+        id="serve-production-stock-image",
+    ),
+    pytest.param(
+        [CPU_ONLY],
+        {
+            "serve": {"enabled": True, "model": "m"},
+            "raykv": {"start": "none"},
+            "auth": {"rayTokenAuth": False},
+        },
+        id="serve-cpu-no-token",
+    ),
+]
+SHAPES = [
+    *[pytest.param([f], None, id=i) for f, i in zip(CI_VALUES, CI_IDS, strict=True)],
+    *[pytest.param([], v, id=i) for i, v in EXTRA_SHAPES.items()],
+    *SERVE_SHAPES,
 ]
 
 
@@ -71,6 +108,8 @@ def pod_specs(obj: dict) -> list[dict]:
         return [g["template"]["spec"] for g in groups]
     if obj["kind"] == "RayJob":
         return [obj["spec"]["submitterPodTemplate"]["spec"]]
+    if obj["kind"] == "RayService":
+        return pod_specs({"kind": "RayCluster", "spec": obj["spec"]["rayClusterConfig"]})
     return []
 
 
@@ -117,7 +156,8 @@ def test_renders_builtin_objects_that_pass_kubernetes_validate_strict(render, fi
 def test_rendered_ray_objects_match_kuberay_crds(render, crd_validators, files, values):
     objects = render(files=files, values=values)
     ray_objects = [o for o in objects if o["apiVersion"].startswith("ray.io/")]
-    assert by_kind(ray_objects, "RayCluster")
+    # One Ray cluster: a RayCluster, or with serve.enabled a RayService's.
+    assert len(by_kind(ray_objects, "RayCluster") + by_kind(ray_objects, "RayService")) == 1
     for obj in ray_objects:
         validator = crd_validators[(obj["apiVersion"], obj["kind"])]
         errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(obj)]
@@ -129,6 +169,17 @@ def test_crd_check_is_strict_about_unknown_fields(render, crd_validators):
     cluster["spec"]["workerGroupSpecs"][0]["maxReplica"] = 3
     messages = [e.message for e in crd_validators[("ray.io/v1", "RayCluster")].iter_errors(cluster)]
     assert any("maxReplica" in m for m in messages), messages
+
+
+def test_crd_check_is_strict_about_unknown_rayservice_fields(render, crd_validators):
+    service = one(render(values=SERVE), "RayService")
+    validator = crd_validators[("ray.io/v1", "RayService")]
+    assert list(validator.iter_errors(service)) == []
+    service["spec"]["serveConfig"] = service["spec"]["serveConfigV2"]
+    service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplica"] = 3
+    messages = [e.message for e in validator.iter_errors(service)]
+    assert any("serveConfig'" in m for m in messages), messages
+    assert any("maxReplica'" in m for m in messages), messages
 
 
 # -- rejected values: the message names the key ---------------------------------------------------
@@ -148,6 +199,15 @@ def test_crd_check_is_strict_about_unknown_fields(render, crd_validators):
         ({"transport": {"peerRead": True}}, ["transport", "peerRead"]),
         ({"transport": {"ucxTls": "rc; touch /x"}}, ["transport/ucxTls"]),
         ({"transport": {"ucxStripes": -1}}, ["transport/ucxStripes"]),
+        ({"serve": {"enabled": True}}, ["serve/model"]),
+        ({"serve": {"replicas": 0}}, ["serve/replicas"]),
+        ({"serve": {"tp": 0}}, ["serve/tp"]),
+        ({"serve": {"router": "round-robin"}}, ["serve/router"]),
+        ({"serve": {"port": 70000}}, ["serve/port"]),
+        ({"serve": {"replica": 2}}, ["serve", "replica"]),
+        ({"serve": {"extraArgs": {"tp": 4}}}, ["serve/extraArgs/tp"]),
+        ({"serve": {"service": {"type": "Ingress"}}}, ["serve/service/type"]),
+        ({"serve": {"upgradeStrategy": "Rolling"}}, ["serve/upgradeStrategy"]),
     ],
     ids=[
         "misspelled-worker-key",
@@ -161,6 +221,15 @@ def test_crd_check_is_strict_about_unknown_fields(render, crd_validators):
         "misspelled-transport-key",
         "ucx-tls-not-a-list-of-names",
         "negative-stripes",
+        "serve-without-model",
+        "serve-zero-replicas",
+        "serve-zero-tp",
+        "serve-unknown-router",
+        "serve-port-out-of-range",
+        "misspelled-serve-key",
+        "serve-builder-arg-with-its-own-key",
+        "serve-unknown-service-type",
+        "serve-unknown-upgrade-strategy",
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(helm_run, values, names):
@@ -182,8 +251,34 @@ def test_bad_values_are_rejected_naming_the_key(helm_run, values, names):
         ),
         ({"gpuWorkers": {"enabled": False}}, "gpuWorkers.enabled and cpuWorkers.enabled"),
         ({"cpuWorkers": {"enabled": True, "groupName": "gpu"}}, "worker group names must differ"),
+        (
+            {"serve": {"enabled": True, "model": "m"}, "raykv": {"start": "rayJob"}},
+            "serve.enabled with raykv.start=rayJob",
+        ),
+        ({"serve": {"enabled": True, "model": "m", "port": 8265}}, "serve.port (8265) is a port"),
+        (
+            {"serve": {"enabled": True, "model": "m", "tp": 2}},
+            "serve.tp (2) is more than gpuWorkers.gpus (1)",
+        ),
+        (
+            {
+                "serve": {"enabled": True, "model": "m", "replicas": 3, "tp": 2},
+                "gpuWorkers": {"gpus": 2, "maxReplicas": 2},
+            },
+            "serve.replicas x serve.tp (3 x 2) GPUs is more than the GPU worker group holds at "
+            "gpuWorkers.maxReplicas (2 x 2)",
+        ),
     ],
-    ids=["replicas-above-max", "min-above-max", "no-worker-group", "duplicate-group-name"],
+    ids=[
+        "replicas-above-max",
+        "min-above-max",
+        "no-worker-group",
+        "duplicate-group-name",
+        "serve-with-ray-job-start",
+        "serve-port-taken",
+        "serve-tp-above-pod-gpus",
+        "serve-gpus-above-group-capacity",
+    ],
 )
 def test_inconsistent_values_fail_with_the_numbers(helm_run, values, message):
     done = helm_run("template", "rel", str(CHART), values=values)
@@ -437,3 +532,153 @@ def test_autoscaling_bounds_reach_the_worker_group(render):
 def test_names_are_prefixed_by_the_release(render):
     for obj in render():
         assert obj["metadata"]["name"].startswith("rel-raykv"), obj["metadata"]["name"]
+
+
+# -- serve.enabled: a RayService ----------------------------------------------------------------
+
+
+def serve_config(service: dict) -> dict:
+    return yaml.safe_load(service["spec"]["serveConfigV2"])
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=CI_IDS)
+def test_default_values_render_no_rayservice(render, values_file):
+    objects = render(files=[values_file])
+    assert by_kind(objects, "RayService") == []
+    assert one(objects, "RayCluster")
+
+
+def test_lint_strict_with_serve(helm_run):
+    done = helm_run("lint", "--strict", str(CHART), values=SERVE)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[ERROR]" not in done.stdout and "[WARNING]" not in done.stdout, done.stdout
+
+
+def test_serve_config_runs_the_builder_with_the_values_given(render):
+    values = {
+        **SERVE,
+        "serve": {**SERVE["serve"], "router": "default", "port": 9000,
+                  "extraArgs": {"max_model_len": 8192},
+                  "deployments": [{"name": "VLLMReplica", "ray_actor_options": {"num_cpus": 6}}]},
+    }  # fmt: skip
+    objects = render(values=values)
+    assert by_kind(objects, "RayCluster") == []
+    service = one(objects, "RayService")
+    assert service["metadata"]["name"] == "rel-raykv"
+    config = serve_config(service)
+    (app,) = config["applications"]
+    assert app["import_path"] == SERVE_BUILDER
+    assert app["args"] == {
+        "model": "Qwen/Qwen3-8B", "replicas": 2, "tp": 2, "router": "default",
+        "max_model_len": 8192,
+    }  # fmt: skip
+    assert app["deployments"] == [{"name": "VLLMReplica", "ray_actor_options": {"num_cpus": 6}}]
+    assert app["route_prefix"] == "/"
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 9000}
+    # KubeRay builds <name>-serve-svc from the head's port named "serve".
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    (container,) = head["containers"]
+    assert {"containerPort": 9000, "name": "serve", "protocol": "TCP"} in container["ports"]
+
+
+def test_serve_defaults_use_raykvs_router_on_port_8000(render):
+    config = serve_config(
+        one(render(values={"serve": {"enabled": True, "model": "m"}}), "RayService")
+    )
+    (app,) = config["applications"]
+    assert app["args"] == {"model": "m", "replicas": 1, "tp": 1, "router": "raykv"}
+    assert "deployments" not in app
+    assert config["http_options"]["port"] == 8000
+
+
+def test_serve_model_name_is_yaml_quoted(render):
+    values = {"serve": {"enabled": True, "model": "1.5"}}
+    (app,) = serve_config(one(render(values=values), "RayService"))["applications"]
+    assert app["args"]["model"] == "1.5"
+
+
+def without_serve_additions(spec: dict) -> dict:
+    """A RayService's cluster spec less what serve.enabled adds to the RayCluster's."""
+    spec = {k: v for k, v in spec.items() if k != "authOptions"}
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        for container in group["template"]["spec"]["containers"]:
+            container["ports"] = [p for p in container["ports"] if p["name"] != "serve"]
+    return spec
+
+
+@pytest.mark.parametrize(
+    ("files", "values"),
+    [pytest.param(p.values[0], p.values[1], id=p.id) for p in SERVE_SHAPES],
+)
+def test_serve_cluster_is_the_charts_ray_cluster(render, files, values):
+    """The RayService runs the cluster the chart renders as a RayCluster (same image, head,
+    worker groups, env, raykv start), plus the serve port and, with token auth, where
+    KubeRay finds the token."""
+    service = one(render(files=files, values=values), "RayService")
+    plain = {**values, "serve": {**values["serve"], "enabled": False}}
+    cluster = one(render(files=files, values=plain), "RayCluster")
+    assert without_serve_additions(service["spec"]["rayClusterConfig"]) == cluster["spec"]
+    assert service["metadata"] == cluster["metadata"]
+
+
+def test_serve_gives_kuberay_the_release_token(render):
+    objects = render(values=SERVE)
+    secret = one(objects, "Secret")
+    assert set(secret["data"]) == SECRET_KEYS | {"auth_token"}
+    assert secret["data"]["auth_token"] == secret["data"]["ray-auth-token"]
+    spec = one(objects, "RayService")["spec"]["rayClusterConfig"]
+    assert spec["authOptions"] == {"mode": "token", "secretName": secret["metadata"]["name"]}
+    # The nodes keep the chart's own env (KubeRay adds none where these are set).
+    assert secret_refs(spec["headGroupSpec"]["template"]["spec"]["containers"][0])[
+        "RAY_AUTH_TOKEN"
+    ] == {"name": secret["metadata"]["name"], "key": "ray-auth-token"}
+
+    objects = render(values={**SERVE, "auth": {"rayTokenAuth": False}})
+    assert "authOptions" not in one(objects, "RayService")["spec"]["rayClusterConfig"]
+    assert set(one(objects, "Secret")["data"]) == SECRET_KEYS
+
+
+def test_serve_service_type_and_annotations(render):
+    service_values = {"type": "LoadBalancer", "annotations": {"a/b": "c"}}
+    values = {**SERVE, "serve": {**SERVE["serve"], "service": service_values}}
+    service = one(render(values=values), "RayService")
+    serve_svc = service["spec"]["serveService"]
+    assert serve_svc["spec"] == {"type": "LoadBalancer"}
+    assert serve_svc["metadata"]["annotations"] == {"a/b": "c"}
+    # The head Service stays in the cluster.
+    assert service["spec"]["rayClusterConfig"]["headGroupSpec"]["serviceType"] == "ClusterIP"
+    assert service["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
+
+
+def test_serve_metrics_select_every_ray_pod_of_the_release_but_not_the_test_pod(render):
+    """A RayService's clusters are named <name>-<suffix>: the metrics Service and PodMonitor
+    select the release's Ray pods by the chart's labels and KubeRay's ray.io/is-ray-node."""
+    objects = render(values={**SERVE, "metrics": {"podMonitor": {"enabled": True}}})
+    (service,) = [
+        s for s in by_kind(objects, "Service") if s["metadata"]["name"].endswith("-metrics")
+    ]
+    selector = service["spec"]["selector"]
+    assert one(objects, "PodMonitor")["spec"]["selector"]["matchLabels"] == selector
+    assert selector["ray.io/is-ray-node"] == "yes"  # KubeRay's label on every Ray pod
+    spec = one(objects, "RayService")["spec"]["rayClusterConfig"]
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        labels = {**group["template"]["metadata"]["labels"], "ray.io/is-ray-node": "yes"}
+        assert selector.items() <= labels.items()
+    (test_pod,) = by_kind(objects, "Pod")
+    assert not selector.items() <= test_pod["metadata"]["labels"].items()
+
+
+def test_serve_keeps_the_head_service_name_for_helm_test(render):
+    objects = render(values=SERVE)
+    name = one(objects, "RayService")["metadata"]["name"]
+    (pod,) = by_kind(objects, "Pod")
+    # KubeRay names a RayService's head Service <RayService>-head-svc.
+    assert pod["spec"]["containers"][0]["command"][3] == f"ray://{name}-head-svc.kv.svc:10001"
+
+
+def test_serve_notes_give_the_openai_endpoint(install_dry_run):
+    notes = install_dry_run(values=SERVE)["info"]["notes"]
+    assert "get rayservice rel-raykv" in notes
+    assert "svc/rel-raykv-serve-svc 8000:8000" in notes
+    assert "/v1/chat/completions" in notes and '"model": "Qwen/Qwen3-8B"' in notes
+    assert "/v1/" not in install_dry_run()["info"]["notes"]

@@ -40,7 +40,22 @@ app.kubernetes.io/part-of: raykv
 {{- include "raykv.fullname" . -}}
 {{- end -}}
 
-{{/* KubeRay's head Service, created by the operator for the RayCluster. */}}
+{{/*
+A selector of every Ray pod of the release (head and workers). A RayService's cluster is named
+<clusterName>-<suffix> (a second one during an upgrade), so there: the chart's labels on the
+pods with KubeRay's ray.io/is-ray-node (the helm test pod has the former, not the latter).
+*/}}
+{{- define "raykv.rayPodSelector" -}}
+{{- if .Values.serve.enabled -}}
+{{ include "raykv.selectorLabels" . }}
+ray.io/is-ray-node: "yes"
+{{- else -}}
+ray.io/cluster: {{ include "raykv.clusterName" . }}
+{{- end -}}
+{{- end -}}
+
+{{/* KubeRay's head Service, created by the operator for the RayCluster; with serve.enabled, for
+the RayService (named like the RayCluster) on whichever of its clusters serves. */}}
 {{- define "raykv.headService" -}}
 {{- printf "%s-head-svc" (include "raykv.clusterName" .) -}}
 {{- end -}}
@@ -196,5 +211,24 @@ transport settings of `transport` (only those that differ from raykv's defaults)
 {{- end -}}
 {{- if and .Values.gpuWorkers.enabled .Values.cpuWorkers.enabled (eq .Values.gpuWorkers.groupName .Values.cpuWorkers.groupName) -}}
 {{- fail (printf "values: gpuWorkers.groupName and cpuWorkers.groupName are both %q; worker group names must differ" .Values.gpuWorkers.groupName) -}}
+{{- end -}}
+{{- with .Values.serve -}}
+{{- if .enabled -}}
+{{- if eq $.Values.raykv.start "rayJob" -}}
+{{- fail "values: serve.enabled with raykv.start=rayJob; a RayJob cannot find the cluster a RayService names itself, so use raykv.start=headCommand (or none)" -}}
+{{- end -}}
+{{- if has (int .port) (list 6379 8265 10001 (int $.Values.metrics.port)) -}}
+{{- fail (printf "values: serve.port (%d) is a port Ray or the metrics already use on the head (6379, 8265, 10001, metrics.port %d); pick another" (int .port) (int $.Values.metrics.port)) -}}
+{{- end -}}
+{{- $g := $.Values.gpuWorkers -}}
+{{- if $g.enabled -}}
+{{- if gt (int .tp) (int $g.gpus) -}}
+{{- fail (printf "values: serve.tp (%d) is more than gpuWorkers.gpus (%d); a replica's GPUs are on one pod, so lower serve.tp or raise gpuWorkers.gpus" (int .tp) (int $g.gpus)) -}}
+{{- end -}}
+{{- if gt (mul .replicas .tp) (mul $g.maxReplicas $g.gpus) -}}
+{{- fail (printf "values: serve.replicas x serve.tp (%d x %d) GPUs is more than the GPU worker group holds at gpuWorkers.maxReplicas (%d x %d); lower them or raise gpuWorkers.maxReplicas" (int .replicas) (int .tp) (int $g.maxReplicas) (int $g.gpus)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}

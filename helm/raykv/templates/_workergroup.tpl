@@ -42,6 +42,9 @@ KubeRay passes the limit to `ray start --num-gpus`.
           {{- end }}
           ports:
             - {containerPort: {{ $root.Values.metrics.port }}, name: metrics, protocol: TCP}
+            {{- if $root.Values.serve.enabled }}
+            - {containerPort: {{ $root.Values.serve.port }}, name: serve, protocol: TCP}
+            {{- end }}
           env:
             {{- include "raykv.nodeEnv" $root | nindent 12 }}
           resources:

@@ -109,6 +109,9 @@ def _plan_or_explain(model: ServedModel, pool_bytes: int, *, on_gpus: bool) -> A
         ) from None
 
 
+ROUTER_REPORT_S = 60.0  # a Serve router that has not reported for this long is not listed
+
+
 class Coordinator:
     def __init__(self) -> None:
         self.models: dict[str, ServedModel] = {}
@@ -126,6 +129,7 @@ class Coordinator:
         self._managers: dict[str, Any] = {}  # model -> its group managers (hit rules)
         self._watches: dict[str, tuple[str, asyncio.Task]] = {}  # name -> (actor id, watch)
         self.routes: dict[tuple[str, str], str] = {}  # (holder, reader) -> transport used
+        self.routers: dict[str, dict] = {}  # Serve routers' reports (``router_report``)
         self._rendezvous: tuple[Any, str, int] | None = None  # NCCL / gloo pairs' TCPStore
         self._withdrawn: set[str] = set()  # models add_model could not place (``_withdraw``)
 
@@ -456,6 +460,29 @@ class Coordinator:
             out.append((model, group_key(gid, h), bits))
         return pack((epoch, seq, resync, out))
 
+    @ray.method(max_task_retries=0, enable_task_events=False)
+    async def placement_changes(self, epoch: str, since: int) -> bytes:
+        """For a cluster-wide index replica (a Serve router's, ``raykv.integrations.serve``):
+        the blocks whose holders changed since ``since`` (``IndexFeed``), each with every
+        place that holds it, packed: (epoch, next since, resync, [(model, group key,
+        ((node id, "gpu" | "cpu"), ...))]); an empty tuple: nobody holds it now."""
+        await self._up()
+        epoch, seq, resync, keys = self.feed.changes(epoch, since)
+        out = []
+        for model, gid, h in keys:
+            places = set()
+            for holder in self.index.table(gid, model).get(h, ()):
+                m = self.members.get(holder)
+                if m is not None:
+                    places.add((m.node_id, CPU if m.kind == "tier" else GPU))
+            out.append((model, group_key(gid, h), tuple(places)))
+        return pack((epoch, seq, resync, out))
+
+    async def router_report(self, name: str, report: dict) -> None:
+        """A Serve router's constants and decisions (``raykv.integrations.serve``), for
+        ``raykv status``; kept until it stops reporting for ``ROUTER_REPORT_S``."""
+        self.routers[name] = {**report, "name": name, "at": time.time()}
+
     # --- lookup -------------------------------------------------------------------------
 
     async def lookup(
@@ -616,6 +643,7 @@ class Coordinator:
             started=self.started,
             restarted=self.restarts,
             routes=self.routes,
+            routers=[r for r in self.routers.values() if time.time() - r["at"] < ROUTER_REPORT_S],
         )
 
     async def shutdown_service(self, admin: str | None = None) -> int:

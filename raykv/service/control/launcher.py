@@ -273,6 +273,32 @@ def _all_exited(sid: int) -> bool:
     return all(exited(pid) for pid in _session_pids(sid))
 
 
+def router_lines(r: dict[str, Any]) -> list[str]:
+    """A Ray Serve router's part of ``raykv status`` (``raykv.integrations.serve``)."""
+    c, d = r["costs"], r["decisions"]
+    loads = ", ".join(f"{k} {v:.3g}" for k, v in sorted(c["load_s_per_token"].items())) or "free"
+    prefill = c["prefill_s_per_token"]
+    prompt = d.get("prompt_tokens", 0)
+    held = sum(d.get(f"hit_tokens_{p}", 0) for p in ("gpu", "cpu", "remote"))
+    fell = sum(v for k, v in d.items() if k.startswith("fell_back_"))
+    return [
+        f"serve router {r['name']} (model {r['model']}, index "
+        f"{'fresh' if r['index_fresh'] else 'STALE'})",
+        f"  costs ({c['source']}): prefill {'1 unit' if prefill is None else f'{prefill:.3g}'}"
+        f" s/token, loads s/token: {loads}",
+        f"  routed {d.get('routed', 0)}: for cache {d.get('routed_for_cache', 0)}, for load "
+        f"{d.get('routed_for_load', 0)}, no local prefix {d.get('routed_no_local_prefix', 0)}, "
+        f"pulls {d.get('pulls', 0)}, default router {fell}",
+        f"  prompt tokens held {held / prompt if prompt else 0:.1%}: gpu "
+        f"{d.get('hit_tokens_gpu', 0)}, cpu {d.get('hit_tokens_cpu', 0)}, remote "
+        f"{d.get('hit_tokens_remote', 0)} of {prompt}",
+        *(
+            f"  replica {x['replica']} on {x['node_id'][:12]}: {x['queued_tokens']} tokens queued"
+            for x in r["replicas"]
+        ),
+    ]
+
+
 def status_table(s: dict[str, Any]) -> str:
     lines = [
         f"raykv at {s['address']}  up {s['uptime_s']}s  models: "
@@ -304,6 +330,8 @@ def status_table(s: dict[str, Any]) -> str:
         lines.append("transports (holder -> reader)")
         for r in s["routes"]:
             lines.append(f"  {r['from']} -> {r['to']}: {r['transport']}")
+    for r in s.get("routers") or []:
+        lines.extend(["", *router_lines(r)])
     hits = ", ".join(f"{k} {v}" for k, v in sorted(s["hits"].items())) or "none"
     lines.append("")
     lines.append(

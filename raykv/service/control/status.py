@@ -85,6 +85,7 @@ def cluster(
     started: float,
     restarted: bool,
     routes: Mapping[tuple[str, str], str] | None = None,
+    routers: Iterable[dict] = (),
 ) -> dict[str, Any]:
     """The whole status, in the shape ``raykv status`` prints (``status_table``)."""
     rows = members(members_, index)
@@ -131,6 +132,9 @@ def cluster(
         "routes": [
             {"from": a, "to": b, "transport": t} for (a, b), t in sorted((routes or {}).items())
         ],
+        # Ray Serve routers ranking replicas from the index (``raykv.integrations.serve``):
+        # their cost constants and decisions
+        "routers": list(routers),
         "uptime_s": round(time.time() - started, 1),
         "restarted": restarted,
     }

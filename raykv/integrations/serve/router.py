@@ -1,0 +1,291 @@
+"""``RaykvRouter``: a Ray Serve request router that ranks replicas by expected time to first
+token, from where raykv holds each request's prefix.
+
+    serve.deployment(..., request_router_config=RequestRouterConfig(
+        request_router_class="raykv.integrations.serve.router.RaykvRouter",
+        request_router_kwargs={"model": "llama"},        # the raykv model the replicas serve
+    ))
+
+For each request (its prompt's token ids: the first argument with a ``prompt_token_ids``
+attribute or key), the router hashes the prompt's blocks as the engines do and looks them up
+once in its own replica of the cluster's prefix index (``PlacementView``: no call on the
+request's path), which says, for every candidate replica's node, how many leading tokens it
+would load from its GPU pools, its CPU tier, or pull from another node. It ranks the
+candidates by ``RouteCosts.ttft_s``: the prefill tokens queued ahead on the replica (what
+this router sent it that has not finished, and the rest of its queue at the mean request
+size), the prompt's uncached tokens, and the loads. So a request goes where its prefix is
+while that replica is not busier than the prefix is worth, and otherwise to a less busy
+replica, whose engine then pulls the blocks (route-or-pull). Serve takes the first ranked
+replica whose queue has room.
+
+Failures never fail a request: with no token ids, no raykv service, or an index that has
+not answered for ``PlacementView.STALE_S``, the router picks as Serve's default does (the
+less loaded of two random replicas), logged once per cause and counted. A stale index only
+misranks (the engine loads what is really there, verified). Every ``REPORT_S`` the router
+reports its constants and decisions to the coordinator: ``raykv status`` lists them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+from ray.serve.request_router import (
+    LocalityMixin,
+    MultiplexMixin,
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
+
+from raykv.blocks.hashing import BlockHasher
+from raykv.integrations.serve.costs import RouteCosts
+from raykv.integrations.serve.placement import NodeHit, PlacementView
+from raykv.service.groups import group_keys, primary_group
+from raykv.service.served import COORDINATOR, NAMESPACE
+
+log = logging.getLogger(__name__)
+REPORT_S = 5.0  # how often a router tells the coordinator its constants and decisions
+COSTS_S = 1.0  # how long the replicas' measured costs are reused before they are read again
+PLAN_RETRY_S = 1.0  # the model's plan not got: asked again after this long (not per request)
+SENT_KEEP = 100_000  # requests remembered until completed (a lost completion ages out)
+
+
+def prompt_token_ids(request: PendingRequest | None) -> list[int] | None:
+    """The token ids of ``request``'s prompt: the first argument (positional, then keyword)
+    with a ``prompt_token_ids`` attribute or key; None if it has none."""
+    if request is None:
+        return None
+    for arg in (*(request.args or ()), *(request.kwargs or {}).values()):
+        ids = (
+            arg.get("prompt_token_ids")
+            if isinstance(arg, Mapping)
+            else getattr(arg, "prompt_token_ids", None)
+        )
+        if ids is not None:
+            return [int(t) for t in ids]
+    return None
+
+
+class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Serve's ``RequestRouter`` over raykv's prefix index (see the module docstring)."""
+
+    def initialize_state(
+        self,
+        model: str,
+        costs: Mapping[str, Any] | None = None,
+        namespace: str = NAMESPACE,
+        refresh_s: float = 0.1,
+    ) -> None:
+        """``model``: the raykv model the replicas serve; ``costs``: fixed constants
+        (``RouteCosts.configured``) instead of the replicas' measurements; ``refresh_s``:
+        how often the index replica takes the coordinator's changes."""
+        self._model, self._namespace = model, namespace
+        self._fixed = RouteCosts.configured(costs) if costs else None
+        self._costs, self._costs_at = RouteCosts(), 0.0
+        self._view = PlacementView(refresh_s, namespace)  # started with the first request
+        self._plan: Any = None
+        self._hasher: BlockHasher | None = None
+        self._plan_failed_at = -PLAN_RETRY_S
+        # tokens to compute this router sent each replica that have not finished
+        self._queued: Counter[ReplicaID] = Counter()
+        self._in_flight: Counter[ReplicaID] = Counter()
+        self._sent: dict[str, tuple[ReplicaID, int]] = {}  # request id -> (replica, tokens)
+        self._mean_tokens = 0.0  # of the requests routed: a queued request it did not send
+        # request id -> per candidate (tokens it would compute, its hit): for on_request_routed
+        self._ranked: dict[str, dict[ReplicaID, tuple[int, NodeHit]]] = {}
+        self.decisions: Counter[str] = Counter()
+        self._warned: set[str] = set()
+        self._reporter: threading.Thread | None = None
+
+    def _start(self) -> None:
+        """The index replica's refreshes and the reports to ``raykv status``, in threads of
+        their own (from the first request on: Serve builds routers in processes that may
+        never route)."""
+        self._view.start()
+        self._reporter = threading.Thread(target=self._report_loop, daemon=True)
+        self._reporter.start()
+
+    # --- ranking --------------------------------------------------------------------------
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        """The candidates, best first (one per rank), or two random ones where the index
+        cannot rank them."""
+        if not candidate_replicas:
+            return []
+        if self._reporter is None:
+            self._start()
+        ids = prompt_token_ids(pending_request)
+        if ids is None:
+            return self._fall_back(candidate_replicas, "no_token_ids")
+        if not self._view.fresh:
+            return self._fall_back(candidate_replicas, "index_unavailable")
+        try:
+            keys = await self._keys(ids)
+        except Exception as e:  # the service is down or does not serve the model
+            return self._fall_back(candidate_replicas, "no_plan", e)
+        nodes = {r.node_id for r in candidate_replicas}
+        hits = self._view.hits(self._model, keys, nodes, self._block_size())
+        costs = self.costs()
+        n = max(len(ids) - 1, 0)  # an engine computes the last token whatever it holds
+
+        def ttft(r: RunningReplica) -> tuple[float, int, int, int]:
+            # ties (loads not measured yet: free) go to fewer pulled, more GPU-held tokens
+            hit, queued = hits[r.node_id], self._queued_tokens(r.replica_id)
+            return costs.ttft_s(queued, n, hit), hit.remote, -hit.gpu, self._queue_len(r.replica_id)
+
+        ranked = sorted(candidate_replicas, key=ttft)
+        rid = pending_request.metadata.internal_request_id
+        self._ranked[rid] = {
+            r.replica_id: (max(n - hits[r.node_id].tokens, 0), hits[r.node_id])
+            for r in candidate_replicas
+        }
+        return [[r] for r in ranked]
+
+    async def _keys(self, ids: Sequence[int]) -> list[bytes]:
+        """The prompt's block keys of the plan's primary group (whole blocks, all but the
+        last token, as an engine's lookup takes them)."""
+        if self._plan is None:
+            if time.monotonic() - self._plan_failed_at < PLAN_RETRY_S:
+                raise LookupError(f"no plan of {self._model!r} yet")
+            try:
+                coordinator = ray.get_actor(COORDINATOR, namespace=self._namespace)
+                _, plan = await coordinator.get_model.remote(self._model)
+            except Exception:
+                self._plan_failed_at = time.monotonic()
+                raise
+            self._plan, self._hasher = plan, BlockHasher(plan.hash_block_size)
+        plan, hbs = self._plan, self._plan.hash_block_size
+        end = max(len(ids) - 1, 0) // hbs
+        if end == 0:
+            return []
+        blob = self._hasher.hash_blocks_joined(ids, end_block=end)
+        return group_keys(plan, blob)[primary_group(plan)]
+
+    def _block_size(self) -> int:
+        return self._plan.groups[primary_group(self._plan)].block_size
+
+    def _queue_len(self, replica: ReplicaID) -> int:
+        got = self._replica_queue_len_cache.get(replica)
+        return self._in_flight[replica] if got is None else got
+
+    def _queued_tokens(self, replica: ReplicaID) -> float:
+        """Tokens to compute ahead of a new request: what this router sent and is not done,
+        and the rest of the replica's queue (other routers' requests) at the mean size."""
+        others = max(self._queue_len(replica) - self._in_flight[replica], 0)
+        return self._queued[replica] + others * self._mean_tokens
+
+    def costs(self) -> RouteCosts:
+        """The configured constants, else the replicas' measurements (re-read every
+        ``COSTS_S``)."""
+        if self._fixed is not None:
+            return self._fixed
+        now = time.monotonic()
+        if now - self._costs_at > COSTS_S:
+            stats = [r.routing_stats or {} for r in self._replicas.values()]
+            self._costs, self._costs_at = RouteCosts.measured(stats), now
+        return self._costs
+
+    def _fall_back(
+        self, candidates: list[RunningReplica], why: str, error: Exception | None = None
+    ) -> list[list[RunningReplica]]:
+        """Serve's default choice: the less loaded of two random candidates."""
+        self.decisions[f"fell_back_{why}"] += 1
+        if why not in self._warned:
+            self._warned.add(why)
+            log.warning(
+                "raykv router (%s): routing without the prefix index (%s%s); counted in "
+                "raykv status", self._model, why, f": {error}" if error else "",
+            )  # fmt: skip
+        return [random.sample(candidates, min(2, len(candidates)))]
+
+    # --- Serve's callbacks ------------------------------------------------------------------
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
+    ) -> None:
+        """Count the decision and what the replica now has to compute."""
+        rid = pending_request.metadata.internal_request_id
+        ranked = self._ranked.pop(rid, None)
+        if ranked is None or replica_id not in ranked:
+            return
+        tokens, hit = ranked[replica_id]
+        best_local = max(h.local for _, h in ranked.values())
+        if best_local and hit.local >= best_local:
+            self.decisions["routed_for_cache"] += 1
+        elif best_local:
+            self.decisions["routed_for_load"] += 1
+        else:
+            self.decisions["routed_no_local_prefix"] += 1
+        if hit.remote:
+            self.decisions["pulls"] += 1
+        for path in ("gpu", "cpu", "remote"):
+            self.decisions[f"hit_tokens_{path}"] += getattr(hit, path)
+        self.decisions["prompt_tokens"] += tokens + hit.tokens
+        self.decisions["routed"] += 1
+        self._mean_tokens += (tokens - self._mean_tokens) / self.decisions["routed"]
+        if len(self._sent) >= SENT_KEEP:  # completions lost: forget the oldest
+            old, (r, t) = next(iter(self._sent.items()))
+            del self._sent[old]
+            self._done(r, t)
+        self._sent[rid] = (replica_id, tokens)
+        self._queued[replica_id] += tokens
+        self._in_flight[replica_id] += 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        sent = self._sent.pop(internal_request_id, None)
+        if sent is not None:
+            self._done(*sent)
+
+    def _done(self, replica: ReplicaID, tokens: int) -> None:
+        self._queued[replica] = max(self._queued[replica] - tokens, 0)
+        self._in_flight[replica] = max(self._in_flight[replica] - 1, 0)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._queued.pop(replica_id, None)
+        self._in_flight.pop(replica_id, None)
+
+    # --- raykv status -------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        """What ``raykv status`` shows of this router."""
+        return {
+            "model": self._model,
+            "deployment": str(self._deployment_id),
+            "costs": self.costs().report(),
+            "index_fresh": self._view.fresh,
+            "decisions": dict(self.decisions),
+            "replicas": [
+                {
+                    "replica": r.replica_id.unique_id,
+                    "node_id": r.node_id,
+                    "queued_tokens": round(self._queued_tokens(r.replica_id)),
+                }
+                for r in self._replicas.values()
+            ],
+        }
+
+    def _report_loop(self) -> None:
+        name = f"{self._deployment_id}@{socket.gethostname()}:{os.getpid()}"
+        while True:
+            time.sleep(REPORT_S)
+            try:
+                coordinator = ray.get_actor(COORDINATOR, namespace=self._namespace)
+                coordinator.router_report.remote(name, self.report())
+            except Exception as e:  # the service is down: the next report may land
+                log.debug("raykv router: report not sent (%s)", e)
