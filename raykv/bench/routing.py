@@ -46,6 +46,7 @@ import tempfile
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -707,6 +708,7 @@ def run(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict[str, Any]:
     with _env(env):
         import ray
         from ray import serve
+        from ray._private import auto_init_hook
         from ray.cluster_utils import Cluster
 
         import raykv
@@ -721,18 +723,20 @@ def run(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict[str, Any]:
             cluster.wait_for_nodes()
             say("cluster up; connecting raykv ...")
             kv = raykv.connect(cluster.address)
-            say("raykv connected; starting Serve ...")
             nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-            serve.start(proxy_location="Disabled")
-            say("Serve started")
             max_len = -(-(plan.workload.max_prompt_tokens + 1) // BLOCK) * BLOCK
             # one raykv model for the run; each router replays its prompts in a token range
             # of its own (``_replay``'s ``offset``), so it starts on a cache holding nothing it
             # can use (the tier's LRU evicts the older routers' blocks first)
             model = f"routing-{os.getpid()}-{int(time.time())}"
-            _add_model(kv, model, tiny_layers(), max_len, plan.cpu_tier_tokens)
+            say(f"raykv connected; adding model {model} while Serve starts ...")
+            with ThreadPoolExecutor(1) as pool:  # its pools start while Serve does
+                adding = pool.submit(_add_model, kv, model, tiny_layers(), max_len,
+                                     plan.cpu_tier_tokens)  # fmt: skip
+                serve.start(proxy_location="Disabled")
+                adding.result()
             _wait_tiers(kv, nodes)
-            say(f"raykv model {model} added")
+            say("Serve started, model added")
             ran = [e for e in entries if e.name not in skipped]
             for k, entry in enumerate(ran):
                 # fresh replicas (their own caches empty) behind a fresh handle: Serve keeps a
@@ -741,7 +745,9 @@ def run(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict[str, Any]:
                     serve.delete(f"routing-{ran[k - 1].name}", _blocking=False)
                 say(f"[{entry.name}] deploying {plan.replicas} replicas ({entry.label}) ...")
                 handle = _deploy(serve, entry, model, plan)
-                offset = k * plan.workload.vocab
+                # every router's ids have as many digits (PrefixCacheAffinityRouter matches
+                # their text): router k's are vocab ids + (k + 1) * 10 ** digits
+                offset = (k + 1) * 10 ** len(str(plan.workload.vocab))
                 _warm_up(handle, plan.replicas, offset)
                 seen = _router_class(handle)
                 say(f"[{entry.name}] replicas ready; the handle routes with {seen}")
@@ -755,9 +761,13 @@ def run(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict[str, Any]:
                         f"{r['ttft_p50_s']:.3f}s p99 {r['ttft_p99_s']:.3f}s (simulated), "
                         f"imbalance {r['imbalance']:.2f}"
                     )
+                _close_router(handle)
         finally:
             with contextlib.suppress(Exception):
                 serve.shutdown()
+            # a thread left calling Ray (a router's) must not start a Ray of its own
+            # meanwhile: Cluster.shutdown refuses a driver connected to a node it removes
+            auto_init_hook.enable_auto_connect = False
             ray.shutdown()
             if cluster is not None:
                 cluster.shutdown()
@@ -814,7 +824,7 @@ def _deploy(serve: Any, entry: RouterEntry, model: str, plan: BenchPlan) -> Any:
 
 def _warm_up(handle: Any, replicas: int, offset: int) -> None:
     """A few short unique prompts (not counted): the replicas' first calls paid before."""
-    rng = random.Random(f"warm-up-{offset}")
+    rng = random.Random("warm-up")  # the same prompts for every router, in its range
     reqs = []
     for i in range(2 * replicas):
         ids = [t + offset for t in _tokens(rng, 3 * BLOCK, 30000)]
@@ -823,14 +833,27 @@ def _warm_up(handle: Any, replicas: int, offset: int) -> None:
         r.result(timeout_s=120)
 
 
+def _request_router(handle: Any) -> Any:
+    """The request router the handle built (Serve internals: None if they moved)."""
+    with contextlib.suppress(Exception):
+        router = handle._router
+        return getattr(router, "_asyncio_router", router).request_router
+    return None
+
+
+def _close_router(handle: Any) -> None:
+    """Stop a router's background refreshes (RaykvRouter's index view), which Serve never
+    stops in a driver: after ``ray.shutdown`` its next Ray call would start Ray again."""
+    view = getattr(_request_router(handle), "_view", None)
+    if hasattr(view, "close"):
+        view.close()
+
+
 def _router_class(handle: Any) -> str:
     """The request router class the handle built (Serve internals: "unknown" if they moved):
     the report says which router really ran."""
-    with contextlib.suppress(Exception):
-        router = handle._router
-        router = getattr(router, "_asyncio_router", router)
-        return type(router.request_router).__name__
-    return "unknown"
+    router = _request_router(handle)
+    return "unknown" if router is None else type(router).__name__
 
 
 def _machine() -> str:
