@@ -382,7 +382,7 @@ class SimReplica:
         try:
             async with self.prefill:
                 started = time.time()
-                hashes = block_hashes(ids, self.block)
+                hashes = await asyncio.to_thread(block_hashes, ids, self.block)
                 # the last token is always computed (as vLLM): at most all but one cached
                 gpu_tokens = min(self.gpu.hit_blocks(hashes) * self.block, len(ids) - 1)
                 t0 = time.perf_counter()
