@@ -777,9 +777,15 @@ def run(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict[str, Any]:
                 say(f"[{entry.name}] replicas ready; the handle routes with {seen}")
                 for s in scenarios:
                     say(f"[{entry.name}] {s.name}: {len(s.requests)} requests ...")
+                    before = _decisions(handle)
                     got = asyncio.run(_replay(handle, s, plan.costs.time_scale, offset))
                     r = summarize(got, s, plan.replicas, plan.costs.time_scale)
-                    results[s.name][entry.name] = r | {"router_class": seen}
+                    after = _decisions(handle)
+                    decided = {k: v - before.get(k, 0) for k, v in after.items()}
+                    results[s.name][entry.name] = r | {
+                        "router_class": seen,
+                        "router_decisions": {k: v for k, v in decided.items() if v},
+                    }
                     say(
                         f"[{entry.name}] {s.name}: hit {r['hit_rate']:.1%}, TTFT p50 "
                         f"{r['ttft_p50_s']:.3f}s p99 {r['ttft_p99_s']:.3f}s (simulated), "
@@ -873,6 +879,12 @@ def _close_router(handle: Any) -> None:
         view.close()
 
 
+def _decisions(handle: Any) -> dict[str, int]:
+    """What the router counted of its decisions (RaykvRouter's ``decisions``), if it does."""
+    counted = getattr(_request_router(handle), "decisions", None)
+    return dict(counted) if isinstance(counted, dict) else {}
+
+
 def _router_class(handle: Any) -> str:
     """The request router class the handle built (Serve internals: "unknown" if they moved):
     the report says which router really ran."""
@@ -936,6 +948,10 @@ def format_report(r: dict[str, Any]) -> str:
                 f"{x['imbalance']:>7.2f}{x['wall_ttft_p50_s']:>10.3f}{x['wall_ttft_p99_s']:>9.3f}"
                 f"  {x['per_replica']}"
             )
+    for scenario, by_router in r["results"].items():
+        for name, x in by_router.items():
+            if x.get("router_decisions"):
+                lines.append(f"{scenario} {name} router decisions: {x['router_decisions']}")
     q = r["ratios"]
 
     def show(key: str, points: bool = False) -> str:
