@@ -139,6 +139,7 @@ class Request:
 class Scenario:
     name: str
     requests: tuple[Request, ...]  # by arrival
+    timed: str = ""  # TTFT counts the requests whose id starts with this ("": all)
 
     @property
     def prompt_tokens(self) -> int:
@@ -207,7 +208,7 @@ def skewed_burst(spec: WorkloadSpec) -> Scenario:
         at = spec.burst_at_s + rng.uniform(0.0, spec.burst_window_s)
         out.append(Request(f"burst-{i}", round(at, 6), tuple(ids), -1, -1, 0))
     out.sort(key=lambda r: (r.arrival_s, r.request_id))
-    return Scenario("skewed-burst", tuple(out))
+    return Scenario("skewed-burst", tuple(out), timed="burst-")
 
 
 def workload(spec: WorkloadSpec) -> tuple[Scenario, ...]:
@@ -647,8 +648,9 @@ def summarize(
     gpu = sum(r["gpu_tokens"] for r in results)
     tier = sum(r["tier_tokens"] for r in results)
     remote = sum(r["remote_tokens"] for r in results)
-    ttft = [r["model_ttft_s"] for r in results]
-    wall = [r["ttft_s"] / time_scale for r in results]
+    timed = [r for r in results if r["request_id"].startswith(scenario.timed)]
+    ttft = [r["model_ttft_s"] for r in timed]
+    wall = [r["ttft_s"] / time_scale for r in timed]
     per_replica = Counter(r["replica"] for r in results)
     counts = list(per_replica.values()) + [0] * max(0, replicas - len(per_replica))
     span = max(r["model_first_token_s"] for r in results) - min(r["arrival_s"] for r in results)
@@ -658,6 +660,7 @@ def summarize(
         "arrivals_digest": hashlib.sha256(repr(sent).encode()).hexdigest()[:16],
         "requests": len(scenario.requests),
         "answered": len(results),
+        "timed_requests": len(timed),
         "prompt_tokens": prompt,
         "hit_rate": (gpu + tier + remote) / prompt if prompt else 0.0,
         "hit_rate_gpu": gpu / prompt if prompt else 0.0,
@@ -813,7 +816,13 @@ def run(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict[str, Any]:
         },
         "calibration": asdict(plan.calibration),
         "scenarios": {
-            s.name: {"requests": len(s.requests), "prompt_tokens": s.prompt_tokens}
+            s.name: {
+                "requests": len(s.requests),
+                "prompt_tokens": s.prompt_tokens,
+                "timed": sum(r.request_id.startswith(s.timed) for r in s.requests)
+                if s.timed
+                else 0,
+            }
             for s in scenarios
         },
         "routers": {r.name: r.label for r in entries},
@@ -936,7 +945,8 @@ def format_report(r: dict[str, Any]) -> str:
         s = r["scenarios"][scenario]
         lines += [
             "",
-            f"{scenario}: {s['requests']} requests, {s['prompt_tokens']} prompt tokens",
+            f"{scenario}: {s['requests']} requests, {s['prompt_tokens']} prompt tokens"
+            + (f"; TTFT of the {s['timed']} burst clients only" if s.get("timed") else ""),
             f"{'router':<30}{'hit':>7}{'gpu':>7}{'tier':>7}{'remote':>8}{'p50 s':>9}"
             f"{'p99 s':>9}{'req/s':>8}{'imbal':>7}{'wall p50':>10}{'p99':>9}  per replica",
         ]

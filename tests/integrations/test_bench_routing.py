@@ -184,6 +184,8 @@ def test_every_request_answered_and_sane(report: dict) -> None:
         assert len(digests) == 1, f"{scenario}: routers replayed different arrivals"
         for name, x in by_router.items():
             assert x["answered"] == x["requests"] == report["scenarios"][scenario]["requests"]
+            timed = TINY_RUN.burst_clients if scenario == "skewed-burst" else x["requests"]
+            assert x["timed_requests"] == timed  # the burst's TTFT: its clients only
             for key in ("hit_rate", "hit_rate_gpu", "hit_rate_node_tier", "hit_rate_remote"):
                 assert 0.0 <= x[key] <= 1.0, (scenario, name, key, x[key])
             parts = x["hit_rate_gpu"] + x["hit_rate_node_tier"] + x["hit_rate_remote"]
