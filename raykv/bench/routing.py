@@ -105,7 +105,9 @@ class WorkloadSpec:
     burst_clients: int = 32  # ... the clients that ask for it at once
     burst_window_s: float = 0.25
     warm_requests: int = 12  # ... requests on the tenants' prompts before the burst
-    burst_at_s: float = 6.0
+    # the burst's start: late enough that, replayed (x --time-scale), the hot prefix is
+    # stored and indexed by then (that takes real time, which the scale does not shrink)
+    burst_at_s: float = 20.0
     vocab: int = 30000
 
     def __post_init__(self) -> None:
@@ -579,7 +581,7 @@ def quick_plan(calibration: Calibration, **costs: Any) -> BenchPlan:
     spec = WorkloadSpec(
         tenants=8, system_tokens=(1024, 4096), conversations=20, turns=(1, 3),
         conversations_per_s=1.5, burst_size=4, think_s=(2.0, 5.0), hot_tokens=4096,
-        burst_clients=12, warm_requests=4, burst_at_s=3.0,
+        burst_clients=12, warm_requests=4, burst_at_s=12.0,
     )  # fmt: skip
     return BenchPlan(
         workload=spec,

@@ -159,7 +159,7 @@ def test_targets_read_met_open_or_not_measured() -> None:
 TINY_RUN = rt.WorkloadSpec(
     tenants=4, system_tokens=(512, 1024), conversations=6, turns=(1, 2), user_tokens=(16, 48),
     answer_tokens=(16, 48), conversations_per_s=3.0, burst_size=3, think_s=(0.5, 1.0),
-    hot_tokens=1024, burst_clients=6, warm_requests=2, burst_at_s=1.0,
+    hot_tokens=1024, burst_clients=6, warm_requests=2, burst_at_s=8.0,
 )  # fmt: skip
 
 
