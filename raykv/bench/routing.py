@@ -344,15 +344,19 @@ class SimReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What a router may read (Serve asks every ``request_routing_stats_period_s``)."""
-        m = self.measured
+        c = self.costs
         return {
             "queue_len": self.waiting,
             "queued_prompt_tokens": self.waiting_tokens,
             "gpu_cache_blocks": len(self.gpu.blocks),
             "node_id": self.node_id,
-            # RaykvRouter's cost inputs: its replicas' own measurements
-            **({"prefill_s_per_token": m["prefill"]} if "prefill" in m else {}),
-            "load_s_per_token": {p: m[p] for p in ("cpu", "remote") if p in m},
+            # RaykvRouter's cost inputs: what the simulated engine's prefills and loads cost
+            # (the model its TTFT is scored on), not this box's wall time: the real raykv
+            # calls are not scaled, and on two loaded cores a pull's wall time a token
+            # exceeded a scaled prefill's, so a router would rank pulls above recomputing
+            "prefill_s_per_token": c.prefill_s(1),
+            "load_s_per_token": {"cpu": c.load_s(1, 0), "remote": c.load_s(0, 1)},
+            "wall_s_per_token": dict(self.measured),  # as measured here, for a reader
         }
 
     def _measure(self, what: str, seconds: float, tokens: int) -> None:
