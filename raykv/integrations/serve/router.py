@@ -284,6 +284,8 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         name = f"{self._deployment_id}@{socket.gethostname()}:{os.getpid()}"
         while True:
             time.sleep(REPORT_S)
+            if not ray.is_initialized():  # shut down here: a call would start a new Ray
+                return
             try:
                 coordinator = ray.get_actor(COORDINATOR, namespace=self._namespace)
                 coordinator.router_report.remote(name, self.report())
