@@ -34,12 +34,14 @@ import importlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from raykv.errors import ConfigError
+from raykv.integrations.serve import deployments
+from raykv.integrations.vllm.engine import kv_transfer_config
 
 log = logging.getLogger(__name__)
 
@@ -50,29 +52,6 @@ APP_NAME = "raykv"
 
 Router = Literal["raykv", "default"]
 _warned_no_router = False
-
-
-@dataclass
-class RoutedRequest:
-    """What the ingress hands a replica: the OpenAI request body as the client sent it, and
-    the token ids vLLM's preprocessing rendered from it. ``prompt_token_ids`` (the first
-    prompt's) is what the request router reads; ``rendered`` holds every prompt's ids (a
-    completion may carry several)."""
-
-    endpoint: Literal["completions", "chat"]
-    body: dict[str, Any]
-    prompt_token_ids: list[int]
-    rendered: list[list[int]] = field(default_factory=list)
-
-    @property
-    def prompt(self) -> Any:
-        """The completion's prompt as sent (text, ids or a list of them); None for chat."""
-        return self.body.get("prompt")
-
-    @property
-    def messages(self) -> list[dict[str, Any]] | None:
-        """The chat's messages as sent; None for a completion."""
-        return self.body.get("messages")
 
 
 @dataclass(frozen=True)
@@ -196,9 +175,6 @@ def app_config(
     args += list(vllm_args)
     name = raykv_model or raykv_model_name(model, args)
     if connector:
-        # imported here: it imports vLLM, which `raykv status` (serve_status) never needs
-        from raykv.integrations.vllm.engine import kv_transfer_config
-
         extra = {**dict(connector_config or {}), "model": name}
         args += ["--kv-transfer-config", json.dumps(kv_transfer_config("raykv", extra))]
     env_vars = dict(env or {})
@@ -271,8 +247,6 @@ def build_app(
         max_model_len=max_model_len, vllm_args=vllm_args, connector_config=connector_config,
         num_gpus=num_gpus, num_cpus=num_cpus, env=env,
     )  # fmt: skip
-    from raykv.integrations.serve import deployments
-
     replica = serve.deployment(
         deployments.VllmReplica,
         name="VllmReplica",
@@ -291,23 +265,6 @@ def build_app(
         max_ongoing_requests=1024,
     )
     return ingress.bind(replica, list(config.vllm_args))
-
-
-def vllm_namespace(vllm_args: Sequence[str]) -> Any:
-    """vLLM's api_server arguments parsed by vLLM's own parser (its defaults included)."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(list(vllm_args))
-    validate_parsed_serve_args(args)
-    return args
-
-
-async def stream_items(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """``first`` then everything ``rest`` yields (a stream whose first item was read)."""
-    yield first
-    async for item in rest:
-        yield item
 
 
 def serve_status() -> list[dict[str, Any]]:

@@ -11,18 +11,58 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.datastructures import State
 
-from raykv.integrations.serve.app import RoutedRequest, stream_items, vllm_namespace
-
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoutedRequest:
+    """What the ingress hands a replica: the OpenAI request body as the client sent it, and
+    the token ids vLLM's preprocessing rendered from it. ``prompt_token_ids`` (the first
+    prompt's) is what the request router reads; ``rendered`` holds every prompt's ids (a
+    completion may carry several)."""
+
+    endpoint: Literal["completions", "chat"]
+    body: dict[str, Any]
+    prompt_token_ids: list[int]
+    rendered: list[list[int]] = field(default_factory=list)
+
+    @property
+    def prompt(self) -> Any:
+        """The completion's prompt as sent (text, ids or a list of them); None for chat."""
+        return self.body.get("prompt")
+
+    @property
+    def messages(self) -> list[dict[str, Any]] | None:
+        """The chat's messages as sent; None for a completion."""
+        return self.body.get("messages")
+
+
+def vllm_namespace(vllm_args: Sequence[str]) -> Any:
+    """vLLM's api_server arguments parsed by vLLM's own parser (its defaults included)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(list(vllm_args))
+    validate_parsed_serve_args(args)
+    return args
+
+
+async def stream_items(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """``first`` then everything ``rest`` yields (a stream whose first item was read)."""
+    yield first
+    async for item in rest:
+        yield item
+
 
 api = FastAPI(title="raykv serve: vLLM with raykv behind Ray Serve")
 
