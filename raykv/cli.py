@@ -330,18 +330,20 @@ def serve(
             f"raykv serve needs Ray Serve and vLLM ({e}); install the extras: "
             "pip install 'raykv[serve,vllm]'"
         ) from None
+    build = dict(
+        replicas=replicas, tp=tp_size, router=router, connector=not no_connector,
+        served_model_name=served_model_name, block_size=block_size, max_model_len=max_model_len,
+        vllm_args=list(vllm_args),
+    )  # fmt: skip
     try:
+        serve_app.app_config(model, **build)  # a setting that cannot work: before any start
         info = launcher.up(address, preset=None, cpu_bytes=0, gpu_mem_fraction=0.0,
                            block_size=block_size, max_model_len=None, pool_bytes=0,
                            num_cpus=num_cpus)  # fmt: skip
         head = " (started a local Ray head; `raykv down` stops it)" if info["started_head"] else ""
         click.echo(f"raykv is up at {info['address']}{head}")
         click.echo(f"starting {replicas} vLLM replica(s) of {model} behind Ray Serve ...")
-        url = serve_app.run(
-            model, replicas=replicas, tp=tp_size, host=host, port=port, router=router,
-            connector=not no_connector, served_model_name=served_model_name,
-            block_size=block_size, max_model_len=max_model_len, vllm_args=list(vllm_args),
-        )  # fmt: skip
+        url = serve_app.run(model, host=host, port=port, **build)
     except RaykvError as e:
         raise click.ClickException(str(e)) from e
     timer.cancel()

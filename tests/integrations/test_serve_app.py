@@ -106,9 +106,13 @@ def test_the_router_is_raykvs_where_it_imports_else_serves_with_one_warning(
         ({"connector": False, "router": "raykv"}, "connector-less"),
     ],
 )
-def test_settings_that_cannot_work_are_config_errors(settings: dict, match: str) -> None:
+def test_settings_that_cannot_work_are_config_errors(
+    settings: dict, match: str, tmp_path: Path
+) -> None:
     with pytest.raises(ConfigError, match=match):
-        serve_app.app_config("/models/m", **settings)
+        serve_app.app_config(str(tmp_path), **settings)
+    with pytest.raises(ConfigError, match="not a folder"):
+        serve_app.app_config(str(tmp_path / "absent"))
 
 
 def test_the_router_reads_token_ids_from_the_request_a_replica_gets() -> None:

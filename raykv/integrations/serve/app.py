@@ -144,6 +144,11 @@ def app_config(
     env: Mapping[str, str] | None = None,
 ) -> AppConfig:
     """Check and derive the app's configuration (``build_app``'s arguments, which see)."""
+    if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().is_dir():
+        raise ConfigError(
+            f"model {model!r} is not a folder here; pass a local model folder (config.json, "
+            "weights, tokenizer) or a Hugging Face model name"
+        )
     if replicas < 1:
         raise ConfigError(f"replicas={replicas}: run at least one replica")
     if tp < 1:
@@ -152,7 +157,7 @@ def app_config(
         raise ConfigError(
             f"tp={tp}: the raykv connector serves engines with tensor_parallel_size=1 (one "
             "engine per GPU); run --replicas with tp=1, or turn the connector off "
-            "(connector=False) for tensor-parallel replicas without the cache"
+            "(--no-connector, connector=False) for tensor-parallel replicas without the cache"
         )
     taken = {"--model", "--tensor-parallel-size", "--kv-transfer-config", "--block-size",
              "--served-model-name", "--max-model-len", "-tp"}  # fmt: skip
