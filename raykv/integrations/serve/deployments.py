@@ -9,8 +9,9 @@ OpenAI error bodies (vLLM's ``ErrorResponse``) with their HTTP status, never as 
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import statistics
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -173,16 +174,71 @@ class OpenAIIngress:
         return RoutedRequest(endpoint, body, ids[0] if ids else [], ids if tokens_only else [])
 
 
+class PrefillMeter:
+    """A replica's measured seconds per prefill token (the router's cost model reads it as
+    ``prefill_s_per_token``): the median over the last ``SAMPLES`` finished requests that
+    computed their whole prompt (no token cached: no load in their prefill time) of vLLM's
+    prefill time (scheduled to first token) per prompt token. Fed by vLLM's stat loggers."""
+
+    SAMPLES = 32
+    MIN_TOKENS = 32  # shorter prompts measure per-step overhead, not prefill
+
+    def __init__(self) -> None:
+        self._samples: deque[float] = deque(maxlen=self.SAMPLES)
+
+    def add(self, finished: Any) -> None:
+        """One of vLLM's ``FinishedRequestStats``."""
+        tokens, seconds = finished.num_prompt_tokens, finished.prefill_time
+        if finished.num_cached_tokens == 0 and tokens >= self.MIN_TOKENS and seconds > 0:
+            self._samples.append(seconds / tokens)
+
+    def s_per_token(self) -> float | None:
+        return statistics.median(self._samples) if self._samples else None
+
+    def stat_logger(self) -> Any:
+        """A vLLM stat-logger factory (``AsyncLLM``'s ``stat_loggers``) feeding this meter."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        meter = self
+
+        class FinishedRequests(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(
+                self, scheduler_stats: Any, iteration_stats: Any, *_: Any, **__: Any
+            ) -> None:
+                for finished in getattr(iteration_stats, "finished_requests", None) or ():
+                    meter.add(finished)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return FinishedRequests
+
+
 class VllmReplica:
     """One vLLM engine with the connector and vLLM's OpenAI serving classes over it."""
 
     async def __init__(self, vllm_args: list[str]) -> None:
+        from vllm import AsyncEngineArgs
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-        from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         args = vllm_namespace(vllm_args)
-        self._closing = contextlib.AsyncExitStack()
-        self.engine = await self._closing.enter_async_context(build_async_engine_client(args))
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        usage = UsageContext.OPENAI_API_SERVER
+        self.prefill = PrefillMeter()
+        # as vLLM's api_server builds its engine, plus the meter's stat logger; stats stay
+        # on (--disable-log-stats too): the router's cost model reads them
+        self.engine = AsyncLLM.from_vllm_config(
+            engine_args.create_engine_config(usage_context=usage), usage_context=usage,
+            stat_loggers=[self.prefill.stat_logger()],
+            enable_log_requests=engine_args.enable_log_requests,
+            aggregate_engine_logging=engine_args.aggregate_engine_logging,
+            disable_log_stats=False,
+        )  # fmt: skip
         self.state = State()
         tasks = await self.engine.get_supported_tasks()
         await init_app_state(self.engine, self.state, args, tasks)
@@ -192,16 +248,21 @@ class VllmReplica:
         await self.engine.check_health()
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """The engine's load for the request router, from vLLM's output processor:
+        """The engine's load and speed for the request router: from vLLM's output processor,
         ``requests`` not finished, ``prefilling_requests`` (no output yet) and their
-        ``prefill_tokens`` (prompt tokens)."""
+        ``prefill_tokens`` (prompt tokens); ``prefill_s_per_token`` once measured
+        (``PrefillMeter``)."""
         out = self.engine.output_processor
         states = getattr(out, "request_states", {})
-        return {
+        stats: dict[str, Any] = {
             "requests": out.get_num_unfinished_requests(),
             "prefilling_requests": sum(1 for s in states.values() if s.is_prefilling),
             "prefill_tokens": out.get_num_queued_tokens(),
         }
+        measured = self.prefill.s_per_token()
+        if measured is not None:
+            stats["prefill_s_per_token"] = measured
+        return stats
 
     def _request(self, routed: RoutedRequest) -> tuple[Any, Any]:
         """vLLM's serving object and request for ``routed``, its prompt the rendered ids:
