@@ -101,7 +101,7 @@ def test_the_router_is_raykvs_where_it_imports_else_serves_with_one_warning(
     [
         ({"tp": 2}, "tensor_parallel_size=1"),
         ({"replicas": 0}, "at least one replica"),
-        ({"vllm_args": ["--block-size", "16"]}, "build_app sets itself"),
+        ({"vllm_args": ["--block-size", "16"]}, "the app sets itself"),
         ({"router": "nearest"}, "use 'raykv'"),
         ({"connector": False, "router": "raykv"}, "connector-less"),
     ],
@@ -113,6 +113,19 @@ def test_settings_that_cannot_work_are_config_errors(
         serve_app.app_config(str(tmp_path), **settings)
     with pytest.raises(ConfigError, match="not a folder"):
         serve_app.app_config(str(tmp_path / "absent"))
+
+
+def test_build_app_is_a_serve_application_builder(tmp_path: Path) -> None:
+    """What a Serve config file (and the Helm chart's RayService) runs: Serve calls the
+    builder with the config's args, strings from ``serve run ... key=value`` included."""
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.deployment import Application
+
+    args = {"model": str(tmp_path), "replicas": "2", "router": "default"}
+    app = call_user_app_builder_with_args_if_necessary(serve_app.build_app, args)
+    assert isinstance(app, Application)
+    with pytest.raises(ConfigError, match="the fields are"):
+        serve_app.build_app({"model": str(tmp_path), "replica": 2})
 
 
 def test_the_router_reads_token_ids_from_the_request_a_replica_gets() -> None:

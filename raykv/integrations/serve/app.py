@@ -2,11 +2,13 @@
 vLLM's own OpenAI-compatible serving code on an HTTP ingress.
 
     from ray import serve
-    from raykv.integrations.serve.app import build_app
+    from raykv.integrations.serve.app import vllm_app
 
-    serve.run(build_app("/path/to/model", replicas=2), route_prefix="/")
+    serve.run(vllm_app("/path/to/model", replicas=2), route_prefix="/")
 
-Two deployments:
+``build_app`` is the same as Ray Serve's application builder (one dict of arguments: Serve
+config files, ``serve run raykv.integrations.serve.app:build_app model=...``, the Helm chart's
+RayService). Two deployments:
 
 * ``OpenAIIngress`` (the HTTP ingress, ``@serve.ingress``): ``/v1/completions``,
   ``/v1/chat/completions``, ``/v1/models``, ``/health``. It renders each request with vLLM's
@@ -39,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
 from raykv.errors import ConfigError
 from raykv.integrations.serve import deployments
 from raykv.integrations.vllm.engine import kv_transfer_config
@@ -56,7 +60,7 @@ _warned_no_router = False
 
 @dataclass(frozen=True)
 class AppConfig:
-    """Everything the deployments are built from (``build_app`` checks and derives it).
+    """Everything the deployments are built from (``app_config`` checks and derives it).
 
     ``vllm_args``: vLLM's api_server arguments (``--model ...``), parsed by vLLM's own parser
     in every replica and the ingress. ``raykv_model``: the raykv model the replicas serve
@@ -143,7 +147,7 @@ def app_config(
     num_cpus: float = 1.0,
     env: Mapping[str, str] | None = None,
 ) -> AppConfig:
-    """Check and derive the app's configuration (``build_app``'s arguments, which see)."""
+    """Check and derive the app's configuration (``vllm_app``'s arguments, which see)."""
     if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().is_dir():
         raise ConfigError(
             f"model {model!r} is not a folder here; pass a local model folder (config.json, "
@@ -164,8 +168,8 @@ def app_config(
     clash = sorted({a.split("=", 1)[0] for a in vllm_args} & taken)
     if clash:
         raise ConfigError(
-            f"vllm_args sets {clash}, which build_app sets itself: pass them as build_app's "
-            "own arguments (model, tp, block_size, max_model_len, served_model_name, "
+            f"vllm_args sets {clash}, which the app sets itself: pass them as its own "
+            "arguments (model, tp, block_size, max_model_len, served_model_name, "
             "connector_config)"
         )
     served = served_model_name or model
@@ -214,7 +218,43 @@ def request_router_config(config: AppConfig) -> Any:
     return RequestRouterConfig(request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
 
 
-def build_app(
+class AppArgs(BaseModel):
+    """``build_app``'s arguments: what a Serve config file's ``args`` (or the Helm chart's
+    ``serve`` values) may hold; ``vllm_app``'s parameters, which see."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    replicas: int = 1
+    tp: int = 1
+    router: Router | None = None
+    connector: bool = True
+    served_model_name: str | None = None
+    raykv_model: str | None = None
+    block_size: int = 32
+    max_model_len: int | None = None
+    vllm_args: list[str] = []
+    connector_config: dict[str, Any] | None = None
+    num_gpus: float | None = None
+    num_cpus: float = 1.0
+    env: dict[str, str] | None = None
+
+
+def build_app(args: AppArgs | Mapping[str, Any]) -> Any:
+    """Ray Serve's application builder (one argument: the ``args`` of a Serve config file,
+    ``serve run raykv.integrations.serve.app:build_app model=...``, the Helm chart's
+    RayService), or from Python ``serve.run(build_app({"model": ..., "replicas": 2}))``:
+    ``vllm_app(**args)``."""
+    if not isinstance(args, AppArgs):
+        try:
+            args = AppArgs.model_validate(dict(args))
+        except ValidationError as e:
+            fields = sorted(AppArgs.model_fields)
+            raise ConfigError(f"build_app's args: {e}; the fields are {fields}") from None
+    return vllm_app(**args.model_dump())
+
+
+def vllm_app(
     model: str,
     replicas: int = 1,
     tp: int = 1,
@@ -231,7 +271,7 @@ def build_app(
     num_cpus: float = 1.0,
     env: Mapping[str, str] | None = None,
 ) -> Any:
-    """The Ray Serve application (``serve.run(build_app(...))``): ``replicas`` vLLM engines
+    """The Ray Serve application (``serve.run(vllm_app(...))``): ``replicas`` vLLM engines
     of ``model`` (a local path or a Hugging Face name) with raykv's connector, behind an
     OpenAI-compatible HTTP ingress.
 
@@ -317,14 +357,14 @@ def run(
     name: str = APP_NAME,
     **build: Any,
 ) -> str:
-    """Run ``build_app(model, **build)`` on the joined cluster's Ray Serve, its HTTP endpoint
+    """Run ``vllm_app(model, **build)`` on the joined cluster's Ray Serve, its HTTP endpoint
     on ``host:port``; returns the URL once every replica is up. A deployment that cannot
     start is a ``ServiceError`` naming where its logs are."""
     from ray import serve
 
     from raykv.errors import ServiceError
 
-    application = build_app(model, **build)
+    application = vllm_app(model, **build)
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(application, name=name, route_prefix="/")

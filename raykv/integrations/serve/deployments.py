@@ -1,4 +1,4 @@
-"""The two Ray Serve deployments of ``raykv serve``'s app (``app.build_app`` binds them).
+"""The two Ray Serve deployments of ``raykv serve``'s app (``app.vllm_app`` binds them).
 
 ``OpenAIIngress`` renders every request with vLLM's preprocessing, then calls a
 ``VllmReplica`` through its ``DeploymentHandle`` with a ``RoutedRequest`` (the request router,
