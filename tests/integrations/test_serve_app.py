@@ -173,7 +173,8 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     home = tmp / "home"
     home.mkdir()
     model = str(build_tiny_llama(tmp / "model"))
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(home)}
+    # the node agent's socket folder of this test alone (others' raykv on the host keep theirs)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "RAYKV_AGENT_DIR": str(tmp / "agents")}
     if os.environ.get("PYTHONPATH"):  # a checkout run in place, not installed
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     port = free_port()
