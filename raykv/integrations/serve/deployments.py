@@ -283,7 +283,7 @@ class VllmReplica:
         return self.state.openai_serving_chat, ChatCompletionRequest.model_validate(body)
 
     async def _run(self, routed: RoutedRequest) -> Any:
-        serving = None
+        """vLLM's answer: a response, a stream of events, or an ``ErrorResponse``."""
         try:
             serving, request = self._request(routed)
             if routed.endpoint == "completions":
