@@ -116,7 +116,7 @@ def _stop_stale_head() -> None:
 def up(
     address: str | None,
     *,
-    preset: str,
+    preset: str | None,
     cpu_bytes: int,
     gpu_mem_fraction: float,
     block_size: int,
@@ -126,10 +126,11 @@ def up(
     tp_size: int = 1,
 ) -> dict[str, Any]:
     """Start or join the service and serve ``preset`` (``tp_size`` GPUs per pool group, one
-    TP rank each); returns where it runs."""
+    TP rank each; None: no model, e.g. for engines that add their own, as ``raykv serve``'s
+    do); returns where it runs."""
     from raykv.layout.presets import get_preset
 
-    p = get_preset(preset)
+    p = get_preset(preset) if preset is not None else None
     started = None
     address = address or local_address()
     if address is None:
@@ -144,6 +145,9 @@ def up(
         if not ray.is_initialized():
             join(address, NAMESPACE, start_local=True)
         coord = calls.ensure_service()
+        if p is None:
+            return {"address": address, "started_head": started is not None,
+                    "token": started["token"] if started else None}  # fmt: skip
         model = ServedModel(
             preset,
             dict(p.layers()),
