@@ -251,7 +251,7 @@ class VllmReplica:
         """The engine's load and speed for the request router: from vLLM's output processor,
         ``requests`` not finished, ``prefilling_requests`` (no output yet) and their
         ``prefill_tokens`` (prompt tokens); ``prefill_s_per_token`` once measured
-        (``PrefillMeter``)."""
+        (``PrefillMeter``); ``kv_cache_tokens``, the engine's own KV cache."""
         out = self.engine.output_processor
         states = getattr(out, "request_states", {})
         stats: dict[str, Any] = {
@@ -262,6 +262,10 @@ class VllmReplica:
         measured = self.prefill.s_per_token()
         if measured is not None:
             stats["prefill_s_per_token"] = measured
+        # its own KV cache's size: the router remembers up to this much sent here
+        cache = self.engine.vllm_config.cache_config
+        if isinstance(cache.num_gpu_blocks, int) and cache.num_gpu_blocks > 0:
+            stats["kv_cache_tokens"] = cache.num_gpu_blocks * cache.block_size
         return stats
 
     def _request(self, routed: RoutedRequest) -> tuple[Any, Any]:
