@@ -5,6 +5,9 @@ Each command imports what it needs when it runs, so `raykv --help` stays fast.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import click
 
 
@@ -106,8 +109,9 @@ def plan_cmd(
 # --- service: up / status / down / demo (issue 4) ---------------------------------------
 
 
-def _bounded(seconds: float, what: str) -> None:
-    """End the command after ``seconds`` with a clear error, and let Ctrl-C end it at once.
+def _bounded(seconds: float, what: str) -> threading.Timer:
+    """End the command after ``seconds`` with a clear error, and let Ctrl-C end it at once;
+    returns the timer (cancel it once the bounded part is done).
 
     Ray can block inside its C++ client where neither its timeouts nor KeyboardInterrupt
     reach; a user's shell must never wait on a cluster without a bound."""
@@ -128,6 +132,7 @@ def _bounded(seconds: float, what: str) -> None:
     timer = threading.Timer(seconds, give_up)
     timer.daemon = True
     timer.start()
+    return timer
 
 
 _timeout = click.option(
@@ -234,7 +239,14 @@ def status(address, as_json, timeout_s) -> None:
         s = launcher.status(address)
     except RaykvError as e:
         raise click.ClickException(str(e)) from e
-    click.echo(json.dumps(s, indent=2, default=str) if as_json else launcher.status_table(s))
+    try:
+        from raykv.integrations.serve.app import serve_status, serve_status_lines
+    except ImportError:  # raykv without the extra serve: no Serve section
+        s["serve"], table = [], launcher.status_table(s)
+    else:
+        s["serve"] = serve_status()
+        table = "\n".join([launcher.status_table(s), *serve_status_lines(s["serve"])])
+    click.echo(json.dumps(s, indent=2, default=str) if as_json else table)
 
 
 @main.command()
@@ -267,6 +279,85 @@ def demo(prompt_tokens, seed) -> None:
 
     if not run_demo(click.echo, prompt_tokens=prompt_tokens, seed=seed):
         raise click.ClickException("engine B's logits do not match a full recompute")
+
+
+# --- serve (issue 47) -------------------------------------------------------------------
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("model")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--tp", "tp_size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="vLLM tensor-parallel size per replica (1 with the connector)")  # fmt: skip
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="address the HTTP endpoint binds (another only when you mean it)")  # fmt: skip
+@click.option("--router", type=click.Choice(["raykv", "default"]),
+              help="replica router: raykv's KV-aware one (default where installed) or Ray "
+              "Serve's")  # fmt: skip
+@click.option("--no-connector", is_flag=True, help="replicas without raykv (a reference)")
+@click.option("--served-model-name", help="the OpenAI model name (default: MODEL)")
+@click.option("--block-size", default=32, show_default=True, help="vLLM's KV block size")
+@click.option("--max-model-len", type=int, help="default: the model's")
+@click.option("--address", help="Ray cluster to join (default: this host's, else start one)")
+@click.option("--num-cpus", type=int, help="CPUs of a head started here (default: all)")
+@click.option("--detach", is_flag=True, help="return once the app runs; raykv down stops it")
+@_timeout
+def serve(
+    model, vllm_args, replicas, tp_size, port, host, router, no_connector, served_model_name,
+    block_size, max_model_len, address, num_cpus, detach, timeout_s,
+) -> None:  # fmt: skip
+    """Serve MODEL with vLLM replicas sharing KV through raykv, behind Ray Serve.
+
+    Starts (or joins) the raykv service as `raykv up` does, then an OpenAI-compatible
+    endpoint (/v1/completions, /v1/chat/completions, /v1/models) on HOST:PORT. Arguments
+    after `--` go to vLLM (e.g. -- --dtype float32 --kv-cache-memory-bytes 1073741824).
+    Blocks until Ctrl-C, which stops the app (the raykv service stays: raykv down)."""
+    import signal
+
+    from raykv.errors import RaykvError
+    from raykv.service.control.ray_join import prepare_auth
+
+    prepare_auth(create=address is None)  # before Ray is imported
+    from raykv.service.control import launcher
+
+    timer = _bounded(timeout_s or 900, "raykv serve (starting the app)")
+    try:
+        from raykv.integrations.serve import app as serve_app
+    except ImportError as e:
+        raise click.ClickException(
+            f"raykv serve needs Ray Serve and vLLM ({e}); install the extras: "
+            "pip install 'raykv[serve,vllm]'"
+        ) from None
+    build = dict(
+        replicas=replicas, tp=tp_size, router=router, connector=not no_connector,
+        served_model_name=served_model_name, block_size=block_size, max_model_len=max_model_len,
+        vllm_args=list(vllm_args),
+    )  # fmt: skip
+    try:
+        serve_app.app_config(model, **build)  # a setting that cannot work: before any start
+        info = launcher.up(address, preset=None, cpu_bytes=0, gpu_mem_fraction=0.0,
+                           block_size=block_size, max_model_len=None, pool_bytes=0,
+                           num_cpus=num_cpus)  # fmt: skip
+        head = " (started a local Ray head; `raykv down` stops it)" if info["started_head"] else ""
+        click.echo(f"raykv is up at {info['address']}{head}")
+        click.echo(f"starting {replicas} vLLM replica(s) of {model} behind Ray Serve ...")
+        url = serve_app.run(model, host=host, port=port, **build)
+    except RaykvError as e:
+        raise click.ClickException(str(e)) from e
+    timer.cancel()
+    click.echo(f"serving at {url} (OpenAI API: {url}/v1/completions, {url}/v1/chat/completions)")
+    if detach:
+        click.echo("detached: the app keeps running; `raykv down` stops it and the service")
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: stop the app cleanly
+    click.echo("Ctrl-C stops the app")
+    with contextlib.suppress(KeyboardInterrupt):
+        serve_app.wait()
+    _bounded(120, "raykv serve (stopping the app)")
+    serve_app.stop()
+    click.echo("the app is stopped; the raykv service keeps running (`raykv down` stops it)")
 
 
 # --- bench -------------------------------------------------------------------------------

@@ -16,28 +16,7 @@ def _has_cuda() -> bool:
         return False
 
 
-# The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup``: most of its time is
-# spent waiting on Ray processes, not computing). Each module stays on one worker (its
-# module-scoped cluster is started once); the modules that use this host's own service
-# (``raykv up``, ``raykv.connect()`` without an address, the default agent socket, a built
-# wheel's ``raykv``) or host-wide settings (network namespaces) take turns on one worker.
-HOST_WIDE = {
-    "tests/deploy/test_local_cluster.py",
-    "tests/deploy/test_wheel.py",
-    "tests/integrations/test_bench_routing.py",
-    "tests/integrations/test_serve_app.py",
-    "tests/integrations/test_vllm_outages.py",
-    "tests/integrations/test_vllm_server.py",
-    "tests/service/test_cli.py",
-    "tests/test_readme.py",
-    "tests/transport/test_ucx.py",
-}
-
-
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("host" if module in HOST_WIDE else module))
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

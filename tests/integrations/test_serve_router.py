@@ -182,3 +182,26 @@ def test_the_router_falls_back_to_two_random_replicas_and_counts_why(caplog) -> 
     assert router.decisions["fell_back_no_token_ids"] == 1
     assert router.decisions["fell_back_index_unavailable"] == 3
     assert sum("routing without the prefix index" in m for m in caplog.messages) == 2
+
+
+def test_a_replica_keeps_what_it_was_sent_until_its_cache_is_full() -> None:
+    """Two replicas of one node see the same tier; the router remembers what it sent each
+    (up to the cache size the replica reports), so a repeated prompt goes back to the
+    replica that holds it in its own cache while that one is not busier than it is worth,
+    and a replica whose cache has been filled with other prompts no longer counts it."""
+    ids = list(range(65))
+    held = {bytes([i * 16]): (("A", CPU),) for i in range(4)}
+    costs = {"prefill_s_per_token": 1e-3, "load_s_per_token": {"cpu": 1e-4}}
+    router = _router(held, costs)
+    a = _Replica("a", "A", {"kv_cache_tokens": 64})
+    b = _Replica("b", "A", {"kv_cache_tokens": 64})
+    router._replicas = {"a": a, "b": b}
+    first = _route(router, [a, b], "r1", ids)
+    router.on_request_completed(first.replica_id, "r1")
+    assert _route(router, [a, b], "r2", ids) is first  # nothing to load there
+    assert router.decisions["hit_tokens_replica"] == 64
+    router.on_request_completed(first.replica_id, "r2")
+    other = list(range(100, 165))  # fills first's cache (64 tokens): the prompt is gone
+    router._remember(first.replica_id, [bytes([200 + i]) for i in range(4)])
+    assert router._own(first.replica_id, [bytes([i * 16]) for i in range(4)]) == 0
+    assert _route(router, [a, b], "r3", other) in (a, b)

@@ -4,6 +4,11 @@
            + sum over where the held tokens are (its node's GPU pools, its CPU tier, a pull
              from another node) of tokens * that path's load s/token
 
+A replica's engine also keeps what it computed or loaded lately in its own KV cache (vLLM's
+prefix cache: raykv's index does not see it); the router remembers the block keys of the
+prompts it sent each replica, up to the cache's size the replica reports, and counts a leading
+run of them as held there, with nothing to load.
+
 The constants are the replicas' own measurements (each reports, in its routing stats, the
 seconds per token of its prefills and of its loads by path: ``prefill_s_per_token``,
 ``load_s_per_token``), the median over the replicas that reported, or the operator's
@@ -89,13 +94,20 @@ class RouteCosts:
             f"measured by {n} replica{'s' * (n != 1)}",
         )
 
-    def ttft_s(self, queued_tokens: float, prompt_tokens: int, hit: NodeHit) -> float:
-        """Expected time to first token (in units of a prefill token while unmeasured)."""
+    def ttft_s(
+        self, queued_tokens: float, prompt_tokens: int, hit: NodeHit, own_tokens: int = 0
+    ) -> float:
+        """Expected time to first token (in units of a prefill token while unmeasured).
+        ``own_tokens``: leading tokens the replica's engine still holds in its own KV cache
+        (nothing to load); the rest of ``hit`` is loaded at its paths' mix."""
         p = self.prefill_s_per_token if self.prefill_s_per_token is not None else 1.0
         load = self.load_s_per_token
         loading = hit.gpu * load.get("gpu", 0.0) + hit.cpu * load.get("cpu", 0.0)
         loading += hit.remote * load.get("remote", 0.0)
-        return (queued_tokens + max(prompt_tokens - hit.tokens, 0)) * p + loading
+        if hit.tokens:
+            loading *= 1 - min(own_tokens, hit.tokens) / hit.tokens
+        held = max(hit.tokens, own_tokens)
+        return (queued_tokens + max(prompt_tokens - held, 0)) * p + loading
 
     def report(self) -> dict[str, Any]:
         return {

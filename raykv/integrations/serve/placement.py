@@ -101,7 +101,8 @@ class PlacementView:
 
     def _run(self) -> None:
         down = False
-        while not self._stop.is_set():
+        # Ray shut down in this process: stop (a call now would start a new Ray here)
+        while not self._stop.is_set() and ray.is_initialized():
             try:
                 self.refresh()
                 if down:

@@ -33,7 +33,7 @@ import random
 import socket
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -86,10 +86,13 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         costs: Mapping[str, Any] | None = None,
         namespace: str = NAMESPACE,
         refresh_s: float = 0.1,
+        replica_cache_tokens: int | None = None,
     ) -> None:
         """``model``: the raykv model the replicas serve; ``costs``: fixed constants
         (``RouteCosts.configured``) instead of the replicas' measurements; ``refresh_s``:
-        how often the index replica takes the coordinator's changes."""
+        how often the index replica takes the coordinator's changes;
+        ``replica_cache_tokens``: the size of a replica's own KV cache, where the replicas do
+        not report it (``kv_cache_tokens`` in their routing stats; neither: not counted)."""
         self._model, self._namespace = model, namespace
         self._fixed = RouteCosts.configured(costs) if costs else None
         self._costs, self._costs_at = RouteCosts(), 0.0
@@ -103,7 +106,11 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._sent: dict[str, tuple[ReplicaID, int]] = {}  # request id -> (replica, tokens)
         self._mean_tokens = 0.0  # of the requests routed: a queued request it did not send
         # request id -> per candidate (tokens it would compute, its hit): for on_request_routed
-        self._ranked: dict[str, dict[ReplicaID, tuple[int, NodeHit]]] = {}
+        self._ranked: dict[str, tuple[list[bytes], dict[ReplicaID, tuple[int, NodeHit, int]]]] = {}
+        # per replica, the block keys of the prompts sent to it, oldest first: what its own
+        # KV cache (vLLM's prefix cache) likely holds, kept to the size it reports
+        self._recent: dict[ReplicaID, OrderedDict[bytes, None]] = {}
+        self._cache_tokens = replica_cache_tokens
         self.decisions: Counter[str] = Counter()
         self._warned: set[str] = set()
         self._reporter: threading.Thread | None = None
@@ -143,18 +150,57 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         costs = self.costs()
         n = max(len(ids) - 1, 0)  # an engine computes the last token whatever it holds
 
+        bs = self._block_size()
+        own = {r.replica_id: self._own(r.replica_id, keys) * bs for r in candidate_replicas}
+
         def ttft(r: RunningReplica) -> tuple[float, int, int, int]:
             # ties (loads not measured yet: free) go to fewer pulled, more GPU-held tokens
-            hit, queued = hits[r.node_id], self._queued_tokens(r.replica_id)
-            return costs.ttft_s(queued, n, hit), hit.remote, -hit.gpu, self._queue_len(r.replica_id)
+            hit, mine = hits[r.node_id], own[r.replica_id]
+            queued = self._queued_tokens(r.replica_id)
+            t = costs.ttft_s(queued, n, hit, mine)
+            return t, hit.remote, -max(hit.gpu, mine), self._queue_len(r.replica_id)
 
         ranked = sorted(candidate_replicas, key=ttft)
         rid = pending_request.metadata.internal_request_id
-        self._ranked[rid] = {
-            r.replica_id: (max(n - hits[r.node_id].tokens, 0), hits[r.node_id])
-            for r in candidate_replicas
-        }
+        self._ranked[rid] = (
+            keys,
+            {
+                r.replica_id: (
+                    max(n - max(hits[r.node_id].tokens, own[r.replica_id]), 0),
+                    hits[r.node_id],
+                    own[r.replica_id],
+                )
+                for r in candidate_replicas
+            },
+        )
         return [[r] for r in ranked]
+
+    def _own(self, replica: ReplicaID, keys: list[bytes]) -> int:
+        """Leading ``keys`` sent to ``replica`` lately (its own KV cache likely holds them)."""
+        recent = self._recent.get(replica)
+        if not recent:
+            return 0
+        n = 0
+        for k in keys:
+            if k not in recent:
+                break
+            n += 1
+        return n
+
+    def _remember(self, replica: ReplicaID, keys: list[bytes]) -> None:
+        """``replica`` computes or loads ``keys`` now: its own cache holds them, newest last,
+        as many as fit in the cache size it reports."""
+        wrapper = self._replicas.get(replica)
+        stats = (wrapper.routing_stats or {}) if wrapper is not None else {}
+        size = stats.get("kv_cache_tokens", self._cache_tokens)
+        if not isinstance(size, int) or size <= 0 or not keys:
+            return
+        recent = self._recent.setdefault(replica, OrderedDict())
+        for k in keys:
+            recent[k] = None
+            recent.move_to_end(k)
+        for _ in range(len(recent) - size // self._block_size()):
+            recent.popitem(last=False)
 
     async def _keys(self, ids: Sequence[int]) -> list[bytes]:
         """The prompt's block keys of the plan's primary group (whole blocks, all but the
@@ -220,12 +266,14 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     ) -> None:
         """Count the decision and what the replica now has to compute."""
         rid = pending_request.metadata.internal_request_id
-        ranked = self._ranked.pop(rid, None)
-        if ranked is None or replica_id not in ranked:
+        got = self._ranked.pop(rid, None)
+        if got is None or replica_id not in got[1]:
             return
-        tokens, hit = ranked[replica_id]
-        best_local = max(h.local for _, h in ranked.values())
-        if best_local and hit.local >= best_local:
+        keys, ranked = got
+        tokens, hit, own = ranked[replica_id]
+        self._remember(replica_id, keys)
+        best_local = max(max(h.local, o) for _, h, o in ranked.values())
+        if best_local and max(hit.local, own) >= best_local:
             self.decisions["routed_for_cache"] += 1
         elif best_local:
             self.decisions["routed_for_load"] += 1
@@ -233,9 +281,11 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self.decisions["routed_no_local_prefix"] += 1
         if hit.remote:
             self.decisions["pulls"] += 1
-        for path in ("gpu", "cpu", "remote"):
-            self.decisions[f"hit_tokens_{path}"] += getattr(hit, path)
-        self.decisions["prompt_tokens"] += tokens + hit.tokens
+        self.decisions["hit_tokens_replica"] += own
+        for path in ("gpu", "cpu", "remote"):  # what it loads, its own cache's part aside
+            share = 1 - min(own, hit.tokens) / hit.tokens if hit.tokens else 0
+            self.decisions[f"hit_tokens_{path}"] += round(getattr(hit, path) * share)
+        self.decisions["prompt_tokens"] += tokens + max(hit.tokens, own)
         self.decisions["routed"] += 1
         self._mean_tokens += (tokens - self._mean_tokens) / self.decisions["routed"]
         if len(self._sent) >= SENT_KEEP:  # completions lost: forget the oldest
@@ -259,6 +309,7 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         super().on_replica_actor_died(replica_id)
         self._queued.pop(replica_id, None)
         self._in_flight.pop(replica_id, None)
+        self._recent.pop(replica_id, None)
 
     # --- raykv status -------------------------------------------------------------------
 
@@ -284,6 +335,8 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         name = f"{self._deployment_id}@{socket.gethostname()}:{os.getpid()}"
         while True:
             time.sleep(REPORT_S)
+            if not ray.is_initialized():  # shut down here: a call would start a new Ray
+                return
             try:
                 coordinator = ray.get_actor(COORDINATOR, namespace=self._namespace)
                 coordinator.router_report.remote(name, self.report())

@@ -9,6 +9,19 @@ the node's raykv, for both roles), ``scheduler`` (lookups and per-step plans), `
 random-weight model for tests and benches). Needs the optional extra ``vllm``.
 """
 
-from raykv.integrations.vllm.connector import RaykvConnector
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["RaykvConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    # imported on first use (vLLM's connector factory does getattr): the package's other
+    # modules (engine, tiny, config), which `raykv serve`'s builder and tests use, need no
+    # vLLM import
+    if name == "RaykvConnector":
+        from raykv.integrations.vllm.connector import RaykvConnector
+
+        return RaykvConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

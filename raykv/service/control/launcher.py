@@ -116,7 +116,7 @@ def _stop_stale_head() -> None:
 def up(
     address: str | None,
     *,
-    preset: str,
+    preset: str | None,
     cpu_bytes: int,
     gpu_mem_fraction: float,
     block_size: int,
@@ -126,10 +126,11 @@ def up(
     tp_size: int = 1,
 ) -> dict[str, Any]:
     """Start or join the service and serve ``preset`` (``tp_size`` GPUs per pool group, one
-    TP rank each); returns where it runs."""
+    TP rank each; None: no model, e.g. for engines that add their own, as ``raykv serve``'s
+    do); returns where it runs."""
     from raykv.layout.presets import get_preset
 
-    p = get_preset(preset)
+    p = get_preset(preset) if preset is not None else None
     started = None
     address = address or local_address()
     if address is None:
@@ -144,6 +145,9 @@ def up(
         if not ray.is_initialized():
             join(address, NAMESPACE, start_local=True)
         coord = calls.ensure_service()
+        if p is None:
+            return {"address": address, "started_head": started is not None,
+                    "token": started["token"] if started else None}  # fmt: skip
         model = ServedModel(
             preset,
             dict(p.layers()),
@@ -279,7 +283,7 @@ def router_lines(r: dict[str, Any]) -> list[str]:
     loads = ", ".join(f"{k} {v:.3g}" for k, v in sorted(c["load_s_per_token"].items())) or "free"
     prefill = c["prefill_s_per_token"]
     prompt = d.get("prompt_tokens", 0)
-    held = sum(d.get(f"hit_tokens_{p}", 0) for p in ("gpu", "cpu", "remote"))
+    held = sum(d.get(f"hit_tokens_{p}", 0) for p in ("replica", "gpu", "cpu", "remote"))
     fell = sum(v for k, v in d.items() if k.startswith("fell_back_"))
     return [
         f"serve router {r['name']} (model {r['model']}, index "
@@ -289,7 +293,8 @@ def router_lines(r: dict[str, Any]) -> list[str]:
         f"  routed {d.get('routed', 0)}: for cache {d.get('routed_for_cache', 0)}, for load "
         f"{d.get('routed_for_load', 0)}, no local prefix {d.get('routed_no_local_prefix', 0)}, "
         f"pulls {d.get('pulls', 0)}, default router {fell}",
-        f"  prompt tokens held {held / prompt if prompt else 0:.1%}: gpu "
+        f"  prompt tokens held {held / prompt if prompt else 0:.1%}: replica's own cache "
+        f"{d.get('hit_tokens_replica', 0)}, gpu "
         f"{d.get('hit_tokens_gpu', 0)}, cpu {d.get('hit_tokens_cpu', 0)}, remote "
         f"{d.get('hit_tokens_remote', 0)} of {prompt}",
         *(
