@@ -357,6 +357,9 @@ class SimReplica:
             "prefill_s_per_token": c.prefill_s(1),
             "load_s_per_token": {"cpu": c.load_s(1, 0), "remote": c.load_s(0, 1)},
             "wall_s_per_token": dict(self.measured),  # as measured here, for a reader
+            # the size of the replica's own prefix cache: RaykvRouter remembers what it sent
+            # each replica, up to this many tokens, as held there with nothing to load
+            "kv_cache_tokens": c.gpu_cache_tokens,
         }
 
     def _measure(self, what: str, seconds: float, tokens: int) -> None:
