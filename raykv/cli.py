@@ -531,7 +531,11 @@ def bench_chaos(minutes: float, every: float, seed: int, as_json: bool) -> None:
 @bench.command("routing")
 @click.option("--quick", is_flag=True, help="2 nodes, 4 replicas, a small workload (~90 s here).")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-@click.option("--routers", default="", help="comma-separated: default,prefix,raykv (default all)")
+@click.option(
+    "--routers",
+    default="",
+    help="comma-separated of default-own,prefix-own,default,prefix,raykv (default all)",
+)
 @click.option("--nodes", type=click.IntRange(1), default=None, help="Ray nodes (default 3)")
 @click.option("--replicas", type=click.IntRange(1), default=None, help="Serve replicas (default 6)")
 @click.option("--seed", type=int, default=None, help="the workload's seed (default 0)")
