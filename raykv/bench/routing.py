@@ -356,11 +356,16 @@ class SimReplica:
             "gpu_cache_blocks": len(self.gpu.blocks),
             "node_id": self.node_id,
             # RaykvRouter's cost inputs: what the simulated engine's prefills and loads cost
-            # (the model its TTFT is scored on), not this box's wall time: the real raykv
-            # calls are not scaled, and on two loaded cores a pull's wall time a token
-            # exceeded a scaled prefill's, so a router would rank pulls above recomputing
-            "prefill_s_per_token": c.prefill_s(1),
-            "load_s_per_token": {"cpu": c.load_s(1, 0), "remote": c.load_s(0, 1)},
+            # (the model its TTFT is scored on), in the replay's seconds (times the time
+            # scale: the router's clock is the wall clock), not this box's measured wall
+            # time: the real raykv calls are not scaled, and on two loaded cores a pull's
+            # wall time a token exceeded a scaled prefill's (a router would rank pulls above
+            # recomputing)
+            "prefill_s_per_token": c.prefill_s(1) * c.time_scale,
+            "load_s_per_token": {
+                "cpu": c.load_s(1, 0) * c.time_scale,
+                "remote": c.load_s(0, 1) * c.time_scale,
+            },
             "wall_s_per_token": dict(self.measured),  # as measured here, for a reader
             # the size of the replica's own prefix cache: RaykvRouter remembers what it sent
             # each replica, up to this many tokens, as held there with nothing to load

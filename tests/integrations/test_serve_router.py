@@ -141,10 +141,12 @@ def _route(router: RaykvRouter, replicas: list[_Replica], rid: str, ids: list[in
 def test_a_request_goes_to_its_prefix_until_that_replica_is_busier_than_the_prefix_is_worth():
     """Replica a's node holds the prompt's first 48 of 64 tokens in its CPU tier. While a is
     idle the request goes there; once a has more tokens queued than the prefix saves (and a
-    pull costs less than recomputing), requests go to b, which pulls: routed for load."""
+    pull costs less than recomputing), requests go to b, which pulls: routed for load. With
+    measured costs a replica's queue is the time its prefills sent should take."""
     ids = list(range(65))  # 4 blocks of 16, and the last token
     held = {bytes([i * 16]): (("A", CPU),) for i in range(3)}
-    costs = {"prefill_s_per_token": 1e-3, "load_s_per_token": {"cpu": 1e-5, "remote": 1e-4}}
+    # slow enough that what a was sent is still queued there on a loaded box
+    costs = {"prefill_s_per_token": 0.1, "load_s_per_token": {"cpu": 1e-3, "remote": 1e-2}}
     router = _router(held, costs)
     a, b = _Replica("a", "A"), _Replica("b", "B")
     assert _route(router, [a, b], "r1", ids) is a  # a computes 16 tokens, b would 16 + pull
@@ -154,8 +156,12 @@ def test_a_request_goes_to_its_prefix_until_that_replica_is_busier_than_the_pref
     assert router.decisions["hit_tokens_cpu"] == 48 and router.decisions["hit_tokens_remote"] == 48
     router.on_request_completed("a", "r1")
     assert router._queued["a"] == 0 and router._queued["b"] == 16
-    assert _route(router, [a, b], "r3", ids) is a
-    assert router.report()["decisions"]["routed"] == 3
+    assert _route(router, [a, b], "r3", ids) is a  # b's prefill and pull end later than a's
+    for rid, r in (("r2", "b"), ("r3", "a")):
+        router.on_request_completed(r, rid)
+    router._busy_until = {}  # their prefills are done: a, the prefix's holder, again
+    assert _route(router, [a, b], "r4", ids) is a
+    assert router.report()["decisions"]["routed"] == 4
 
 
 def test_without_measured_costs_replicas_rank_by_the_tokens_they_would_compute() -> None:

@@ -12,11 +12,11 @@ once in its own replica of the cluster's prefix index (``PlacementView``: no cal
 request's path), which says, for every candidate replica's node, how many leading tokens it
 would load from its GPU pools, its CPU tier, or pull from another node. It ranks the
 candidates by ``RouteCosts.ttft_s``: the prefill tokens queued ahead on the replica (what
-this router sent it that has not finished, and the rest of its queue at the mean request
-size), the prompt's uncached tokens, and the loads. So a request goes where its prefix is
-while that replica is not busier than the prefix is worth, and otherwise to a less busy
-replica, whose engine then pulls the blocks (route-or-pull). Serve takes the first ranked
-replica whose queue has room.
+this router sent it whose prefills should not be done yet, at the measured costs, and the rest
+of its queue at the mean request size), the prompt's uncached tokens, and the loads. So a
+request goes where its prefix is while that replica is not busier than the prefix is worth,
+and otherwise to a less busy replica, whose engine then pulls the blocks (route-or-pull).
+Serve takes the first ranked replica whose queue has room.
 
 Failures never fail a request: with no token ids, no raykv service, or an index that has
 not answered for ``PlacementView.STALE_S``, the router picks as Serve's default does (the
@@ -103,6 +103,10 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # tokens to compute this router sent each replica that have not finished
         self._queued: Counter[ReplicaID] = Counter()
         self._in_flight: Counter[ReplicaID] = Counter()
+        # once costs are known, per replica when the prefills (and loads) this router sent it
+        # should be done (monotonic s): a prefill is over at its first token, long before
+        # its request completes (decode), so a completion comes too late to say it
+        self._busy_until: dict[ReplicaID, float] = {}
         self._sent: dict[str, tuple[ReplicaID, int]] = {}  # request id -> (replica, tokens)
         self._mean_tokens = 0.0  # of the requests routed: a queued request it did not send
         # request id -> per candidate (tokens it would compute, its hit): for on_request_routed
@@ -230,9 +234,15 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         return self._in_flight[replica] if got is None else got
 
     def _queued_tokens(self, replica: ReplicaID) -> float:
-        """Tokens to compute ahead of a new request: what this router sent and is not done,
-        and the rest of the replica's queue (other routers' requests) at the mean size."""
+        """Prefill tokens ahead of a new request: what this router sent and is not done (with
+        measured costs: the time left until its prefills should be done, in tokens; before:
+        until the requests complete), and the rest of the replica's queue (other routers'
+        requests) at the mean size."""
         others = max(self._queue_len(replica) - self._in_flight[replica], 0)
+        p = self.costs().prefill_s_per_token
+        if p:
+            left = self._busy_until.get(replica, 0.0) - time.monotonic()
+            return max(left, 0.0) / p + others * self._mean_tokens
         return self._queued[replica] + others * self._mean_tokens
 
     def costs(self) -> RouteCosts:
@@ -295,6 +305,11 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._sent[rid] = (replica_id, tokens)
         self._queued[replica_id] += tokens
         self._in_flight[replica_id] += 1
+        costs = self.costs()
+        if costs.prefill_s_per_token:  # its prefill runs after those already sent there
+            now = time.monotonic()
+            start = max(self._busy_until.get(replica_id, now), now)
+            self._busy_until[replica_id] = start + costs.ttft_s(0, tokens + hit.tokens, hit, own)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         sent = self._sent.pop(internal_request_id, None)
@@ -309,6 +324,7 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         super().on_replica_actor_died(replica_id)
         self._queued.pop(replica_id, None)
         self._in_flight.pop(replica_id, None)
+        self._busy_until.pop(replica_id, None)
         self._recent.pop(replica_id, None)
 
     # --- raykv status -------------------------------------------------------------------
