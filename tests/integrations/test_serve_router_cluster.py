@@ -35,7 +35,7 @@ def cluster(tmp_path_factory):
             f"l{i}": FullAttention(num_kv_heads=1, head_dim=32, dtype="float16") for i in range(2)
         }
         plan = kv.add_model("served", layers, max_model_len=2048, pool_bytes=8 << 20)
-        serve.start(http_options={"location": "NoServer"})
+        serve.start(proxy_location="Disabled")
         yield kv, plan
     finally:
         serve.shutdown()
