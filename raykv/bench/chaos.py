@@ -95,9 +95,10 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 @contextlib.contextmanager
-def _env(values: dict[str, str]) -> Iterator[None]:
+def environment(values: dict[str, str]) -> Iterator[None]:
     """``values`` in the environment (the raylets started meanwhile inherit them), then the
-    old ones back, so a caller's process is left as it was."""
+    old ones back, so a caller's process is left as it was (every bench that starts a local
+    cluster: chaos, routing)."""
     old = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -800,7 +801,7 @@ def run(
     def say(msg: str) -> None:  # the run's clock on every line: where a slow run spends it
         echo(f"[{time.monotonic() - began:5.0f}s] {msg}")
 
-    with _env(env | (UCX_ENV if ucx else {})):
+    with environment(env | (UCX_ENV if ucx else {})):
         import ray
 
         soak = Soak(minutes, seed, say)

@@ -45,11 +45,12 @@ import sys
 import tempfile
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from raykv.bench.chaos import environment
 from raykv.errors import ConfigError, RaykvError, ServiceError
 
 BLOCK = 32  # tokens per block, the raykv model's and the simulated GPU cache's
@@ -618,21 +619,6 @@ def quick_plan(calibration: Calibration, **costs: Any) -> BenchPlan:
     )
 
 
-@contextlib.contextmanager
-def _env(values: dict[str, str]) -> Iterator[None]:
-    """``values`` in the environment (raylets started meanwhile inherit them), then the old."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _pct(xs: Sequence[float], q: float) -> float | None:
     if not xs:
         return None
@@ -763,7 +749,7 @@ def run(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict[str, Any]:
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", AGENT_DIR_ENV: agents}
     results: dict[str, dict[str, dict[str, Any]]] = {s.name: {} for s in scenarios}
     cluster = None
-    with _env(env):
+    with environment(env):
         import ray
         from ray import serve
         from ray._private import auto_init_hook
