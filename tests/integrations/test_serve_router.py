@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -211,3 +213,29 @@ def test_a_replica_keeps_what_it_was_sent_until_its_cache_is_full() -> None:
     router._remember(first.replica_id, [bytes([200 + i]) for i in range(4)])
     assert router._own(first.replica_id, [bytes([i * 16]) for i in range(4)]) == 0
     assert _route(router, [a, b], "r3", other) in (a, b)
+
+
+def test_the_first_requests_wait_for_the_index_and_later_ones_never_do() -> None:
+    """A router's first requests are ranked where the coordinator answers within
+    ``FIRST_ANSWER_S`` of the start; after that (an outage) nothing waits."""
+    view = PlacementView()
+    view.FIRST_ANSWER_S = 0.5
+    view._started_at = time.monotonic()
+
+    def answer() -> None:
+        view._answered = time.monotonic()
+        view._first_answer.set()
+
+    threading.Timer(0.1, answer).start()
+    assert asyncio.run(view.ready())
+    view._answered = -math.inf  # the coordinator went away
+    t0 = time.monotonic()
+    assert not asyncio.run(view.ready()) and time.monotonic() - t0 < 0.05
+
+    never = PlacementView()
+    never.FIRST_ANSWER_S = 0.3
+    never._started_at = time.monotonic()
+    t0 = time.monotonic()
+    assert not asyncio.run(never.ready())
+    assert 0.2 < time.monotonic() - t0 < 1.0
+    assert not asyncio.run(never.ready())  # the wait is spent

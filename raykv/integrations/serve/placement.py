@@ -14,6 +14,7 @@ and loads what is really there, verified (invariant 12); at worst it recomputes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -54,12 +55,15 @@ class PlacementView:
     coordinator does not answer (then nothing here should be trusted)."""
 
     STALE_S = 5.0  # no answer from the coordinator for this long: not fresh
+    FIRST_ANSWER_S = 3.0  # after start, how long a request may wait for the first answer
 
     def __init__(self, interval_s: float = 0.1, namespace: str = NAMESPACE) -> None:
         self.interval_s, self.namespace = interval_s, namespace
         self.places: dict[str, dict[bytes, tuple[Place, ...]]] = {}
         self._epoch, self._since = "", 0
         self._answered = 0.0  # monotonic time of the last answer
+        self._first_answer = threading.Event()
+        self._started_at = 0.0
         self._coordinator: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -91,11 +95,25 @@ class PlacementView:
             else:
                 table.pop(key, None)
         self._epoch, self._since, self._answered = epoch, since, time.monotonic()
+        self._first_answer.set()
         return len(changes)
+
+    async def ready(self) -> bool:
+        """``fresh``, except that in the first ``FIRST_ANSWER_S`` after ``start`` it waits for
+        the coordinator's first answer: the requests that start a router are ranked too,
+        where the service answers in time (after an outage nothing waits)."""
+        if self.fresh:
+            return True
+        left = self._started_at + self.FIRST_ANSWER_S - time.monotonic()
+        if self._first_answer.is_set() or left <= 0:
+            return False
+        await asyncio.to_thread(self._first_answer.wait, left)
+        return self.fresh
 
     def start(self) -> None:
         """Refresh in a daemon thread until ``close``; failures are logged once per outage."""
         if self._thread is None:
+            self._started_at = time.monotonic()
             self._thread = threading.Thread(target=self._run, name="raykv-placement", daemon=True)
             self._thread.start()
 

@@ -143,7 +143,7 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         ids = prompt_token_ids(pending_request)
         if ids is None:
             return self._fall_back(candidate_replicas, "no_token_ids")
-        if not self._view.fresh:
+        if not await self._view.ready():
             return self._fall_back(candidate_replicas, "index_unavailable")
         try:
             keys = await self._keys(ids)
