@@ -143,78 +143,85 @@ _timeout = click.option(
 )
 
 
+# the options that size the model --preset serves, with their defaults there
+PRESET_DEFAULTS = dict(cpu_mem="1GiB", gpu_mem_fraction=0.9, pool_mem="0", block_size=16, tp_size=1)
+
+
 @main.command()
 @click.option("--address", help="Ray cluster to join (default: this host's, else start one)")
-@click.option("--preset", default="llama-3-8b", show_default=True, help="model to serve")
-@click.option("--cpu-mem", default="1GiB", show_default=True, help="CPU tier per node")
-@click.option("--gpu-mem-fraction", default=0.9, show_default=True, help="GPU memory for KV")
+@click.option(
+    "--preset",
+    help="a built-in model to serve with pools, for raykv.connect() clients (default: none; "
+    "engines add their own models, vLLM's connector does)",
+)
+@click.option("--cpu-mem", help="with --preset: its CPU tier per node [1GiB]")
+@click.option("--gpu-mem-fraction", type=float, help="with --preset: GPU memory for KV [0.9]")
 @click.option(
     "--pool-mem",
-    default="0",
-    show_default=True,
-    help="KV bytes per pool (0: the GPU fraction; 2GiB on CPU-device pools)",
+    help="with --preset: KV bytes per pool [0: the GPU fraction; 2GiB on CPU-device pools]",
 )
-@click.option("--block-size", default=16, show_default=True)
-@click.option("--max-model-len", type=int, help="default: the preset's")
+@click.option("--block-size", type=int, help="with --preset: tokens per block [16]")
+@click.option("--max-model-len", type=int, help="with --preset: default the preset's")
 @click.option("--num-cpus", type=int, help="CPUs of a head started here (default: all)")
 @click.option(
     "--tp",
     "tp_size",
     type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="TP ranks per engine: each pool group spans this many GPUs of one node",
+    help="with --preset: TP ranks per engine: each pool group spans this many GPUs of one node [1]",
 )
 @_timeout
-def up(
-    address,
-    preset,
-    cpu_mem,
-    gpu_mem_fraction,
-    pool_mem,
-    block_size,
-    max_model_len,
-    num_cpus,
-    tp_size,
-    timeout_s,
-) -> None:
-    """Start (or join) the raykv service and print where it runs."""
+def up(address, preset, num_cpus, timeout_s, **sizes) -> None:
+    """Start (or join) the raykv service and print where it runs.
+
+    With no --preset it serves no model: engines add theirs (vLLM's connector serves its
+    model without pools, so raykv takes no GPU an engine needs)."""
     from raykv.errors import RaykvError
     from raykv.layout.report import parse_size
     from raykv.service.control.ray_join import prepare_auth
 
+    given = sorted(k for k, v in sizes.items() if v is not None)
+    if preset is None and given:
+        flags = ", ".join("--tp" if k == "tp_size" else "--" + k.replace("_", "-") for k in given)
+        raise click.UsageError(
+            f"{flags} size the model --preset serves, and no --preset was given; pass "
+            "--preset NAME (raykv plan --list-presets), or drop them (an engine sizes its "
+            "own model: vLLM's kv_connector_extra_config cpu_bytes)"
+        )
+    sizes = {k: PRESET_DEFAULTS.get(k) if v is None else v for k, v in sizes.items()}
     prepare_auth(create=address is None)  # before Ray is imported
     from raykv.service.control import launcher
 
     _bounded(timeout_s or 300, "raykv up")
-
-    pool_bytes = parse_size(pool_mem)
     try:
         import ray  # noqa: F401  (fail early with a clear message if Ray is missing)
 
         info = launcher.up(
             address,
             preset=preset,
-            cpu_bytes=parse_size(cpu_mem),
-            gpu_mem_fraction=gpu_mem_fraction,
-            block_size=block_size,
-            max_model_len=max_model_len,
-            pool_bytes=pool_bytes,
+            cpu_bytes=parse_size(sizes["cpu_mem"]),
+            gpu_mem_fraction=sizes["gpu_mem_fraction"],
+            block_size=sizes["block_size"],
+            max_model_len=sizes["max_model_len"],
+            pool_bytes=parse_size(sizes["pool_mem"]),
             num_cpus=num_cpus,
-            tp_size=tp_size,
+            tp_size=sizes["tp_size"],
         )
     except RaykvError as e:
         raise click.ClickException(str(e)) from e
     head = " (started a local Ray head; `raykv down` stops it)" if info["started_head"] else ""
     click.echo(f"raykv is up at {info['address']}{head}")
-    click.echo(
-        f"  model {info['model']}: {info['num_gpu_blocks']} GPU blocks per pool, "
-        f"{info['cpu_num_blocks']} CPU-tier blocks per node"
-    )
-    click.echo(
-        f"  {info['nodes']} node(s), {info['members']} pools and tiers; "
-        f"connect with raykv.connect('{info['address']}')"
-    )
+    if preset is None:
+        click.echo(
+            "  no model served yet: engines add theirs (vLLM's connector does), "
+            "raykv.connect() clients with add_model, or run raykv up --preset NAME"
+        )
+    else:
+        click.echo(
+            f"  model {info['model']}: {info['num_gpu_blocks']} GPU blocks per pool, "
+            f"{info['cpu_num_blocks']} CPU-tier blocks per node"
+        )
+        click.echo(f"  {info['nodes']} node(s), {info['members']} pools and tiers")
+    click.echo(f"  connect with raykv.connect('{info['address']}')")
     if info.get("token"):
         click.echo(f"  Ray token auth is on; the token is in {info['token']}")
 

@@ -59,8 +59,7 @@ def test_doc_python_snippets_run_as_pasted(doc: str, index: int, tmp_path: Path)
     up = "after `raykv up`" in _section_of(doc, snippets[index])
     raykv = [str(Path(sys.executable).parent / "raykv")]
     if up:
-        small = ["--pool-mem", "64MiB", "--cpu-mem", "32MiB", "--max-model-len", "256"]
-        started = subprocess.run([*raykv, "up", *small], env=env, capture_output=True,
+        started = subprocess.run([*raykv, "up"], env=env, capture_output=True,
                                  text=True, timeout=300)  # fmt: skip
         assert started.returncode == 0, started.stdout + started.stderr
     try:

@@ -70,8 +70,10 @@ _MODEL_INTS = (
 
 @dataclass(frozen=True)
 class ServedModel:
-    """A model the service holds KV for. ``pool_bytes`` 0: ``gpu_mem_fraction`` of the GPU's
-    memory on GPU pools, ``DEFAULT_POOL_BYTES`` on CPU-device pools. Any layer mix the
+    """A model the service holds KV for. ``pools`` False: no pools at all (the CPU tiers and
+    the prefix index only; ``pool_bytes`` then only sizes the plan). ``pool_bytes`` 0:
+    ``gpu_mem_fraction`` of the GPU's memory on GPU pools, ``DEFAULT_POOL_BYTES`` on
+    CPU-device pools. Any layer mix the
     layout plans is served as long as every group is prefix-cacheable (no Mamba / cross
     attention); ``offload_block_size`` a multiple of the block size makes CPU-tier entries
     of several GPU blocks."""
@@ -86,6 +88,9 @@ class ServedModel:
     pool_bytes: int = 0  # KV bytes per rank
     cpu_bytes: int = DEFAULT_TIER_BYTES
     offload_block_size: int | None = None  # tokens per CPU-tier entry (default block_size)
+    # False: the CPU tiers and the index only, no pools. For engines that keep their own KV
+    # (vLLM's connector): a pool takes a whole GPU that the engine needs
+    pools: bool = True
 
     def __post_init__(self) -> None:
         if (
@@ -100,6 +105,11 @@ class ServedModel:
             raise ConfigError(
                 f"model {self.name!r} has no KV layers (got {short_repr(self.layers)}); pass a "
                 "dict of layer name -> spec (raykv.layout.FullAttention & co.)"
+            )
+        if not isinstance(self.pools, bool):
+            raise ConfigError(
+                f"pools must be True or False, got {short_repr(self.pools)}; pass False for a "
+                "model whose engines keep their own KV (the CPU tiers and the index only)"
             )
         frac = self.gpu_mem_fraction
         if isinstance(frac, bool) or not isinstance(frac, Real) or not 0 < frac <= 1:

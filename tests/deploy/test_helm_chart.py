@@ -461,6 +461,17 @@ def test_head_command_starts_raykv_up_with_the_tier_size(render):
     assert by_kind(objects, "RayJob") == []
 
 
+def test_without_a_preset_raykv_up_serves_no_model_and_takes_no_gpu(render):
+    """The default (and serve.enabled): vLLM replicas add their models without pools, so
+    ``raykv up`` gets no sizing of a model it does not serve."""
+    service = one(render(values=SERVE), "RayService")["spec"]["rayClusterConfig"]
+    (serve_head,) = service["headGroupSpec"]["template"]["spec"]["containers"]
+    for head in (head_container(render()), serve_head):
+        script = head["lifecycle"]["postStart"]["exec"]["command"][-1]
+        (up_line,) = [ln for ln in script.splitlines() if ln.strip().startswith("raykv up")]
+        assert shlex.split(up_line.split("&&")[0]) == ["raykv", "up", "--address", "auto"]
+
+
 def test_ray_job_mode_submits_raykv_up_to_the_release_cluster(render):
     objects = render(files=[CPU_ONLY])
     job = one(objects, "RayJob")

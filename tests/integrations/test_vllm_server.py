@@ -32,7 +32,7 @@ KV_TRANSFER = {
     "kv_role": "kv_both",
     "kv_load_failure_policy": "recompute",
 }
-UP = ["--pool-mem", "64MiB", "--cpu-mem", "32MiB", "--max-model-len", "256", "--num-cpus", "1"]
+UP = ["--num-cpus", "1"]  # no model: the engines add theirs
 
 
 def free_port() -> int:

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.ray
 BIN = Path(sys.executable).parent
 RAYKV = str(BIN / "raykv")
 SMALL = ["--pool-mem", "64MiB", "--cpu-mem", "32MiB", "--max-model-len", "256", "--num-cpus", "1"]
+BARE = ["--num-cpus", "1"]  # no model: the service and its tiers
 
 
 def _netns(name: str) -> bool:
@@ -255,7 +256,7 @@ def test_a_killed_up_leaves_nothing_unrecorded(host, home) -> None:
     env = plain_env(home)
     state_path = home / ".cache" / "raykv" / "up.json"
     first = subprocess.Popen(
-        [*host, "env", "-i", *(f"{k}={v}" for k, v in env.items()), RAYKV, "up", *SMALL],
+        [*host, "env", "-i", *(f"{k}={v}" for k, v in env.items()), RAYKV, "up", *BARE],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -267,7 +268,7 @@ def test_a_killed_up_leaves_nothing_unrecorded(host, home) -> None:
     first.wait()
     heads = {json.loads(state_path.read_text())["pid"]}
     try:
-        again = run(host, RAYKV, "up", *SMALL, env=env)
+        again = run(host, RAYKV, "up", *BARE, env=env)
         assert again.returncode == 0, again.stdout + again.stderr
         heads.add(json.loads(state_path.read_text())["pid"])
     finally:

@@ -50,3 +50,43 @@ def test_gpu_pool_round_trip() -> None:
         assert torch.equal(kv.read(t2[:20]), data)
     finally:
         ray.shutdown()
+
+
+def test_an_engines_model_takes_no_gpu_and_its_cuda_kv_round_trips() -> None:
+    """vLLM's connector serves its model without pools: on a one-GPU node a GPU actor in a
+    Serve replica's place (num_gpus=1) still starts, and its own CUDA KV goes through the
+    node's tier and comes back byte for byte (checksums on the way)."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+
+    import raykv
+
+    ray.init(num_cpus=2, num_gpus=1, _node_ip_address="127.0.0.1", include_dashboard=False)
+    try:
+        kv = raykv.connect()
+        layers = {
+            f"l{i}": FullAttention(dtype="bfloat16", num_kv_heads=8, head_dim=128) for i in range(4)
+        }
+        kv.add_model("engine", layers, max_model_len=1024, cpu_bytes=64 << 20, pools=False)
+        assert not [m for m in kv.stats()["members"] if m["kind"] == "pool"]
+
+        @ray.remote(num_gpus=1, num_cpus=0)
+        def replica() -> bool:
+            import raykv as rkv
+
+            eng = rkv.connect().attach(num_blocks=40, device="cuda")
+            block = eng.plan.groups[0].block_size
+            prompt = list(range(3, 3 + 16 * block + 1))
+            for t in eng.kv.raw:
+                t.random_(0, 100)
+            before = [t[1:17].clone() for t in eng.kv.raw]  # block-major rows
+            eng.store_from(prompt, list(range(1, 17)))
+            got = eng.load_into(prompt, list(range(21, 37)))
+            same = all(
+                torch.equal(t[21:37], b) for t, b in zip(eng.kv.raw, before, strict=True)
+            )
+            return got == 16 * block and same
+
+        assert ray.get(replica.remote(), timeout=120)
+    finally:
+        ray.shutdown()

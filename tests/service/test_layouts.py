@@ -277,3 +277,29 @@ def test_down_removes_tp_ranks_and_placement_groups(svc) -> None:
     tb = b.allocate("z", 40, x)[0]
     assert b.store("z", tb[:2], [rows(2, 1, TP_ROW), rows(2, 2, TP_ROW)]) == 2
     assert torch.equal(b.read(tb[:2], rank=1), rows(2, 2, TP_ROW))
+
+
+def test_a_model_without_pools_has_tiers_and_an_index_but_takes_no_pool(svc) -> None:
+    """What an engine that keeps its own KV serves (vLLM's connector): on a GPU cluster a
+    pool would take the engine's GPU. Its engines attach, store and load through the node's
+    tier; allocating blocks of it says why there are none."""
+    plan = svc.kv.add_model(
+        "bare", TP_LAYERS, max_model_len=MAX_LEN, cpu_bytes=CPU_BYTES, pools=False
+    )
+    assert not [m for m in svc.kv.stats()["members"] if m.get("model") == "bare"]
+    for node in (svc.head, svc.a):
+        per = ray.get(tier_of(node).snapshot.remote())["stats"]["per_model"]
+        assert per["bare"]["blocks_total"] == CPU_BYTES // plan.cpu_bytes_per_block
+    client = Client(model="bare")
+    with pytest.raises(ServiceError, match="without pools"):
+        client.allocate("r", 32, tokens(32, 5))
+    eng = client.attach(num_blocks=9)
+    prompt = tokens(4 * BS + 1, 77)
+    eng.store_from(prompt, [1, 2, 3, 4])
+    assert eng.load_into(prompt, [5, 6, 7, 8]) == 4 * BS
+    deadline = time.monotonic() + 10  # the tier publishes to the index in the background
+    while client.lookup(prompt).hit_tokens < 4 * BS and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.lookup(prompt).hit_tokens == 4 * BS
+    with pytest.raises(ConfigError, match="pools must be True or False"):
+        svc.kv.add_model("bare", TP_LAYERS, max_model_len=MAX_LEN, pools="no")

@@ -41,3 +41,11 @@ def test_the_placer_places_again_for_a_new_node_or_a_dead_member() -> None:
     assert not placer.missing({"n2"}, {"pool-b": 1})  # n1 left: its members are not replaced
     placer.clear()
     assert placer.missing({"n1"}, {}) and not placer.expected
+
+
+def test_a_model_without_pools_gets_no_group_anywhere() -> None:
+    bare = ServedModel("v", LAYERS, max_model_len=1024, pools=False)
+    pooled = ServedModel("a", LAYERS, max_model_len=1024)
+    models = {"v": bare, "a": pooled}
+    assert engine_groups([node(0), node(8)], models) == [{"v": 0, "a": 0}, {"v": 0, "a": 8}]
+    assert engine_groups([node(0), node(0)], models) == [{"v": 0, "a": 1}] * 2

@@ -84,8 +84,8 @@ Values, address (the Ray address it is run against).
 {{- define "raykv.upCommand" -}}
 {{- $r := .Values.raykv -}}
 {{- $group := index .Values (include "raykv.tierGroup" .) -}}
-{{- $args := list "raykv" "up" "--address" .address "--cpu-mem" $group.pinnedMemory "--gpu-mem-fraction" (toString $r.gpuMemFraction) "--block-size" (toString $r.blockSize) -}}
-{{- if $r.preset -}}{{- $args = concat $args (list "--preset" $r.preset) -}}{{- end -}}
+{{- $args := list "raykv" "up" "--address" .address -}}
+{{- if $r.preset -}}{{- $args = concat $args (list "--preset" $r.preset "--cpu-mem" $group.pinnedMemory "--gpu-mem-fraction" (toString $r.gpuMemFraction) "--block-size" (toString $r.blockSize)) -}}{{- end -}}
 {{- $args = concat $args $r.extraArgs -}}
 {{- include "raykv.shellJoin" $args -}}
 {{- end -}}

@@ -28,17 +28,15 @@ class RaykvVllmConfig:
     raykv service answers on this node (default: warn once and run without the cache, and
     use it once it answers). ``model``: the raykv model name (None: derived from the vLLM
     model and its KV layout, so only engines whose KV bytes agree share entries).
-    ``cpu_bytes``: the CPU tier per node for this model. ``pool_bytes``: the service's own
-    pools for the model (None: one ``max_model_len`` request's worth; the engine keeps its
-    KV in its own tensors). ``load`` / ``store``: read hits from raykv / publish the
-    prompt's full blocks."""
+    ``cpu_bytes``: the CPU tier per node for this model (the service places no pools for
+    it: the engine keeps its KV in its own tensors). ``load`` / ``store``: read hits from
+    raykv / publish the prompt's full blocks."""
 
     agent: str | None = None
     namespace: str = NAMESPACE
     required: bool = False
     model: str | None = None
     cpu_bytes: int = DEFAULT_TIER_BYTES
-    pool_bytes: int | None = None
     load: bool = True
     store: bool = True
 
@@ -51,13 +49,12 @@ class RaykvVllmConfig:
             raise ConfigError(
                 f"kv_connector_extra_config has unknown keys {unknown}; raykv reads {sorted(known)}"
             )
-        for key in ("cpu_bytes", "pool_bytes"):
-            value = extra.get(key)
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ConfigError(
-                    f"kv_connector_extra_config[{key!r}] must be a positive int of bytes, "
-                    f"got {value!r}; e.g. {key}={1 << 30}"
-                )
+        value = extra.get("cpu_bytes")
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise ConfigError(
+                "kv_connector_extra_config['cpu_bytes'] must be a positive int of bytes, "
+                f"got {value!r}; e.g. cpu_bytes={1 << 30}"
+            )
         return cls(**extra)
 
 

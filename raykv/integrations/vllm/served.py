@@ -50,9 +50,9 @@ class ServedEngine:
         self.name = config.model or model_name(vllm_config, layout)
         per_token = sum(s.page_bytes(layout.block_size) for s in layout.layers.values())
         per_token //= layout.block_size
-        self.pool_bytes = config.pool_bytes or (
-            per_token * (layout.max_model_len + 2 * layout.block_size) * 2
-        )
+        # served without pools (a pool would take the engine's GPU); these bytes only size
+        # the plan, which needs room for one max_model_len request
+        self.plan_bytes = per_token * (layout.max_model_len + 2 * layout.block_size) * 2
         self.groups: tuple[int, ...] | None = None  # vLLM group -> raykv group, once served
         self._lock = threading.Lock()
         self._served_for: Any = None  # the agent connection (its Welcome) the model is served on
@@ -87,7 +87,8 @@ class ServedEngine:
                     max_model_len=layout.max_model_len,
                     max_num_batched_tokens=layout.max_num_batched_tokens,
                     block_size=layout.block_size,
-                    pool_bytes=self.pool_bytes,
+                    pool_bytes=self.plan_bytes,
+                    pools=False,
                     cpu_bytes=self.config.cpu_bytes,
                 )
             except AgentUnavailable:

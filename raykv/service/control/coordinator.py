@@ -349,7 +349,12 @@ class Coordinator:
         empty list means that node's pool is being placed (again); a node that runs no pool
         of ``model`` (not alive, or a CPU-only node of a GPU cluster) raises ServiceError."""
         await self._up()
-        self.model(model)
+        if not self.model(model)[0].pools:
+            raise ServiceError(
+                f"model {model!r} is served without pools (its engines keep their own KV: "
+                "the CPU tiers and the index only), so it has no blocks to allocate; attach "
+                "the engine's KV (Client.attach) or serve the model with pools under another name"
+            )
         pools = [m for m in self.members.values() if m.kind == "pool" and m.model == model]
         if node_id is None:
             return sorted(m.name for m in pools)

@@ -3,12 +3,14 @@
 On a cluster with GPUs only GPU nodes run engines: each gets ``num_gpus // tp_size`` TP
 groups of a model (a CPU-only node, e.g. a KubeRay head, gets nothing: a CPU-device pool
 there would take the GPU plan's bytes of host memory); without GPUs every node gets one
-group of CPU-device pools (development and CI). Every node that runs engines gets a CPU
-tier. A TP group of ``tp_size`` ranks lives on one node: tp_size=1 is one pool pinned to the
-node; more ranks share a STRICT_PACK placement group there (one GPU per bundle, or a sliver
-of CPU for CPU-device pools: bundles cannot be empty). Members are detached actors named
-after their slot (``raykv.service.served``), so a fresh one placed after a death serves under
-the same name on the same node (and GPU slot). Every wait is bounded by PLACE_TIMEOUT_S.
+group of CPU-device pools (development and CI); a model served without pools
+(``ServedModel.pools`` False: its engines keep their own KV) gets none. Every node that
+runs engines gets a CPU tier. A TP group of ``tp_size`` ranks lives on one node: tp_size=1
+is one pool pinned to the node; more ranks share a STRICT_PACK placement group there (one
+GPU per bundle, or a sliver of CPU for CPU-device pools: bundles cannot be empty). Members
+are detached actors named after their slot (``raykv.service.served``), so a fresh one
+placed after a death serves under the same name on the same node (and GPU slot). Every
+wait is bounded by PLACE_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ def engine_groups(nodes: list[dict], models: dict[str, ServedModel]) -> list[dic
     CPU-device pool there would take the GPU plan's bytes of host memory); without, one
     group of CPU-device pools per node (development and CI)."""
     gpus = [node_gpus(n) for n in nodes]
-    return [{name: g // m.tp_size if any(gpus) else 1 for name, m in models.items()} for g in gpus]
+    return [
+        {name: (g // m.tp_size if any(gpus) else 1) if m.pools else 0 for name, m in models.items()}
+        for g in gpus
+    ]
 
 
 def runs_engines(node: dict, nodes: list[dict]) -> bool:
@@ -76,12 +81,16 @@ def check_placeable(model: ServedModel, served: dict[str, ServedModel]) -> bool:
     """ConfigError if ``model`` cannot be placed beside ``served`` on this cluster; returns
     whether the cluster has GPUs (its pools then live on GPUs)."""
     gpus = [node_gpus(n) for n in alive_nodes()]
-    if any(gpus) and served:
+    if not model.pools:  # holds no GPU
+        return any(gpus)
+    pooled = sorted(name for name, m in served.items() if m.pools)
+    if any(gpus) and pooled:
         raise ConfigError(
-            f"cannot serve model {model.name!r} next to {sorted(served)} on GPUs: "
+            f"cannot serve model {model.name!r} next to {pooled} on GPUs: "
             "a GPU pool takes a whole GPU (num_gpus=1) and the served model's pools "
-            "hold every GPU of the cluster; serve one model per raykv service on GPUs "
-            "(raykv down first, or run another Ray cluster)"
+            "hold every GPU of the cluster; serve one model with pools per raykv service on "
+            "GPUs (raykv down first, or run another Ray cluster), or this one with "
+            "pools=False (its engines keep their own KV)"
         )
     if any(gpus) and max(gpus) < model.tp_size:
         raise ConfigError(
@@ -101,8 +110,8 @@ def _gpu_bytes_probe(fraction: float) -> int:
 
 async def probe_gpu_bytes(model: ServedModel) -> int:
     """KV bytes of one GPU pool (``gpu_mem_fraction`` of a free GPU's memory, measured on a
-    GPU), or DEFAULT_POOL_BYTES on a cluster without GPUs."""
-    if not any(node_gpus(n) for n in alive_nodes()):
+    GPU), or DEFAULT_POOL_BYTES on a cluster without GPUs or for a model without pools."""
+    if not model.pools or not any(node_gpus(n) for n in alive_nodes()):
         return DEFAULT_POOL_BYTES
     ref = ray.remote(num_gpus=1, num_cpus=0)(_gpu_bytes_probe).remote(model.gpu_mem_fraction)
     try:
@@ -200,7 +209,7 @@ class Placer:
                 .remote(nid, dict(plans))
             )
             self.expected[tier_name(nid)] = nid
-            starting.append((tier_name(nid), None, self._started(tier, tier_name(nid), nid)))
+            starting.append((tier_name(nid), None, self._tier_started(tier, nid, plans)))
             for name, n in groups.items():
                 for i in range(n):
                     pname = pool_name(name, nid, i)
@@ -229,6 +238,13 @@ class Placer:
                 f"{name} did not start on node {nid[:12]} within {PLACE_TIMEOUT_S:.0f}s; "
                 "check that node's free resources (a GPU pool needs a whole free GPU)"
             ) from None
+
+    async def _tier_started(self, tier: Any, nid: str, plans: dict[str, Any]) -> str:
+        """A node's tier started, with an arena for every model (idempotent: a tier that was
+        running keeps its arenas): a model without pools has no pool to add it."""
+        started = await self._started(tier, tier_name(nid), nid)
+        await asyncio.gather(*(tier.add_model.remote(m, plan) for m, plan in plans.items()))
+        return started
 
     async def _place_group(
         self, m: ServedModel, plan: Any, nid: str, index: int, num_gpus: int
