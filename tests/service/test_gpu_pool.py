@@ -82,9 +82,7 @@ def test_an_engines_model_takes_no_gpu_and_its_cuda_kv_round_trips() -> None:
             before = [t[1:17].clone() for t in eng.kv.raw]  # block-major rows
             eng.store_from(prompt, list(range(1, 17)))
             got = eng.load_into(prompt, list(range(21, 37)))
-            same = all(
-                torch.equal(t[21:37], b) for t, b in zip(eng.kv.raw, before, strict=True)
-            )
+            same = all(torch.equal(t[21:37], b) for t, b in zip(eng.kv.raw, before, strict=True))
             return got == 16 * block and same
 
         assert ray.get(replica.remote(), timeout=120)
