@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 
 import click
 
@@ -229,31 +230,85 @@ def up(address, preset, num_cpus, timeout_s, **sizes) -> None:
 @main.command()
 @click.option("--address", help="Ray cluster address (default: this host's raykv)")
 @click.option("--json", "as_json", is_flag=True, help="print the stats as JSON")
+@click.option(
+    "--watch",
+    "watch_s",
+    type=click.FloatRange(min=0.5),
+    is_flag=False,
+    flag_value=2.0,
+    default=None,
+    metavar="[SECONDS]",
+    help="redraw the table every SECONDS (default 2) until Ctrl-C",
+)
 @_timeout
-def status(address, as_json, timeout_s) -> None:
+def status(address, as_json, watch_s, timeout_s) -> None:
     """Nodes, pools, tiers, usage and hit rates of the running service."""
     import json
 
     from raykv.errors import RaykvError
     from raykv.service.control.ray_join import prepare_auth
 
+    if as_json and watch_s is not None:
+        raise click.UsageError("--watch redraws the table; --json prints the stats once")
     prepare_auth()  # before Ray is imported
     from raykv.service.control import launcher
 
-    _bounded(timeout_s or 60, "raykv status")
+    joining = _bounded(timeout_s or 60, "raykv status")
 
     try:
         s = launcher.status(address)
     except RaykvError as e:
         raise click.ClickException(str(e)) from e
+    if watch_s is not None:
+        joining.cancel()  # from here each frame is bounded by the coordinator call's timeout
+        _watch(s, lambda: launcher.read_status(s["address"]), watch_s)
+        return
+    table = _status_table(s)
+    click.echo(json.dumps(s, indent=2, default=str) if as_json else table)
+
+
+def _status_table(s: dict) -> str:
+    """``raykv status``'s table of the stats ``s``, with a Serve section where raykv's serve
+    extra is installed (``s["serve"]``, for the JSON too)."""
+    from raykv.service.control import launcher
+
     try:
         from raykv.integrations.serve.app import serve_status, serve_status_lines
     except ImportError:  # raykv without the extra serve: no Serve section
-        s["serve"], table = [], launcher.status_table(s)
-    else:
-        s["serve"] = serve_status()
-        table = "\n".join([launcher.status_table(s), *serve_status_lines(s["serve"])])
-    click.echo(json.dumps(s, indent=2, default=str) if as_json else table)
+        s["serve"] = []
+        return launcher.status_table(s)
+    s["serve"] = serve_status()
+    return "\n".join([launcher.status_table(s), *serve_status_lines(s["serve"])])
+
+
+def _watch(first: dict, read: Callable[[], dict], every_s: float) -> None:
+    """Redraw ``raykv status``'s table every ``every_s`` seconds until Ctrl-C, which ends the
+    command with exit status 0. A frame the service does not answer (its coordinator
+    restarting, a call timing out: ServiceError) draws that in place of the table and the
+    watch goes on, to draw the service again once it answers; a service that is gone
+    (ServiceGone: stopped, e.g. by ``raykv down``) ends it with that error."""
+    import signal
+    import time
+
+    from raykv.errors import ServiceError, ServiceGone
+
+    # _bounded left Ctrl-C to kill the process (exit 130); a watch ends by Ctrl-C, cleanly
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    body = _status_table(first)
+    try:
+        while True:
+            click.clear()
+            when = time.strftime("%H:%M:%S")
+            click.echo(f"raykv status every {every_s:g}s at {when} (Ctrl-C to stop)\n\n{body}")
+            time.sleep(every_s)
+            try:
+                body = _status_table(read())
+            except ServiceGone as e:
+                raise click.ClickException(str(e)) from e
+            except ServiceError as e:
+                body = f"service not answering ({e})"
+    except KeyboardInterrupt:
+        click.echo()  # the shell's prompt on a line of its own, after the ^C
 
 
 @main.command()

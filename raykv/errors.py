@@ -61,3 +61,8 @@ class TransportError(TierError):
 
 class ServiceError(RaykvError):
     """The Ray service is missing, unreachable or misconfigured."""
+
+
+class ServiceGone(ServiceError):
+    """The raykv service does not run on the joined Ray cluster (never started, or stopped):
+    waiting does not bring it back, ``raykv up`` does."""

@@ -54,3 +54,73 @@ def test_up_serves_no_model_unless_a_preset_is_named(monkeypatch) -> None:
     bad = CliRunner().invoke(cli.main, ["up", "--cpu-mem", "4GiB", "--tp", "2"])
     assert bad.exit_code == 2 and seen.get("cpu_bytes") != 4 << 30
     assert "--cpu-mem, --tp" in bad.output and "--preset NAME" in bad.output
+
+
+def _stats(lookups: int) -> dict:
+    """What the coordinator's ``stats`` answers, for a service of one node and no members."""
+    return {"address": "127.0.0.1:1", "uptime_s": 1.0, "models": {}, "members": [],
+            "nodes": [{"node_id": "n" * 12, "address": "127.0.0.1", "alive": True, "gpus": 0}],
+            "lookups": lookups, "hit_rate": 0.5, "hits": {"local_gpu": 1}, "misses": 1,
+            "indexed_blocks": 2}  # fmt: skip
+
+
+def _watching(monkeypatch, frames: list) -> tuple[list[float], list[str]]:
+    """``raykv status --watch`` with ``launcher.status`` answering the first frame and
+    ``read_status`` the rest, in turn (an exception is raised); no Ray, no Serve, no sleep.
+    Returns the sleeps and the screen clears, as they happen."""
+    import sys
+    import threading
+    import time
+
+    import click
+
+    from raykv.service.control import launcher, ray_join
+
+    slept, cleared = [], []
+    frames = iter(frames)
+
+    def next_frame(*_):
+        frame = next(frames)
+        if isinstance(frame, BaseException):
+            raise frame
+        return frame
+
+    monkeypatch.setattr(launcher, "status", next_frame)
+    monkeypatch.setattr(launcher, "read_status", next_frame)
+    monkeypatch.setattr(ray_join, "prepare_auth", lambda **_: None)
+    monkeypatch.setattr(cli, "_bounded", lambda *a: threading.Timer(1, lambda: None))
+    monkeypatch.setitem(sys.modules, "raykv.integrations.serve.app", None)  # without Serve
+    monkeypatch.setattr(time, "sleep", slept.append)
+    monkeypatch.setattr(click, "clear", lambda: cleared.append("clear"))
+    return slept, cleared
+
+
+def test_status_watch_redraws_until_ctrl_c_then_exits_0(monkeypatch) -> None:
+    slept, cleared = _watching(monkeypatch, [_stats(7), _stats(9), KeyboardInterrupt()])
+    res = CliRunner().invoke(cli.main, ["status", "--watch"])
+    assert res.exit_code == 0, res.output
+    assert res.output.count("raykv status every 2s") == 2 and cleared == ["clear"] * 2
+    assert res.output.index("lookups 7 ") < res.output.index("lookups 9 ")
+    assert slept == [2.0, 2.0]
+
+
+def test_status_watch_draws_a_silent_service_and_stops_at_a_gone_one(monkeypatch) -> None:
+    """A frame the coordinator does not answer says so and the watch goes on; a service
+    that no longer runs ends it with that error (exit 1)."""
+    from raykv.errors import ServiceError, ServiceGone
+
+    silent = ServiceError("the raykv coordinator did not answer 'stats' within 10s")
+    gone = ServiceGone("Ray runs at 127.0.0.1:1 but the raykv service does not (raykv up)")
+    slept, _ = _watching(monkeypatch, [_stats(1), silent, _stats(2), gone])
+    res = CliRunner().invoke(cli.main, ["status", "--watch", "0.5"])
+    assert res.exit_code == 1, res.output
+    assert f"service not answering ({silent})" in res.output
+    assert "lookups 2 " in res.output and res.output.rstrip().endswith(f"Error: {gone}")
+    assert slept == [0.5] * 3
+
+
+def test_status_watch_takes_no_json_and_no_tiny_period() -> None:
+    res = CliRunner().invoke(cli.main, ["status", "--watch", "--json"])
+    assert res.exit_code == 2 and "--json prints the stats once" in res.output
+    res = CliRunner().invoke(cli.main, ["status", "--watch", "0.1"])
+    assert res.exit_code == 2 and "--watch" in res.output

@@ -26,6 +26,8 @@ from raykv.transport.select import FALLBACK, after
 Direct = Callable[[str, Any], Awaitable[Fetched]]
 # told of each route that failed: (its name, the error, the route taken next)
 FellBack = Callable[[str, TransportError, str], None]
+# told of the bytes each route delivered (verified, in the reader's blocks): (its name, bytes)
+Carried = Callable[[str, int], None]
 
 
 async def fetch_over(
@@ -41,6 +43,7 @@ async def fetch_over(
     write: Write | None = None,
     asked: Asked | None = None,
     direct: Direct | None = None,
+    carried: Carried | None = None,
 ) -> Fetched:
     """The leading ``keys`` ``source`` holds, verified chunk by chunk into ``sink(position in
     keys, rows)``, over ``transports[name]`` (the fallback if this reader has no such
@@ -51,15 +54,21 @@ async def fetch_over(
     ``write`` (``Write``): the reader's copy of each chunk, checked as it goes. ``asked``
     (``Asked``): told once the first transport's request is on its way. ``direct``: how
     this reader runs a direct route (a transport whose ``direct`` is set); without it such
-    a route is refused and the fallback taken."""
+    a route is refused and the fallback taken. ``carried`` (``Carried``): told the bytes
+    each route delivered, whichever way the fetch ends (the reader's metrics per transport:
+    only here is it known which route carried which rows)."""
+    tell = carried or _ignore
     while direct is not None and getattr(transports.get(name), "direct", False):
         try:
-            return await direct(name, endpoint)
+            got = await direct(name, endpoint)
         except TransportError as e:
             then, endpoint = after(name, endpoint)
             if on_fallback is not None:
                 on_fallback(name, e, then)
             name = then
+            continue
+        tell(name, got.nbytes)
+        return got
     fallback = transports[FALLBACK]
     t = transports.get(name, fallback)
     done = Fetched()
@@ -71,4 +80,14 @@ async def fetch_over(
             raise
         if on_fallback is not None:
             on_fallback(t.name, e, FALLBACK)
-    return await receive(fallback.stream(source, model, keys[done.count :]), sink, done, write)
+    finally:
+        tell(t.name, done.nbytes)
+    first = done.nbytes
+    try:
+        return await receive(fallback.stream(source, model, keys[done.count :]), sink, done, write)
+    finally:
+        tell(FALLBACK, done.nbytes - first)
+
+
+def _ignore(name: str, nbytes: int) -> None:
+    """``carried`` of a reader that counts nothing per route."""

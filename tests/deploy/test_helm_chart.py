@@ -2,6 +2,7 @@
 checks of what matters (GPU limits, secret references, the start command)."""
 
 import base64
+import json
 import re
 import shlex
 from pathlib import Path
@@ -20,6 +21,7 @@ CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 CI_IDS = [p.name.removesuffix("-values.yaml") for p in CI_VALUES]
 PRODUCTION = CHART / "ci" / "production-values.yaml"
 CPU_ONLY = CHART / "ci" / "cpu-only-values.yaml"
+DASHBOARD = CHART / "dashboards" / "raykv.json"
 SECRET_KEYS = {"ray-auth-token", "raykv-transport-secret"}
 # Shapes beyond the CI files whose rendering must be just as valid.
 EXTRA_SHAPES = {
@@ -36,6 +38,16 @@ EXTRA_SHAPES = {
             "ucxNetDevices": "mlx5_0:1",
             "ucxStripes": 4,
             "peerReads": True,
+        },
+    },
+    "grafana-dashboard-elsewhere": {
+        "metrics": {
+            "grafanaDashboard": {
+                "enabled": True,
+                "namespace": "monitoring",
+                "labels": {"grafana_dashboard": "raykv"},
+                "annotations": {"grafana_folder": "raykv"},
+            },
         },
     },
     "stock-image-pip-install": {
@@ -208,6 +220,11 @@ def test_crd_check_is_strict_about_unknown_rayservice_fields(render, crd_validat
         ({"serve": {"extraArgs": {"tp": 4}}}, ["serve/extraArgs/tp"]),
         ({"serve": {"service": {"type": "Ingress"}}}, ["serve/service/type"]),
         ({"serve": {"upgradeStrategy": "Rolling"}}, ["serve/upgradeStrategy"]),
+        ({"metrics": {"grafanaDashboard": {"enable": True}}}, ["grafanaDashboard", "enable"]),
+        (
+            {"metrics": {"grafanaDashboard": {"enabled": "yes"}}},
+            ["metrics/grafanaDashboard/enabled"],
+        ),
     ],
     ids=[
         "misspelled-worker-key",
@@ -230,6 +247,8 @@ def test_crd_check_is_strict_about_unknown_rayservice_fields(render, crd_validat
         "serve-builder-arg-with-its-own-key",
         "serve-unknown-service-type",
         "serve-unknown-upgrade-strategy",
+        "misspelled-dashboard-key",
+        "dashboard-enabled-not-a-boolean",
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(helm_run, values, names):
@@ -529,6 +548,48 @@ def test_metrics_service_selects_every_ray_pod_and_pod_monitor_is_opt_in(render)
     assert service[0]["spec"]["selector"] == {"ray.io/cluster": cluster}
     assert service[0]["spec"]["ports"][0]["port"] == 8080
     assert by_kind(objects, "PodMonitor") == []
+
+
+def test_grafana_dashboard_ships_with_the_pod_monitor_for_grafanas_sidecar(render):
+    """The chart's dashboard JSON, as it is, in a ConfigMap labelled for Grafana's dashboard
+    sidecar, wherever the PodMonitor is (tests/deploy/test_grafana_dashboard.py checks what
+    it queries)."""
+    objects = render(files=[PRODUCTION])
+    assert one(objects, "PodMonitor")
+    config_map = one(objects, "ConfigMap")
+    assert config_map["metadata"]["name"] == "rel-raykv-grafana-dashboard"
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert "namespace" not in config_map["metadata"]  # the release's
+    assert json.loads(config_map["data"]["raykv.json"]) == json.loads(DASHBOARD.read_text())
+    kubernetes_validate.validate(config_map, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize(
+    ("metrics", "shipped"),
+    [
+        ({}, False),
+        ({"podMonitor": {"enabled": True}}, True),
+        ({"podMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": False}}, False),
+        ({"grafanaDashboard": {"enabled": True}}, True),
+        ({"podMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": None}}, True),
+    ],
+    ids=["default", "with-pod-monitor", "turned-off", "without-pod-monitor", "unset"],
+)
+def test_grafana_dashboard_follows_the_pod_monitor_unless_set(render, metrics, shipped):
+    assert len(by_kind(render(values={"metrics": metrics}), "ConfigMap")) == int(shipped)
+
+
+def test_grafana_dashboard_goes_where_the_sidecar_looks(render):
+    values = EXTRA_SHAPES["grafana-dashboard-elsewhere"]
+    metadata = one(render(values=values), "ConfigMap")["metadata"]
+    assert metadata["namespace"] == "monitoring"
+    assert metadata["labels"]["grafana_dashboard"] == "raykv"
+    assert metadata["annotations"] == {"grafana_folder": "raykv"}
+
+
+def test_notes_name_the_grafana_dashboard_where_it_ships(install_dry_run):
+    assert "rel-raykv-grafana-dashboard" in install_dry_run(files=[PRODUCTION])["info"]["notes"]
+    assert "grafana" not in install_dry_run()["info"]["notes"].lower()
 
 
 def test_autoscaling_bounds_reach_the_worker_group(render):

@@ -301,3 +301,54 @@ def test_fetch_over_takes_each_route_in_turn_direct_ones_through_the_reader() ->
 
     told.clear()  # a reader without a direct path: the route is refused, the store streams
     assert fetch().count == 2 and told == [(PEER, FALLBACK)]
+
+
+def test_fetch_over_tells_the_bytes_each_route_carried() -> None:
+    """``carried`` gets each route's verified bytes, once: a direct route that works (not the
+    ones that failed before it), a stream, and a stream that failed midway: what it delivered
+    is its own, the rest the object store's (the reader's ``raykv_fetched_bytes``)."""
+    from raykv.errors import TransportError
+    from raykv.transport import FALLBACK, Fetched, fetch_over
+    from raykv.transport.select import NCCL, PEER, UCX
+
+    chunks = [_batch(1, 2, seed=k) for k in range(3)]  # 2 rows of 64 bytes each
+
+    class Direct(base.DirectTransport):
+        instead = "lands rank to rank (test)"
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    class Stream:
+        direct = False
+
+        def __init__(self, name: str, fail_after: int | None = None) -> None:
+            self.name, self.fail_after = name, fail_after
+
+        async def stream(self, source, model, keys, *rest):
+            for k in range(len(keys) // 2):
+                if k == self.fail_after:
+                    raise TransportError(f"{self.name} down (test)")
+                yield chunks[k]
+
+    async def direct(name, endpoint) -> Fetched:
+        if name == PEER:
+            raise TransportError("peer read down (test)")
+        return Fetched(2, 256)
+
+    async def sink(at, chunk) -> None:
+        pass
+
+    def fetch(name: str, ucx: Stream, **kw) -> list[tuple[str, int]]:
+        told: list[tuple[str, int]] = []
+        transports = {PEER: Direct(PEER), NCCL: Direct(NCCL), UCX: ucx, FALLBACK: Stream(FALLBACK)}
+        keys = [bytes([k]) for k in range(6)]
+        endpoint = {"then": (NCCL, None)}
+        asyncio.run(fetch_over(transports, name, "src", "m", keys, sink, endpoint,
+                               carried=lambda *t: told.append(t), **kw))  # fmt: skip
+        return told
+
+    assert fetch(PEER, Stream(UCX), direct=direct) == [(NCCL, 256)]
+    assert fetch(UCX, Stream(UCX)) == [(UCX, 384)]
+    assert fetch(UCX, Stream(UCX, fail_after=1)) == [(UCX, 128), (FALLBACK, 256)]
+    assert fetch(UCX, Stream(UCX, fail_after=0)) == [(UCX, 0), (FALLBACK, 384)]

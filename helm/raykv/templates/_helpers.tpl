@@ -232,3 +232,13 @@ transport settings of `transport` (only those that differ from raykv's defaults)
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/* "true" where the Grafana dashboard ConfigMap renders: metrics.grafanaDashboard.enabled, or
+unset (null), with the PodMonitor, whose series the dashboard reads. */}}
+{{- define "raykv.grafanaDashboard" -}}
+{{- $on := .Values.metrics.grafanaDashboard.enabled -}}
+{{- if kindIs "invalid" $on -}}
+{{- $on = .Values.metrics.podMonitor.enabled -}}
+{{- end -}}
+{{- if $on }}true{{ end -}}
+{{- end -}}

@@ -11,7 +11,7 @@ from typing import Any
 
 import ray
 
-from raykv.errors import RaykvError, ServiceError
+from raykv.errors import RaykvError, ServiceError, ServiceGone
 from raykv.service.served import COORDINATOR, NAMESPACE
 
 START_TIMEOUT_S = 60.0
@@ -39,11 +39,11 @@ def ensure_service(namespace: str = NAMESPACE) -> Any:
 
 
 def coordinator(namespace: str = NAMESPACE) -> Any:
-    """The running coordinator; ServiceError if the service is not up."""
+    """The running coordinator; ServiceGone if the service is not up."""
     try:
         return ray.get_actor(COORDINATOR, namespace=namespace)
     except ValueError:
-        raise ServiceError("Ray runs but the raykv service does not (raykv up)") from None
+        raise ServiceGone("Ray runs but the raykv service does not (raykv up)") from None
 
 
 def call(coord: Any, method: str, *args: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:

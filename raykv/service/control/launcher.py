@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from raykv.errors import RaykvError, ServiceError
+from raykv.errors import RaykvError, ServiceError, ServiceGone
 from raykv.service.control import calls
 from raykv.service.control.admin import admin_key
 from raykv.service.control.ray_join import (
@@ -187,14 +187,21 @@ def _join(address: str | None) -> str:
 
 
 def status(address: str | None) -> dict[str, Any]:
-    addr = _join(address)
+    """Join the Ray cluster at ``address`` and read the service's stats (``read_status``)."""
+    return read_status(_join(address))
+
+
+def read_status(address: str) -> dict[str, Any]:
+    """The service's stats, read by this process, already joined to the cluster at
+    ``address``: ServiceGone where the service does not run there, ServiceError where its
+    coordinator does not answer."""
     try:
         coord = calls.coordinator()
-    except ServiceError:
-        raise ServiceError(
-            f"Ray runs at {addr} but the raykv service does not (raykv up)"
+    except ServiceGone:
+        raise ServiceGone(
+            f"Ray runs at {address} but the raykv service does not (raykv up)"
         ) from None
-    return {"address": addr, **calls.call(coord, "stats")}
+    return {"address": address, **calls.call(coord, "stats")}
 
 
 def down(address: str | None) -> dict[str, Any]:

@@ -8,6 +8,9 @@ from collections import Counter as Tally
 from ray.util import metrics
 
 _LATENCY_BOUNDS = [0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 1000]  # ms
+# ``raykv_fetched_bytes``' transport of a pool's loads from its own node's CPU tier: they go
+# through the shared arena, not over a ``raykv.transport``, and are most of what a pool loads
+ARENA = "arena"
 
 
 class ServiceMetrics:
@@ -20,6 +23,11 @@ class ServiceMetrics:
         self._evictions = metrics.Counter("raykv_evicted_blocks", "Blocks evicted", tags)
         self._offloads = metrics.Counter("raykv_offloaded_blocks", "GPU blocks saved to CPU", tags)
         self._moved = metrics.Counter("raykv_bytes_moved", "KV bytes moved between members", tags)
+        self._fetched = metrics.Counter(
+            "raykv_fetched_bytes",
+            "KV bytes readers received (verified), per transport that carried them",
+            ("component", "model", "transport"),
+        )
         self._corrupt = metrics.Counter(
             "raykv_checksum_errors", "Copies whose bytes failed their checksum (misses)", tags
         )
@@ -69,6 +77,14 @@ class ServiceMetrics:
         if nbytes:
             self.tally["bytes_moved"] += nbytes
             self._moved.inc(nbytes, self._tags(model, tier))
+
+    def fetched(self, model: str, transport: str, nbytes: int) -> None:
+        """Bytes this reader received over ``transport`` (``raykv.transport.select``'s names,
+        or ``ARENA``), counted once, by the reader (``fetch_over``'s ``carried``)."""
+        if nbytes:
+            self.tally[f"fetched_bytes_{transport}"] += nbytes
+            self._fetched.inc(nbytes, {"component": self.component, "model": model,
+                                       "transport": transport})  # fmt: skip
 
     def checksum_errors(self, model: str, tier: str, n: int) -> None:
         """Copies found corrupt (dropped, served as misses, never as KV), each counted once,

@@ -38,7 +38,7 @@ import ray
 from raykv.blocks import BlockManager
 from raykv.errors import TransportError
 from raykv.service.control.index import CPU, GPU, Location
-from raykv.service.control.metrics import ServiceMetrics
+from raykv.service.control.metrics import ARENA, ServiceMetrics
 from raykv.service.groups import Chunk
 from raykv.service.member import Publish
 from raykv.service.pool.fanout import Ranks
@@ -302,7 +302,9 @@ class Fetch:
             before = len(filled)
             try:
                 if loc.node_id == self.node_id and loc.tier == CPU:
-                    moved += await self.tier_io.load(gi, batch, filled, live)
+                    nbytes = await self.tier_io.load(gi, batch, filled, live)
+                    self.metrics.fetched(self.model.name, ARENA, nbytes)
+                    moved += nbytes
                     n = len(filled) - before
                 else:
                     n, nbytes = await self._from_member(loc, gi, batch, filled, live)
@@ -342,6 +344,9 @@ class Fetch:
                         self.name, name, source, e, then)  # fmt: skip
             self.metrics.failed(f"transport_{name}")
 
+        def carried(name: str, nbytes: int) -> None:
+            self.metrics.fetched(self.model.name, name, nbytes)
+
         async def direct(name: str, endpoint: Any) -> Fetched:  # rank to rank into our blocks
             route = replace(loc, transport=name, endpoint=endpoint)
             return await self.pairs.fetch(route, gi, want, filled, live)
@@ -361,7 +366,7 @@ class Fetch:
         try:
             got = await fetch_over(self.transports, loc.transport, source, self.model.name,
                                    [k for k, _ in want], sink, loc.endpoint, fell_back,
-                                   direct=direct)  # fmt: skip
+                                   direct=direct, carried=carried)  # fmt: skip
         except _Freed:
             return written[0], written[1]
         if got.corrupt:  # the source's copy is corrupt: a miss, dropped there

@@ -224,7 +224,7 @@ async def _fill(
             got = await fetch_over(
                 tier.transports, loc.transport, loc.member, model, want[i:run], sink,
                 loc.endpoint, _gave_up if guessed else _fell_back(tier, loc.member), land,
-                write, asked,
+                write, asked, carried=lambda name, n: tier.metrics.fetched(model, name, n),
             )  # fmt: skip
             asked = None
         except (ray.exceptions.RayActorError, TransportError, ValueError) as e:
