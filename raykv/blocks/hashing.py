@@ -101,16 +101,23 @@ TENANT_VERSION = b"raykv/tenant/v1"
 TENANT_LABEL_CHARS = 8  # a tenant's metrics label: this many hex digits of its key
 
 
-def tenant_key(cache_salt: str | bytes | None = None, lora: str | int | None = None) -> Tenant:
+def tenant_key(
+    cache_salt: str | bytes | None = None,
+    lora: str | int | None = None,
+    lora_path: str | None = None,
+) -> Tenant:
     """The one key a request's tenant hashes under: its cache salt (vLLM's ``cache_salt``)
-    and its LoRA adapter (its name: an adapter's int id is numbered per server as adapters
-    load, so the same id names different adapters on different engines), as one sha256
-    digest; None for neither, so a request without a tenant hashes as before. A digest, not
-    the raw salt: a fixed 32 bytes in every message and row that carries it, and a salt
-    never appears in metadata or metrics (``tenant_label``)."""
-    if cache_salt is None and lora is None:
+    and its LoRA adapter, as one sha256 digest; None for none of them, so a request without
+    a tenant hashes as before. The adapter is its name (``lora``; not vLLM's int id, which a
+    server numbers as adapters load, so one id names different adapters on different
+    engines) and, as vLLM keys it, the path it was loaded from (``lora_path``: a name pointed
+    at another adapter does not reuse the old one's KV). A digest, not the raw salt: a fixed
+    32 bytes in every message and row that carries it, and a salt never appears in metadata
+    or metrics (``tenant_label``)."""
+    if cache_salt is None and lora is None and lora_path is None:
         return None
-    return hashlib.sha256(TENANT_VERSION + _encode(cache_salt) + _encode(lora)).digest()
+    keys = _encode(cache_salt) + _encode(lora) + _encode(lora_path)
+    return hashlib.sha256(TENANT_VERSION + keys).digest()
 
 
 def tenant_label(tenant: Tenant) -> str:

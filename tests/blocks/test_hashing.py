@@ -82,6 +82,7 @@ def test_tenants_and_seed_change_every_hash():
     base = BlockHasher(2).hash_blocks(TOKENS)
     tenants = [tenant_key(lora="a"), tenant_key("a"), tenant_key(b"a"), tenant_key("a", "a")]
     tenants += [tenant_key(lora=1), tenant_key(lora="1"), tenant_key(""), tenant_key(lora="")]
+    tenants += [tenant_key(lora_path="a"), tenant_key(None, "a", "a"), tenant_key(None, "a", "b")]
     assert len(set(tenants)) == len(tenants) and tenant_key() is None
     variants = [BlockHasher(2, seed=1).hash_blocks(TOKENS)]
     variants += [BlockHasher(2).hash_blocks(TOKENS, tenant=t) for t in tenants]
@@ -97,6 +98,7 @@ def test_tenants_and_seed_change_every_hash():
 
 _SALT = st.one_of(st.none(), st.text(max_size=6), st.binary(max_size=6))
 _LORA = st.one_of(st.none(), st.text(max_size=6), st.integers(0, 2**40))
+_PATH = st.one_of(st.none(), st.text(max_size=6))
 
 
 @settings(max_examples=examples(150, 5_000), deadline=None)
@@ -104,12 +106,12 @@ _LORA = st.one_of(st.none(), st.text(max_size=6), st.integers(0, 2**40))
     tokens=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=80),
     other=st.one_of(st.none(), st.lists(st.integers(0, 2**32 - 1), max_size=80)),
     bs=st.integers(1, 8),
-    a=st.tuples(_SALT, _LORA),
-    b=st.tuples(_SALT, _LORA),
+    a=st.tuples(_SALT, _LORA, _PATH),
+    b=st.tuples(_SALT, _LORA, _PATH),
 )
 def test_two_tenants_never_share_a_block_key_and_one_tenant_always_does(tokens, other, bs, a, b):
-    """Whatever two prompts (the same one, or any two: one may extend the other) and two
-    tenants (a cache salt, a LoRA adapter, either, both or neither), no block of one
+    """Whatever two prompts (the same one, or one extending the other) and two tenants (a
+    cache salt, a LoRA adapter's name and path: any of them, or none), no block of one
     tenant's chain has the hash (and so the key: a group id + the hash) of a block of the
     other's; the same tenant's same tokens are the same keys, whole or as a lookup's blob."""
     from raykv.service.control.index import group_key
@@ -420,7 +422,7 @@ def test_the_definition_is_pinned():
     second: tenants' keys were never stored before it, the connector refused them)."""
     ids = list(range(40)) + [2**33] * 8
     plain = "c63acd82cb2acf92e494f29ae5b77cee83cdd8e85ff42252c6716fef0a5ae44d"
-    tenant = "522981de8f3e1be2e9bd8cac320e6e59c0aab43e3a4bca114dc70e0bab94a59a"
+    tenant = "bd16cd62e9f91c84ea9bab2a2b04e22910fe8f80ebc965ff87c5797ed5066812"
     assert HASH_VERSION == b"raykv/block-hash/v3"
     t = tenant_key("t", "adapter")
     with python_path():
