@@ -63,6 +63,7 @@ from raykv.service.control.ray_join import join
 from raykv.service.served import COORDINATOR, NAMESPACE, ServedModel, served_model
 
 if TYPE_CHECKING:
+    from raykv.blocks.hashing import Tenant
     from raykv.layout import Plan
     from raykv.service.control.coordinator import Coordinator
     from raykv.service.pool.gpu_pool import GpuPool
@@ -415,8 +416,13 @@ class _Operations(_Base):
         return CoordinatorCall(Coordinator.stats)
 
     @operation.with_model
-    def lookup(self, token_ids: Sequence[int]) -> CoordinatorCall[LookupResult]:
-        """The leading tokens of ``token_ids`` whose KV some pool or CPU tier holds, and where."""
+    def lookup(
+        self, token_ids: Sequence[int], tenant: Tenant = None
+    ) -> CoordinatorCall[LookupResult]:
+        """The leading tokens of ``token_ids`` whose KV some pool or CPU tier holds, and where.
+        ``tenant``: the prompt's tenant (``raykv.blocks.tenant_key``: a cache salt, a LoRA
+        adapter's name and path, as the vLLM connector keys such a request): only its blocks
+        are hits."""
         from raykv.blocks import BlockHasher
         from raykv.service.control.index import pack, unpack
         from raykv.service.groups import primary_group
@@ -425,7 +431,7 @@ class _Operations(_Base):
         ids = token_id_array(token_ids, plan.max_model_len, model.name)
         limit = max(len(ids) - 1, 0)  # the last token is always computed: never a hit
         hasher = BlockHasher(plan.hash_block_size)
-        hashes = hasher.hash_blocks(ids, end_block=limit // hasher.hash_block_size)
+        hashes = hasher.hash_blocks(ids, end_block=limit // hasher.hash_block_size, tenant=tenant)
         block_size = plan.groups[primary_group(plan)].block_size
         node = self._node_id()
 

@@ -6,11 +6,15 @@ and ``row(i)`` is the block's tokens, then the extra keys. The tokens go in as l
 uint32 behind the tag 0x05 when every token of the block is in ``0 .. 2**32 - 1`` (any real
 vocabulary), else as little-endian int64 behind the tag 0x06: one injective encoding per
 block that keeps a 16-token row (67 bytes, 99 with the parent) in two sha256 compressions
-instead of three. The LoRA id goes into every block, the cache salt only into the first one
-(the chain carries it on). The parent comes last, a fixed 32 bytes at the end of the
-message: a row's whole 64-byte chunks are its block's own, so their sha256 state (the
-midstate) needs no parent, and only a block's last compression waits for the block before
-(with the parent first, v2, both of a 16-token block's did). Nothing here uses Python's
+instead of three. The extra keys are two bytes, ``0x00 0x00``, in every block but a
+tenant's first: a request's tenant (``tenant_key``: its cache salt and LoRA adapter as one
+32-byte digest) replaces the second byte there with its encoding, and the chain carries it
+on, so no block of a tenant's prompt shares a hash with the same tokens under another
+tenant or none, and a prompt without a tenant hashes as it always did. The parent comes
+last, a fixed 32 bytes at the end of the message: a row's whole 64-byte chunks are its
+block's own, so their sha256 state (the midstate) needs no parent, and only a block's last
+compression waits for the block before (with the parent first, v2, both of a 16-token
+block's did). Nothing here uses Python's
 ``hash()`` (randomized per process); the seed is explicit (invariant 10) and
 ``HASH_VERSION`` names this definition: it is the one implementation, used by the block
 manager's prefix cache, the service's group keys, the CPU tier's keys and the client's
@@ -66,8 +70,10 @@ DEFAULT_HASH_SEED = 0
 DIGEST_BYTES = 32  # sha256: every BlockHash is this long
 
 BlockHash = bytes
+Tenant = bytes | None  # ``tenant_key``'s digest; None: no tenant
 
 _NARROW, _WIDE = 0x05, 0x06  # row tags: uint32 tokens / int64 tokens
+_NO_TENANT = b"\x00\x00"  # every row's extra keys but a tenant's first (module docstring)
 _U32 = 1 << 32
 _FEW = 8  # up to this many blocks, rows are packed without numpy (cheaper per call)
 _U32_CODE = next((c for c in "IL" if array.array(c).itemsize == 4), None)  # array's uint32
@@ -89,6 +95,35 @@ def _encode(value: int | str | bytes | None) -> bytes:
         value = bytes(value)
         tag = b"\x03"
     return tag + struct.pack("<I", len(value)) + value
+
+
+TENANT_VERSION = b"raykv/tenant/v1"
+TENANT_LABEL_CHARS = 8  # a tenant's metrics label: this many hex digits of its key
+
+
+def tenant_key(
+    cache_salt: str | bytes | None = None,
+    lora: str | int | None = None,
+    lora_path: str | None = None,
+) -> Tenant:
+    """The one key a request's tenant hashes under: its cache salt (vLLM's ``cache_salt``)
+    and its LoRA adapter, as one sha256 digest; None for none of them, so a request without
+    a tenant hashes as before. The adapter is its name (``lora``; not vLLM's int id, which a
+    server numbers as adapters load, so one id names different adapters on different
+    engines) and, as vLLM keys it, the path it was loaded from (``lora_path``: a name pointed
+    at another adapter does not reuse the old one's KV). A digest, not the raw salt: a fixed
+    32 bytes in every message and row that carries it, and a salt never appears in metadata
+    or metrics (``tenant_label``)."""
+    if cache_salt is None and lora is None and lora_path is None:
+        return None
+    keys = _encode(cache_salt) + _encode(lora) + _encode(lora_path)
+    return hashlib.sha256(TENANT_VERSION + keys).digest()
+
+
+def tenant_label(tenant: Tenant) -> str:
+    """A tenant's metrics label: "none", or the first hex digits of its key (a tenant's
+    salt cannot be read back from it; ``ServiceMetrics`` bounds how many labels it keeps)."""
+    return "none" if tenant is None else tenant.hex()[:TENANT_LABEL_CHARS]
 
 
 def narrow_array(token_ids: Any, start: int = 0, stop: int | None = None) -> np.ndarray | None:
@@ -401,26 +436,27 @@ class BlockHasher:
         first_block: int = 0,
         end_block: int | None = None,
         parent: BlockHash | None = None,
-        lora_id: int | None = None,
-        cache_salt: str | bytes | None = None,
+        tenant: Tenant = None,
     ) -> list[BlockHash]:
         """Hashes of the full hash blocks ``first_block .. end_block - 1`` of ``token_ids``
         (the whole sequence: a list, tuple or integer numpy array; by default up to its last
         full block, a partial one is never hashed).
 
         ``parent`` is the hash of block ``first_block - 1``; it is required when
-        ``first_block > 0`` so the chain stays one chain however it is computed in pieces.
-        One native call where the extension is loaded, else the Python loop below (module
-        docstring); the same bytes either way.
+        ``first_block > 0`` so the chain stays one chain however it is computed in pieces
+        (the ``tenant`` then enters nothing: it is in the parent already).
+        ``tenant``: the request's ``tenant_key``, which enters block 0. One native call
+        where the extension is loaded, else the Python loop below (module docstring); the
+        same bytes either way.
         """
-        return self._hash(token_ids, first_block, end_block, parent, lora_id, cache_salt)
+        return self._hash(token_ids, first_block, end_block, parent, tenant)
 
     def hash_blocks_joined(
-        self, token_ids: Sequence[int], *, end_block: int | None = None
+        self, token_ids: Sequence[int], *, end_block: int | None = None, tenant: Tenant = None
     ) -> bytes:
-        """``b"".join(hash_blocks(token_ids, end_block=end_block))`` made as one bytes object
-        natively (a lookup's form: no object per block, no join)."""
-        return self._hash(token_ids, 0, end_block, None, None, None, joined=True)
+        """``b"".join(hash_blocks(token_ids, end_block=end_block, tenant=tenant))`` made as
+        one bytes object natively (a lookup's form: no object per block, no join)."""
+        return self._hash(token_ids, 0, end_block, None, tenant, joined=True)
 
     def _hash(
         self,
@@ -428,8 +464,7 @@ class BlockHasher:
         first_block: int,
         end_block: int | None,
         parent: BlockHash | None,
-        lora_id: int | None,
-        cache_salt: str | bytes | None,
+        tenant: Tenant,
         joined: bool = False,
     ) -> Any:
         if first_block > 0 and parent is None:
@@ -438,11 +473,14 @@ class BlockHasher:
         last = len(token_ids) // bs if end_block is None else min(end_block, len(token_ids) // bs)
         if last <= first_block:
             return b"" if joined else []
-        tail = b"\x00\x00" if lora_id is None else _encode(lora_id) + b"\x00"
-        # the salt enters the first block: its row ends in the salt instead of the last 0
-        first_tail = (
-            tail[:-1] + _encode(cache_salt) if first_block == 0 and cache_salt is not None else None
-        )
+        if tenant is not None and not isinstance(tenant, bytes):
+            raise InvalidInput(
+                f"a tenant is tenant_key(cache_salt, lora)'s bytes, got {type(tenant).__name__}; "
+                "nothing was hashed"
+            )
+        tail = _NO_TENANT
+        # a tenant enters the first block: its row ends in the tenant instead of the last 0
+        first_tail = b"\x00" + _encode(tenant) if first_block == 0 and tenant is not None else None
         prev = self.root if first_block == 0 else parent
         chain = _chain
         if chain is None and _native_state is None:

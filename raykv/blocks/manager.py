@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from raykv.blocks.events import KVEvent
-from raykv.blocks.hashing import DEFAULT_HASH_SEED, BlockHash, BlockHasher
+from raykv.blocks.hashing import DEFAULT_HASH_SEED, BlockHash, BlockHasher, Tenant
 from raykv.blocks.managers import GroupManager, manager_for
 from raykv.blocks.pool import BlockPool
 from raykv.blocks.step import (
@@ -125,8 +125,7 @@ class BlockManager:
         num_tokens: int,
         token_ids: Sequence[int] | None = None,
         *,
-        lora_id: int | None = None,
-        cache_salt: str | bytes | None = None,
+        tenant: Tenant = None,
     ) -> bool:
         """Register a request of ``num_tokens`` tokens if the blocks it needs are free now.
 
@@ -135,7 +134,7 @@ class BlockManager:
         only does not fit yet. The gate gives credit for prefix hits that running requests
         hold (``_admission_need``): it never refuses a request whose real need fits.
         ``token_ids`` (optional, the prompt) are hashed here, once, for the gate and the
-        first step.
+        first step, under ``tenant`` (``tenant_key``: its blocks are that tenant's only).
         """
         if request_id in self._requests:
             raise InvalidInput(f"request {request_id!r} is already admitted; free it first")
@@ -153,8 +152,7 @@ class BlockManager:
             tables=[[] for _ in self.managers],
             num_skipped=[0] * len(self.managers),
             num_hashed=[0] * len(self.managers),
-            lora_id=lora_id,
-            cache_salt=cache_salt,
+            tenant=tenant,
             num_prompt_tokens=num_tokens,
         )
         free = self.pool.num_free_blocks
@@ -294,18 +292,15 @@ class BlockManager:
         self,
         token_ids: Sequence[int],
         *,
-        lora_id: int | None = None,
-        cache_salt: str | bytes | None = None,
+        tenant: Tenant = None,
     ) -> int:
-        """Tokens a first step over ``token_ids`` would take from the prefix cache: common
-        to every group, at most ``len(token_ids) - 1``. Changes nothing."""
+        """Tokens a first step over ``token_ids`` (of ``tenant``) would take from the prefix
+        cache: common to every group, at most ``len(token_ids) - 1``. Changes nothing."""
         if self.hasher is None or len(token_ids) < 2:
             return 0
         limit = len(token_ids) - 1
         hbs = self.hasher.hash_block_size
-        hashes = self.hasher.hash_blocks(
-            token_ids, end_block=limit // hbs, lora_id=lora_id, cache_salt=cache_salt
-        )
+        hashes = self.hasher.hash_blocks(token_ids, end_block=limit // hbs, tenant=tenant)
         return common_hit(self.managers, self.pool, hashes, hbs, limit)[0]
 
     def prefix_hit(self, request_id: RequestId) -> int:

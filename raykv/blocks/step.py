@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from raykv.blocks.hashing import BlockHash, BlockHasher
+from raykv.blocks.hashing import BlockHash, BlockHasher, Tenant
 from raykv.blocks.managers import GroupManager, Lookup
 from raykv.blocks.pool import NULL_BLOCK, BlockPool
 
@@ -25,8 +25,7 @@ class RequestBlocks:
     tables: list[list[int]]  # per group: logical block ids, NULL_BLOCK for skipped slots
     num_skipped: list[int]  # per group: leading slots that hold the null block
     num_hashed: list[int]  # per group: leading slots already offered to the prefix cache
-    lora_id: int | None = None
-    cache_salt: str | bytes | None = None
+    tenant: Tenant = None  # ``tenant_key``: enters the first block's hash
     num_tokens: int = 0  # positions 0 .. num_tokens - 1 have slots
     num_cached_tokens: int = 0  # prefix-hit tokens of the first step
     hashes: list[BlockHash] = field(default_factory=list)  # chained, per full hash block
@@ -42,8 +41,7 @@ class RequestBlocks:
                 first_block=len(self.hashes),
                 end_block=n,
                 parent=self.hashes[-1] if self.hashes else None,
-                lora_id=self.lora_id,
-                cache_salt=self.cache_salt,
+                tenant=self.tenant,
             )
 
 

@@ -25,6 +25,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
+from raykv.blocks.hashing import Tenant, tenant_label
 from raykv.errors import RaykvError, ServiceError
 from raykv.service.node import agent_protocol as p
 
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 10.0  # a control call (reserve, lease, apply) the agent answers in ~0.1 ms
 CONNECT_TIMEOUT_S = 1.0
 REPROBE_S = 1.0
+COUNT_S = 0.05  # an engine's counts go to the agent in batches this far apart
 
 
 class AgentUnavailable(ServiceError):
@@ -212,3 +214,46 @@ class NodeAgent:
         except (OSError, ValueError, EOFError, pickle.UnpicklingError) as e:
             if self._sock is sock:
                 self._trip(f"{type(e).__name__}: {e}")
+
+
+class EngineCounts:
+    """An engine's counts for its node's metrics (``raykv status``, Prometheus), per model
+    and tenant (``tenant_label``: a short hash of its key, never the salt), told the agent
+    in one-way ``Counted`` messages at most every ``COUNT_S``: counting costs a request no
+    round trip, and counts lost with the agent are only metrics."""
+
+    def __init__(self, agent: NodeAgent) -> None:
+        self.agent = agent
+        self._lock = threading.Lock()  # a worker counts from its save thread
+        self._counts: dict[tuple[str, str], list[int]] = {}
+        self._sent_at = 0.0
+
+    def add(
+        self,
+        model: str,
+        tenant: Tenant,
+        *,
+        lookups: int = 0,
+        hit_blocks: int = 0,
+        miss_blocks: int = 0,
+        stored_entries: int = 0,
+    ) -> None:
+        with self._lock:
+            c = self._counts.setdefault((model, tenant_label(tenant)), [0, 0, 0, 0])
+            c[0], c[1] = c[0] + lookups, c[1] + hit_blocks
+            c[2], c[3] = c[2] + miss_blocks, c[3] + stored_entries
+            now = time.monotonic()
+            if now - self._sent_at < COUNT_S:
+                return
+            counts, self._counts, self._sent_at = self._counts, {}, now
+        self._send(counts)
+
+    def flush(self) -> None:
+        """Send what is counted now (an engine detaching or closing)."""
+        with self._lock:
+            counts, self._counts = self._counts, {}
+        self._send(counts)
+
+    def _send(self, counts: dict[tuple[str, str], list[int]]) -> None:
+        for (model, label), c in counts.items():
+            self.agent.send(p.Counted(model, label, *c))

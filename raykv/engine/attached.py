@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from raykv.blocks.hashing import BlockHasher
-from raykv.engine.agent import NodeAgent
+from raykv.blocks.hashing import BlockHasher, Tenant
+from raykv.engine.agent import EngineCounts, NodeAgent
 from raykv.errors import InvalidInput, RaykvError
 from raykv.service.groups import as_tables, complete_chunks, factors, group_keys
 from raykv.service.node import agent_protocol as p
@@ -95,6 +95,7 @@ class AttachedKV:
         if num_blocks is not None:  # the engine's own pool: its block count, the model's layout
             plan = dataclasses.replace(plan, num_gpu_blocks=num_blocks)
         self.model, self.plan, self.agent = model, plan, agent
+        self.counts = EngineCounts(agent)  # entries stored, per tenant (the node's metrics)
         self.piece_bytes = piece_bytes
         self.kv = (
             GpuKV.allocate(plan, device)
@@ -160,13 +161,15 @@ class AttachedKV:
         leases and reservations that was (0 where the agent is gone: they went with it)."""
         try:
             self.flush()
+            self.counts.flush()
             return self.agent.call(p.ReleaseAll())
         except RaykvError as e:
             log.info("detach: %s", e)
             return 0
 
-    def keys(self, token_ids: Sequence[int]) -> list[list[bytes]]:
-        return group_keys(self.plan, self.hasher.hash_blocks_joined(token_ids))
+    def keys(self, token_ids: Sequence[int], tenant: Tenant = None) -> list[list[bytes]]:
+        """Per group, the keys of the full blocks of ``tenant``'s prompt ``token_ids``."""
+        return group_keys(self.plan, self.hasher.hash_blocks_joined(token_ids, tenant=tenant))
 
     def _cuts(self, num_tokens: int) -> list[int]:
         """Where a copy of a prompt's first ``num_tokens`` is cut into pieces (token
@@ -182,14 +185,16 @@ class AttachedKV:
             size = min(most, 2 * size)
         return [*cuts, num_tokens] if cuts[-1] < num_tokens or len(cuts) == 1 else cuts
 
-    def _pieces(self, token_ids: Sequence[int], tables: list, cuts: list[int]) -> Iterator:
+    def _pieces(
+        self, token_ids: Sequence[int], tables: list, cuts: list[int], tenant: Tenant
+    ) -> Iterator:
         """Per piece (tokens ``cuts[i]`` to ``cuts[i + 1]``), hashed as it is needed (the
-        chain goes on from the piece before): (each group's first position in it, its keys
-        per group, its block ids per group)."""
+        chain goes on from the piece before; ``tenant`` enters the first): (each group's
+        first position in it, its keys per group, its block ids per group)."""
         hbs, parent = self.plan.hash_block_size, None
         for a, b in itertools.pairwise(cuts):
             hashes = self.hasher.hash_blocks(token_ids, first_block=a // hbs, end_block=b // hbs,
-                                             parent=parent)  # fmt: skip
+                                             parent=parent, tenant=tenant)  # fmt: skip
             parent = hashes[-1] if hashes else parent
             at = [a // g.block_size for g in self.plan.groups]
             groups = zip(tables, at, self.plan.groups, strict=True)
@@ -201,9 +206,12 @@ class AttachedKV:
         most = max(len(t) * g.block_size for t, g in zip(tables, self.plan.groups, strict=True))
         return min(len(token_ids), most)
 
-    def store_from(self, token_ids: Sequence[int], block_ids: Sequence) -> int:
+    def store_from(
+        self, token_ids: Sequence[int], block_ids: Sequence, tenant: Tenant = None
+    ) -> int:
         """Copy the engine's blocks ``block_ids`` (per group, by position; a flat list for
-        one group) holding ``token_ids``' full blocks into the node's CPU tier; returns the
+        one group) holding ``token_ids``' full blocks into the node's CPU tier, keyed as
+        ``tenant``'s (``tenant_key``: only its lookups and loads find them); returns the
         entries newly stored (0 when the tier has no room: a miss later, never wrong).
 
         A store of more than a quarter of ``piece_bytes`` goes in pieces of the prompt,
@@ -213,7 +221,8 @@ class AttachedKV:
         copy. Where the tier has no room for a piece, it and the pieces after it are not
         stored (the ones before are: a prefix)."""
         tables = as_tables(self.plan, block_ids)
-        pieces = self._pieces(token_ids, tables, self._cuts(self._covered(token_ids, tables)))
+        cuts = self._cuts(self._covered(token_ids, tables))
+        pieces = self._pieces(token_ids, tables, cuts, tenant)
         self._answered()
         sent: list[tuple[StoreJob, Future]] = []
 
@@ -247,7 +256,9 @@ class AttachedKV:
                 results += eng.wait_all()
                 self._apply(eng.tier.take())
             self._give_back([asked for _, asked in sent[len(counts) :]])
-        return sum(counts[r.job_id] for r in results if r.ok)
+        stored = sum(counts[r.job_id] for r in results if r.ok)
+        self.counts.add(self.model, tenant, stored_entries=stored)
+        return stored
 
     def _give_back(self, sent: list[Future]) -> None:
         """Release the reservations asked for pieces not stored (a piece before had no
@@ -260,11 +271,14 @@ class AttachedKV:
                     ops.append(("finish_store", res, False, None, None, 0))
         self._apply(ops)
 
-    def pull(self, token_ids: Sequence[int], num_blocks: int | Sequence[int]) -> list[int]:
-        """Make the node's tier hold the prompt's first ``num_blocks`` blocks (per group, or
-        one count for all) that other members hold: ``CpuTierActor.pull`` copies what it
-        lacks into its arena, verified. Returns, per group, the leading blocks it holds."""
-        keys = self.keys(token_ids)
+    def pull(
+        self, token_ids: Sequence[int], num_blocks: int | Sequence[int], tenant: Tenant = None
+    ) -> list[int]:
+        """Make the node's tier hold the first ``num_blocks`` blocks (per group, or one count
+        for all) of ``tenant``'s prompt that other members hold: ``CpuTierActor.pull`` copies
+        what it lacks into its arena, verified. Returns, per group, the leading blocks it
+        holds."""
+        keys = self.keys(token_ids, tenant)
         counts = [num_blocks] * len(keys) if isinstance(num_blocks, int) else list(num_blocks)
         asked = [
             self.agent.send(p.Pull(self.model, gk[:n])) if n else None
@@ -278,22 +292,31 @@ class AttachedKV:
         return TierLease(spec, tuple(first), leases, tuple(c for _, c in groups))
 
     def lease(
-        self, token_ids: Sequence[int], num_blocks: Sequence[int], skip: Sequence[int]
+        self,
+        token_ids: Sequence[int],
+        num_blocks: Sequence[int],
+        skip: Sequence[int],
+        tenant: Tenant = None,
     ) -> TierLease:
-        """Read references on the tier's copies of the prompt's blocks: per group, positions
-        ``skip[g]`` to ``num_blocks[g]``."""
-        keys = [k[:n] for k, n in zip(self.keys(token_ids), num_blocks, strict=True)]
+        """Read references on the tier's copies of ``tenant``'s prompt's blocks: per group,
+        positions ``skip[g]`` to ``num_blocks[g]``."""
+        keys = [k[:n] for k, n in zip(self.keys(token_ids, tenant), num_blocks, strict=True)]
         first = [min(s, len(k)) for s, k in zip(skip, keys, strict=True)]
         self._answered()
         wanted = [list(k[f:]) for k, f in zip(keys, first, strict=True)]
         return self._leased(self.agent.send(p.LeaseGroups(self.model, wanted)), first)
 
     def load_into(
-        self, token_ids: Sequence[int], block_ids: Sequence, skip: int | Sequence[int] = 0
+        self,
+        token_ids: Sequence[int],
+        block_ids: Sequence,
+        skip: int | Sequence[int] = 0,
+        tenant: Tenant = None,
     ) -> int:
         """Fill the engine's blocks ``block_ids`` (per group, by position from the prompt's
-        first block) with the tier's verified copies; returns the leading tokens now
-        loaded in every group (entries that fail their checksum are dropped: misses).
+        first block) with the tier's verified copies of ``tenant``'s prompt ``token_ids``;
+        returns the leading tokens now loaded in every group (entries that fail their
+        checksum are dropped: misses).
         ``skip`` (per group, or one count for all): leading positions the engine already
         holds (its own prefix cache, or null blocks out of a window); they are neither read
         nor written and count as loaded.
@@ -306,7 +329,7 @@ class AttachedKV:
         groups = zip(tables, self.plan.groups, strict=True)
         ends = [min(len(t), covered // g.block_size) for t, g in groups]
         first = [min(s, e) for s, e in zip(skips, ends, strict=True)]
-        pieces = self._pieces(token_ids, tables, self._cuts(covered))
+        pieces = self._pieces(token_ids, tables, self._cuts(covered), tenant)
         self._answered()
         sent: list[tuple[list[int], Future]] = []
 

@@ -8,17 +8,18 @@
 
 Lookups read the node's prefix index replica (``raykv.service.node.replica``) in shared memory
 and tell apart blocks this node's CPU tier holds (a load copies them at once) from blocks
-held elsewhere (the tier pulls them first). They are counted at the agent, in messages that
-are not waited for, at most every ``COUNT_S``. While the agent is unreachable (``NodeAgent``'s
-breaker is open) every lookup is a miss, answered at once, and every store or load fails
-fast: the engine computes, and nothing in it waits for the cache to come back.
+held elsewhere (the tier pulls them first). A request of a tenant (``tenant_key``: a cache
+salt, a LoRA adapter) looks up, stores and loads its prompt under that tenant's keys
+(``tenant=``). Lookups are counted at the agent per tenant, in messages that are not waited
+for, at most every ``COUNT_S`` (``EngineCounts``). While the agent is unreachable
+(``NodeAgent``'s breaker is open) every lookup is a miss, answered at once, and every store
+or load fails fast: the engine computes, and nothing in it waits for the cache to come back.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from raykv.api import token_id_array
-from raykv.blocks.hashing import BlockHasher, build_native
-from raykv.engine.agent import NodeAgent
+from raykv.blocks.hashing import BlockHasher, Tenant, build_native
+from raykv.engine.agent import EngineCounts, NodeAgent
 from raykv.engine.attached import AttachedKV
 from raykv.errors import RaykvError
 from raykv.service.groups import common_hit, managers, needed_slots
@@ -37,7 +38,6 @@ from raykv.service.node.replica import LOCAL_TIER, ReplicaReader, key_lanes
 from raykv.service.served import NAMESPACE, ServedModel, served_model
 
 log = logging.getLogger(__name__)
-COUNT_S = 0.05  # lookups are counted at the agent in batches this far apart
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class NodeKV:
         self.plan: Any = None
         self._managers: tuple = ()  # the plan's group managers (their hit rules)
         self._hasher: BlockHasher | None = None
-        self._counted, self._counted_at = [0, 0, 0], 0.0  # lookups not yet told the agent
+        self.counts = EngineCounts(agent)
         build_native(wait=False)  # the native hashing, built or loaded off the lookup's path
         self._replica: ReplicaReader | None = None
         self._replica_lock = threading.Lock()
@@ -152,11 +152,13 @@ class NodeKV:
                 self._stale = spec is None  # the node's tier has no arena of it yet: ask again
             return self._replica
 
-    def lookup(self, token_ids: Sequence[int], held_tokens: int = 0) -> EngineLookup:
-        """The leading tokens of ``token_ids`` (whole blocks, at most all but the last
-        token) whose KV this node can get; a miss while the agent is unreachable.
-        ``held_tokens``: the engine holds that many leading tokens already (its own prefix
-        cache): they count as held wherever they are."""
+    def lookup(
+        self, token_ids: Sequence[int], held_tokens: int = 0, tenant: Tenant = None
+    ) -> EngineLookup:
+        """The leading tokens of ``tenant``'s prompt ``token_ids`` (whole blocks, at most all
+        but the last token) whose KV this node can get; a miss while the agent is
+        unreachable. ``held_tokens``: the engine holds that many leading tokens already (its
+        own prefix cache): they count as held wherever they are."""
         if not self.agent.up:
             return MISS
         model, plan = self._need_model()
@@ -174,7 +176,7 @@ class NodeKV:
         if reader is None or limit < hbs:
             return EngineLookup(0, 0, n)
         # the hasher reads and checks the ids as it hashes them (one native pass)
-        blob = self._hasher.hash_blocks_joined(token_ids, end_block=limit // hbs)
+        blob = self._hasher.hash_blocks_joined(token_ids, end_block=limit // hbs, tenant=tenant)
         hashes = np.frombuffer(blob, np.uint64).reshape(-1, 4)
         mgrs = self._managers
         flags, probes = [], []
@@ -198,17 +200,8 @@ class NodeKV:
                 tier = min(tier, (first + int(not_here[0])) * g.block_size)
         looked = cap // plan.groups[0].block_size
         got = hit // plan.groups[0].block_size
-        self._count(model.name, got, looked - got)
+        self.counts.add(model.name, tenant, lookups=1, hit_blocks=got, miss_blocks=looked - got)
         return EngineLookup(hit, tier, n)
-
-    def _count(self, model: str, hits: int, misses: int) -> None:
-        """Tell the agent about lookups (``raykv status``), at most every ``COUNT_S``."""
-        c = self._counted
-        c[0], c[1], c[2] = c[0] + 1, c[1] + hits, c[2] + misses
-        now = time.monotonic()
-        if now - self._counted_at >= COUNT_S:
-            self.agent.send(p.Counted(model, *c))
-            self._counted, self._counted_at = [0, 0, 0], now
 
     # --- the data path --------------------------------------------------------------------
 
@@ -226,8 +219,7 @@ class NodeKV:
                           num_blocks=num_blocks, layout=layout, device=device)  # fmt: skip
 
     def close(self) -> None:
-        if self._counted[0] and self.model is not None:
-            self.agent.send(p.Counted(self.model.name, *self._counted))
+        self.counts.flush()
         self.agent.close()
         if self._replica is not None:
             self._replica.close()

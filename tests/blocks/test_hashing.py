@@ -17,23 +17,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raykv.blocks import BlockHasher, hashing
-from raykv.blocks.hashing import DIGEST_BYTES, HASH_VERSION, split_hashes
+from raykv.blocks.hashing import DIGEST_BYTES, HASH_VERSION, split_hashes, tenant_key
 from raykv.errors import InvalidInput
 from tests.blocks.helpers import examples
 
 TOKENS = [1, 2, 3, 2**40, -5, 0, 7, 8, 9, 10, 11]
+TENANT = tenant_key("tenant", "adapter")
 
 _CHILD = """
-from raykv.blocks import BlockHasher
-from raykv.blocks.hashing import DIGEST_BYTES, split_hashes
+from raykv.blocks import BlockHasher, tenant_key
 h = BlockHasher(4, seed="cluster-a")
-out = h.hash_blocks({tokens!r}, lora_id=3, cache_salt="tenant")
+out = h.hash_blocks({tokens!r}, tenant=tenant_key("tenant", "adapter"))
 print(",".join(x.hex() for x in out))
 """
 
 
 def test_hashes_reproduce_in_separate_processes():
-    expected = BlockHasher(4, seed="cluster-a").hash_blocks(TOKENS, lora_id=3, cache_salt="tenant")
+    expected = BlockHasher(4, seed="cluster-a").hash_blocks(TOKENS, tenant=TENANT)
     outputs = []
     for hash_seed in ("0", "12345"):  # Python's own hash() differs between these two
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
@@ -63,14 +63,12 @@ def test_only_full_blocks_are_hashed():
 )
 def test_chain_in_pieces_equals_chain_at_once(tokens, bs, cut):
     h = BlockHasher(bs, seed=7)
-    whole = h.hash_blocks(tokens, lora_id=1, cache_salt=b"s")
+    whole = h.hash_blocks(tokens, tenant=TENANT)
     cut = min(cut, len(whole))
-    head = h.hash_blocks(tokens[: cut * bs], lora_id=1, cache_salt=b"s")
-    tail = h.hash_blocks(
-        tokens, first_block=cut, parent=head[-1] if head else None, lora_id=1, cache_salt=b"s"
-    )
+    head = h.hash_blocks(tokens[: cut * bs], tenant=TENANT)
+    tail = h.hash_blocks(tokens, first_block=cut, parent=head[-1] if head else None, tenant=TENANT)
     assert head + tail == whole
-    assert h.hash_blocks(np.array(tokens, dtype=np.int64), lora_id=1, cache_salt=b"s") == whole
+    assert h.hash_blocks(np.array(tokens, dtype=np.int64), tenant=TENANT) == whole
 
 
 def test_chain_covers_the_whole_prefix():
@@ -80,20 +78,56 @@ def test_chain_covers_the_whole_prefix():
     assert a[1] != b[1]  # same second block, different first block
 
 
-def test_extra_keys_and_seed_change_every_hash():
+def test_tenants_and_seed_change_every_hash():
     base = BlockHasher(2).hash_blocks(TOKENS)
-    variants = [
-        BlockHasher(2, seed=1).hash_blocks(TOKENS),
-        BlockHasher(2).hash_blocks(TOKENS, lora_id=1),
-        BlockHasher(2).hash_blocks(TOKENS, cache_salt="x"),
-        BlockHasher(2).hash_blocks(TOKENS, cache_salt=b"x"),
-    ]
-    for v in variants:
+    tenants = [tenant_key(lora="a"), tenant_key("a"), tenant_key(b"a"), tenant_key("a", "a")]
+    tenants += [tenant_key(lora=1), tenant_key(lora="1"), tenant_key(""), tenant_key(lora="")]
+    tenants += [tenant_key(lora_path="a"), tenant_key(None, "a", "a"), tenant_key(None, "a", "b")]
+    assert len(set(tenants)) == len(tenants) and tenant_key() is None
+    variants = [BlockHasher(2, seed=1).hash_blocks(TOKENS)]
+    variants += [BlockHasher(2).hash_blocks(TOKENS, tenant=t) for t in tenants]
+    for i, v in enumerate(variants):
         assert all(x != y for x, y in zip(base, v, strict=True))
-    assert variants[2] != variants[3]  # str and bytes salts never collide
-    # the salt enters the first block only; later blocks differ through the chain alone
-    salted = BlockHasher(2).hash_blocks(TOKENS, first_block=1, parent=base[0], cache_salt="x")
+        assert all(x != y for w in variants[i + 1 :] for x, y in zip(v, w, strict=True))
+    # the tenant enters the first block only; later blocks differ through the chain alone
+    salted = BlockHasher(2).hash_blocks(TOKENS, first_block=1, parent=base[0], tenant=TENANT)
     assert salted == base[1:]
+    with pytest.raises(InvalidInput, match="tenant_key"):
+        BlockHasher(2).hash_blocks(TOKENS, tenant="a raw salt")
+
+
+_SALT = st.one_of(st.none(), st.text(max_size=6), st.binary(max_size=6))
+_LORA = st.one_of(st.none(), st.text(max_size=6), st.integers(0, 2**40))
+_PATH = st.one_of(st.none(), st.text(max_size=6))
+
+
+@settings(max_examples=examples(150, 5_000), deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=80),
+    other=st.one_of(st.none(), st.lists(st.integers(0, 2**32 - 1), max_size=80)),
+    bs=st.integers(1, 8),
+    a=st.tuples(_SALT, _LORA, _PATH),
+    b=st.tuples(_SALT, _LORA, _PATH),
+)
+def test_two_tenants_never_share_a_block_key_and_one_tenant_always_does(tokens, other, bs, a, b):
+    """Whatever two prompts (the same one, or one extending the other) and two tenants (a
+    cache salt, a LoRA adapter's name and path: any of them, or none), no block of one
+    tenant's chain has the hash (and so the key: a group id + the hash) of a block of the
+    other's; the same tenant's same tokens are the same keys, whole or as a lookup's blob."""
+    from raykv.service.control.index import group_key
+
+    h = BlockHasher(bs)
+    second = tokens if other is None else tokens + other
+    ta, tb = tenant_key(*a), tenant_key(*b)
+    mine, theirs = h.hash_blocks(tokens, tenant=ta), h.hash_blocks(second, tenant=tb)
+    if a != b:
+        assert ta != tb
+        assert not set(mine) & set(theirs)
+        assert not {group_key(1, x) for x in mine} & {group_key(1, x) for x in theirs}
+    else:  # one tenant: a prompt's keys are the prefix of its extension's
+        assert theirs[: len(mine)] == mine
+    assert h.hash_blocks(tokens, tenant=tenant_key(*a)) == mine  # the same key every time
+    assert h.hash_blocks_joined(tokens, tenant=ta) == b"".join(mine)
 
 
 def test_bad_tokens_raise_invalid_input():
@@ -107,12 +141,12 @@ def test_bad_tokens_raise_invalid_input():
 
 _CHILD_JSON = """
 import json, sys
-from raykv.blocks import BlockHasher
+from raykv.blocks import BlockHasher, tenant_key
 case = json.loads(sys.stdin.read())
 out = []
 for tokens, bs, seed, lora, salt in case:
     h = BlockHasher(bs, seed=seed)
-    out.append([x.hex() for x in h.hash_blocks(tokens, lora_id=lora, cache_salt=salt)])
+    out.append([x.hex() for x in h.hash_blocks(tokens, tenant=tenant_key(salt, lora))])
 print(json.dumps(out))
 """
 
@@ -137,12 +171,12 @@ _TOKENS = st.lists(
     hash_seed=st.integers(1, 2**31),
 )
 def test_same_tokens_same_hashes_in_a_process_with_another_hash_seed(cases, hash_seed):
-    """Invariant 10, as a property: whatever the tokens, seed and extra keys, a process with
+    """Invariant 10, as a property: whatever the tokens, seed and tenant, a process with
     another PYTHONHASHSEED computes the same hashes (one subprocess per example)."""
     import json
 
     expected = [
-        [x.hex() for x in BlockHasher(bs, seed=seed).hash_blocks(t, lora_id=lo, cache_salt=sa)]
+        [x.hex() for x in BlockHasher(bs, seed=seed).hash_blocks(t, tenant=tenant_key(sa, lo))]
         for t, bs, seed, lo, sa in cases
     ]
     res = subprocess.run(
@@ -158,21 +192,21 @@ def test_same_tokens_same_hashes_in_a_process_with_another_hash_seed(cases, hash
 
 
 @settings(max_examples=60, deadline=None)
-@given(tokens=_TOKENS, bs=st.integers(1, 4), salt=st.one_of(st.none(), st.binary(max_size=3)))
-def test_lists_tuples_and_arrays_hash_alike(tokens, bs, salt):
+@given(tokens=_TOKENS, bs=st.integers(1, 4), tenant=st.one_of(st.none(), st.binary(max_size=3)))
+def test_lists_tuples_and_arrays_hash_alike(tokens, bs, tenant):
     h = BlockHasher(bs, seed=3)
-    want = h.hash_blocks(tokens, cache_salt=salt)
-    assert h.hash_blocks(tuple(tokens), cache_salt=salt) == want
-    assert h.hash_blocks(np.array(tokens, dtype=np.int64), cache_salt=salt) == want
+    want = h.hash_blocks(tokens, tenant=tenant)
+    assert h.hash_blocks(tuple(tokens), tenant=tenant) == want
+    assert h.hash_blocks(np.array(tokens, dtype=np.int64), tenant=tenant) == want
     if all(0 <= t < 2**32 for t in tokens):
-        assert h.hash_blocks(np.array(tokens, dtype=np.uint32), cache_salt=salt) == want
+        assert h.hash_blocks(np.array(tokens, dtype=np.uint32), tenant=tenant) == want
     assert all(len(x) == DIGEST_BYTES for x in want)
     # one block at a time (the few-blocks path) chains to the same hashes as all at once
     one_by_one: list[bytes] = []
     for i in range(len(want)):
         parent = one_by_one[-1] if one_by_one else None
         one_by_one += h.hash_blocks(
-            tokens, first_block=i, end_block=i + 1, parent=parent, cache_salt=salt
+            tokens, first_block=i, end_block=i + 1, parent=parent, tenant=tenant
         )
     assert one_by_one == want
 
@@ -209,13 +243,16 @@ def _enc_int(v: int) -> bytes:  # the hasher's tagged, length-prefixed int
     return b"\x01" + len(raw).to_bytes(4, "little") + raw
 
 
-def _reference_chain(tokens: list[int], bs: int, seed: int, lora: int | None) -> list[bytes]:
+def _enc_bytes(v: bytes) -> bytes:  # the hasher's tagged, length-prefixed bytes
+    return b"\x03" + len(v).to_bytes(4, "little") + v
+
+
+def _reference_chain(tokens: list[int], bs: int, seed: int, tenant: bytes | None) -> list[bytes]:
     """The hash definition (module docstring) written out plainly, one block at a time."""
     import hashlib
     import struct
 
     prev = hashlib.sha256(HASH_VERSION + _enc_int(bs) + _enc_int(seed)).digest()
-    tail = b"\x00\x00" if lora is None else _enc_int(lora) + b"\x00"
     out = []
     for i in range(len(tokens) // bs):
         block = tokens[i * bs : (i + 1) * bs]
@@ -223,6 +260,7 @@ def _reference_chain(tokens: list[int], bs: int, seed: int, lora: int | None) ->
             row = b"\x05" + struct.pack(f"<{bs}I", *block)
         else:
             row = b"\x06" + struct.pack(f"<{bs}q", *block)
+        tail = b"\x00" + (_enc_bytes(tenant) if i == 0 and tenant is not None else b"\x00")
         prev = hashlib.sha256(row + tail + prev).digest()
         out.append(prev)
     return out
@@ -240,21 +278,21 @@ def _reference_chain(tokens: list[int], bs: int, seed: int, lora: int | None) ->
     ),
     bs=st.integers(1, 20),
     seed=st.integers(-3, 3),
-    lora=st.one_of(st.none(), st.integers(0, 5)),
+    tenant=st.one_of(st.none(), st.binary(max_size=40)),
 )
-def test_the_fast_paths_hash_as_the_plain_chained_sha256(tokens, bs, seed, lora):
+def test_the_fast_paths_hash_as_the_plain_chained_sha256(tokens, bs, seed, tenant):
     """Invariant 10's hash, whichever way the tokens arrive (a list: ``array("I")`` when
     every id fits uint32, else ``array("Q")`` or, with a negative id, ``struct``; an int64 /
     uint64 / uint32 array; a few blocks or many): the same chained sha256 as the definition
     computed block by block."""
-    want = _reference_chain(tokens, bs, seed, lora)
+    want = _reference_chain(tokens, bs, seed, tenant)
     h = BlockHasher(bs, seed=seed)
-    assert h.hash_blocks(tokens, lora_id=lora) == want
-    assert h.hash_blocks(np.array(tokens, dtype=np.int64), lora_id=lora) == want
+    assert h.hash_blocks(tokens, tenant=tenant) == want
+    assert h.hash_blocks(np.array(tokens, dtype=np.int64), tenant=tenant) == want
     if all(t >= 0 for t in tokens):
-        assert h.hash_blocks(np.array(tokens, dtype=np.uint64), lora_id=lora) == want
+        assert h.hash_blocks(np.array(tokens, dtype=np.uint64), tenant=tenant) == want
     if all(0 <= t < 2**32 for t in tokens):
-        assert h.hash_blocks(np.array(tokens, dtype=np.uint32), lora_id=lora) == want
+        assert h.hash_blocks(np.array(tokens, dtype=np.uint32), tenant=tenant) == want
 
 
 # --- the native chain (kernels/block_hash.cpp) against the Python path ---------------------
@@ -327,21 +365,20 @@ _ANY_ID = st.one_of(
     ),
     bs=st.one_of(st.integers(1, 20), st.just(16)),
     seed=st.one_of(st.integers(-3, 3), st.text(max_size=3), st.binary(max_size=3)),
-    lora=st.one_of(st.none(), st.integers(-5, 2**40)),
-    # long salts move the parent anywhere in the first block's last chunk, or into a second
-    salt=st.one_of(st.none(), st.text(max_size=5), st.binary(max_size=5), st.binary(max_size=90)),
+    # long tenants move the parent anywhere in the first block's last chunk, or into a second
+    tenant=st.one_of(st.none(), st.binary(max_size=5), st.binary(max_size=90)),
     cut=st.integers(0, 40),
     end=st.one_of(st.none(), st.integers(0, 60)),
 )
-def test_the_native_chain_equals_the_python_path(tokens, bs, seed, lora, salt, cut, end):
+def test_the_native_chain_equals_the_python_path(tokens, bs, seed, tenant, cut, end):
     """The fast path's hashes are the Python path's, bit for bit, whatever the ids (uint32,
-    wide, negative, bools; blocks of either width in one prompt), block size, seed, LoRA id,
-    salt, range and form of the sequence (list, tuple, other sequence, uint32 / int64 /
-    uint64 array, contiguous or not), whole or from a parent in the middle of the chain."""
+    wide, negative, bools; blocks of either width in one prompt), block size, seed, tenant,
+    range and form of the sequence (list, tuple, other sequence, uint32 / int64 / uint64
+    array, contiguous or not), whole or from a parent in the middle of the chain."""
     if hashing._chain is None:
         pytest.skip(hashing.native_status())
     h = BlockHasher(bs, seed=seed)
-    kw = {"end_block": end, "lora_id": lora, "cache_salt": salt}
+    kw = {"end_block": end, "tenant": tenant}
     with python_path():
         want = h.hash_blocks(tokens, **kw)
     forms = [tokens, tuple(tokens), _Ids(tokens), np.array(tokens, dtype=np.int64)]
@@ -352,9 +389,9 @@ def test_the_native_chain_equals_the_python_path(tokens, bs, seed, lora, salt, c
         forms.append(np.array(tokens, dtype=np.uint32))
     for form in forms:
         assert h.hash_blocks(form, **kw) == want, type(form)
-        if lora is None and salt is None:  # a lookup's form: the chain as one bytes object
-            assert h.hash_blocks_joined(form, end_block=end) == b"".join(want), type(form)
-    # from a parent in the middle: the salt is the first block's only, the chain carries it
+        # a lookup's form: the chain as one bytes object
+        assert h.hash_blocks_joined(form, **kw) == b"".join(want), type(form)
+    # from a parent in the middle: the tenant is the first block's only, the chain carries it
     first = min(cut, len(want))
     piece = {**kw, "first_block": first, "parent": want[first - 1] if first else None}
     with python_path():
@@ -366,48 +403,51 @@ def test_the_native_chain_equals_the_python_path(tokens, bs, seed, lora, salt, c
 
 def test_the_parent_comes_last():
     """Hash ``i`` is ``sha256(row(i) + hash(i - 1))``: the parent is the message's last 32
-    bytes, the salt in the first row only, the LoRA id in every row."""
+    bytes, the tenant in the first row only."""
     import hashlib
     import struct
 
     h = BlockHasher(2, seed=4)
-    got = h.hash_blocks([7, 8, 9, 2**40], lora_id=3, cache_salt=b"s")
-    lora = _enc_int(3)
-    first = b"\x05" + struct.pack("<2I", 7, 8) + lora + b"\x03" + struct.pack("<I", 1) + b"s"
-    second = b"\x06" + struct.pack("<2q", 9, 2**40) + lora + b"\x00"
+    got = h.hash_blocks([7, 8, 9, 2**40], tenant=b"s")
+    first = b"\x05" + struct.pack("<2I", 7, 8) + b"\x00" + b"\x03" + struct.pack("<I", 1) + b"s"
+    second = b"\x06" + struct.pack("<2q", 9, 2**40) + b"\x00\x00"
     assert got[0] == hashlib.sha256(first + h.root).digest()
     assert got[1] == hashlib.sha256(second + got[0]).digest()
 
 
 def test_the_definition_is_pinned():
     """v3's bytes, pinned: a change of the definition must come with a new HASH_VERSION (and a
-    new value here), on both paths."""
+    new value here), on both paths. A prompt without a tenant hashes as v3 always did (the
+    first value, pinned before tenants existed); a tenant's prompt under ``tenant_key`` (the
+    second: tenants' keys were never stored before it, the connector refused them)."""
     ids = list(range(40)) + [2**33] * 8
-    want = "4dd80e2d16310801cbcab1ad3b86605f4e54abb60b0f6174d6045f5275753e9d"
+    plain = "c63acd82cb2acf92e494f29ae5b77cee83cdd8e85ff42252c6716fef0a5ae44d"
+    tenant = "bd16cd62e9f91c84ea9bab2a2b04e22910fe8f80ebc965ff87c5797ed5066812"
     assert HASH_VERSION == b"raykv/block-hash/v3"
+    t = tenant_key("t", "adapter")
     with python_path():
-        assert BlockHasher(16).hash_blocks(ids, lora_id=1, cache_salt="t")[-1].hex() == want
-    assert BlockHasher(16).hash_blocks(ids, lora_id=1, cache_salt="t")[-1].hex() == want
+        assert BlockHasher(16).hash_blocks(ids)[-1].hex() == plain
+        assert BlockHasher(16).hash_blocks(ids, tenant=t)[-1].hex() == tenant
+    assert BlockHasher(16).hash_blocks(ids)[-1].hex() == plain
+    assert BlockHasher(16).hash_blocks(ids, tenant=t)[-1].hex() == tenant
 
 
 @pytest.mark.parametrize("bs", [1, 5, 16, 17])
 def test_the_native_chain_puts_the_parent_at_every_offset(bs):
-    """Salts of every length put the parent at every offset of the first block's last chunk
-    (or across two), for narrow and wide rows, with and without a LoRA id: the native chain
-    (its midstates, and the parent gathered into the last chunk) gives the Python path's."""
+    """Tenants of every length put the parent at every offset of the first block's last chunk
+    (or across two), for narrow and wide rows: the native chain (its midstates, and the
+    parent gathered into the last chunk) gives the Python path's."""
     if hashing._chain is None:
         pytest.skip(hashing.native_status())
     rng = np.random.default_rng(bs)
     narrow = rng.integers(0, 2**32, 6 * bs).tolist()
     wide = [t | (1 << 40) for t in narrow]
+    h = BlockHasher(bs)
     for tokens in (narrow, wide, narrow[:bs] + wide[bs:]):
-        for lora in (None, 2**33):
-            for n in range(70):
-                kw = {"lora_id": lora, "cache_salt": bytes(range(n))}
-                h = BlockHasher(bs)
-                with python_path():
-                    want = h.hash_blocks(tokens, **kw)
-                assert h.hash_blocks(tokens, **kw) == want, (n, lora)
+        for n in range(70):
+            with python_path():
+                want = h.hash_blocks(tokens, tenant=bytes(range(n)))
+            assert h.hash_blocks(tokens, tenant=bytes(range(n))) == want, n
 
 
 def test_the_joined_chain_is_the_chain_joined_on_both_paths():
@@ -425,10 +465,10 @@ def test_a_32k_token_prompt_hashes_alike_on_both_paths():
     ids[5000] = 2**40  # one wide block in the middle
     h = BlockHasher(16, seed="cluster")
     with python_path():
-        want = h.hash_blocks(ids, lora_id=3, cache_salt="tenant")
+        want = h.hash_blocks(ids, tenant=TENANT)
     assert len(want) == 2048
-    assert h.hash_blocks(ids, lora_id=3, cache_salt="tenant") == want
-    assert h.hash_blocks(np.array(ids), lora_id=3, cache_salt="tenant") == want
+    assert h.hash_blocks(ids, tenant=TENANT) == want
+    assert h.hash_blocks(np.array(ids), tenant=TENANT) == want
     del ids[5000]
     ids.append(1)
     with python_path():
@@ -473,11 +513,11 @@ from raykv.blocks import hashing
 from raykv.blocks.hashing import BlockHasher
 ids = list(range(1, 32 * 1024 + 1))
 start = time.perf_counter()
-first = BlockHasher(16).hash_blocks(ids, lora_id=2)
+first = BlockHasher(16).hash_blocks(ids, tenant=b"t")
 took = time.perf_counter() - start
 then = hashing.native_status()
 status = hashing.build_native()
-again = BlockHasher(16).hash_blocks(ids, lora_id=2)
+again = BlockHasher(16).hash_blocks(ids, tenant=b"t")
 print(json.dumps({"took": took, "then": then, "status": status,
                   "hashes": [first[0].hex(), first[-1].hex()], "same": again == first}))
 """
@@ -501,7 +541,7 @@ def test_a_fresh_machine_builds_in_the_background_and_hashes_meanwhile(tmp_path)
     RAYKV_DISABLE_NATIVE_HASH, or a compiler that fails, the Python path runs (a warning for
     the latter) and gives the same hashes."""
     ids = list(range(1, 32 * 1024 + 1))
-    want = BlockHasher(16).hash_blocks(ids, lora_id=2)
+    want = BlockHasher(16).hash_blocks(ids, tenant=b"t")
     want = [want[0].hex(), want[-1].hex()]
     out, _ = _fresh(tmp_path)
     assert out["hashes"] == want and out["same"], out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raykv.blocks import BlockManager, PrefixIndex
+from raykv.blocks import BlockManager, PrefixIndex, tenant_key
 from raykv.errors import InvalidInput, UnknownRequest
 from raykv.layout import MLA, ChunkedLocal, CrossAttention, FullAttention, Mamba, SlidingWindow
 
@@ -38,8 +38,14 @@ def test_hit_is_capped_at_the_step_and_salted_apart():
     prompt = list(range(32))
     mgr.admit("a", 32)
     mgr.allocate("a", 32, prompt)
-    assert mgr.cached_prefix(prompt, cache_salt="other") == 0
-    assert mgr.cached_prefix(prompt, lora_id=2) == 0
+    assert mgr.cached_prefix(prompt, tenant=tenant_key(cache_salt="other")) == 0
+    assert mgr.cached_prefix(prompt, tenant=tenant_key(lora="adapter")) == 0
+    # a tenant's own blocks are its hits, and nobody else's
+    mgr.admit("t", 32, prompt, tenant=tenant_key("other"))
+    mgr.allocate("t", 32, prompt)
+    assert mgr.cached_prefix(prompt, tenant=tenant_key(cache_salt="other")) == 28
+    assert mgr.cached_prefix(prompt, tenant=tenant_key(cache_salt="another")) == 0
+    mgr.free("t")
     mgr.admit("b", 32)
     mgr.allocate("b", 8, prompt)  # chunked prefill: only the chunk's positions
     assert mgr.num_cached_tokens("b") == 8 and len(mgr.block_table("b")[0]) == 2

@@ -26,7 +26,7 @@ class FakeTier:
         self.node_id, self.tiers = "ab" * 28, {"m": None}
         self.released: list = []
         self.applied: list = []
-        self.metrics = SimpleNamespace(engine_lookups=lambda *a: self.applied.append(a))
+        self.metrics = SimpleNamespace(engine_counts=lambda *a: self.applied.append(a))
 
     async def release_holder(self, holder) -> int:
         self.released.append(holder)

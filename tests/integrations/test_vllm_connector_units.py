@@ -41,9 +41,11 @@ class FakeNode:
     def __init__(self, hit: int = 0, fail: bool = False, tier: int | None = None) -> None:
         self.hit, self.fail, self.tier, self.calls = hit, fail, tier, 0
         self.up = True
+        self.tenants: list = []  # the tenant of each lookup
 
-    def lookup(self, ids, held_tokens):
+    def lookup(self, ids, held_tokens, tenant=None):
         self.calls += 1
+        self.tenants.append(tenant)
         if self.fail:
             raise RuntimeError("a broken replica")
         hit = min(self.hit, len(ids) - 1)
@@ -125,22 +127,62 @@ def test_a_lookup_that_fails_is_a_miss_and_opt_out_skips_the_lookup() -> None:
     assert s2.engine.node.calls == 0
 
 
-def test_requests_whose_kv_is_not_keyed_by_their_tokens_are_neither_loaded_nor_saved() -> None:
-    """The same token ids under a LoRA adapter, a cache salt, images or prompt embeddings are
-    other KV: a raykv hit (keyed by token ids) would be wrong KV, so there is none."""
+def tenant_request(rid: str, ids: list[int], **kw) -> Request:
+    return Request(rid, ids, SamplingParams(max_tokens=4), None, **kw)
+
+
+def test_a_salted_or_lora_request_looks_up_loads_and_saves_under_its_own_tenant() -> None:
+    """A cache salt and a LoRA adapter change a request's KV for the same token ids: the
+    request is cached under its tenant's keys (``tenant_key``: salt, adapter name and path),
+    handed to the lookup, the load and the save; a plain request under none."""
     from vllm.lora.request import LoRARequest
 
-    plain = request("plain", 300)
-    salted = Request("salted", plain.prompt_token_ids, SamplingParams(max_tokens=4), None,
-                     cache_salt="tenant-a")  # fmt: skip
-    lora = Request("lora", plain.prompt_token_ids, SamplingParams(max_tokens=4), None,
-                   lora_request=LoRARequest("adapter", 1, "/nonexistent"))  # fmt: skip
+    from raykv.blocks import tenant_key
+
+    ids = request("plain", 300).prompt_token_ids
+    adapter = LoRARequest("adapter", 1, "/adapters/a")
+    cases = {
+        "plain": ({}, None),
+        "empty-salt": ({"cache_salt": ""}, None),  # vLLM's own cache takes it as no salt
+        "salted": ({"cache_salt": "tenant-a"}, tenant_key("tenant-a")),
+        "lora": ({"lora_request": adapter}, tenant_key(None, "adapter", "/adapters/a")),
+        "both": (
+            {"cache_salt": "tenant-a", "lora_request": adapter},
+            tenant_key("tenant-a", "adapter", "/adapters/a"),
+        ),
+        # the same name at another path (vLLM's own key has the path too), another id alike
+        "moved": ({"lora_request": LoRARequest("adapter", 1, "/adapters/b")},
+                  tenant_key(None, "adapter", "/adapters/b")),
+        "renumbered": ({"lora_request": LoRARequest("adapter", 7, "/adapters/a")},
+                       tenant_key(None, "adapter", "/adapters/a")),
+    }  # fmt: skip
+    assert len({t for _, t in cases.values()}) == 5
+    s, m = scheduler(hit=256)
+    for rid, (kw, tenant) in cases.items():
+        req = tenant_request(rid, ids, **kw)
+        assert s.num_new_matched_tokens(req, 0) == (256, False)
+        assert s.engine.node.tenants[-1] == tenant
+        assert s.reqs[rid].load and s.reqs[rid].store and s.reqs[rid].tenant == tenant
+        alloc(s, m, req, 256)
+        (load,) = s.build_meta(output()).loads
+        assert load.tenant == tenant
+        req.num_computed_tokens = 256
+        (save,) = s.build_meta(output(scheduled={rid: 300 - 256})).saves
+        assert save.tenant == tenant and len(save.token_ids) == 9 * BS
+
+
+def test_multimodal_and_embedded_prompts_are_neither_loaded_nor_saved() -> None:
+    """The same token ids with other images or prompt embeddings are other KV: a raykv hit
+    (keyed by token ids and tenant) would be wrong KV, so there is none."""
+    ids = request("plain", 300).prompt_token_ids
+    embedded = tenant_request("embeds", ids, prompt_embeds=torch.zeros(300, 8))
+    image = tenant_request("image", ids)
+    image.mm_features = [SimpleNamespace(identifier="an image")]
     s, _ = scheduler(hit=256)
-    assert s.num_new_matched_tokens(plain, 0) == (256, False)
-    for req in (salted, lora):
+    for req in (embedded, image):
         assert s.num_new_matched_tokens(req, 0) == (0, False)
         assert not s.reqs[req.request_id].store  # never saved under the plain ids either
-    assert s.engine.node.calls == 1  # only the plain request was looked up
+    assert s.engine.node.calls == 0
 
 
 def test_a_load_that_ends_mid_block_loads_the_block_whole() -> None:
@@ -307,6 +349,33 @@ def test_a_hit_the_nodes_tier_holds_loads_at_once_and_one_held_elsewhere_is_pull
     assert att.calls == ["pull", "load_into"]
 
 
+def test_the_worker_pulls_loads_and_saves_under_the_specs_tenant() -> None:
+    """A tenant's load (pulled first, then copied) and save are keyed by its tenant, and so
+    is a save cut short by a load that missed blocks in the same step."""
+    from raykv.blocks import tenant_key
+
+    t = tenant_key("tenant-a")
+    two = tuple(range(2 * BS))
+    load = LoadSpec("r", two, ((1, 2),), (0,), 2 * BS, sync=False, remote=True, tenant=t)
+    att = FakeAttached()
+    w = worker(att)
+    w.bind(RaykvMetadata(loads=[load], saves=[SaveSpec("q", two[:BS], ((3,),), t)]))
+    w.start_load()
+    settle(w)
+    w.wait_for_save()
+    w.drain()
+    assert att.calls[:2] == ["pull", "load_into"] and att.tenants == [t, t, t]
+
+    att = FakeAttached(deliver=BS)  # the second block did not arrive: the save stops there
+    w = worker(att)
+    load = LoadSpec("r", two, ((1, 2),), (0,), 2 * BS, sync=True, remote=False, tenant=t)
+    w.bind(RaykvMetadata(loads=[load], saves=[SaveSpec("r", two, ((1, 2),), t)]))
+    w.start_load()
+    w.wait_for_save()
+    w.drain()
+    assert att.stored[0][0] == BS and att.tenants == [t, t]
+
+
 def test_with_no_service_on_the_node_lookups_miss_at_once_and_nothing_is_saved() -> None:
     """The node agent is down (raykv down, a dead tier or Ray head): a lookup is a miss
     without asking anything, no save is sent; once it answers again, both resume."""
@@ -363,25 +432,29 @@ class FakeAttached:
         self.plan = SimpleNamespace(block_size=BS)
         self.stored: list[tuple] = []
         self.calls: list[str] = []
+        self.tenants: list = []  # the tenant each pull, load and store was keyed by
 
     pull_gate: threading.Event | None = None  # a pull that waits for it (crossing nodes)
 
-    def pull(self, token_ids, counts):
+    def pull(self, token_ids, counts, tenant=None):
         self.calls.append("pull")
+        self.tenants.append(tenant)
         if self.pull_gate is not None:
             self.pull_gate.wait(10)
         return counts
 
-    def load_into(self, token_ids, block_ids, skip):
+    def load_into(self, token_ids, block_ids, skip, tenant=None):
         self.calls.append("load_into")
+        self.tenants.append(tenant)
         return len(token_ids) if self.deliver is None else self.deliver
 
     def send(self):
         self.calls.append("send")
 
-    def store_from(self, token_ids, block_ids):
+    def store_from(self, token_ids, block_ids, tenant=None):
         time.sleep(self.store_s)
         self.stored.append((len(token_ids), threading.current_thread().name))
+        self.tenants.append(tenant)
         return len(block_ids[0])
 
 

@@ -57,3 +57,51 @@ def test_the_status_counts_nodes_members_models_and_lookups() -> None:
     assert s["indexed_blocks"] == 2 and s["lookups"] == 3
     assert s["hit_rate"] == 6 / 8 and s["hits"] == {"local_gpu": 6} and s["misses"] == 2
     assert s["failures"] == {"watch": 1} and 4 < s["uptime_s"] < 60
+
+
+def test_engines_counts_per_tenant_are_bounded_and_summed_over_the_nodes() -> None:
+    """A node's metrics count engines' lookups and stores per tenant label: at most
+    ``MAX_TENANTS`` tenants apart (requests without one always apart), the rest, and
+    anything that is not a label (never a raw salt), as "other"; the status sums them over
+    the nodes."""
+    from raykv.blocks import tenant_key
+    from raykv.blocks.hashing import tenant_label
+    from raykv.service.control.metrics import MAX_TENANTS, OTHER_TENANTS, ServiceMetrics
+
+    m = ServiceMetrics("tier")
+    labels = [tenant_label(tenant_key(f"salt-{i}")) for i in range(MAX_TENANTS + 5)]
+    assert tenant_label(None) == "none" and all(len(x) == 8 for x in labels)
+    for label in labels:
+        m.engine_counts("m", label, lookups=1, hit_blocks=2, miss_blocks=3, stored_entries=4)
+    m.engine_counts("m", "none", lookups=1, hit_blocks=0, miss_blocks=5, stored_entries=0)
+    m.engine_counts("m", "salt-0", lookups=1, hit_blocks=0, miss_blocks=1, stored_entries=0)
+    m.engine_counts("m", labels[0], lookups=1, hit_blocks=7, miss_blocks=0, stored_entries=0)
+    assert set(m.tenants) == {*labels[:MAX_TENANTS], "none", OTHER_TENANTS}
+    assert m.tenants[labels[0]] == {"lookups": 2, "hit_blocks": 9, "miss_blocks": 3,
+                                    "stored_entries": 4}  # fmt: skip
+    assert m.tenants[OTHER_TENANTS]["lookups"] == 6  # 5 past the bound, 1 not a label
+    assert m.tenants["none"] == {"lookups": 1, "miss_blocks": 5}
+    assert m.tally["engine_lookups"] == MAX_TENANTS + 5 + 3
+
+    layers = {"l0": FullAttention("float32", 1, 8)}
+    p = plan(layers, num_gpu_blocks=9, max_model_len=64, max_num_batched_tokens=64)
+    a, b = labels[0], labels[1]
+    members = [
+        Member("tier-1", "tier", "n1", None, stats={"tenants": {a: {"lookups": 2}}}),
+        Member("tier-2", "tier", "n2", None,
+               stats={"tenants": {a: {"lookups": 1, "hit_blocks": 4}, b: {"lookups": 1}}}),
+    ]  # fmt: skip
+    s = status.cluster(
+        ray_nodes=[],
+        members_=members,
+        index=PrefixIndex(),
+        served={"m": ServedModel("m", layers, max_model_len=64, cpu_bytes=1 << 16)},
+        plans={"m": p},
+        tally=Counter(),
+        started=time.time(),
+        restarted=False,
+    )
+    assert s["tenants"] == {a: {"lookups": 3, "hit_blocks": 4}, b: {"lookups": 1}}
+    from raykv.service.control.launcher import status_table
+
+    assert f"  {a}         3 lookups  4 / 0 blocks  0 stored" in status_table({**s, "address": "-"})

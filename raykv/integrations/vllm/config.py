@@ -8,7 +8,8 @@
     }
 
 A request opts out per call with ``SamplingParams(extra_args={"kv_transfer_params":
-{"raykv": {"load": False, "store": False}}})``.
+{"raykv": {"load": False, "store": False}}})``. A request with a cache salt or a LoRA adapter
+is cached under its tenant's own keys (``request_tenant``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from raykv.blocks.hashing import Tenant, tenant_key
 from raykv.errors import ConfigError
 from raykv.service.served import DEFAULT_TIER_BYTES, NAMESPACE
 
@@ -59,21 +61,26 @@ class RaykvVllmConfig:
 
 
 def not_keyed_by_tokens(request: Any) -> str | None:
-    """Why a request's KV is not a function of its token ids alone (then raykv, which keys
-    blocks by token ids, must neither load nor store it: the same ids under another LoRA
-    adapter, cache salt, image or prompt embedding are different KV, and a hit would be
-    wrong KV); None when it is."""
-    for attr, why in (
-        ("lora_request", "a LoRA adapter"),
-        ("cache_salt", "a cache salt"),
-        ("mm_features", "multimodal inputs"),
-        ("prompt_embeds", "prompt embeddings"),
-    ):
-        if getattr(request, attr, None) is not None and (
-            attr == "prompt_embeds" or getattr(request, attr)
-        ):
-            return why
+    """Why a request's KV is not a function of its token ids and tenant (then raykv, which
+    keys blocks by those, must neither load nor store it: the same ids with other images or
+    prompt embeddings are different KV, and a hit would be wrong KV); None when it is."""
+    if getattr(request, "mm_features", None):
+        return "multimodal inputs"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt embeddings"
     return None
+
+
+def request_tenant(request: Any) -> Tenant:
+    """The tenant a request's blocks are keyed under (``tenant_key``): its cache salt and its
+    LoRA adapter (name and path, as vLLM's own prefix cache keys it); None for neither (the
+    plain token-id keys every engine of the model shares). An empty salt is none, as in
+    vLLM."""
+    lora = getattr(request, "lora_request", None)
+    salt = getattr(request, "cache_salt", None) or None
+    if lora is None:
+        return tenant_key(salt)
+    return tenant_key(salt, lora.lora_name, lora.lora_path)
 
 
 def request_flags(
@@ -81,7 +88,7 @@ def request_flags(
 ) -> tuple[bool, bool]:
     """(load, store) for one request: the engine's settings, narrowed by its
     ``kv_transfer_params["raykv"]``; neither for a request whose KV is not keyed by its
-    token ids alone (``not_keyed_by_tokens``)."""
+    token ids and tenant (``not_keyed_by_tokens``)."""
     if request is not None and not_keyed_by_tokens(request):
         return False, False
     mine = (params or {}).get("raykv") or {}

@@ -74,9 +74,14 @@ class Engine:
         return ray.get_runtime_context().get_node_id()
 
     def generate(
-        self, token_ids: list[int], max_tokens: int = 8, use_raykv: bool = True
+        self,
+        token_ids: list[int],
+        max_tokens: int = 8,
+        use_raykv: bool = True,
+        cache_salt: str | None = None,
     ) -> dict[str, Any]:
-        """Greedy answer to one prompt: output ids, the connector's report, seconds."""
+        """Greedy answer to one prompt (of the tenant ``cache_salt``, if given): output ids,
+        the connector's report, seconds."""
         from vllm import SamplingParams
 
         flags = {"load": use_raykv, "store": use_raykv}
@@ -86,8 +91,11 @@ class Engine:
             ignore_eos=True,
             extra_args={"kv_transfer_params": {"raykv": flags}},
         )
+        prompt: dict[str, Any] = {"prompt_token_ids": list(token_ids)}
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
         t0 = time.perf_counter()
-        (out,) = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)
+        (out,) = self.llm.generate([prompt], params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         report = (out.kv_transfer_params or {}).get("raykv", {})
         return {

@@ -20,6 +20,11 @@ reports every such load exactly once, even for a request vLLM aborted meanwhile 
 its blocks allocated until then). A request whose load failed is offered no more hits (it
 recomputes).
 
+A request with a cache salt or a LoRA adapter is looked up, loaded and saved under its
+tenant's keys (``request_tenant``: the tenant enters its blocks' hashes), so two tenants
+with the same prompt never share a block; images and prompt embeddings are neither loaded
+nor saved (``not_keyed_by_tokens``).
+
 Saves are asynchronous: ``build_connector_meta`` asks the worker to publish every prompt
 block that this step completes (blocks a load brought in are in the tier already: a step that
 completes no other block saves nothing); the worker copies them after the forward in the
@@ -34,7 +39,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from raykv.integrations.vllm.config import RaykvVllmConfig, request_flags
+from raykv.blocks.hashing import Tenant
+from raykv.integrations.vllm.config import RaykvVllmConfig, request_flags, request_tenant
 from raykv.integrations.vllm.metadata import LoadSpec, RaykvMetadata, SaveSpec
 from raykv.integrations.vllm.served import ServedEngine
 
@@ -48,6 +54,7 @@ class _Req:
     request: Any
     load: bool
     store: bool
+    tenant: Tenant  # its blocks' keys are this tenant's (``request_tenant``)
     local_tokens: int = 0  # vLLM's own prefix-cache hit at the last lookup
     hit_tokens: int = 0  # raykv's extra tokens at the last lookup
     external_tokens: int = 0  # tokens vLLM agreed to take from raykv
@@ -95,7 +102,7 @@ class RaykvScheduler:
         st = self.reqs.get(request.request_id)
         if st is None or st.request is not request:  # new, or an id reused after an abort
             load, store = request_flags(request.kv_transfer_params, self.config, request)
-            st = self.reqs[request.request_id] = _Req(request, load, store)
+            st = self.reqs[request.request_id] = _Req(request, load, store, request_tenant(request))
         return st
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -113,7 +120,7 @@ class RaykvScheduler:
         probe = [*prompt, 0] if n < self.layout.max_model_len else prompt
         local = num_computed_tokens - num_computed_tokens % self.bs
         try:
-            found = self.engine.node.lookup(probe, local)
+            found = self.engine.node.lookup(probe, local, st.tenant)
         except Exception as e:  # a bad replica or a bug: a miss, never a failed request
             log.warning("raykv lookup failed (%r): computing request %s", e, request.request_id)
             return 0, False
@@ -144,7 +151,7 @@ class RaykvScheduler:
         prompt = request.prompt_token_ids
         st.pending_load = LoadSpec(
             request.request_id, tuple(prompt[: nblocks * self.bs]), ids, skip, end,
-            sync=self.sync and not st.remote, remote=st.remote,
+            sync=self.sync and not st.remote, remote=st.remote, tenant=st.tenant,
         )  # fmt: skip
         # the loaded blocks come from the tier: saving them again would find them there
         st.saved_tokens = max(st.saved_tokens, nblocks * self.bs)
@@ -180,9 +187,8 @@ class RaykvScheduler:
                 continue
             table = self._table(rid)
             nb = full // self.bs
-            meta.saves.append(
-                SaveSpec(rid, tuple(prompt[:full]), tuple(tuple(t[:nb]) for t in table))
-            )
+            blocks = tuple(tuple(t[:nb]) for t in table)
+            meta.saves.append(SaveSpec(rid, tuple(prompt[:full]), blocks, st.tenant))
             self.stats.saved_blocks += nb - st.saved_tokens // self.bs
             st.saved_tokens, st.saves_sent = full, True
         return meta

@@ -29,6 +29,7 @@ tier entries only while it copies).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import Counter
@@ -120,13 +121,13 @@ class RaykvWorker:
         try:  # blocks the node's tier lacks come to it first (verified there); the pull
             # crosses nodes, so it holds no lock: saves and this node's loads go on meanwhile
             if spec.remote:
-                self.attached.pull(spec.token_ids, [len(t) for t in spec.block_ids])
+                self.attached.pull(spec.token_ids, [len(t) for t in spec.block_ids], spec.tenant)
         except Exception as e:  # what is local still loads; the rest is recomputed
             log.warning("raykv pull for %s failed (%r)", spec.request_id, e)
         tables, skip = [list(t) for t in spec.block_ids], list(spec.skip)
         try:  # one round trip to the node agent (lease), then one verified copy
             with self.lock:
-                got = self.attached.load_into(spec.token_ids, tables, skip)
+                got = self.attached.load_into(spec.token_ids, tables, skip, spec.tenant)
         except Exception as e:  # the tier is gone or restarting: nothing was loaded
             log.warning("raykv load of %s failed (%r): vLLM recomputes it", spec.request_id, e)
             got = 0
@@ -171,8 +172,10 @@ class RaykvWorker:
                 if n == 0:
                     continue
                 bs = len(spec.token_ids) // max(len(spec.block_ids[0]), 1)
-                spec = SaveSpec(spec.request_id, spec.token_ids[: n * bs],
-                                tuple(t[:n] for t in spec.block_ids))  # fmt: skip
+                blocks = tuple(t[:n] for t in spec.block_ids)
+                spec = dataclasses.replace(
+                    spec, token_ids=spec.token_ids[: n * bs], block_ids=blocks
+                )
             with self.book:
                 self.pending[spec.request_id] += 1
             self.inflight.append(self.pool.submit(self._save, spec))
@@ -180,7 +183,8 @@ class RaykvWorker:
     def _save(self, spec: SaveSpec) -> None:
         try:
             with self.lock:
-                n = self.attached.store_from(spec.token_ids, [list(t) for t in spec.block_ids])
+                tables = [list(t) for t in spec.block_ids]
+                n = self.attached.store_from(spec.token_ids, tables, spec.tenant)
             self.counts["saved_entries"] += n
         except Exception as e:  # a miss later, never wrong KV
             log.warning("raykv save of %s failed (%r)", spec.request_id, e)

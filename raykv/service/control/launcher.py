@@ -357,4 +357,12 @@ def status_table(s: dict[str, Any]) -> str:
         f"released (holder gone) {s.get('leases_released', 0)}  "
         f"late finishes {s.get('late_finishes', 0)}"
     )
+    tenants = s.get("tenants") or {}
+    if tenants.keys() - {"none"}:  # engines serve tenants (salted or LoRA requests)
+        lines.append("engine lookups per tenant (hit / missed blocks, stored entries)")
+        for label, c in tenants.items():
+            lines.append(
+                f"  {label:<10}{c.get('lookups', 0):>8} lookups  {c.get('hit_blocks', 0)} / "
+                f"{c.get('miss_blocks', 0)} blocks  {c.get('stored_entries', 0)} stored"
+            )
     return "\n".join(lines)

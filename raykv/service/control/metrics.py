@@ -7,10 +7,18 @@ from collections import Counter as Tally
 
 from ray.util import metrics
 
+from raykv.blocks.hashing import TENANT_LABEL_CHARS
+
 _LATENCY_BOUNDS = [0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 1000]  # ms
 # ``raykv_fetched_bytes``' transport of a pool's loads from its own node's CPU tier: they go
 # through the shared arena, not over a ``raykv.transport``, and are most of what a pool loads
 ARENA = "arena"
+
+# Tenants a component counts apart (each a label of its own in Prometheus); the rest are
+# counted together as "other", so a service with many tenants keeps a bounded set of series.
+MAX_TENANTS = 32
+OTHER_TENANTS = "other"
+_HEX = frozenset("0123456789abcdef")
 
 
 class ServiceMetrics:
@@ -49,6 +57,18 @@ class ServiceMetrics:
         self._latency = metrics.Histogram(
             "raykv_lookup_latency_ms", "Coordinator lookup latency", _LATENCY_BOUNDS, tags
         )
+        # engines' counts per tenant (``tenant_label``: "none" for requests without one)
+        self.tenants: dict[str, Tally[str]] = {}
+        per_tenant = ("component", "model", "tenant")
+        self._tenant = {
+            what: metrics.Counter(f"raykv_tenant_{what}", about, per_tenant)
+            for what, about in (
+                ("lookups", "Engine lookups, per tenant"),
+                ("hit_blocks", "Blocks engine lookups found, per tenant"),
+                ("miss_blocks", "Blocks engine lookups did not find, per tenant"),
+                ("stored_entries", "CPU-tier entries engines stored, per tenant"),
+            )
+        }
 
     def _tags(self, model: str, tier: str) -> dict[str, str]:
         return {"component": self.component, "model": model, "tier": tier}
@@ -115,15 +135,47 @@ class ServiceMetrics:
         self.tally[f"failures_{what}"] += 1
         self._failures.inc(1, {"component": self.component, "what": what})
 
-    def engine_lookups(self, model: str, n: int, hit_blocks: int, miss_blocks: int) -> None:
-        """Lookups engines answered from this node's index replica (``raykv.engine``)."""
-        self.tally["engine_lookups"] += n
+    def engine_counts(
+        self,
+        model: str,
+        tenant: str,
+        lookups: int,
+        hit_blocks: int,
+        miss_blocks: int,
+        stored_entries: int,
+    ) -> None:
+        """Lookups engines answered from this node's index replica and entries they stored
+        (``raykv.engine``), of one tenant (``tenant_label``)."""
+        self.tally["engine_lookups"] += lookups
         self.tally["engine_hit_blocks"] += hit_blocks
         self.tally["engine_miss_blocks"] += miss_blocks
         if hit_blocks:
             self._hits.inc(hit_blocks, self._tags(model, "replica"))
         if miss_blocks:
             self._misses.inc(miss_blocks, self._tags(model, "replica"))
+        label = self._tenant_label(tenant)
+        counts = self.tenants.setdefault(label, Tally())
+        tags = {"component": self.component, "model": model, "tenant": label}
+        for what, n in (
+            ("lookups", lookups),
+            ("hit_blocks", hit_blocks),
+            ("miss_blocks", miss_blocks),
+            ("stored_entries", stored_entries),
+        ):
+            if n:
+                counts[what] += n
+                self._tenant[what].inc(n, tags)
+
+    def _tenant_label(self, tenant: str) -> str:
+        """``tenant`` while fewer than ``MAX_TENANTS`` tenants are counted apart, else
+        "other"; so is anything that is not a ``tenant_label`` (no raw salt ever becomes a
+        label). Requests without a tenant ("none") are always counted apart."""
+        if tenant in self.tenants or tenant == "none":
+            return tenant
+        well_formed = len(tenant) == TENANT_LABEL_CHARS and _HEX.issuperset(tenant)
+        if not well_formed or len(self.tenants.keys() - {"none", OTHER_TENANTS}) >= MAX_TENANTS:
+            return OTHER_TENANTS
+        return tenant
 
     def lookup_ms(self, model: str, ms: float) -> None:
         self.tally["lookups"] += 1

@@ -101,6 +101,10 @@ def cluster(
             if row.get(theirs):
                 tally[ours] += row[theirs]
     look = lookups(tally)
+    per_tenant: dict[str, Tally] = {}
+    for row in rows:  # each node's engines, summed per tenant label
+        for label, counts in (row.get("tenants") or {}).items():
+            per_tenant.setdefault(label, Tally()).update(counts)
     return {
         "nodes": nodes(ray_nodes),
         "models": models(served, plans),
@@ -110,6 +114,9 @@ def cluster(
         "hit_rate": look["hit_rate"],
         "hits": look["hits"],
         "misses": look["misses"],
+        # engines' lookups, hit / missed blocks and stored CPU-tier entries per tenant
+        # (``tenant_label``: "none" for requests without one, "other" past MAX_TENANTS)
+        "tenants": {label: dict(c) for label, c in sorted(per_tenant.items())},
         # copies that failed their checksum (invariant 12: served as misses), each counted
         # once, by the member that found it (its row), and by where: "gpu" (a pool's own
         # block), "cpu" (a CPU-tier entry loaded on its node), "remote" (a copy another

@@ -219,8 +219,8 @@ class AgentServer:
                 return await tier.release_holder(holder)
             case p.Replica(model):
                 return tier.replica_spec(model)
-            case p.Counted(model, lookups, hits, misses):
-                tier.metrics.engine_lookups(model, lookups, hits, misses)
+            case p.Counted(model, tenant, lookups, hits, misses, stored):
+                tier.metrics.engine_counts(model, tenant, lookups, hits, misses, stored)
                 return None
             case p.AddModel(name, layers, max_model_len, settings):
                 model = served_model(name, layers, max_model_len, settings)

@@ -153,12 +153,16 @@ class ReleaseAll:
 
 @dataclass(frozen=True)
 class Counted:
-    """Lookups an engine answered from the replica, for the node's metrics (not answered)."""
+    """An engine's counts of one tenant (``tenant_label``), for the node's metrics (not
+    answered): lookups it answered from the replica, the blocks they hit and missed, and
+    the tier entries it stored."""
 
     model: str
+    tenant: str
     lookups: int
     hit_blocks: int
     miss_blocks: int
+    stored_entries: int
 
 
 Request = (

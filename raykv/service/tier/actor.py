@@ -647,5 +647,8 @@ class CpuTierActor:
             },
             # engine processes connected to this node's agent now
             "agent_clients": self.agent.clients,
+            # their lookups, hit / missed blocks and stored entries per tenant (labels:
+            # "none", a short hash of a tenant's key, or "other" past MAX_TENANTS)
+            "tenants": {t: dict(c) for t, c in self.metrics.tenants.items()},
             "replica_dropped": sum(mt.replica.dropped for mt in self.tiers.values()),
         } | dict(self.metrics.tally)
