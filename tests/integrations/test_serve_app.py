@@ -102,7 +102,7 @@ def test_the_router_is_raykvs_where_it_imports_else_serves_with_one_warning(
         ({"tp": 2}, "tensor_parallel_size=1"),
         ({"replicas": 0}, "at least one replica"),
         ({"vllm_args": ["--block-size", "16"]}, "the app sets itself"),
-        ({"router": "nearest"}, "use 'raykv'"),
+        ({"router": "nearest"}, "router: Input should be 'raykv' or 'default'"),
         ({"connector": False, "router": "raykv"}, "connector-less"),
     ],
 )

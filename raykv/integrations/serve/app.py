@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from raykv.api import short_repr
 from raykv.errors import ConfigError
 from raykv.integrations.serve import deployments
 from raykv.integrations.vllm.engine import kv_transfer_config
@@ -76,6 +77,8 @@ class AppConfig:
     router: Router
     replica_actor_options: dict[str, Any]
     ingress_actor_options: dict[str, Any]
+    router_costs: dict[str, Any] | None = None
+    max_replicas_per_node: int | None = None
 
 
 def raykv_model_name(model: str, vllm_args: Sequence[str]) -> str:
@@ -130,24 +133,10 @@ def _cluster_has_gpus() -> bool:
     return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
 
-def app_config(
-    model: str,
-    replicas: int = 1,
-    tp: int = 1,
-    *,
-    router: Router | None = None,
-    connector: bool = True,
-    served_model_name: str | None = None,
-    raykv_model: str | None = None,
-    block_size: int = 32,
-    max_model_len: int | None = None,
-    vllm_args: Sequence[str] = (),
-    connector_config: Mapping[str, Any] | None = None,
-    num_gpus: float | None = None,
-    num_cpus: float = 1.0,
-    env: Mapping[str, str] | None = None,
-) -> AppConfig:
-    """Check and derive the app's configuration (``vllm_app``'s arguments, which see)."""
+def app_config(model: str, **settings: Any) -> AppConfig:
+    """Check and derive the app's configuration (``AppSettings``' fields, which see)."""
+    a = app_settings({"model": model, **settings})
+    model, replicas, tp, connector, vllm_args = a.model, a.replicas, a.tp, a.connector, a.vllm_args
     if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().is_dir():
         raise ConfigError(
             f"model {model!r} is not a folder here; pass a local model folder (config.json, "
@@ -155,6 +144,10 @@ def app_config(
         )
     if replicas < 1:
         raise ConfigError(f"replicas={replicas}: run at least one replica")
+    if a.router_costs is not None:
+        from raykv.integrations.serve.costs import RouteCosts
+
+        RouteCosts.configured(a.router_costs)  # a bad constant: refused before any start
     if tp < 1:
         raise ConfigError(f"tp={tp}: the tensor-parallel size is at least 1")
     if connector and tp > 1:
@@ -172,35 +165,36 @@ def app_config(
             "arguments (model, tp, block_size, max_model_len, served_model_name, "
             "connector_config)"
         )
-    served = served_model_name or model
+    served = a.served_model_name or model
     args = ["--model", model, "--served-model-name", served, "--tensor-parallel-size",
-            str(tp), "--block-size", str(block_size)]  # fmt: skip
-    if max_model_len is not None:
-        args += ["--max-model-len", str(max_model_len)]
+            str(tp), "--block-size", str(a.block_size)]  # fmt: skip
+    if a.max_model_len is not None:
+        args += ["--max-model-len", str(a.max_model_len)]
     if tp == 1 and not any(a.startswith("--distributed-executor-backend") for a in vllm_args):
         # the engine's worker in its engine-core process: one process (and one import of
         # vLLM and torch) less per replica than vLLM's multiprocess default on CPU
         args += ["--distributed-executor-backend", "uni"]
     args += list(vllm_args)
-    name = raykv_model or raykv_model_name(model, args)
+    name = a.raykv_model or raykv_model_name(model, args)
     if connector:
-        extra = {**dict(connector_config or {}), "model": name}
+        extra = {**dict(a.connector_config or {}), "model": name}
         args += ["--kv-transfer-config", json.dumps(kv_transfer_config("raykv", extra))]
-    env_vars = dict(env or {})
+    env_vars = dict(a.env or {})
     if Path(model).is_dir():  # a local model needs no hub: never wait on the network for it
         env_vars.setdefault("HF_HUB_OFFLINE", "1")
     runtime_env = {"env_vars": env_vars} if env_vars else {}
-    gpus = float(tp if num_gpus is None and _cluster_has_gpus() else (num_gpus or 0))
-    replica_options = {"num_cpus": num_cpus, "num_gpus": gpus}
-    ingress_options = {"num_cpus": num_cpus}
+    gpus = float(tp if a.num_gpus is None and _cluster_has_gpus() else (a.num_gpus or 0))
+    replica_options = {"num_cpus": a.num_cpus, "num_gpus": gpus}
+    ingress_options = {"num_cpus": a.num_cpus}
     if runtime_env:
         replica_options["runtime_env"] = runtime_env
         ingress_options["runtime_env"] = runtime_env
     return AppConfig(
         model=model, served_model_name=served, raykv_model=name, vllm_args=tuple(args),
         replicas=replicas, tp=tp, connector=connector,
-        router=_resolve_router(router, connector), replica_actor_options=replica_options,
-        ingress_actor_options=ingress_options,
+        router=_resolve_router(a.router, connector), replica_actor_options=replica_options,
+        ingress_actor_options=ingress_options, router_costs=a.router_costs,
+        max_replicas_per_node=a.max_replicas_per_node,
     )  # fmt: skip
 
 
@@ -212,15 +206,33 @@ def request_router_config(config: AppConfig) -> Any:
     if config.router == "raykv":
         return RequestRouterConfig(
             request_router_class=ROUTER_CLASS,
-            request_router_kwargs={"model": config.raykv_model},
+            request_router_kwargs={
+                "model": config.raykv_model,
+                **({"costs": config.router_costs} if config.router_costs else {}),
+            },
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
         )
     return RequestRouterConfig(request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
 
 
-class AppArgs(BaseModel):
-    """``build_app``'s arguments: what a Serve config file's ``args`` (or the Helm chart's
-    ``serve`` values) may hold; ``vllm_app``'s parameters, which see."""
+class AppSettings(BaseModel):
+    """The app's settings (``vllm_app(model, **settings)``, ``build_app``'s args: a Serve
+    config file's ``args``, the Helm chart's ``serve`` values): ``replicas`` vLLM engines of
+    ``model`` (a local path or a Hugging Face name) with raykv's connector, behind an
+    OpenAI-compatible HTTP ingress.
+
+    ``router``: "raykv" (KV-aware; the default where it imports) or "default" (Ray Serve's);
+    ``router_costs``: raykv's router's cost constants (``RouteCosts.configured``'s keys)
+    instead of the replicas' measurements. ``connector``: False runs the same replicas
+    without raykv (a reference). ``tp``: vLLM's tensor-parallel size (1 with the connector).
+    ``served_model_name``: the OpenAI ``model`` (default: ``model``). ``raykv_model``: the
+    raykv model name (default: derived, see ``raykv_model_name``). ``vllm_args``: more vLLM
+    api_server arguments, e.g. ``["--dtype", "float32", "--kv-cache-memory-bytes",
+    "1073741824"]``. ``connector_config``: the connector's ``kv_connector_extra_config``
+    (docs/vllm.md). ``num_gpus`` per replica (default: ``tp`` on a cluster with GPUs),
+    ``num_cpus`` per replica and ingress; ``max_replicas_per_node`` (Ray Serve's: e.g. 1
+    spreads the replicas over the nodes, each with its node's CPU tier); ``env``: environment
+    variables of every replica and the ingress."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -228,6 +240,7 @@ class AppArgs(BaseModel):
     replicas: int = 1
     tp: int = 1
     router: Router | None = None
+    router_costs: dict[str, Any] | None = None
     connector: bool = True
     served_model_name: str | None = None
     raykv_model: str | None = None
@@ -237,65 +250,43 @@ class AppArgs(BaseModel):
     connector_config: dict[str, Any] | None = None
     num_gpus: float | None = None
     num_cpus: float = 1.0
+    max_replicas_per_node: int | None = None
     env: dict[str, str] | None = None
 
 
-def build_app(args: AppArgs | Mapping[str, Any]) -> Any:
+def app_settings(settings: Mapping[str, Any]) -> AppSettings:
+    """``AppSettings`` from a dict, or ConfigError naming the bad field and every field."""
+    try:
+        return AppSettings.model_validate(dict(settings))
+    except ValidationError as e:
+        why = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']} "
+            f"(got {short_repr(err['input'])})"
+            for err in e.errors()
+        )
+        fields = sorted(AppSettings.model_fields)
+        raise ConfigError(f"the app's settings: {why}; the fields are {fields}") from None
+
+
+def build_app(args: Mapping[str, Any]) -> Any:
     """Ray Serve's application builder (one argument: the ``args`` of a Serve config file,
     ``serve run raykv.integrations.serve.app:build_app model=...``, the Helm chart's
     RayService), or from Python ``serve.run(build_app({"model": ..., "replicas": 2}))``:
-    ``vllm_app(**args)``."""
-    if not isinstance(args, AppArgs):
-        try:
-            args = AppArgs.model_validate(dict(args))
-        except ValidationError as e:
-            fields = sorted(AppArgs.model_fields)
-            raise ConfigError(f"build_app's args: {e}; the fields are {fields}") from None
-    return vllm_app(**args.model_dump())
+    ``vllm_app`` of ``AppSettings``' fields."""
+    return vllm_app(**app_settings(args).model_dump())
 
 
-def vllm_app(
-    model: str,
-    replicas: int = 1,
-    tp: int = 1,
-    *,
-    router: Router | None = None,
-    connector: bool = True,
-    served_model_name: str | None = None,
-    raykv_model: str | None = None,
-    block_size: int = 32,
-    max_model_len: int | None = None,
-    vllm_args: Sequence[str] = (),
-    connector_config: Mapping[str, Any] | None = None,
-    num_gpus: float | None = None,
-    num_cpus: float = 1.0,
-    env: Mapping[str, str] | None = None,
-) -> Any:
-    """The Ray Serve application (``serve.run(vllm_app(...))``): ``replicas`` vLLM engines
-    of ``model`` (a local path or a Hugging Face name) with raykv's connector, behind an
-    OpenAI-compatible HTTP ingress.
-
-    ``router``: "raykv" (KV-aware; the default where it imports) or "default" (Ray Serve's).
-    ``connector``: False runs the same replicas without raykv (a reference). ``tp``: vLLM's
-    tensor-parallel size (1 with the connector). ``served_model_name``: the OpenAI ``model``
-    (default: ``model``). ``raykv_model``: the raykv model name (default: derived, see
-    ``raykv_model_name``). ``vllm_args``: more vLLM api_server arguments, e.g.
-    ``["--dtype", "float32", "--kv-cache-memory-bytes", "1073741824"]``.
-    ``connector_config``: the connector's ``kv_connector_extra_config`` (docs/vllm.md).
-    ``num_gpus`` per replica (default: ``tp`` on a cluster with GPUs), ``num_cpus`` per
-    replica and ingress; ``env``: environment variables of every replica and the ingress."""
+def vllm_app(model: str, **settings: Any) -> Any:
+    """The Ray Serve application (``serve.run(vllm_app(...))``) of ``model`` with
+    ``settings``: ``AppSettings``' fields, which see."""
     from ray import serve
 
-    config = app_config(
-        model, replicas, tp, router=router, connector=connector,
-        served_model_name=served_model_name, raykv_model=raykv_model, block_size=block_size,
-        max_model_len=max_model_len, vllm_args=vllm_args, connector_config=connector_config,
-        num_gpus=num_gpus, num_cpus=num_cpus, env=env,
-    )  # fmt: skip
+    config = app_config(model, **settings)
     replica = serve.deployment(
         deployments.VllmReplica,
         name="VllmReplica",
         num_replicas=config.replicas,
+        max_replicas_per_node=config.max_replicas_per_node,
         ray_actor_options=config.replica_actor_options,
         request_router_config=request_router_config(config),
         max_ongoing_requests=64,

@@ -47,6 +47,11 @@ class RoutedRequest:
         """The chat's messages as sent; None for a completion."""
         return self.body.get("messages")
 
+    @property
+    def cache_salt(self) -> str | None:
+        """vLLM's ``cache_salt`` (the request's tenant): the router hashes under it too."""
+        return self.body.get("cache_salt")
+
 
 def vllm_namespace(vllm_args: Sequence[str]) -> Any:
     """vLLM's api_server arguments parsed by vLLM's own parser (its defaults included)."""

@@ -35,6 +35,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import ray
@@ -48,9 +49,10 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from raykv.blocks.hashing import BlockHasher
+from raykv.blocks.hashing import BlockHasher, Tenant
 from raykv.integrations.serve.costs import RouteCosts
 from raykv.integrations.serve.placement import NodeHit, PlacementView
+from raykv.integrations.vllm.config import request_tenant
 from raykv.service.groups import group_keys, primary_group
 from raykv.service.served import COORDINATOR, NAMESPACE
 
@@ -61,19 +63,20 @@ PLAN_RETRY_S = 1.0  # the model's plan not got: asked again after this long (not
 SENT_KEEP = 100_000  # requests remembered until completed (a lost completion ages out)
 
 
-def prompt_token_ids(request: PendingRequest | None) -> list[int] | None:
-    """The token ids of ``request``'s prompt: the first argument (positional, then keyword)
-    with a ``prompt_token_ids`` attribute or key; None if it has none."""
+def routed_prompt(request: PendingRequest | None) -> tuple[list[int], Tenant] | None:
+    """The token ids of ``request``'s prompt and its tenant (its ``cache_salt``, keyed as the
+    connector keys the engine's request: ``request_tenant``), from the first argument
+    (positional, then keyword) with a ``prompt_token_ids`` attribute or key; None if none
+    has."""
     if request is None:
         return None
     for arg in (*(request.args or ()), *(request.kwargs or {}).values()):
-        ids = (
-            arg.get("prompt_token_ids")
-            if isinstance(arg, Mapping)
-            else getattr(arg, "prompt_token_ids", None)
-        )
+        if isinstance(arg, Mapping):
+            ids, arg = arg.get("prompt_token_ids"), SimpleNamespace(**arg)
+        else:
+            ids = getattr(arg, "prompt_token_ids", None)
         if ids is not None:
-            return [int(t) for t in ids]
+            return [int(t) for t in ids], request_tenant(arg)
     return None
 
 
@@ -140,13 +143,14 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return []
         if self._reporter is None:
             self._start()
-        ids = prompt_token_ids(pending_request)
-        if ids is None:
+        prompt = routed_prompt(pending_request)
+        if prompt is None:
             return self._fall_back(candidate_replicas, "no_token_ids")
+        ids, tenant = prompt
         if not await self._view.ready():
             return self._fall_back(candidate_replicas, "index_unavailable")
         try:
-            keys = await self._keys(ids)
+            keys = await self._keys(ids, tenant)
         except Exception as e:  # the service is down or does not serve the model
             return self._fall_back(candidate_replicas, "no_plan", e)
         nodes = {r.node_id for r in candidate_replicas}
@@ -206,9 +210,9 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         for _ in range(len(recent) - size // self._block_size()):
             recent.popitem(last=False)
 
-    async def _keys(self, ids: Sequence[int]) -> list[bytes]:
+    async def _keys(self, ids: Sequence[int], tenant: Tenant = None) -> list[bytes]:
         """The prompt's block keys of the plan's primary group (whole blocks, all but the
-        last token, as an engine's lookup takes them)."""
+        last token, as an engine's lookup takes them), under its tenant."""
         if self._plan is None:
             if time.monotonic() - self._plan_failed_at < PLAN_RETRY_S:
                 raise LookupError(f"no plan of {self._model!r} yet")
@@ -223,7 +227,7 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         end = max(len(ids) - 1, 0) // hbs
         if end == 0:
             return []
-        blob = self._hasher.hash_blocks_joined(ids, end_block=end)
+        blob = self._hasher.hash_blocks_joined(ids, end_block=end, tenant=tenant)
         return group_keys(plan, blob)[primary_group(plan)]
 
     def _block_size(self) -> int:
