@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from raykv.bench import percentile
 from raykv.errors import RaykvError, ServiceError, UnknownRequest
 from raykv.service.node.agent_protocol import AGENT_DIR_ENV
 
@@ -85,13 +86,6 @@ def expected(ids: list[int], n: int, width: int) -> torch.Tensor:
         seed = int.from_bytes(hashlib.sha256(prefix).digest()[:8], "little")
         out[j] = np.random.default_rng(seed).integers(0, 256, width, dtype=np.uint8)
     return torch.from_numpy(out)
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 @contextlib.contextmanager
@@ -671,8 +665,8 @@ class Soak:
             by_kind[k] = {
                 "count": len(fs),
                 "unrecovered": len(fs) - len(rec),
-                "recovery_p50_s": _pct(rec, 0.5),
-                "recovery_p99_s": _pct(rec, 0.99),
+                "recovery_p50_s": percentile(rec, 0.5),
+                "recovery_p99_s": percentile(rec, 0.99),
             }
         checksum_errors = None
         with contextlib.suppress(RaykvError):

@@ -35,7 +35,6 @@ import contextlib
 import hashlib
 import importlib
 import json
-import math
 import os
 import random
 import shutil
@@ -50,6 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from raykv.bench import percentile
 from raykv.bench.chaos import environment
 from raykv.errors import ConfigError, RaykvError, ServiceError
 
@@ -619,13 +619,6 @@ def quick_plan(calibration: Calibration, **costs: Any) -> BenchPlan:
     )
 
 
-def _pct(xs: Sequence[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
-
-
 async def _replay(
     handle: Any, scenario: Scenario, time_scale: float, offset: int = 0
 ) -> list[dict[str, Any]]:
@@ -679,11 +672,11 @@ def summarize(
         "hit_rate_gpu": gpu / prompt if prompt else 0.0,
         "hit_rate_node_tier": tier / prompt if prompt else 0.0,
         "hit_rate_remote": remote / prompt if prompt else 0.0,
-        "ttft_p50_s": _pct(ttft, 0.5),
-        "ttft_p99_s": _pct(ttft, 0.99),
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p99_s": percentile(ttft, 0.99),
         "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
-        "wall_ttft_p50_s": _pct(wall, 0.5),
-        "wall_ttft_p99_s": _pct(wall, 0.99),
+        "wall_ttft_p50_s": percentile(wall, 0.5),
+        "wall_ttft_p99_s": percentile(wall, 0.99),
         "throughput_rps": len(results) / span if span > 0 else None,
         "imbalance": max(counts) / statistics.fmean(counts) if sum(counts) else None,
         "per_replica": sorted(counts, reverse=True),

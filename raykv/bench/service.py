@@ -25,14 +25,10 @@ from typing import Any
 
 import torch
 
+from raykv.bench import percentile
 from raykv.service.node.agent_protocol import AGENT_DIR_ENV
 
 LOOKUP_MODEL, BW_MODEL = "bench-lookup", "bench-bandwidth"
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 class _Ping:
@@ -147,7 +143,8 @@ def _lookup_bench(kv: Any, a_node: str, b_node: str, tokens: int, reps: int) -> 
         reps,
     )
     ray.kill(actor)
-    out["ping"] = {"p50_ms": _pct(lat["ping"], 0.5) * 1e3, "p99_ms": _pct(lat["ping"], 0.99) * 1e3}
+    ping = lat["ping"]
+    out["ping"] = {"p50_ms": percentile(ping, 0.5) * 1e3, "p99_ms": percentile(ping, 0.99) * 1e3}
     for label, ids, look in (
         ("hit", prompt, engine.lookup),
         ("miss", miss, engine.lookup),
@@ -157,8 +154,8 @@ def _lookup_bench(kv: Any, a_node: str, b_node: str, tokens: int, reps: int) -> 
         assert (res.hit_tokens > 0) == (label != "miss"), res
         out[label] = {
             "lookups_per_s": len(lat[label]) / sum(lat[label]),
-            "p50_ms": _pct(lat[label], 0.5) * 1e3,
-            "p99_ms": _pct(lat[label], 0.99) * 1e3,
+            "p50_ms": percentile(lat[label], 0.5) * 1e3,
+            "p99_ms": percentile(lat[label], 0.99) * 1e3,
             "hit_tokens": res.hit_tokens,
         }
     engine.close()
