@@ -12,6 +12,7 @@ import ray
 
 pytestmark = pytest.mark.timeout(300)
 NODE = dict(num_cpus=2, node_ip_address="127.0.0.1", object_store_memory=80 << 20)
+COSTS = {"prefill_s_per_token": 1e-3, "load_s_per_token": {"cpu": 1e-6, "remote": 1e-4}}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,9 @@ def _app():
         ray_actor_options={"num_cpus": 0},
         request_router_config=RequestRouterConfig(
             request_router_class="raykv.integrations.serve.router.RaykvRouter",
-            request_router_kwargs={"model": "served"},
+            # a pull costs 100 x a local load: a replica's last request, whose completion
+            # Serve may report after its answer, never outweighs where the prefix is
+            request_router_kwargs={"model": "served", "costs": COSTS},
         ),
     )
     class Where:
@@ -100,7 +103,7 @@ def test_requests_go_where_their_prefix_is_and_survive_the_service(cluster) -> N
     assert routers, "the router never reported to raykv status"
     d = routers[0]["decisions"]
     assert d["routed_for_cache"] >= 6 and d["hit_tokens_cpu"] >= 6 * 16 * plan.groups[0].block_size
-    assert routers[0]["costs"]["source"] == "not measured yet"
+    assert routers[0]["costs"]["source"] == "configured"
     from raykv.service.control.launcher import status_table
 
     assert "serve router" in status_table({**kv.stats(), "address": "here"})
