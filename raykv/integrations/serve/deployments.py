@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Literal
@@ -179,17 +179,24 @@ class OpenAIIngress:
         return RoutedRequest(endpoint, body, ids[0] if ids else [], ids if tokens_only else [])
 
 
-class PrefillMeter:
-    """A replica's measured seconds per prefill token (the router's cost model reads it as
-    ``prefill_s_per_token``): the median over the last ``SAMPLES`` finished requests that
-    computed their whole prompt (no token cached: no load in their prefill time) of vLLM's
-    prefill time (scheduled to first token) per prompt token. Fed by vLLM's stat loggers."""
+class CostMeter:
+    """A replica's measured costs, which the router's cost model reads from its routing
+    stats. ``prefill_s_per_token``: the median over the last ``SAMPLES`` finished requests
+    that computed their whole prompt (no token cached: no load in their prefill time) of
+    vLLM's prefill time (scheduled to first token) per prompt token. ``load_s_per_token`` by
+    path ("cpu": from the node's tier; "remote": loads that pulled blocks from another node
+    first): the connector's load time per token loaded, summed over its last ``SAMPLES``
+    reports that loaded any. Fed by vLLM's stat loggers."""
 
     SAMPLES = 32
     MIN_TOKENS = 32  # shorter prompts measure per-step overhead, not prefill
+    PATHS = ("cpu", "remote")
 
     def __init__(self) -> None:
         self._samples: deque[float] = deque(maxlen=self.SAMPLES)
+        self._loads: dict[str, deque[tuple[int, int]]] = {
+            p: deque(maxlen=self.SAMPLES) for p in self.PATHS
+        }
 
     def add(self, finished: Any) -> None:
         """One of vLLM's ``FinishedRequestStats``."""
@@ -197,8 +204,23 @@ class PrefillMeter:
         if finished.num_cached_tokens == 0 and tokens >= self.MIN_TOKENS and seconds > 0:
             self._samples.append(seconds / tokens)
 
+    def add_loads(self, connector: Mapping[str, Any]) -> None:
+        """The connector's counters of one report (``RaykvStats``: ``load_us_<path>`` and
+        ``load_tokens_<path>`` since the last one)."""
+        for path, window in self._loads.items():
+            tokens = connector.get(f"load_tokens_{path}", 0)
+            if isinstance(tokens, int) and tokens > 0:
+                window.append((int(connector.get(f"load_us_{path}", 0)), tokens))
+
     def s_per_token(self) -> float | None:
         return statistics.median(self._samples) if self._samples else None
+
+    def load_s_per_token(self) -> dict[str, float]:
+        return {
+            path: sum(us for us, _ in w) * 1e-6 / sum(t for _, t in w)
+            for path, w in self._loads.items()
+            if w
+        }
 
     def stat_logger(self) -> Any:
         """A vLLM stat-logger factory (``AsyncLLM``'s ``stat_loggers``) feeding this meter."""
@@ -215,6 +237,9 @@ class PrefillMeter:
             ) -> None:
                 for finished in getattr(iteration_stats, "finished_requests", None) or ():
                     meter.add(finished)
+                connector = getattr(scheduler_stats, "kv_connector_stats", None)
+                if isinstance(connector, Mapping):
+                    meter.add_loads(connector)
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -234,12 +259,12 @@ class VllmReplica:
         args = vllm_namespace(vllm_args)
         engine_args = AsyncEngineArgs.from_cli_args(args)
         usage = UsageContext.OPENAI_API_SERVER
-        self.prefill = PrefillMeter()
+        self.costs = CostMeter()
         # as vLLM's api_server builds its engine, plus the meter's stat logger; stats stay
         # on (--disable-log-stats too): the router's cost model reads them
         self.engine = AsyncLLM.from_vllm_config(
             engine_args.create_engine_config(usage_context=usage), usage_context=usage,
-            stat_loggers=[self.prefill.stat_logger()],
+            stat_loggers=[self.costs.stat_logger()],
             enable_log_requests=engine_args.enable_log_requests,
             aggregate_engine_logging=engine_args.aggregate_engine_logging,
             disable_log_stats=False,
@@ -255,8 +280,8 @@ class VllmReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         """The engine's load and speed for the request router: from vLLM's output processor,
         ``requests`` not finished, ``prefilling_requests`` (no output yet) and their
-        ``prefill_tokens`` (prompt tokens); ``prefill_s_per_token`` once measured
-        (``PrefillMeter``); ``kv_cache_tokens``, the engine's own KV cache."""
+        ``prefill_tokens`` (prompt tokens); ``prefill_s_per_token`` and ``load_s_per_token``
+        once measured (``CostMeter``); ``kv_cache_tokens``, the engine's own KV cache."""
         out = self.engine.output_processor
         states = getattr(out, "request_states", {})
         stats: dict[str, Any] = {
@@ -264,9 +289,12 @@ class VllmReplica:
             "prefilling_requests": sum(1 for s in states.values() if s.is_prefilling),
             "prefill_tokens": out.get_num_queued_tokens(),
         }
-        measured = self.prefill.s_per_token()
+        measured = self.costs.s_per_token()
         if measured is not None:
             stats["prefill_s_per_token"] = measured
+        loads = self.costs.load_s_per_token()
+        if loads:
+            stats["load_s_per_token"] = loads
         # its own KV cache's size: the router remembers up to this much sent here
         cache = self.engine.vllm_config.cache_config
         if isinstance(cache.num_gpu_blocks, int) and cache.num_gpu_blocks > 0:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -118,6 +119,7 @@ class RaykvWorker:
                 self.loading[spec.request_id] = self.loader.submit(self._load, spec)
 
     def _load(self, spec: LoadSpec) -> None:
+        began = time.perf_counter()
         try:  # blocks the node's tier lacks come to it first (verified there); the pull
             # crosses nodes, so it holds no lock: saves and this node's loads go on meanwhile
             if spec.remote:
@@ -131,13 +133,17 @@ class RaykvWorker:
         except Exception as e:  # the tier is gone or restarting: nothing was loaded
             log.warning("raykv load of %s failed (%r): vLLM recomputes it", spec.request_id, e)
             got = 0
-        self._missed(spec, got)
+        self._missed(spec, got, time.perf_counter() - began)
 
-    def _missed(self, spec: LoadSpec, got: int) -> None:
-        """Count a load that delivered ``got`` tokens and report what it did not (an
-        asynchronous one from the loader's thread)."""
+    def _missed(self, spec: LoadSpec, got: int, seconds: float = 0.0) -> None:
+        """Count a load that delivered ``got`` tokens in ``seconds`` and report what it did
+        not (an asynchronous one from the loader's thread)."""
         with self.book:
             self._account(spec, got)
+            if got and seconds > 0:  # its cost per token, by path (a router's cost model)
+                path = "remote" if spec.remote else "cpu"
+                self.counts[f"load_us_{path}"] += round(seconds * 1e6)
+                self.counts[f"load_tokens_{path}"] += got
 
     def _account(self, spec: LoadSpec, got: int) -> None:
         self.counts["loaded_tokens"] += min(got, spec.num_tokens)
