@@ -1,0 +1,110 @@
+"""Admission for the lower tiers: which blocks the CPU tier evicts are worth writing below.
+
+A lower tier (disk) is written only with what the CPU tier lets go of. Writing a block that is
+never read again costs a write (bandwidth, SSD wear) and pushes out one that might have been.
+``TinyLFU`` (Einziger, Friedman & Manes) keeps an approximate count of how often each key was
+accessed recently and admits a candidate only if it was seen more than once, and, when the
+lower tier is full, more often than the block it would replace. The CPU tier in front works as
+W-TinyLFU's admission window: a block gets its second access while it is still there.
+
+Interface for a tier: ``record(key)`` on every access the CPU tier sees (lookup hit or miss,
+store), ``admit(candidate, victim)`` before writing ``candidate`` to the lower tier, where
+``victim`` is the block it would evict there (None when there is room). Not thread-safe: the
+tier holds its lock around every call, as for the eviction policies.
+
+The measurement that chose this over admitting everything: ``raykv bench eviction``
+(docs/performance.md, "Lower-tier admission").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+from raykv.errors import ConfigError, InvalidInput
+
+Key = bytes  # the CPU tier's keys: block hashes
+
+DEPTH = 4  # count-min rows: an estimate is off only when a key collides in all four
+MAX_COUNT = 15  # 4-bit counters, as in TinyLFU: "often" needs no more resolution
+SAMPLE_PER_SLOT = 10  # age after 10 x capacity recorded accesses (TinyLFU's sample size W)
+DOOR_BITS_PER_SAMPLE = 8  # doorkeeper bloom bits per access in a sample: few false positives
+_WORDS = struct.Struct("<8I")  # one blake2b digest: 4 sketch indexes + 4 doorkeeper indexes
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class TinyLFU:
+    """A count-min sketch of recent access counts behind a doorkeeper bloom filter.
+
+    A key's first access only sets its doorkeeper bits (most blocks are seen once: they never
+    reach the counters); later ones increment its ``DEPTH`` counters, capped at ``MAX_COUNT``.
+    ``estimate`` is the smallest of them plus the doorkeeper bit, so it never falls below the
+    true count (up to the cap) since the last aging. Every ``10 x capacity`` recorded accesses
+    all counters halve and the doorkeeper is cleared, so old popularity fades: what was hot an
+    hour ago does not keep out what is hot now. Indexes come from a keyed blake2b of the key,
+    so the sketch is the same for the same seed in every process (Python's ``hash`` is not).
+    """
+
+    def __init__(self, capacity: int, seed: int = 0) -> None:
+        if capacity < 1:
+            raise ConfigError(
+                f"TinyLFU needs the lower tier's capacity in blocks (>= 1), got {capacity}"
+            )
+        self.capacity = capacity
+        self.seed = seed
+        self.sample_size = SAMPLE_PER_SLOT * capacity
+        self.width = max(64, _pow2(capacity))  # counters per row: one per lower-tier slot
+        self._door_bits = _pow2(DOOR_BITS_PER_SAMPLE * self.sample_size)
+        self._counts = bytearray(DEPTH * self.width)
+        self._door = bytearray(self._door_bits)  # a byte per bit: no bit twiddling per access
+        self._salt = hashlib.sha256(b"raykv/tinylfu/v1" + str(seed).encode()).digest()
+        self.additions = 0  # accesses recorded since the last aging (halved by it)
+
+    def _slots(self, key: Key) -> tuple[list[int], list[int]]:
+        if not isinstance(key, bytes | bytearray | memoryview):
+            raise InvalidInput(
+                f"TinyLFU keys are block hashes (bytes), got {type(key).__name__}; pass the "
+                "CPU tier's key"
+            )
+        words = _WORDS.unpack(hashlib.blake2b(key, digest_size=32, key=self._salt).digest())
+        w, d = self.width, self._door_bits
+        counters = [row * w + (words[row] & (w - 1)) for row in range(DEPTH)]
+        return counters, [x & (d - 1) for x in words[DEPTH:]]
+
+    def record(self, key: Key) -> None:
+        """One access of ``key`` (every access the CPU tier sees)."""
+        counters, door = self._slots(key)
+        doorkeeper = self._door
+        if all(doorkeeper[i] for i in door):
+            counts = self._counts
+            for i in counters:
+                if counts[i] < MAX_COUNT:
+                    counts[i] += 1
+        else:  # first sight: the doorkeeper only, the counters stay for repeated keys
+            for i in door:
+                doorkeeper[i] = 1
+        self.additions += 1
+        if self.additions >= self.sample_size:
+            self.age()
+
+    def estimate(self, key: Key) -> int:
+        """Recent accesses of ``key``: never fewer than the true count (up to ``MAX_COUNT``)
+        since the last aging, more only where it collides with other keys in every row."""
+        counters, door = self._slots(key)
+        counts, doorkeeper = self._counts, self._door
+        return min(counts[i] for i in counters) + int(all(doorkeeper[i] for i in door))
+
+    def age(self) -> None:
+        """Halve every counter and clear the doorkeeper (run every ``sample_size`` records)."""
+        self._counts = bytearray(c >> 1 for c in self._counts)
+        self._door = bytearray(self._door_bits)
+        self.additions //= 2
+
+    def admit(self, candidate: Key, victim: Key | None) -> bool:
+        """Whether to write ``candidate`` to the lower tier: it was seen more than once and,
+        where it would evict ``victim``, more often than ``victim``."""
+        seen = self.estimate(candidate)
+        return seen > 1 and (victim is None or seen > self.estimate(victim))
