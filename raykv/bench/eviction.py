@@ -10,8 +10,8 @@ as a hit of the tier that holds it until the first block no tier holds; from the
 prompt is recomputed and stored. Every block read or stored lands in the CPU tier (a lower-tier
 hit is loaded up; the lower tier keeps its copy, so evicting that block again writes nothing).
 
-Policies of the lower tier, side by side on the same trace: ``lru`` (LRU, admits everything:
-``make_admission(name="all")``), ``lru+tinylfu`` (LRU, ``TinyLFU`` admission), ``arc``
+Policies of the lower tier, side by side on the same trace: ``lru`` (LRU, admits everything),
+``lru+tinylfu`` (LRU, ``TinyLFU`` admission), ``arc``
 (``ARCPolicy``, admits everything); and ``none``, no lower tier (the CPU tier alone). Per
 policy: the hit rate of the CPU tier, of the lower tier and in total (cached blocks / prompt
 blocks), and the blocks written to the lower tier. One seed's workload is one draw of tenant
@@ -78,7 +78,7 @@ def simulate(trace: Trace, policy: str, cpu_blocks: int, lower_blocks: int) -> R
     has_lower = policy != "none"
     eviction, _, admission_name = policy.partition("+")
     lower = make_policy(eviction if has_lower else "lru", lower_blocks)
-    admission = make_admission(lower_blocks, admission_name or "all")
+    admission = make_admission(lower_blocks, admission_name) if admission_name else None
     cpu, in_cpu, in_lower = LRUPolicy(), set(), set()
     cpu_hits = lower_hits = blocks = writes = rejected = 0
 
@@ -89,7 +89,7 @@ def simulate(trace: Trace, policy: str, cpu_blocks: int, lower_blocks: int) -> R
         victim = None
         if len(in_lower) >= lower_blocks:
             (victim,) = lower.victims(1, _always)
-        if not admission.admit(key, victim):
+        if admission is not None and not admission.admit(key, victim):
             rejected += 1
             return
         if victim is not None:
@@ -103,7 +103,8 @@ def simulate(trace: Trace, policy: str, cpu_blocks: int, lower_blocks: int) -> R
         blocks += len(keys)
         cached = True  # still inside the prompt's cached prefix
         for key in keys:
-            admission.record(key)
+            if admission is not None:
+                admission.record(key)
             if key in in_cpu:
                 cpu_hits += cached
                 cpu.touch(key)
