@@ -52,8 +52,8 @@ class TinyLFU:
     all counters halve and the doorkeeper is cleared, so old popularity fades: what was hot an
     hour ago does not keep out what is hot now. Indexes come from a keyed blake2b of the key,
     so the sketch is the same for the same seed in every process (Python's ``hash`` is not).
-    Memory: 16 bytes of counters and ~10 bytes of doorkeeper a lower-tier slot (4 MiB and
-    2.5 MiB rounded up to powers of two for a 250k-block disk tier).
+    Memory: 16 bytes of counters and 10 bits of doorkeeper a lower-tier slot, each rounded up
+    to a power of two (4 MiB + 4 MiB for a 250k-block disk tier).
     """
 
     def __init__(self, capacity: int, seed: int = 0) -> None:
