@@ -645,6 +645,26 @@ def bench_routing(
         raise click.ClickException(str(e)) from e
 
 
+@bench.command("eviction")
+@click.option("--quick", is_flag=True, help="A small workload, one seed (a smoke run).")
+@click.option("--json", "json_path", default=None,
+              help="Also write the report as JSON to PATH ('-': print only the JSON).")  # fmt: skip
+@click.option("--seed", type=int, default=None, help="the first workload seed (default 0)")
+@click.option("--seeds", type=click.IntRange(1), default=None,
+              help="workloads averaged, seeds --seed.. (default 3; --quick 1)")  # fmt: skip
+def bench_eviction(quick: bool, json_path: str | None, seed: int | None, seeds: int | None) -> None:
+    """Lower-tier policies on the routing workload's block trace: a CPU tier (LRU) whose
+    evictions go to a lower tier under LRU, LRU + TinyLFU admission or ARC: hit rate of each
+    tier and in total, and the blocks written below (no Ray)."""
+    from raykv.bench.eviction import main as run_eviction
+    from raykv.errors import RaykvError
+
+    try:
+        run_eviction(quick=quick, json_path=json_path, seed=seed, seeds=seeds, echo=click.echo)
+    except RaykvError as e:
+        raise click.ClickException(str(e)) from e
+
+
 @bench.command("vllm")
 @click.option("--sizes", default="1024,2048,4096,8192", show_default=True,
               help="shared-prefix tokens, comma-separated")  # fmt: skip

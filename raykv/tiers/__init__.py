@@ -1,6 +1,7 @@
 """Tiers: paged GPU KV tensors, the CPU tier (its arena in shared memory, ``shm``), offload
-jobs with fence and checksums, and eviction policies."""
+jobs with fence and checksums, eviction policies, and the lower tiers' admission filter."""
 
+from raykv.tiers.admission import TinyLFU, make_admission
 from raykv.tiers.checksum import row_checksums
 from raykv.tiers.cpu_tier import (
     ArenaRows,
@@ -43,8 +44,10 @@ __all__ = [
     "StoreJob",
     "StoreReservation",
     "TierStats",
+    "TinyLFU",
     "group_block_hashes",
     "group_factor",
+    "make_admission",
     "make_policy",
     "row_checksums",
 ]
