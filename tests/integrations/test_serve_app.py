@@ -278,3 +278,23 @@ def test_models_streaming_errors_and_status(served) -> None:
                             timeout=120)  # fmt: skip
     assert status.returncode == 0, status.stderr[-3000:]
     assert "VllmReplica: replicas 2 running" in status.stdout, status.stdout
+
+
+def test_a_replica_binds_its_connector_to_its_own_nodes_agent() -> None:
+    """Its engine core is a child process, no Ray worker: without this it would open the
+    host's default agent, another node's where one host runs several raylets."""
+    from raykv.integrations.serve.deployments import on_this_node
+    from raykv.service.node.agent_protocol import socket_path
+    from raykv.service.served import NAMESPACE
+
+    config = serve_app.app_config("some/model", vllm_args=["--dtype", "float32"])
+    node = "ab" * 28
+    args = on_this_node(config.vllm_args, node)
+    extra = json.loads(args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert extra["agent"] == str(socket_path(NAMESPACE, node))
+    assert args[: args.index("--kv-transfer-config")] == list(config.vllm_args)[:-2]
+    mine = serve_app.app_config("some/model", connector_config={"agent": "/run/a.sock"})
+    kept = on_this_node(mine.vllm_args, node)
+    assert json.loads(kept[-1])["kv_connector_extra_config"]["agent"] == "/run/a.sock"
+    off = serve_app.app_config("some/model", connector=False)
+    assert on_this_node(off.vllm_args, node) == list(off.vllm_args)

@@ -144,8 +144,8 @@ def test_a_busy_holder_sends_its_prefix_away_and_the_other_node_pulls_it(
     cluster, tmp_path_factory
 ) -> None:
     """Route-or-pull with real engines: request A computes a prefix on one node; while that
-    replica is busy (as the router's configured costs say: 50 ms per prefill token, loads
-    free), B with the same prefix goes to the replica on the other node, which pulls the
+    replica is busy (as the router's configured costs say: a second per prefill token, so A's
+    prefill keeps it busy longer than the test runs; loads free), B with the same prefix goes to the replica on the other node, which pulls the
     blocks from A's node: the router counts a pull, B's engine loads every prefix token and
     answers as a full recompute does."""
     pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs vllm")
@@ -159,7 +159,7 @@ def test_a_busy_holder_sends_its_prefix_away_and_the_other_node_pulls_it(
     settings = dict(
         replicas=2, router="raykv", max_replicas_per_node=1, num_cpus=0.5,
         max_model_len=4096, vllm_args=VLLM_ARGS, env={"HF_HUB_OFFLINE": "1"},
-        router_costs={"prefill_s_per_token": 0.05, "load_s_per_token": {"cpu": 0, "remote": 0}},
+        router_costs={"prefill_s_per_token": 1.0, "load_s_per_token": {"cpu": 0, "remote": 0}},
     )  # fmt: skip
     name = app_config(model, **settings).raykv_model
     import raykv
@@ -189,8 +189,8 @@ def test_a_busy_holder_sends_its_prefix_away_and_the_other_node_pulls_it(
                 break
             time.sleep(0.5)
         d = mine[0]["decisions"]
-        assert d["routed_for_load"] >= 1 and d["pulls"] >= 1, d
-        assert d["hit_tokens_remote"] >= PREFIX, d
+        assert d.get("routed_for_load", 0) >= 1 and d.get("pulls", 0) >= 1, (mine, first, second)
+        assert d.get("hit_tokens_remote", 0) >= PREFIX, d
         assert mine[0]["costs"]["source"] == "configured"
     finally:
         serve.delete("routed")

@@ -9,6 +9,7 @@ OpenAI error bodies (vLLM's ``ErrorResponse``) with their HTTP status, never as 
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 from collections import deque
@@ -17,10 +18,14 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Literal
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.datastructures import State
+
+from raykv.service.node.agent_protocol import socket_path
+from raykv.service.served import NAMESPACE
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,23 @@ class RoutedRequest:
     def cache_salt(self) -> str | None:
         """vLLM's ``cache_salt`` (the request's tenant): the router hashes under it too."""
         return self.body.get("cache_salt")
+
+
+def on_this_node(vllm_args: Sequence[str], node_id: str) -> list[str]:
+    """``vllm_args`` with the connector bound to the node agent of Ray node ``node_id``, the
+    replica's: its engine core runs in a child process that is no Ray worker, which would
+    open the host's default agent (another node's where one host runs several raylets). A
+    config that names its agent keeps it."""
+    args = list(vllm_args)
+    if "--kv-transfer-config" not in args:
+        return args
+    i = args.index("--kv-transfer-config") + 1
+    config = json.loads(args[i])
+    extra = config.setdefault("kv_connector_extra_config", {})
+    if not extra.get("agent"):
+        extra["agent"] = str(socket_path(extra.get("namespace", NAMESPACE), node_id))
+        args[i] = json.dumps(config)
+    return args
 
 
 def vllm_namespace(vllm_args: Sequence[str]) -> Any:
@@ -256,7 +278,7 @@ class VllmReplica:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = vllm_namespace(vllm_args)
+        args = vllm_namespace(on_this_node(vllm_args, ray.get_runtime_context().get_node_id()))
         engine_args = AsyncEngineArgs.from_cli_args(args)
         usage = UsageContext.OPENAI_API_SERVER
         self.costs = CostMeter()
