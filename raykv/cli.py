@@ -459,6 +459,27 @@ def bench() -> None:
     """Benchmarks that print ratios measured side by side in one run."""
 
 
+@bench.command("tiers")
+@click.option("--path", type=click.Path(file_okay=False, exists=True),
+              help="a folder on the disk to measure (default: the temp folder)")  # fmt: skip
+@click.option("--bytes", "nbytes", default="1GiB", show_default=True, help="bytes moved each way")
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+def bench_tiers(path, nbytes, as_json) -> None:
+    """The disk tier's write of demoted entries and read of hits vs a plain sequential
+    O_DIRECT write and read of the same bytes in the same folder."""
+    import json
+
+    from raykv.bench import tiers
+    from raykv.errors import RaykvError
+    from raykv.layout.report import parse_size
+
+    try:
+        report = tiers.run(path, parse_size(nbytes))
+    except RaykvError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(json.dumps(report, indent=2) if as_json else tiers.format_report(report))
+
+
 @bench.command("copy")
 @click.option("--quick", is_flag=True, help="Fewer sizes and repetitions (a smoke run).")
 @click.option(

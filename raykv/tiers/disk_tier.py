@@ -62,6 +62,7 @@ DEFAULT_SLAB_BYTES = 256 << 20
 # slots per slab at most: each batch rewrites the header's digest over every filled record,
 # so tiny entries (tests) get smaller slabs instead of a header of megabytes
 MAX_SLOTS = 4096
+SPARE_BUFFERS = 4  # staging buffers kept for reuse
 # magic, version, identity, stride, slot bytes, factor, copies, slots, filled; then the
 # digest of these and of the filled slots' records
 _FIXED = struct.Struct("<8sI32sQQIIII")
@@ -137,7 +138,8 @@ class _Slab:
 class _Batch:
     keys: list[bytes]
     records: np.ndarray
-    staging: np.ndarray  # [n, stride] uint8, page-aligned
+    staging: np.ndarray  # [n, stride] uint8, page-aligned: a view of ``buffer``
+    buffer: np.ndarray  # the whole aligned buffer (reused once the batch is written)
 
 
 class DiskTier:
@@ -184,6 +186,9 @@ class DiskTier:
         self._pending: dict[bytes, tuple[_Batch, int]] = {}  # queued, not yet written
         self._queue: list[_Batch] = []
         self._gone: list[bytes] = []  # keys that left the tier since ``take_gone``
+        # written batches' staging buffers, reused: a fresh one costs a page fault per page
+        # (the kernel zeroes it), about as long as its write on a busy host
+        self._spare: list[np.ndarray] = []
         self._clock = 0
         self._open_slab: int | None = None  # the slab the writer appends to
         self._next_id = 0
@@ -272,7 +277,7 @@ class DiskTier:
                 return held
         n, f = len(new), self.factor
         at = np.asarray(new, np.int64)
-        staging = _aligned(n * self.stride).reshape(-1, self.stride)[:n]
+        buffer, staging = self._staging(n)
         dst = staging[:, : self.entry_bytes].reshape(n, self.copies, f, self.slot_bytes)
         rows = arena.numpy().reshape(self.copies, -1, f, self.slot_bytes)
         chosen = np.asarray(blocks, np.int64)[at]
@@ -293,13 +298,25 @@ class DiskTier:
         rec["valid"][:, : valid.values.shape[1]] = valid.values[at]
         rec["nsums"] = sums.lengths[:, at].T
         rec["sums"][:, :, : sums.sums.shape[2]] = sums.sums[:, at].transpose(1, 0, 2)
-        batch = _Batch(new_keys, rec, staging)
+        batch = _Batch(new_keys, rec, staging, buffer)
         with self._lock:
             self._pending.update(zip(new_keys, ((batch, j) for j in range(n)), strict=True))
             self._queue.append(batch)
             self.stats.demoted += n
             self._idle.notify_all()
         return held + new_keys
+
+    def _staging(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """An aligned buffer for ``n`` entries (the smallest spare that fits, else a new
+        one) and its ``[n, stride]`` view."""
+        need = n * self.stride
+        with self._lock:
+            fits = [i for i, b in enumerate(self._spare) if b.nbytes >= need]
+            if fits:
+                buf = self._spare.pop(min(fits, key=lambda i: self._spare[i].nbytes))
+                return buf, buf[:need].reshape(n, self.stride)
+        buf = _aligned(need)
+        return buf, buf[:need].reshape(n, self.stride)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued entry is written (or dropped); False on timeout."""
@@ -331,14 +348,16 @@ class DiskTier:
                     slab.used = self._clock
                     found.append((k, s, i, slab.records[i].copy()))
             self.stats.misses += len(keys) - len(found) - len(queued)
-        n = len(found) + len(queued)
-        buf = _aligned(n * self.stride).reshape(-1, self.stride)[:n]
-        rec = np.zeros(n, self.dtype)
-        ok = np.zeros(n, bool)
-        for j, (_, batch, i) in enumerate(queued):  # not written yet: from the staging buffer
-            buf[j] = batch.staging[i]
-            rec[j] = batch.records[i]
-            ok[j] = True
+            n = len(found) + len(queued)
+            buf = _aligned(n * self.stride).reshape(-1, self.stride)[:n]
+            rec = np.zeros(n, self.dtype)
+            ok = np.zeros(n, bool)
+            # not written yet: from the staging buffer, under the lock (once written, the
+            # writer hands the buffer to the next batch)
+            for j, (_, batch, i) in enumerate(queued):
+                buf[j] = batch.staging[i]
+                rec[j] = batch.records[i]
+                ok[j] = True
         base = len(queued)
         for j, (*_, r) in enumerate(found):
             rec[base + j] = r
@@ -445,6 +464,10 @@ class DiskTier:
             for batch in batches:
                 self._write(batch)
             with self._idle:
+                for batch in batches:  # served from disk now: its buffer can take the next
+                    if all(self._pending.get(k, (None,))[0] is not batch for k in batch.keys):
+                        self._spare.append(batch.buffer)
+                del self._spare[:-SPARE_BUFFERS]
                 self._idle.notify_all()
 
     def _write(self, batch: _Batch) -> None:

@@ -103,7 +103,7 @@ def test_evicted_entries_are_served_from_disk_and_after_a_tier_restart(svc) -> N
     handle = ray.get_actor(name, namespace=NAMESPACE)
     ray.kill(handle, no_restart=True)
     wait_for("the tier gone", lambda: not any(m["name"] == name for m in kv.stats()["members"]))
-    wait_for("a fresh tier", lambda: any(m["name"] == name for m in kv.stats()["members"]), 60)
+    wait_for("a fresh tier", lambda: any(m["name"] == name for m in kv.stats()["members"]), 180)
     s = wait_for("the fresh tier's disk index", lambda: (d := disk_stats(svc))["entries"] and d)
     assert s["entries"] == 2 * n and s["refused_slabs"] == 0 and s["torn"] == 0
     a = kv.on(svc.head)
