@@ -463,8 +463,10 @@ def bench() -> None:
 @click.option("--path", type=click.Path(file_okay=False, exists=True),
               help="a folder on the disk to measure (default: the temp folder)")  # fmt: skip
 @click.option("--bytes", "nbytes", default="1GiB", show_default=True, help="bytes moved each way")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="rounds of each (medians)")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-def bench_tiers(path, nbytes, as_json) -> None:
+def bench_tiers(path, nbytes, rounds, as_json) -> None:
     """The disk tier's write of demoted entries and read of hits vs a plain sequential
     O_DIRECT write and read of the same bytes in the same folder."""
     import json
@@ -474,7 +476,7 @@ def bench_tiers(path, nbytes, as_json) -> None:
     from raykv.layout.report import parse_size
 
     try:
-        report = tiers.run(path, parse_size(nbytes))
+        report = tiers.run(path, parse_size(nbytes), rounds)
     except RaykvError as e:
         raise click.ClickException(str(e)) from e
     click.echo(json.dumps(report, indent=2) if as_json else tiers.format_report(report))

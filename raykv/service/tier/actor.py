@@ -145,6 +145,7 @@ class _ModelTier:
         check_servable(plan)
         self.plan = plan
         self.disk = None
+        self.read_buffer = np.empty(0, np.uint8)  # promotions read into it (``_promote``)
         if disk is not None:
             where = os.path.join(disk.path, _model_dir(model))
             self.disk = DiskTier(where, plan, model_identity(model, plan), disk.nbytes)
@@ -587,7 +588,9 @@ class CpuTierActor:
         if None in states:
             missing = [e for e, st in zip(entries, states, strict=True) if st is None]
             errors = mt.disk.stats.checksum_errors
-            got = mt.disk.load(missing)
+            if mt.read_buffer.nbytes < len(missing) * mt.disk.stride:
+                mt.read_buffer = mt.disk.buffer(len(missing))  # kept: the next ones reuse it
+            got = mt.disk.load(missing, mt.read_buffer)
             self.metrics.checksum_errors(model, DISK, mt.disk.stats.checksum_errors - errors)
             if got.keys:
                 here = [e for e, st in zip(entries, states, strict=True) if st is not None]
