@@ -64,6 +64,7 @@ DEFAULT_SLAB_BYTES = 256 << 20
 # so tiny entries (tests) get smaller slabs instead of a header of megabytes
 MAX_SLOTS = 4096
 SPARE_BUFFERS = 4  # staging buffers kept for reuse
+WRITE_BATCH_BYTES = 64 << 20  # a demotion is staged and queued in batches of this
 READ_PIECE_BYTES = 16 << 20  # a load reads in pieces of this, READERS of them at a time
 READERS = 4
 # magic, version, identity, stride, slot bytes, factor, copies, slots, filled; then the
@@ -133,6 +134,7 @@ class _Slab:
     records: np.ndarray  # the record of each slot (``filled`` of them are real)
     header: np.ndarray  # the header as on disk (aligned): rewritten page by page
     filled: int = 0
+    synced: int = 0  # slots its header on disk lists
     live: int = 0
     used: int = 0  # recency: the tier's clock when last written or read
 
@@ -196,6 +198,7 @@ class DiskTier:
         self._open_slab: int | None = None  # the slab the writer appends to
         self._next_id = 0
         self._closed = False
+        self._busy = False  # the writer is writing (a flush waits for its header sync too)
         self.path.mkdir(parents=True, exist_ok=True)
         self._rebuild()
         self._writer = threading.Thread(target=self._write_loop, name="raykv-disk", daemon=True)
@@ -279,14 +282,33 @@ class DiskTier:
             new = [i for i in keep if keys[i] not in seen and not seen.add(keys[i])]
             if not new or self._closed:
                 return held
+        # in batches of WRITE_BATCH_BYTES, each queued once copied: the writer starts on the
+        # first while the rest are copied out of the arena
+        per = max(1, WRITE_BATCH_BYTES // self.stride)
+        for a in range(0, len(new), per):
+            self._queue_batch(new[a : a + per], keys, arena, blocks, valid, sums, widths, members)
+        return held + [keys[i] for i in new]
+
+    def _queue_batch(
+        self,
+        new: list[int],
+        keys: Sequence[bytes],
+        arena: torch.Tensor,
+        blocks: np.ndarray,
+        valid: KeyRows,
+        sums: KeySums,
+        widths: Sequence[int],
+        members: Sequence[Members],
+    ) -> None:
+        """Copy the entries ``new`` (indices into ``demote``'s arguments) into a staging
+        buffer with their records, and queue them for the writer."""
         n, f = len(new), self.factor
         at = np.asarray(new, np.int64)
         buffer, staging = self._staging(n)
         dst = staging[:, : self.entry_bytes].reshape(n, self.copies, f, self.slot_bytes)
         rows = arena.numpy().reshape(self.copies, -1, f, self.slot_bytes)
-        chosen = np.asarray(blocks, np.int64)[at]
-        for c in range(self.copies):
-            dst[:, c] = rows[c][chosen]
+        for j, b in enumerate(np.asarray(blocks, np.int64)[at].tolist()):
+            dst[j] = rows[:, b]  # straight into the buffer (a fancy index copies twice)
         rec = np.zeros(n, self.dtype)
         new_keys = [keys[i] for i in new]
         for j, i in enumerate(new):
@@ -308,7 +330,6 @@ class DiskTier:
             self._queue.append(batch)
             self.stats.demoted += n
             self._idle.notify_all()
-        return held + new_keys
 
     def _staging(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """An aligned buffer for ``n`` entries (the smallest spare that fits, else a new
@@ -323,9 +344,12 @@ class DiskTier:
         return buf, buf[:need].reshape(n, self.stride)
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every queued entry is written (or dropped); False on timeout."""
+        """Wait until every queued entry is written (or dropped) and listed in its slab's
+        header; False on timeout."""
         with self._idle:
-            return self._idle.wait_for(lambda: not self._pending or self._closed, timeout_s)
+            return self._idle.wait_for(
+                lambda: not (self._pending or self._busy) or self._closed, timeout_s
+            )
 
     def close(self) -> None:
         """Write what is queued, then stop the writer (the slabs stay for ``open``)."""
@@ -492,10 +516,15 @@ class DiskTier:
                 self._idle.wait_for(lambda: self._queue or self._closed)
                 if not self._queue:
                     return
-                batches, self._queue = self._queue, []
+                batches, self._queue, self._busy = self._queue, [], True
             for batch in batches:
                 self._write(batch)
+            with self._lock:
+                cur = self._slabs.get(self._open_slab) if not self._queue else None
+            if cur is not None:  # idle: the open slab's header catches up (one write)
+                self._sync(cur)
             with self._idle:
+                self._busy = bool(self._queue)
                 for batch in batches:  # served from disk now: its buffer can take the next
                     if all(self._pending.get(k, (None,))[0] is not batch for k in batch.keys):
                         self._spare.append(batch.buffer)
@@ -503,7 +532,8 @@ class DiskTier:
                 self._idle.notify_all()
 
     def _write(self, batch: _Batch) -> None:
-        """Append ``batch`` to the open slab (new slabs as it fills), data then header."""
+        """Append ``batch`` to the open slab (new slabs as it fills); the header follows
+        (``_sync``)."""
         done = 0
         n = len(batch.keys)
         while done < n:
@@ -519,11 +549,6 @@ class DiskTier:
                 try:
                     data = batch.staging[done : done + take].reshape(-1)
                     _pwrite(fd, data, slab.header_bytes + first * self.stride)
-                    with self._lock:
-                        slab.records[first : first + take] = batch.records[done : done + take]
-                    self._write_header(fd, slab, first, first + take)
-                    if not self.direct:
-                        os.fdatasync(fd)
                 finally:
                     os.close(fd)
             except OSError as e:
@@ -537,6 +562,7 @@ class DiskTier:
                 done += take
                 continue
             with self._lock:
+                slab.records[first : first + take] = batch.records[done : done + take]
                 slab.filled = first + take
                 slab.live += take
                 slab.used = self._clock
@@ -546,7 +572,34 @@ class DiskTier:
                     self._index[k] = (slab_id, j - done + first)
                 self.stats.written += take
                 self.stats.written_bytes += take * self.stride
+            if slab.filled == slab.slots:  # full: its header is final
+                self._sync(slab)
             done += take
+
+    def _sync(self, slab: _Slab) -> None:
+        """Write the slab's header for the slots filled since the last sync (and, buffered,
+        sync the file). Deferred to a full slab or an idle writer: a header write per batch
+        cost a small synchronous I/O between large ones. A crash before it loses those
+        entries on restart (misses), never serves them wrong: the data is checksummed."""
+        with self._lock:
+            first, filled = slab.synced, slab.filled
+        if first == filled:
+            return
+        try:
+            fd = self._open(slab.path, os.O_WRONLY)
+            try:
+                self._write_header(fd, slab, first, filled)
+                if not self.direct:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.warning("disk tier %s: writing the header of %s failed: %r", self.path,
+                        slab.path, e)  # fmt: skip
+            with self._lock:
+                self.stats.write_errors += 1
+            return
+        slab.synced = filled
 
     def _slab_for_append(self) -> int:
         """The open slab if it has room, else a new one (evicting the least recently used
@@ -660,7 +713,7 @@ class DiskTier:
         header = _aligned(hb)
         blob = head + recs
         header[: len(blob)] = np.frombuffer(blob, np.uint8)
-        slab = _Slab(path, slots, hb, records, header, filled=filled, used=used)
+        slab = _Slab(path, slots, hb, records, header, filled=filled, synced=filled, used=used)
         whole = max(0, min(filled, (size - hb) // self.stride))  # a truncated file: torn
         self.stats.torn += filled - whole
         for i in range(whole):
