@@ -1,12 +1,13 @@
 """DiskTier: one model's blocks below the CPU tier, in fixed-size slab files on a local disk.
 
 The CPU tier demotes the entries its eviction policy picks (``CpuTier(demote=...)``): their
-rows are copied out of the arena at once, into an aligned staging buffer, so the arena's
-blocks can be reused while a background thread writes them. The writer appends each batch
-to the open slab in one large sequential write (``pwritev``, O_DIRECT where the filesystem
-takes it: the page cache is not a tier; else buffered writes and ``fdatasync``, reported by
-``direct``), then rewrites the slab's header. A read of hits coalesces consecutive slots into
-one sequential read per run.
+rows are copied out of the arena at once, into aligned staging buffers (64 MiB batches, each
+queued as soon as it is copied), so the arena's blocks can be reused while a background thread
+writes them. The writer appends each batch to the open slab in one large sequential write
+(``pwritev``, O_DIRECT where the filesystem takes it: the page cache is not a tier; else
+buffered writes and ``fdatasync``, reported by ``direct``); the slab's header follows when the
+slab fills or the writer goes idle. A read of hits reads runs of consecutive slots in 16 MiB
+pieces, several in flight, each verified as it lands.
 
 A slab file is ``header_bytes`` of header, then ``slots`` entries of ``stride`` bytes (each a
 multiple of 4 KiB, so every offset and length is direct-I/O aligned). The header holds the
