@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import fcntl
 import hashlib
 import logging
 import mmap
@@ -201,7 +202,12 @@ class DiskTier:
         self._closed = False
         self._busy = False  # the writer is writing (a flush waits for its header sync too)
         self.path.mkdir(parents=True, exist_ok=True)
-        self._rebuild()
+        self._lock_fd = _lock_folder(self.path)
+        try:
+            self._rebuild()
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
         self._writer = threading.Thread(target=self._write_loop, name="raykv-disk", daemon=True)
         self._writer.start()
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="raykv-disk-read")
@@ -360,6 +366,7 @@ class DiskTier:
             self._idle.notify_all()
         self._writer.join()
         self._readers.shutdown()
+        os.close(self._lock_fd)  # the folder is free for the next tier
 
     # ------------------------------------------------------------------ load
     def buffer(self, n: int) -> np.ndarray:
@@ -751,6 +758,23 @@ class DiskTier:
                 log.warning("disk tier %s: the filesystem refuses O_DIRECT; buffered writes "
                             "with fdatasync (the page cache holds a copy)", self.path)  # fmt: skip
         return os.open(path, flags, 0o600)
+
+
+def _lock_folder(path: Path) -> int:
+    """An exclusive lock on ``path`` for this tier's life (released with its process): two
+    tiers writing one folder (two Ray nodes of one host given one --disk-path) would reuse
+    each other's slab files."""
+    fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(
+            f"the disk tier folder {path} is in use by another raykv tier (another Ray node of "
+            "this host, or a tier still shutting down); give each node its own --disk-path "
+            "(RAYKV_DISK_PATH)"
+        ) from None
+    return fd
 
 
 def _put_key(rec: np.void, length: str, field: str, key: bytes) -> None:

@@ -225,6 +225,14 @@ def test_eviction_keeps_the_byte_budget(tmp_path):
     disk.close()
 
 
+def test_one_folder_serves_one_tier_at_a_time(tmp_path):
+    disk = open_disk(tmp_path)
+    with pytest.raises(ConfigError, match="give each node its own --disk-path"):
+        open_disk(tmp_path)
+    disk.close()
+    open_disk(tmp_path).close()  # free again once the first is closed
+
+
 def test_too_small_a_budget_names_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="--disk-bytes at least"):
         DiskTier(tmp_path, make_plan("full"), ID, 4096)
