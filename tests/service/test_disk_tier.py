@@ -112,3 +112,18 @@ def test_evicted_entries_are_served_from_disk_and_after_a_tier_restart(svc) -> N
     assert torch.equal(loaded(ea, plan, second, n), second_src)
     assert torch.equal(loaded(ea, plan, first, n), first_src)
     ea.close()
+
+
+def test_the_disk_settings_come_both_or_neither(monkeypatch) -> None:
+    from raykv.errors import ConfigError
+    from raykv.service.tier.actor import disk_settings
+
+    monkeypatch.delenv(DISK_PATH_ENV, raising=False)
+    monkeypatch.delenv(DISK_BYTES_ENV, raising=False)
+    assert disk_settings() is None
+    monkeypatch.setenv(DISK_PATH_ENV, "/mnt/nvme/raykv")
+    with pytest.raises(ConfigError, match="set both"):
+        disk_settings()
+    monkeypatch.setenv(DISK_BYTES_ENV, "100GiB")
+    s = disk_settings()
+    assert (s.path, s.nbytes) == ("/mnt/nvme/raykv", 100 << 30)
