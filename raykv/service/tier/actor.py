@@ -33,8 +33,9 @@ With ``RAYKV_DISK_PATH`` and ``RAYKV_DISK_BYTES`` in the node's environment (``r
 --disk-path --disk-bytes`` sets them on a head it starts), each model also has a disk tier
 below its arena (``raykv.tiers.disk_tier``, in ``<path>/<model>``): the entries the arena
 evicts are demoted to it and stay published (lookups count them as this node's CPU tier),
-and a lease of entries that are only on disk promotes them first, synchronously (read,
-verified, stored in the arena as a normal store), so the load path is the CPU tier's. Keys
+and a lease of entries that are only on disk promotes them first (read and verified in a
+worker thread, then stored in the arena as a normal store), so the load path is the CPU
+tier's. Keys
 the disk tier loses (its slab evicted, corrupt, torn) leave the index with the next apply. A
 tier placed again (restarted) rebuilds its disk index from the slab headers and publishes
 those entries as it registers.
@@ -146,6 +147,7 @@ class _ModelTier:
         self.plan = plan
         self.disk = None
         self.read_buffer = np.empty(0, np.uint8)  # promotions read into it (``_promote``)
+        self.promoting = asyncio.Lock()
         if disk is not None:
             where = os.path.join(disk.path, _model_dir(model))
             self.disk = DiskTier(where, plan, model_identity(model, plan), disk.nbytes)
@@ -281,6 +283,18 @@ class _ModelTier:
         if held.count(OWN) < len(held) and {} in held:  # an empty holder dict: not held
             held = held[: held.index({})]
         return held[: _group_run(keys[: len(held)])]
+
+
+def _entries_of(
+    mt: _ModelTier | None, keys: Sequence[bytes]
+) -> tuple[bool, Sequence[bytes] | list[tuple[bytes, int]], list[bytes]]:
+    """For one group's leading ``keys`` held here: (each block its own entry's, at sub-slot
+    0: the rule; the chosen blocks: their keys in that case, else (entry, sub-slot) pairs;
+    the distinct entries, in order)."""
+    held = mt.holding(keys) if mt is not None and keys else []
+    own = held.count(OWN) == len(held)
+    chosen = keys[: len(held)] if own else _pairs(keys, held)
+    return own, chosen, list(dict.fromkeys(chosen if own else map(_FIRST, chosen)))
 
 
 def _pairs(keys: Sequence[bytes], held: list[dict[bytes, int] | _Own]) -> list[tuple[bytes, int]]:
@@ -539,6 +553,8 @@ class CpuTierActor:
         ``holder``'s until released or their deadline: (the arena's ``SharedSpec``,
         ``LoadLease`` or None, per block (entry index in the lease, sub-slot))."""
         mt = self.tiers.get(model)
+        if mt is not None and mt.disk is not None:
+            await self._promote(model, mt, [keys])
         lease, chosen = self._lease(model, mt, keys, holder)
         spec = mt.tier.arena_spec if mt is not None else None
         return spec, lease, list(map(tuple, chosen.tolist()))
@@ -550,14 +566,12 @@ class CpuTierActor:
         block its entry's index in the lease and its sub-slot). The entries of a plan
         without a block-size factor are the keys themselves, so a 2048-key lease is a few
         passes of C and numpy, its answer arrays (no tuple per block to pickle; issue 45)."""
-        held = mt.holding(keys) if mt is not None and keys else []
-        n = len(held)
-        own = held.count(OWN) == n  # each block its own entry's, at sub-slot 0 (the rule)
-        chosen = keys[:n] if own else _pairs(keys, held)
-        entries = list(dict.fromkeys(chosen if own else map(_FIRST, chosen)))
-        if entries and mt.disk is not None:
-            entries = self._promote(model, mt, entries)
-            if len(entries) < len(dict.fromkeys(chosen if own else map(_FIRST, chosen))):
+        own, chosen, entries = _entries_of(mt, keys)
+        n = len(chosen)
+        if entries and mt.disk is not None:  # after ``_promote``: up to the first not readable
+            ok = [st in READABLE for st in mt.tier.states(entries)]
+            if not all(ok):
+                entries = entries[: ok.index(False)]
                 lead = set(entries)  # the blocks of the entries left: a shorter prefix
                 n = next(i for i, c in enumerate(chosen) if (c if own else c[0]) not in lead)
                 chosen = chosen[:n]
@@ -580,28 +594,33 @@ class CpuTierActor:
             out[:, 1] = np.fromiter(map(_SECOND, chosen), np.int64, n)
         return lease, out
 
-    def _promote(self, model: str, mt: _ModelTier, entries: list[bytes]) -> list[bytes]:
-        """Bring the ``entries`` of a lease that only the disk tier holds into the arena
-        (read, verified, stored as a normal store); returns the leading entries the arena
-        holds readable now (a lost or unreadable one ends the prefix there)."""
-        states = mt.tier.states(entries)
-        if None in states:
-            missing = [e for e, st in zip(entries, states, strict=True) if st is None]
-            errors = mt.disk.stats.checksum_errors
-            if mt.read_buffer.nbytes < len(missing) * mt.disk.stride:
-                mt.read_buffer = mt.disk.buffer(len(missing))  # kept: the next ones reuse it
-            got = mt.disk.load(missing, mt.read_buffer)
-            self.metrics.checksum_errors(model, DISK, mt.disk.stats.checksum_errors - errors)
-            if got.keys:
+    async def _promote(self, model: str, mt: _ModelTier, groups: list[list[bytes]]) -> None:
+        """Bring the entries a lease of ``groups`` (each one group's leading block keys)
+        needs that only the disk tier holds into the arena: read and verified in a worker
+        thread (the actor answers other calls meanwhile; one promotion of a model at a time,
+        they share its read buffer), then stored as a normal store. What is lost or
+        unreadable stays out: the lease stops before it."""
+        async with mt.promoting:
+            for keys in groups:
+                entries = _entries_of(mt, keys)[2]
+                states = mt.tier.states(entries)
+                missing = [e for e, st in zip(entries, states, strict=True) if st is None]
+                if not missing:
+                    continue
+                errors = mt.disk.stats.checksum_errors
+                if mt.read_buffer.nbytes < len(missing) * mt.disk.stride:
+                    mt.read_buffer = mt.disk.buffer(len(missing))  # kept: the next reuse it
+                got = await asyncio.to_thread(mt.disk.load, missing, mt.read_buffer)
+                self.metrics.checksum_errors(model, DISK, mt.disk.stats.checksum_errors - errors)
+                if not got.keys:
+                    continue
+                states = mt.tier.states(entries)  # stores and evictions ran meanwhile
                 here = [e for e, st in zip(entries, states, strict=True) if st is not None]
                 res = mt.tier.store_rows(got.keys, got.rows, got.valid, got.sums, beside=here)
                 if res is not None:
                     self.metrics.hit(model, DISK, len(res.keys))
                     self.metrics.evicted(model, CPU, len(res.evicted))
                     mt.unpublished += mt.evicted(res.evicted)
-                states = mt.tier.states(entries)
-        ok = [st in READABLE for st in states]
-        return entries if all(ok) else entries[: ok.index(False)]
 
     async def lease_groups(
         self,
@@ -615,6 +634,8 @@ class CpuTierActor:
         the node agent."""
         mt = self.tiers.get(model)
         spec = mt.tier.arena_spec if mt is not None else None
+        if mt is not None and mt.disk is not None:
+            await self._promote(model, mt, keys)
         return spec, [self._lease(model, mt, gk, holder) for gk in keys]
 
     async def apply(
