@@ -6,6 +6,7 @@ Each command imports what it needs when it runs, so `raykv --help` stays fast.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable
 
@@ -170,8 +171,17 @@ PRESET_DEFAULTS = dict(cpu_mem="1GiB", gpu_mem_fraction=0.9, pool_mem="0", block
     type=click.IntRange(min=1),
     help="with --preset: TP ranks per engine: each pool group spans this many GPUs of one node [1]",
 )
+@click.option(
+    "--disk-path",
+    type=click.Path(file_okay=False),
+    help="a disk tier below each model's CPU tier, its slab files in this folder (with "
+    "--disk-bytes; on the head raykv up starts)",
+)
+@click.option(
+    "--disk-bytes", help="the disk tier's bytes per model, e.g. 100GiB (with --disk-path)"
+)
 @_timeout
-def up(address, preset, num_cpus, timeout_s, **sizes) -> None:
+def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, **sizes) -> None:
     """Start (or join) the raykv service and print where it runs.
 
     With no --preset it serves no model: engines add theirs (vLLM's connector serves its
@@ -179,6 +189,22 @@ def up(address, preset, num_cpus, timeout_s, **sizes) -> None:
     from raykv.errors import RaykvError
     from raykv.layout.report import parse_size
     from raykv.service.control.ray_join import prepare_auth
+
+    if (disk_path is None) != (disk_bytes is None):
+        raise click.UsageError(
+            "--disk-path and --disk-bytes go together: a folder for the slab files and the "
+            "bytes each model's disk tier may use (e.g. --disk-path /mnt/nvme/raykv "
+            "--disk-bytes 100GiB)"
+        )
+    disk = None
+    if disk_path is not None:
+        try:
+            disk = (os.path.abspath(disk_path), parse_size(disk_bytes))
+            os.makedirs(disk[0], exist_ok=True)
+        except (RaykvError, OSError) as e:
+            raise click.ClickException(
+                f"--disk-path {disk_path} --disk-bytes {disk_bytes}: {e}"
+            ) from e
 
     given = sorted(k for k, v in sizes.items() if v is not None)
     if preset is None and given:
@@ -206,6 +232,7 @@ def up(address, preset, num_cpus, timeout_s, **sizes) -> None:
             pool_bytes=parse_size(sizes["pool_mem"]),
             num_cpus=num_cpus,
             tp_size=sizes["tp_size"],
+            disk=disk,
         )
     except RaykvError as e:
         raise click.ClickException(str(e)) from e
@@ -222,6 +249,8 @@ def up(address, preset, num_cpus, timeout_s, **sizes) -> None:
             f"{info['cpu_num_blocks']} CPU-tier blocks per node"
         )
         click.echo(f"  {info['nodes']} node(s), {info['members']} pools and tiers")
+    if disk is not None:
+        click.echo(f"  disk tier in {disk[0]}, {disk_bytes} per model")
     click.echo(f"  connect with raykv.connect('{info['address']}')")
     if info.get("token"):
         click.echo(f"  Ray token auth is on; the token is in {info['token']}")
@@ -428,6 +457,29 @@ def serve(
 @main.group()
 def bench() -> None:
     """Benchmarks that print ratios measured side by side in one run."""
+
+
+@bench.command("tiers")
+@click.option("--path", type=click.Path(file_okay=False, exists=True),
+              help="a folder on the disk to measure (default: the temp folder)")  # fmt: skip
+@click.option("--bytes", "nbytes", default="1GiB", show_default=True, help="bytes moved each way")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="rounds of each (medians)")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+def bench_tiers(path, nbytes, rounds, as_json) -> None:
+    """The disk tier's write of demoted entries and read of hits vs a plain sequential
+    O_DIRECT write and read of the same bytes in the same folder."""
+    import json
+
+    from raykv.bench import tiers
+    from raykv.errors import RaykvError
+    from raykv.layout.report import parse_size
+
+    try:
+        report = tiers.run(path, parse_size(nbytes), rounds)
+    except RaykvError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(json.dumps(report, indent=2) if as_json else tiers.format_report(report))
 
 
 @bench.command("copy")

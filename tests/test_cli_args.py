@@ -56,6 +56,30 @@ def test_up_serves_no_model_unless_a_preset_is_named(monkeypatch) -> None:
     assert "--cpu-mem, --tp" in bad.output and "--preset NAME" in bad.output
 
 
+def test_up_passes_the_disk_tier_with_or_without_a_preset(monkeypatch, tmp_path) -> None:
+    """--disk-path and --disk-bytes go together and reach the launcher as (folder, bytes)."""
+    from raykv.service.control import launcher, ray_join
+
+    seen: dict = {}
+
+    def fake_up(address, **kw):
+        seen.update(kw)
+        return {"address": "127.0.0.1:1", "started_head": True, "token": None}
+
+    monkeypatch.setattr(launcher, "up", fake_up)
+    monkeypatch.setattr(ray_join, "prepare_auth", lambda **_: None)
+    monkeypatch.setattr(cli, "_bounded", lambda *a: None, raising=False)
+    where = tmp_path / "slabs"
+    res = CliRunner().invoke(cli.main, ["up", "--disk-path", str(where), "--disk-bytes", "2GiB"])
+    assert res.exit_code == 0, res.output
+    assert seen["disk"] == (str(where), 2 << 30) and where.is_dir()
+    assert "disk tier in" in res.output
+    bad = CliRunner().invoke(cli.main, ["up", "--disk-path", str(where)])
+    assert bad.exit_code == 2 and "go together" in bad.output
+    bad = CliRunner().invoke(cli.main, ["up", "--disk-path", str(where), "--disk-bytes", "lots"])
+    assert bad.exit_code == 1 and "cannot read size" in bad.output
+
+
 def _stats(lookups: int) -> dict:
     """What the coordinator's ``stats`` answers, for a service of one node and no members."""
     return {"address": "127.0.0.1:1", "uptime_s": 1.0, "models": {}, "members": [],

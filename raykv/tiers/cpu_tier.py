@@ -63,6 +63,10 @@ from raykv.tiers.policies import EvictionPolicy, evict_all, insert_all, make_pol
 from raykv.tiers.shm import SharedSpec
 
 Key = bytes
+# the CPU tier's eviction hands its victims to the tier below (``raykv.tiers.disk_tier``):
+# (keys, their blocks, valid sub-slots, checksums), under the tier's lock, before the blocks
+# are freed; it must copy the rows out of ``arena`` before it returns and never call the tier
+Demote = Callable[[list[Key], np.ndarray, "KeyRows", "KeySums"], None]
 
 
 class BlockState(enum.Enum):
@@ -367,8 +371,10 @@ class CpuTier(ArenaRows):
         shared: bool = False,
         lease_timeout_s: float = DEFAULT_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        demote: Demote | None = None,
     ) -> None:
         self.plan = plan
+        self.demote = demote
         self.num_blocks = n = plan.cpu_num_blocks
         self.factor = max(1, plan.block_size_factor)
         self.copies = tp.plan_copies(plan)
@@ -506,7 +512,15 @@ class CpuTier(ArenaRows):
                 victims = found
             if victims:
                 evict_all(self.policy, victims)
-                self._release(int_array(map(by_key.pop, victims), len(victims)))
+                gone = int_array(map(by_key.pop, victims), len(victims))
+                if self.demote is not None:  # the rows go below before the blocks are reused
+                    self.demote(
+                        victims,
+                        gone,
+                        KeyRows(self._valid[gone], self._nvalid[gone]),
+                        KeySums(self._sums[:, gone], self._nsums[:, gone]),
+                    )
+                self._release(gone)
                 self.stats.evicted += len(victims)
             free = self._free
             blocks = free[: len(new)]  # the lowest free blocks; the rest stay sorted
@@ -597,6 +611,33 @@ class CpuTier(ArenaRows):
             self.stats.stored += len(done)
             if not hold.blocks:
                 self._holds.close(hold)
+
+    def store_rows(
+        self,
+        keys: Sequence[Key],
+        rows: np.ndarray,
+        valid: KeyRows,
+        sums: KeySums,
+        *,
+        beside: Sequence[Key] = (),
+    ) -> StoreReservation | None:
+        """Store entries whose bytes are at hand (promoted from the tier below): ``rows``
+        ``[len(keys), copies, factor, slot_bytes]`` with the valid sub-slots and every copy's
+        checksums they were stored with. Reserves (``beside``: keys held here that the same
+        load needs, kept from eviction), copies, finishes as every copy's writer. Keys held
+        already are skipped. The reservation (its ``evicted`` went below), or None: no room."""
+        res = self.prepare_store([*beside, *keys], writers=self.copies)
+        if res is None or not res.keys:
+            return res
+        at = dict(zip(keys, range(len(keys)), strict=True))
+        pos = int_array(map(at.__getitem__, res.keys), len(res.keys))
+        dst = self.arena.numpy().reshape(self.copies, -1, self.factor, self.slot_bytes)
+        for c in range(self.copies):
+            dst[c][res.block_array] = rows[pos, c]
+        kept = KeyRows(valid.values[pos], valid.lengths[pos])
+        for c in range(self.copies):
+            self.finish_store(res, True, kept, KeyRows(sums.sums[c, pos], sums.lengths[c, pos]), c)
+        return res
 
     # ---------------------------------------------------------------- loads
     def prepare_load(

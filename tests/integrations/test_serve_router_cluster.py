@@ -144,10 +144,11 @@ def test_a_busy_holder_sends_its_prefix_away_and_the_other_node_pulls_it(
     cluster, tmp_path_factory
 ) -> None:
     """Route-or-pull with real engines: request A computes a prefix on one node; while that
-    replica is busy (as the router's configured costs say: a second per prefill token, so A's
-    prefill keeps it busy longer than the test runs; loads free), B with the same prefix goes to the replica on the other node, which pulls the
-    blocks from A's node: the router counts a pull, B's engine loads every prefix token and
-    answers as a full recompute does."""
+    replica is busy (as the router's configured costs say: a second per prefill token, so
+    A's prefill keeps it busy longer than the test runs; loads free), B with the same prefix
+    goes to the replica on the other node, which pulls the blocks from A's node: the router
+    counts a pull, B's engine loads every prefix token and answers as a full recompute
+    does."""
     pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs vllm")
     from ray import serve
 

@@ -3,10 +3,11 @@
 The worker reports what it moved since the last report (tokens loaded, loads that missed
 blocks, entries saved, saves dropped or failed, and each load's microseconds and tokens by
 path, ``load_us_<path>`` / ``load_tokens_<path>``: "cpu" from the node's tier, "remote" after
-a pull, which a Ray Serve replica reports to its router as its load cost); the scheduler what it asked (lookups, hit
-tokens, load-error blocks). vLLM sums them across workers and steps (``aggregate``) and
-logs ``reduce()`` once per logging interval. Hit rates per tier and node, checksum errors
-and evictions are the service's own (``raykv status``, ``kv.stats()``, Prometheus).
+a pull, which a Ray Serve replica reports to its router as its load cost); the scheduler
+what it asked (lookups, hit tokens, load-error blocks). vLLM sums them across workers and
+steps (``aggregate``) and logs ``reduce()`` once per logging interval. Hit rates per tier
+and node, checksum errors and evictions are the service's own (``raykv status``,
+``kv.stats()``, Prometheus).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from raykv.errors import RaykvError, ServiceError, ServiceGone
+from raykv.errors import ConfigError, RaykvError, ServiceError, ServiceGone
 from raykv.service.control import calls
 from raykv.service.control.admin import admin_key
 from raykv.service.control.ray_join import (
@@ -48,8 +48,11 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def start_head(num_cpus: int | None = None, timeout_s: float = 60.0) -> dict[str, Any]:
-    """Start a Ray head on 127.0.0.1 in its own session; returns the recorded state."""
+def start_head(
+    num_cpus: int | None = None, timeout_s: float = 60.0, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Start a Ray head on 127.0.0.1 in its own session (``env``: more environment for it
+    and so its actors, e.g. the disk tier's); returns the recorded state."""
     port = _free_port()
     # Ray's CLI as a module of this interpreter: its `ray` script may not be installed next
     # to it (`pip install --target`, an image without a venv)
@@ -80,6 +83,7 @@ def start_head(num_cpus: int | None = None, timeout_s: float = 60.0) -> dict[str
         # inherit it; a value the caller exported wins
         "RAYKV_TRANSPORT_SECRET": ensure_transport_secret(secret),
         **os.environ,
+        **(env or {}),
         "RAY_AUTH_TOKEN_PATH": str(token),
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     }
@@ -124,18 +128,28 @@ def up(
     pool_bytes: int,
     num_cpus: int | None = None,
     tp_size: int = 1,
+    disk: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
     """Start or join the service and serve ``preset`` (``tp_size`` GPUs per pool group, one
     TP rank each; None: no model, e.g. for engines that add their own, as ``raykv serve``'s
-    do); returns where it runs."""
+    do); returns where it runs. ``disk``: (folder, bytes per model) of the node's disk tier,
+    in the environment of the head started here (a running cluster's nodes keep theirs)."""
     from raykv.layout.presets import get_preset
+    from raykv.service.tier.actor import DISK_BYTES_ENV, DISK_PATH_ENV
 
     p = get_preset(preset) if preset is not None else None
     started = None
     address = address or local_address()
+    if address is not None and disk is not None:
+        raise ConfigError(
+            f"--disk-path and --disk-bytes configure the Ray head raykv up starts, and Ray "
+            f"runs already at {address}; run raykv down first, or start each node with "
+            f"{DISK_PATH_ENV} and {DISK_BYTES_ENV} in the environment of its `ray start`"
+        )
     if address is None:
         _stop_stale_head()
-        started = start_head(num_cpus)
+        env = {DISK_PATH_ENV: disk[0], DISK_BYTES_ENV: str(disk[1])} if disk else None
+        started = start_head(num_cpus, env=env)
         address = started["address"]
     try:
         import ray

@@ -28,23 +28,36 @@ that detaches releases its own (``release_holder``). A late finish of a reclaime
 changes nothing, and a reader that copied reclaimed entries sees their generation changed
 (``raykv.tiers.cpu_tier``): a miss, never wrong KV. Counted per tier as ``leases_expired``,
 ``leases_released`` and ``late_finishes`` (``raykv status``).
+
+With ``RAYKV_DISK_PATH`` and ``RAYKV_DISK_BYTES`` in the node's environment (``raykv up
+--disk-path --disk-bytes`` sets them on a head it starts), each model also has a disk tier
+below its arena (``raykv.tiers.disk_tier``, in ``<path>/<model>``): the entries the arena
+evicts are demoted to it and stay published (lookups count them as this node's CPU tier),
+and a lease of entries that are only on disk promotes them first (read and verified in a
+worker thread, then stored in the arena as a normal store), so the load path is the CPU
+tier's. Keys
+the disk tier loses (its slab evicted, corrupt, torn) leave the index with the next apply. A
+tier placed again (restarted) rebuilds its disk index from the slab headers and publishes
+those entries as it registers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import operator
 import os
 import pickle
+import re
 from collections.abc import Coroutine, Hashable, Sequence
 from itertools import filterfalse, repeat
 from typing import Any
 
 import numpy as np
 
-from raykv.errors import InvalidInput, RaykvError
+from raykv.errors import ConfigError, InvalidInput, RaykvError
 from raykv.service.control.index import CPU
 from raykv.service.control.metrics import ServiceMetrics
 from raykv.service.groups import check_servable, key_group, row_widths
@@ -54,12 +67,14 @@ from raykv.service.node.replica import ReplicaSpec, ReplicaWriter, replica_slots
 from raykv.service.served import NAMESPACE, tier_name
 from raykv.service.transports import reader_transports
 from raykv.tiers import holds, shm
-from raykv.tiers.cpu_tier import READABLE
+from raykv.tiers.cpu_tier import READABLE, KeyRows, KeySums
 from raykv.transport import Lent, export_rows
 
 Members = tuple[bytes | None, ...]
 log = logging.getLogger(__name__)
 LEASE_TIMEOUT_ENV = "RAYKV_LEASE_TIMEOUT_S"
+DISK_PATH_ENV, DISK_BYTES_ENV = "RAYKV_DISK_PATH", "RAYKV_DISK_BYTES"
+DISK = "disk"  # the metrics' tier label of disk-tier promotions and checksum errors
 SWEEP_S = 1.0  # how often overdue holds and exited holders are looked for
 FEED_S = 0.05  # how often the node's replicas ask the coordinator what changed
 SWEEP_LIMIT = 4096  # holds reclaimed per model and sweep at most (bounded work)
@@ -71,6 +86,37 @@ def lease_timeout_s() -> float:
     from raykv.tiers.holds import DEFAULT_TIMEOUT_S, check_timeout
 
     return check_timeout(os.environ.get(LEASE_TIMEOUT_ENV, DEFAULT_TIMEOUT_S), LEASE_TIMEOUT_ENV)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskSettings:
+    """Where this node's disk tier keeps its slabs, and how many bytes each model's may use."""
+
+    path: str
+    nbytes: int
+
+
+def disk_settings() -> DiskSettings | None:
+    """The node's disk tier from ``RAYKV_DISK_PATH`` and ``RAYKV_DISK_BYTES`` (both or
+    neither; the bytes as ``raykv up`` reads sizes: 100GiB, 4096); None: no disk tier."""
+    from raykv.layout.report import parse_size
+
+    path, nbytes = os.environ.get(DISK_PATH_ENV, ""), os.environ.get(DISK_BYTES_ENV, "")
+    if not path and not nbytes:
+        return None
+    if not (path and nbytes):
+        raise ConfigError(
+            f"{DISK_PATH_ENV}={path!r} and {DISK_BYTES_ENV}={nbytes!r}: set both for a disk "
+            "tier (raykv up --disk-path DIR --disk-bytes N), or neither"
+        )
+    return DiskSettings(path, parse_size(nbytes))
+
+
+def _model_dir(model: str) -> str:
+    """A model's folder under the disk path: its name made safe, and a digest of it (two
+    names that read the same once made safe stay apart)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", model)[:64]
+    return f"{safe}-{hashlib.sha256(model.encode()).hexdigest()[:8]}"
 
 
 class _Own:
@@ -91,12 +137,22 @@ OWN = _Own()
 class _ModelTier:
     """One model's arena plus the block-key -> (entry key, sub-slot) map."""
 
-    def __init__(self, plan: Any, timeout_s: float) -> None:
+    def __init__(
+        self, plan: Any, timeout_s: float, model: str = "", disk: DiskSettings | None = None
+    ) -> None:
         from raykv.tiers.cpu_tier import CpuTier
+        from raykv.tiers.disk_tier import DiskTier, model_identity
 
         check_servable(plan)
         self.plan = plan
-        self.tier = CpuTier(plan, "lru", shared=True, lease_timeout_s=timeout_s)
+        self.disk = None
+        self.read_buffer = np.empty(0, np.uint8)  # promotions read into it (``_promote``)
+        self.promoting = asyncio.Lock()
+        if disk is not None:
+            where = os.path.join(disk.path, _model_dir(model))
+            self.disk = DiskTier(where, plan, model_identity(model, plan), disk.nbytes)
+        self.tier = CpuTier(plan, "lru", shared=True, lease_timeout_s=timeout_s,
+                            demote=self._demote if self.disk is not None else None)  # fmt: skip
         spec = ReplicaSpec("", replica_slots())
         buf, shared = shm.create((spec.nbytes,), "replica")
         # the node's engines answer lookups from it (``raykv.service.node.replica``)
@@ -110,6 +166,50 @@ class _ModelTier:
         self.where: dict[bytes, dict[bytes, int] | _Own] = {}
         self.pending: dict[bytes, Members | _Own] = {}
         self.unpublished: list[bytes] = []  # evicted block keys the index still lists
+        if self.disk is not None:  # what a tier before this one left on disk: held again
+            kept = self.disk.entries()
+            self.note_all([k for k, _ in kept], [OWN if m == (k,) else m for k, m in kept])
+
+    def _demote(
+        self, entries: list[bytes], blocks: np.ndarray, valid: KeyRows, sums: KeySums
+    ) -> None:
+        """The arena evicts ``entries``: their rows go to the disk tier (``CpuTier``'s
+        ``demote``). A failure here must not fail the store that evicted them: logged, and
+        those entries leave the index as plain evictions."""
+        try:
+            known = [i for i, e in enumerate(entries) if e in self.entries]
+            if len(known) < len(entries):  # not noted (never the rule): plain evictions
+                entries, blocks = [entries[i] for i in known], blocks[known]
+                valid = KeyRows(valid.values[known], valid.lengths[known])
+                sums = KeySums(sums.sums[:, known], sums.lengths[:, known])
+            members = [(e,) if m is OWN else m for e, m in zip(entries, map(self.entries.get,
+                       entries), strict=True)]  # fmt: skip
+            widths = [self.widths[key_group(e)] for e in entries]
+            self.disk.demote(entries, self.tier.arena, blocks, valid, sums, widths, members)
+        except Exception as e:
+            log.warning("disk tier: demoting %d entries failed: %r", len(entries), e)
+
+    def evicted(self, entries: Sequence[bytes]) -> list[bytes]:
+        """The arena evicted ``entries``: those the disk tier did not take are forgotten;
+        returns the block keys no entry holds any more."""
+        if self.disk is not None:
+            entries = [e for e in entries if e not in self.disk]
+        return self.forget_all(entries)
+
+    def disk_stats(self) -> dict[str, Any]:
+        """The disk tier's counts, entries, slabs, bytes and whether it writes O_DIRECT."""
+        d = self.disk
+        held = {"entries": len(d), "slabs": d.num_slabs, "bytes_used": d.used_bytes}
+        return dataclasses.asdict(d.stats) | held | {"direct": d.direct}
+
+    def lost_below(self) -> list[bytes]:
+        """Entries the disk tier lost (evicted with a slab, corrupt, torn) and the arena does
+        not hold are forgotten; returns the block keys no entry holds any more."""
+        if self.disk is None:
+            return []
+        gone = [e for e in self.disk.take_gone() if e not in self.pending]
+        states = self.tier.states(gone)
+        return self.forget_all([e for e, s in zip(gone, states, strict=True) if s is None])
 
     def holders(self, key: bytes) -> dict[bytes, int]:
         """{entry: sub-slot} of the entries holding block ``key`` (empty: none)."""
@@ -185,6 +285,18 @@ class _ModelTier:
         return held[: _group_run(keys[: len(held)])]
 
 
+def _entries_of(
+    mt: _ModelTier | None, keys: Sequence[bytes]
+) -> tuple[bool, Sequence[bytes] | list[tuple[bytes, int]], list[bytes]]:
+    """For one group's leading ``keys`` held here: (each block its own entry's, at sub-slot
+    0: the rule; the chosen blocks: their keys in that case, else (entry, sub-slot) pairs;
+    the distinct entries, in order)."""
+    held = mt.holding(keys) if mt is not None and keys else []
+    own = held.count(OWN) == len(held)
+    chosen = keys[: len(held)] if own else _pairs(keys, held)
+    return own, chosen, list(dict.fromkeys(chosen if own else map(_FIRST, chosen)))
+
+
 def _pairs(keys: Sequence[bytes], held: list[dict[bytes, int] | _Own]) -> list[tuple[bytes, int]]:
     """(entry, sub-slot) of each leading key by its ``where`` (``held``): the first holder."""
     return [(k, 0) if h is OWN else next(iter(h.items())) for k, h in zip(keys, held, strict=False)]
@@ -226,9 +338,12 @@ class CpuTierActor:
     def __init__(self, node_id: str, plans: dict[str, Any] | None = None) -> None:
         self.name, self.node_id = tier_name(node_id), node_id
         self.timeout_s = lease_timeout_s()
+        self.disk = disk_settings()
         # the served models' arenas from the start: a tier placed again after it died must
-        # take its node's offloads before it registers (its pools added them to the old one)
-        self.tiers = {m: _ModelTier(p, self.timeout_s) for m, p in (plans or {}).items()}
+        # take its node's offloads before it registers (its pools added them to the old one),
+        # and registers with what its disk tier holds
+        self.tiers = {m: _ModelTier(p, self.timeout_s, m, self.disk)
+                      for m, p in (plans or {}).items()}  # fmt: skip
         self.metrics = ServiceMetrics("tier")
         # its UCX server sends from the arena where it can (``export_blocks``: lends rows)
         self.member = Membership(
@@ -306,7 +421,9 @@ class CpuTierActor:
     async def add_model(self, model: str, plan: Any) -> int:
         """Make room for ``model`` (idempotent); returns its CPU-tier block count."""
         if model not in self.tiers:
-            self.tiers[model] = _ModelTier(plan, self.timeout_s)
+            mt = self.tiers[model] = _ModelTier(plan, self.timeout_s, model, self.disk)
+            if mt.where:  # its disk tier's entries (a model added after the tier started)
+                await self.publish(model, list(zip(mt.where, repeat(-1))), [])
         return self.tiers[model].tier.num_blocks
 
     async def remove_model(self, model: str) -> bool:
@@ -314,6 +431,8 @@ class CpuTierActor:
         could not be placed: ``Coordinator._withdraw``). False: it had none here."""
         mt = self.tiers.pop(model, None)
         if mt is not None:
+            if mt.disk is not None:
+                mt.disk.close()  # its slabs stay: a tier serving the model again reads them
             mt.tier.release()
             shm.release(mt.replica_shm)
         return mt is not None
@@ -409,7 +528,7 @@ class CpuTierActor:
         self._reclaimed(model, mt)  # overdue holds it reclaimed first, if any
         if res is None:
             return spec, None
-        removed = mt.forget_all(res.evicted)
+        removed = mt.evicted(res.evicted) + mt.lost_below()
         self.metrics.evicted(model, CPU, len(res.evicted))
         if members is None or list(members) == list(zip(keys)):  # each its own member
             mt.pending.update(zip(res.keys, repeat(OWN)))
@@ -434,6 +553,8 @@ class CpuTierActor:
         ``holder``'s until released or their deadline: (the arena's ``SharedSpec``,
         ``LoadLease`` or None, per block (entry index in the lease, sub-slot))."""
         mt = self.tiers.get(model)
+        if mt is not None and mt.disk is not None:
+            await self._promote(model, mt, [keys])
         lease, chosen = self._lease(model, mt, keys, holder)
         spec = mt.tier.arena_spec if mt is not None else None
         return spec, lease, list(map(tuple, chosen.tolist()))
@@ -445,11 +566,15 @@ class CpuTierActor:
         block its entry's index in the lease and its sub-slot). The entries of a plan
         without a block-size factor are the keys themselves, so a 2048-key lease is a few
         passes of C and numpy, its answer arrays (no tuple per block to pickle; issue 45)."""
-        held = mt.holding(keys) if mt is not None and keys else []
-        n = len(held)
-        own = held.count(OWN) == n  # each block its own entry's, at sub-slot 0 (the rule)
-        chosen = keys[:n] if own else _pairs(keys, held)
-        entries = list(dict.fromkeys(chosen if own else map(_FIRST, chosen)))
+        own, chosen, entries = _entries_of(mt, keys)
+        n = len(chosen)
+        if entries and mt.disk is not None:  # after ``_promote``: up to the first not readable
+            ok = [st in READABLE for st in mt.tier.states(entries)]
+            if not all(ok):
+                entries = entries[: ok.index(False)]
+                lead = set(entries)  # the blocks of the entries left: a shorter prefix
+                n = next(i for i, c in enumerate(chosen) if (c if own else c[0]) not in lead)
+                chosen = chosen[:n]
         lease = mt.tier.prepare_load(entries, holder=holder) if entries else None
         if lease is None:
             self.metrics.miss(model, CPU, len(keys))
@@ -469,6 +594,34 @@ class CpuTierActor:
             out[:, 1] = np.fromiter(map(_SECOND, chosen), np.int64, n)
         return lease, out
 
+    async def _promote(self, model: str, mt: _ModelTier, groups: list[list[bytes]]) -> None:
+        """Bring the entries a lease of ``groups`` (each one group's leading block keys)
+        needs that only the disk tier holds into the arena: read and verified in a worker
+        thread (the actor answers other calls meanwhile; one promotion of a model at a time,
+        they share its read buffer), then stored as a normal store. What is lost or
+        unreadable stays out: the lease stops before it."""
+        async with mt.promoting:
+            for keys in groups:
+                entries = _entries_of(mt, keys)[2]
+                states = mt.tier.states(entries)
+                missing = [e for e, st in zip(entries, states, strict=True) if st is None]
+                if not missing:
+                    continue
+                errors = mt.disk.stats.checksum_errors
+                if mt.read_buffer.nbytes < len(missing) * mt.disk.stride:
+                    mt.read_buffer = mt.disk.buffer(len(missing))  # kept: the next reuse it
+                got = await asyncio.to_thread(mt.disk.load, missing, mt.read_buffer)
+                self.metrics.checksum_errors(model, DISK, mt.disk.stats.checksum_errors - errors)
+                if not got.keys:
+                    continue
+                states = mt.tier.states(entries)  # stores and evictions ran meanwhile
+                here = [e for e, st in zip(entries, states, strict=True) if st is not None]
+                res = mt.tier.store_rows(got.keys, got.rows, got.valid, got.sums, beside=here)
+                if res is not None:
+                    self.metrics.hit(model, DISK, len(res.keys))
+                    self.metrics.evicted(model, CPU, len(res.evicted))
+                    mt.unpublished += mt.evicted(res.evicted)
+
     async def lease_groups(
         self,
         model: str,
@@ -481,6 +634,8 @@ class CpuTierActor:
         the node agent."""
         mt = self.tiers.get(model)
         spec = mt.tier.arena_spec if mt is not None else None
+        if mt is not None and mt.disk is not None:
+            await self._promote(model, mt, keys)
         return spec, [self._lease(model, mt, gk, holder) for gk in keys]
 
     async def apply(
@@ -525,7 +680,7 @@ class CpuTierActor:
                 elif state in READABLE:  # every writer done
                     added += mt.note(k, mt.pending.pop(k))
                     stored += 1
-        removed, mt.unpublished = removed + mt.unpublished, []
+        removed, mt.unpublished = removed + mt.unpublished + mt.lost_below(), []
         for k in corrupt:
             removed += mt.forget(k)
         if not counted:
@@ -642,6 +797,7 @@ class CpuTierActor:
                     "reservations_expired": mt.tier.stats.expired_reservations,
                     "leases_released": mt.tier.stats.released_holds,
                     "late_finishes": mt.tier.stats.late_finishes,
+                    **({"disk": mt.disk_stats()} if mt.disk is not None else {}),
                 }
                 for m, mt in self.tiers.items()
             },

@@ -1,0 +1,817 @@
+"""DiskTier: one model's blocks below the CPU tier, in fixed-size slab files on a local disk.
+
+The CPU tier demotes the entries its eviction policy picks (``CpuTier(demote=...)``): their
+rows are copied out of the arena at once, into aligned staging buffers (64 MiB batches, each
+queued as soon as it is copied), so the arena's blocks can be reused while a background thread
+writes them. The writer appends each batch to the open slab in one large sequential write
+(``pwritev``, O_DIRECT where the filesystem takes it: the page cache is not a tier; else
+buffered writes and ``fdatasync``, reported by ``direct``); the slab's header follows when the
+slab fills or the writer goes idle. A read of hits reads runs of consecutive slots in 16 MiB
+pieces, several in flight, each verified as it lands.
+
+A slab file is ``header_bytes`` of header, then ``slots`` entries of ``stride`` bytes (each a
+multiple of 4 KiB, so every offset and length is direct-I/O aligned). The header holds the
+magic, the format version, the model identity (``model_identity``: a digest of the plan's
+layout, the model's name and the block-hash definition), the entry geometry, how many slots
+are filled, one record per filled slot (the key, the block keys it carries, the row width
+its checksums cover, the valid sub-slots and every copy's checksums: the CPU tier's entry,
+as it was stored) and a digest of all of that. An entry is the CPU entry's rows, copy-major
+``[copies, factor, slot_bytes]``.
+
+Invariants kept: a loaded entry's rows are verified against the checksums it was stored with
+(invariant 12), so a flipped bit, a torn write, a short read or a truncated or missing slab
+is a counted miss, and the slot is dropped, never served. A slab is written append-only and
+evicted whole (the least recently used one once ``disk_bytes`` is full); a reader that raced
+its eviction finds its slab gone (a reused file is a new slab): a plain miss. A tier opened
+on a directory that has slabs (a restarted service) rebuilds its index from their headers; a
+slab of another identity, another format or with a header that does not match its digest is
+refused (counted, logged once, its file removed): its keys were hashed for another plan,
+model or hash definition, or its header is torn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import logging
+import mmap
+import os
+import struct
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from raykv.blocks.hashing import HASH_VERSION
+from raykv.errors import ConfigError
+from raykv.layout import tp
+from raykv.layout.plan import Plan
+from raykv.tiers.checksum import checksums_at
+from raykv.tiers.cpu_tier import KeyRows, KeySums
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096  # direct I/O: buffer addresses, offsets and lengths in multiples of this
+MAGIC = b"RAYKVSLB"
+VERSION = 1
+MAX_KEY = 64  # bytes of a stored key (the service's: 4 + 32)
+DEFAULT_SLAB_BYTES = 256 << 20
+# slots per slab at most: each batch rewrites the header's digest over every filled record,
+# so tiny entries (tests) get smaller slabs instead of a header of megabytes
+MAX_SLOTS = 4096
+SPARE_BUFFERS = 4  # staging buffers kept for reuse
+WRITE_BATCH_BYTES = 64 << 20  # a demotion is staged and queued in batches of this
+READ_PIECE_BYTES = 16 << 20  # a load reads in pieces of this, READERS of them at a time
+READERS = 4
+# magic, version, identity, stride, slot bytes, factor, copies, slots, filled; then the
+# digest of these and of the filled slots' records
+_FIXED = struct.Struct("<8sI32sQQIIII")
+_DIGEST = 32
+_NONE = 0xFFFF  # a member's length: a null sub-slot (no block)
+
+Members = tuple[bytes | None, ...]
+
+
+def model_identity(name: str, plan: Plan) -> bytes:
+    """32 bytes naming what a stored entry's bytes and keys mean: the model's name, its
+    plan's layout (not its block counts, which follow the memory given) and the block-hash
+    definition. The hash seed enters the keys themselves: blocks of another seed are never
+    looked up."""
+    layout = dataclasses.replace(
+        plan, num_gpu_blocks=0, cpu_num_blocks=0, max_model_len=0, max_num_batched_tokens=0,
+        padding_waste=0.0,
+    )  # fmt: skip
+    return hashlib.sha256(HASH_VERSION + name.encode() + repr(layout).encode()).digest()
+
+
+def _aligned(n: int) -> np.ndarray:
+    """``n`` bytes (rounded up to ``ALIGN``), page-aligned: what direct I/O reads into."""
+    return np.frombuffer(mmap.mmap(-1, max(_up(n), ALIGN)), np.uint8)
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass
+class DiskStats:
+    demoted: int = 0  # entries queued for writing
+    written: int = 0  # entries on disk
+    written_bytes: int = 0
+    skipped: int = 0  # demoted while already on disk (a promoted entry evicted again)
+    hits: int = 0
+    misses: int = 0
+    read_bytes: int = 0
+    checksum_errors: int = 0  # slots whose rows did not match their checksums: dropped
+    torn: int = 0  # slots lost to a short read, a truncated or missing slab file
+    evicted: int = 0  # entries evicted with their slab
+    refused_slabs: int = 0  # slabs of another identity or format, or a torn header
+    write_errors: int = 0  # batches the writer could not write (their entries dropped)
+
+
+@dataclass(frozen=True)
+class Entries:
+    """Entries read from the tier (``load``): per entry its key, the block keys it carries,
+    rows ``[n, copies, factor, slot_bytes]`` and the CPU tier's valid sub-slots and
+    checksums, ready for ``CpuTier.store_rows``."""
+
+    keys: list[bytes]
+    members: list[Members]
+    rows: np.ndarray
+    valid: KeyRows
+    sums: KeySums
+
+
+@dataclass
+class _Slab:
+    path: Path
+    slots: int
+    header_bytes: int
+    records: np.ndarray  # the record of each slot (``filled`` of them are real)
+    header: np.ndarray  # the header as on disk (aligned): rewritten page by page
+    filled: int = 0
+    synced: int = 0  # slots its header on disk lists
+    live: int = 0
+    used: int = 0  # recency: the tier's clock when last written or read
+
+
+@dataclass
+class _Batch:
+    keys: list[bytes]
+    records: np.ndarray
+    staging: np.ndarray  # [n, stride] uint8, page-aligned: a view of ``buffer``
+    buffer: np.ndarray  # the whole aligned buffer (reused once the batch is written)
+
+
+class DiskTier:
+    """One model's disk tier in ``path`` (see the module docstring). ``disk_bytes`` bounds
+    its slab files; ``slab_bytes`` is each slab's size (at least one entry)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        plan: Plan,
+        identity: bytes,
+        disk_bytes: int,
+        *,
+        slab_bytes: int = DEFAULT_SLAB_BYTES,
+    ) -> None:
+        self.path = Path(path)
+        self.identity = identity
+        self.factor = max(1, plan.block_size_factor)
+        self.copies = tp.plan_copies(plan)
+        self.slot_bytes = plan.gpu_bytes_per_block
+        self.entry_bytes = self.copies * self.factor * self.slot_bytes
+        self.stride = _up(self.entry_bytes)
+        self.dtype = np.dtype([
+            ("klen", "<u2"), ("key", "u1", (MAX_KEY,)), ("width", "<u4"), ("nvalid", "<i4"),
+            ("valid", "u1", (self.factor,)), ("nsums", "<i4", (self.copies,)),
+            ("sums", "<i8", (self.copies, self.factor)), ("mlen", "<u2", (self.factor,)),
+            ("members", "u1", (self.factor, MAX_KEY)),
+        ])  # fmt: skip
+        self.slots = self._slots_for(slab_bytes)
+        self.slab_bytes = self._header_bytes(self.slots) + self.slots * self.stride
+        self.max_slabs = disk_bytes // self.slab_bytes
+        if self.max_slabs < 1:
+            raise ConfigError(
+                f"the disk tier has {disk_bytes} bytes, less than one slab of "
+                f"{self.slab_bytes} bytes ({self.slots} entries of {self.entry_bytes} bytes); "
+                f"give --disk-bytes at least {self.slab_bytes}"
+            )
+        self.stats = DiskStats()
+        self.direct = True  # O_DIRECT; False: the filesystem refused it (tmpfs)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._slabs: dict[int, _Slab] = {}
+        self._index: dict[bytes, tuple[int, int]] = {}  # key -> (slab id, slot)
+        self._pending: dict[bytes, tuple[_Batch, int]] = {}  # queued, not yet written
+        self._queue: list[_Batch] = []
+        self._gone: list[bytes] = []  # keys that left the tier since ``take_gone``
+        # written batches' staging buffers, reused: a fresh one costs a page fault per page
+        # (the kernel zeroes it), about as long as its write on a busy host
+        self._spare: list[np.ndarray] = []
+        self._clock = 0
+        self._open_slab: int | None = None  # the slab the writer appends to
+        self._next_id = 0
+        self._closed = False
+        self._busy = False  # the writer is writing (a flush waits for its header sync too)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock_folder(self.path)
+        try:
+            self._rebuild()
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self._writer = threading.Thread(target=self._write_loop, name="raykv-disk", daemon=True)
+        self._writer.start()
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="raykv-disk-read")
+
+    # ------------------------------------------------------------------ geometry
+    def _header_bytes(self, slots: int) -> int:
+        return _up(_FIXED.size + _DIGEST + slots * self.dtype.itemsize)
+
+    def _slots_for(self, slab_bytes: int) -> int:
+        slots = max(1, min(MAX_SLOTS, (slab_bytes - ALIGN) // (self.stride + self.dtype.itemsize)))
+        while slots > 1 and self._header_bytes(slots) + slots * self.stride > slab_bytes:
+            slots -= 1
+        return slots
+
+    def _fixed(self, slots: int, filled: int) -> bytes:
+        return _FIXED.pack(MAGIC, VERSION, self.identity, self.stride, self.slot_bytes,
+                           self.factor, self.copies, slots, filled)  # fmt: skip
+
+    # ------------------------------------------------------------------ queries
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index or key in self._pending
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index) + len(self._pending)
+
+    def keys(self) -> list[bytes]:
+        """Every key held (written or queued)."""
+        with self._lock:
+            return [*self._index, *self._pending]
+
+    def entries(self) -> list[tuple[bytes, Members]]:
+        """(key, block keys it carries) of every written entry: what a restarted service
+        publishes again."""
+        with self._lock:
+            return [(k, self._members(self._slabs[s].records[i])) for k, (s, i) in
+                    self._index.items()]  # fmt: skip
+
+    def take_gone(self) -> list[bytes]:
+        """Keys that left the tier (evicted with their slab, corrupt, torn, a failed write)
+        since the last call: the owner stops naming them."""
+        with self._lock:
+            out, self._gone = self._gone, []
+            return out
+
+    @property
+    def num_slabs(self) -> int:
+        with self._lock:
+            return len(self._slabs)
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return len(self._slabs) * self.slab_bytes
+
+    # ------------------------------------------------------------------ demote
+    def demote(
+        self,
+        keys: Sequence[bytes],
+        arena: torch.Tensor,
+        blocks: np.ndarray,
+        valid: KeyRows,
+        sums: KeySums,
+        widths: Sequence[int],
+        members: Sequence[Members],
+    ) -> list[bytes]:
+        """Queue CPU entries for writing: ``keys`` held in ``blocks`` of ``arena`` (the CPU
+        tier's ``[copies, blocks * factor, slot_bytes]``), with their valid sub-slots and
+        checksums as stored, the row width the checksums cover and the block keys each
+        carries. The rows are copied before this returns (the caller reuses the blocks).
+        Returns the keys now held (queued, or on disk already); the others were refused (a
+        key longer than ``MAX_KEY``)."""
+        keep = [i for i, k in enumerate(keys) if len(k) <= MAX_KEY]
+        with self._lock:
+            held = [keys[i] for i in keep if keys[i] in self._index or keys[i] in self._pending]
+            self.stats.skipped += len(held)
+            seen = set(held)
+            new = [i for i in keep if keys[i] not in seen and not seen.add(keys[i])]
+            if not new or self._closed:
+                return held
+        # in batches of WRITE_BATCH_BYTES, each queued once copied: the writer starts on the
+        # first while the rest are copied out of the arena
+        per = max(1, WRITE_BATCH_BYTES // self.stride)
+        for a in range(0, len(new), per):
+            self._queue_batch(new[a : a + per], keys, arena, blocks, valid, sums, widths, members)
+        return held + [keys[i] for i in new]
+
+    def _queue_batch(
+        self,
+        new: list[int],
+        keys: Sequence[bytes],
+        arena: torch.Tensor,
+        blocks: np.ndarray,
+        valid: KeyRows,
+        sums: KeySums,
+        widths: Sequence[int],
+        members: Sequence[Members],
+    ) -> None:
+        """Copy the entries ``new`` (indices into ``demote``'s arguments) into a staging
+        buffer with their records, and queue them for the writer."""
+        n, f = len(new), self.factor
+        at = np.asarray(new, np.int64)
+        buffer, staging = self._staging(n)
+        dst = staging[:, : self.entry_bytes].reshape(n, self.copies, f, self.slot_bytes)
+        rows = arena.numpy().reshape(self.copies, -1, f, self.slot_bytes)
+        for j, b in enumerate(np.asarray(blocks, np.int64)[at].tolist()):
+            dst[j] = rows[:, b]  # straight into the buffer (a fancy index copies twice)
+        rec = np.zeros(n, self.dtype)
+        new_keys = [keys[i] for i in new]
+        for j, i in enumerate(new):
+            _put_key(rec[j], "klen", "key", new_keys[j])
+            ms = members[i]
+            for s in range(f):
+                m = ms[s] if s < len(ms) else None
+                rec[j]["mlen"][s] = _NONE if m is None else len(m)
+                if m is not None:
+                    rec[j]["members"][s, : len(m)] = np.frombuffer(m, np.uint8)
+        rec["width"] = np.asarray(widths, np.int64)[at]
+        rec["nvalid"] = valid.lengths[at]
+        rec["valid"][:, : valid.values.shape[1]] = valid.values[at]
+        rec["nsums"] = sums.lengths[:, at].T
+        rec["sums"][:, :, : sums.sums.shape[2]] = sums.sums[:, at].transpose(1, 0, 2)
+        batch = _Batch(new_keys, rec, staging, buffer)
+        with self._lock:
+            self._pending.update(zip(new_keys, ((batch, j) for j in range(n)), strict=True))
+            self._queue.append(batch)
+            self.stats.demoted += n
+            self._idle.notify_all()
+
+    def _staging(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """An aligned buffer for ``n`` entries (the smallest spare that fits, else a new
+        one) and its ``[n, stride]`` view."""
+        need = n * self.stride
+        with self._lock:
+            fits = [i for i, b in enumerate(self._spare) if b.nbytes >= need]
+            if fits:
+                buf = self._spare.pop(min(fits, key=lambda i: self._spare[i].nbytes))
+                return buf, buf[:need].reshape(n, self.stride)
+        buf = _aligned(need)
+        return buf, buf[:need].reshape(n, self.stride)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued entry is written (or dropped) and listed in its slab's
+        header; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(
+                lambda: not (self._pending or self._busy) or self._closed, timeout_s
+            )
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer (the slabs stay for ``open``)."""
+        self.flush()
+        with self._idle:
+            self._closed = True
+            self._idle.notify_all()
+        self._writer.join()
+        self._readers.shutdown()
+        os.close(self._lock_fd)  # the folder is free for the next tier
+
+    # ------------------------------------------------------------------ load
+    def buffer(self, n: int) -> np.ndarray:
+        """An aligned buffer for ``load``'s ``out``: room for ``n`` entries."""
+        return _aligned(n * self.stride)
+
+    def load(self, keys: Sequence[bytes], out: np.ndarray | None = None) -> Entries:
+        """The entries of ``keys`` held here and verified against their checksums, in the
+        order of ``keys`` (those not held, torn or corrupt are left out and counted). Their
+        rows are read into ``out`` (a ``buffer`` the caller reuses: a fresh one costs a page
+        fault per page, a good part of the read) where it has room, else a new buffer; the
+        returned rows are views of it."""
+        with self._lock:
+            self._clock += 1
+            found: list[tuple[bytes, int, int, np.ndarray]] = []  # key, slab, slot, record
+            queued: list[tuple[bytes, _Batch, int]] = []
+            for k in dict.fromkeys(keys):
+                if k in self._pending:
+                    queued.append((k, *self._pending[k]))
+                elif k in self._index:
+                    s, i = self._index[k]
+                    slab = self._slabs[s]
+                    slab.used = self._clock
+                    found.append((k, s, i, slab.records[i].copy()))
+            self.stats.misses += len(keys) - len(found) - len(queued)
+            n = len(found) + len(queued)
+            if out is None or out.nbytes < n * self.stride or out.ctypes.data % ALIGN:
+                out = _aligned(n * self.stride)
+            buf = out[: n * self.stride].reshape(n, self.stride)
+            rec = np.zeros(n, self.dtype)
+            ok = np.zeros(n, bool)
+            # not written yet: from the staging buffer, under the lock (once written, the
+            # writer hands the buffer to the next batch)
+            for j, (_, batch, i) in enumerate(queued):
+                buf[j] = batch.staging[i]
+                rec[j] = batch.records[i]
+                ok[j] = True
+        base = len(queued)
+        for j, (*_, r) in enumerate(found):
+            rec[base + j] = r
+        good = ok.copy()
+        good[:base] = self._verified(buf[:base], rec[:base])
+        # in pieces, several in flight: the device sees a deeper queue than one read at a
+        # time gives, and the checksums of a piece that landed are taken (without the GIL)
+        # while the others read, so a load takes about its reads' time, not reads + sums
+        step = max(1, READ_PIECE_BYTES // self.stride)
+
+        def piece(at: slice, part: list[tuple[bytes, int, int, np.ndarray]]) -> np.ndarray:
+            ok[at] = self._read(part, buf[at])
+            return ok[at] & self._verified(buf[at], rec[at])
+
+        pieces = [
+            (at, self._readers.submit(piece, at, found[a : a + step]))
+            for a in range(0, len(found), step)
+            for at in [slice(base + a, base + min(a + step, len(found)))]
+        ]
+        for at, done in pieces:
+            good[at] = done.result()
+        with self._lock:
+            for j, (k, s, i, _) in enumerate(found):
+                if good[base + j]:
+                    continue
+                self.stats.misses += 1
+                if self._index.get(k) != (s, i):
+                    continue  # its slab was evicted meanwhile: a plain miss
+                self.stats.torn += not ok[base + j]
+                self.stats.checksum_errors += bool(ok[base + j])
+                self._drop(k)
+            self.stats.hits += int(good.sum())
+            self.stats.read_bytes += int(good.sum()) * self.entry_bytes
+        order = [q[0] for q in queued] + [f[0] for f in found]  # the key of each row of buf
+        rank = dict(zip(keys, range(len(keys)), strict=False))
+        pick = np.array(
+            sorted(np.flatnonzero(good).tolist(), key=lambda j: rank[order[j]]), np.int64
+        )
+        if len(pick) == n and (pick == np.arange(n)).all():  # the rule: all, in order
+            rows, r = buf[:, : self.entry_bytes], rec
+        else:
+            rows, r = buf[pick, : self.entry_bytes], rec[pick]
+        rows = rows.reshape(-1, self.copies, self.factor, self.slot_bytes)
+        return Entries(
+            [order[j] for j in pick.tolist()],
+            [self._members(x) for x in r],
+            rows,
+            KeyRows(r["valid"].astype(bool), r["nvalid"].astype(np.int64)),
+            KeySums(r["sums"].transpose(1, 0, 2).copy(), r["nsums"].T.astype(np.int64)),
+        )
+
+    def _read(self, found: list[tuple[bytes, int, int, np.ndarray]], out: np.ndarray) -> np.ndarray:
+        """Read each found (key, slab, slot, record) into its row of ``out`` (one read per
+        run of consecutive slots); per slot, whether it was read whole, its slab not evicted
+        (a reused file gets a new slab id)."""
+        ok = np.zeros(len(found), bool)
+        by_slab: dict[int, list[int]] = {}
+        for j, f in enumerate(found):
+            by_slab.setdefault(f[1], []).append(j)
+        for s, js in by_slab.items():
+            js.sort(key=lambda j: found[j][2])
+            slab = self._slabs.get(s)
+            if slab is None:
+                continue
+            try:
+                fd = self._open(slab.path, os.O_RDONLY)
+            except OSError:
+                continue  # a missing slab: its slots are torn
+            try:
+                start = 0
+                while start < len(js):
+                    end = start + 1
+                    while end < len(js) and found[js[end]][2] == found[js[end - 1]][2] + 1:
+                        end += 1
+                    run, first = js[start:end], found[js[start]][2]
+                    if run == list(range(run[0], run[0] + len(run))):  # one read, in place
+                        view = out[run[0] : run[0] + len(run)].reshape(-1)
+                        got = _pread(fd, view, slab.header_bytes + first * self.stride)
+                        whole = got // self.stride  # a short read: the slots read whole
+                        ok[run[:whole]] = True
+                    else:
+                        for j in run:
+                            got = _pread(fd, out[j], slab.header_bytes + found[j][2] * self.stride)
+                            ok[j] = got == self.stride
+                    start = end
+            finally:
+                os.close(fd)
+            with self._lock:  # a slab evicted while it was read holds other bytes now
+                if self._slabs.get(s) is not slab:
+                    ok[js] = False
+        return ok
+
+    def _verified(self, buf: np.ndarray, rec: np.ndarray) -> np.ndarray:
+        """Per entry, whether every row that carries a block matches its stored checksum."""
+        n, f = len(rec), self.factor
+        good = np.ones(n, bool)
+        if not n:
+            return good
+        for width in np.unique(rec["width"]).tolist():
+            of = np.flatnonzero(rec["width"] == width)
+            for c in range(self.copies):
+                for s in range(f):
+                    off = (c * f + s) * self.slot_bytes
+                    r = rec[of]
+                    check = (s < r["nsums"][:, c]) & (s < r["nvalid"]) & (r["valid"][:, s] > 0)
+                    if not check.any():
+                        continue
+                    table = buf[:, off : off + self.slot_bytes]
+                    at = of[check]
+                    got = np.asarray(checksums_at(table, at, int(width)), np.int64)
+                    good[at] &= got == r["sums"][check, c, s]
+        return good
+
+    # ------------------------------------------------------------------ the writer
+    def _write_loop(self) -> None:
+        while True:
+            with self._idle:
+                self._idle.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                batches, self._queue, self._busy = self._queue, [], True
+            for batch in batches:
+                self._write(batch)
+            with self._lock:
+                cur = self._slabs.get(self._open_slab) if not self._queue else None
+            if cur is not None:  # idle: the open slab's header catches up (one write)
+                self._sync(cur)
+            with self._idle:
+                self._busy = bool(self._queue)
+                for batch in batches:  # served from disk now: its buffer can take the next
+                    if all(self._pending.get(k, (None,))[0] is not batch for k in batch.keys):
+                        self._spare.append(batch.buffer)
+                del self._spare[:-SPARE_BUFFERS]
+                self._idle.notify_all()
+
+    def _write(self, batch: _Batch) -> None:
+        """Append ``batch`` to the open slab (new slabs as it fills); the header follows
+        (``_sync``)."""
+        done = 0
+        n = len(batch.keys)
+        while done < n:
+            with self._lock:
+                slab_id = self._slab_for_append()
+                slab = self._slabs[slab_id]
+                first = slab.filled
+                take = min(n - done, slab.slots - first)
+            part = range(done, done + take)
+            keys = [batch.keys[j] for j in part]
+            try:
+                fd = self._open(slab.path, os.O_WRONLY)
+                try:
+                    data = batch.staging[done : done + take].reshape(-1)
+                    _pwrite(fd, data, slab.header_bytes + first * self.stride)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                log.warning("disk tier %s: writing %d entries to %s failed: %r",
+                            self.path, take, slab.path, e)  # fmt: skip
+                with self._lock:
+                    self.stats.write_errors += 1
+                    for k in keys:
+                        self._pending.pop(k, None)
+                    self._gone += keys
+                done += take
+                continue
+            with self._lock:
+                slab.records[first : first + take] = batch.records[done : done + take]
+                slab.filled = first + take
+                slab.live += take
+                slab.used = self._clock
+                for j, k in zip(part, keys, strict=True):
+                    if self._pending.get(k, (None,))[0] is batch:
+                        del self._pending[k]
+                    self._index[k] = (slab_id, j - done + first)
+                self.stats.written += take
+                self.stats.written_bytes += take * self.stride
+            if slab.filled == slab.slots:  # full: its header is final
+                self._sync(slab)
+            done += take
+
+    def _sync(self, slab: _Slab) -> None:
+        """Write the slab's header for the slots filled since the last sync (and, buffered,
+        sync the file). Deferred to a full slab or an idle writer: a header write per batch
+        cost a small synchronous I/O between large ones. A crash before it loses those
+        entries on restart (misses), never serves them wrong: the data is checksummed."""
+        with self._lock:
+            first, filled = slab.synced, slab.filled
+        if first == filled:
+            return
+        try:
+            fd = self._open(slab.path, os.O_WRONLY)
+            try:
+                self._write_header(fd, slab, first, filled)
+                if not self.direct:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.warning("disk tier %s: writing the header of %s failed: %r", self.path,
+                        slab.path, e)  # fmt: skip
+            with self._lock:
+                self.stats.write_errors += 1
+            return
+        slab.synced = filled
+
+    def _slab_for_append(self) -> int:
+        """The open slab if it has room, else a new one (evicting the least recently used
+        slab when ``max_slabs`` are there). Under the lock."""
+        cur = self._slabs.get(self._open_slab) if self._open_slab is not None else None
+        if cur is not None and cur.filled < cur.slots:
+            return self._open_slab
+        if len(self._slabs) >= self.max_slabs:
+            victim = min(self._slabs, key=lambda s: (self._slabs[s].live > 0,
+                                                     self._slabs[s].used))  # fmt: skip
+            slab = self._slabs.pop(victim)
+            for k in [k for k, (s, _) in self._index.items() if s == victim]:
+                del self._index[k]
+                self._gone.append(k)
+                self.stats.evicted += 1
+            path = slab.path
+        else:
+            path = self.path / f"slab-{self._next_id:08d}.kv"
+        sid, self._next_id = self._next_id, self._next_id + 1
+        hb = self._header_bytes(self.slots)
+        new = _Slab(path, self.slots, hb, np.zeros(self.slots, self.dtype), _aligned(hb))
+        self._slabs[sid] = new
+        self._open_slab = sid
+        # a fresh (or reused) file: its header first says it holds nothing, then its size
+        fd = self._open(path, os.O_WRONLY | os.O_CREAT)
+        try:
+            self._write_header(fd, new, 0, 0)
+            size = new.header_bytes + new.slots * self.stride
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)
+                _fallocate(fd, size)
+        finally:
+            os.close(fd)
+        return sid
+
+    def _write_header(self, fd: int, slab: _Slab, first: int, filled: int) -> None:
+        """Record slots ``first:filled`` in the slab's header: its fixed part and digest (the
+        first page) and the pages of the new records, not the whole header each batch."""
+        fixed = self._fixed(slab.slots, filled)
+        recs = slab.records[:filled].view(np.uint8).reshape(-1)
+        digest = hashlib.sha256(fixed + recs.tobytes()).digest()
+        top = len(fixed) + _DIGEST
+        head = slab.header
+        head[:top] = np.frombuffer(fixed + digest, np.uint8)
+        lo, hi = top + first * self.dtype.itemsize, top + len(recs)
+        head[lo:hi] = recs[first * self.dtype.itemsize :]
+        _pwrite(fd, head[:ALIGN], 0)
+        if hi > ALIGN:
+            start = max(ALIGN, lo // ALIGN * ALIGN)
+            _pwrite(fd, head[start : _up(hi)], start)
+
+    # ------------------------------------------------------------------ open
+    def _rebuild(self) -> None:
+        """The index from the slab files' headers; refused slabs are removed."""
+        refused: list[str] = []
+        paths = []
+        for path in self.path.glob("slab-*.kv"):
+            try:
+                paths.append((path.stat().st_mtime_ns, int(path.stem.split("-")[1]), path))
+            except (ValueError, OSError):
+                continue
+        paths.sort()  # oldest written first: recency before the restart (a reused file is new)
+        for rank, (_, sid, path) in enumerate(paths):
+            self._next_id = max(self._next_id, sid + 1)
+            why = self._load_slab(sid, path, rank - len(paths))
+            if why is not None:
+                refused.append(f"{path.name} ({why})")
+                self.stats.refused_slabs += 1
+                path.unlink(missing_ok=True)
+        if refused:
+            log.warning("disk tier %s: refused %d slab(s), removed: %s", self.path,
+                        len(refused), ", ".join(refused[:8]))  # fmt: skip
+        # over a smaller budget than before, the least recently written go
+        while len(self._slabs) > self.max_slabs:
+            victim = min(self._slabs, key=lambda s: self._slabs[s].used)
+            slab = self._slabs.pop(victim)
+            for k in [k for k, (s, _) in self._index.items() if s == victim]:
+                del self._index[k]
+                self.stats.evicted += 1
+            slab.path.unlink(missing_ok=True)
+
+    def _load_slab(self, sid: int, path: Path, used: int) -> str | None:
+        """Index one slab's filled slots (``used``: its recency); the reason it is refused,
+        or None."""
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(_FIXED.size + _DIGEST)
+                if len(head) < _FIXED.size + _DIGEST:
+                    return "no header"
+                magic, version, ident, stride, slot, factor, copies, slots, filled = _FIXED.unpack(
+                    head[: _FIXED.size]
+                )
+                if magic != MAGIC or version != VERSION:
+                    return f"not a raykv slab of format {VERSION}"
+                if ident != self.identity:
+                    return "another model, plan or hash definition"
+                if (stride, slot, factor, copies) != (self.stride, self.slot_bytes,
+                                                      self.factor, self.copies):  # fmt: skip
+                    return "another entry geometry"
+                if filled > slots:
+                    return "torn header"
+                recs = fh.read(filled * self.dtype.itemsize)
+                size = os.fstat(fh.fileno()).st_size
+        except OSError as e:
+            return f"unreadable: {e.strerror}"
+        if hashlib.sha256(head[: _FIXED.size] + recs).digest() != head[_FIXED.size :]:
+            return "torn header"
+        records = np.zeros(slots, self.dtype)
+        records[:filled] = np.frombuffer(recs, self.dtype)
+        hb = self._header_bytes(slots)
+        header = _aligned(hb)
+        blob = head + recs
+        header[: len(blob)] = np.frombuffer(blob, np.uint8)
+        slab = _Slab(path, slots, hb, records, header, filled=filled, synced=filled, used=used)
+        whole = max(0, min(filled, (size - hb) // self.stride))  # a truncated file: torn
+        self.stats.torn += filled - whole
+        for i in range(whole):
+            key = _get_key(records[i], "klen", "key")
+            if key in self._index:  # written twice (not the rule): the newer copy serves
+                self._slabs[self._index[key][0]].live -= 1
+            self._index[key] = (sid, i)
+            slab.live += 1
+        self._slabs[sid] = slab
+        return None
+
+    # ------------------------------------------------------------------ internals
+    def _drop(self, key: bytes) -> None:
+        s, _ = self._index.pop(key)
+        self._slabs[s].live -= 1
+        self._gone.append(key)
+
+    def _members(self, rec: np.ndarray) -> Members:
+        return tuple(
+            None if int(rec["mlen"][s]) == _NONE else bytes(rec["members"][s, : rec["mlen"][s]])
+            for s in range(self.factor)
+        )
+
+    def _open(self, path: Path, flags: int) -> int:
+        """``path`` opened for direct I/O, or buffered where the filesystem refuses it
+        (then ``direct`` is False and the writer syncs each batch)."""
+        if self.direct:
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o600)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct = False
+                log.warning("disk tier %s: the filesystem refuses O_DIRECT; buffered writes "
+                            "with fdatasync (the page cache holds a copy)", self.path)  # fmt: skip
+        return os.open(path, flags, 0o600)
+
+
+def _lock_folder(path: Path) -> int:
+    """An exclusive lock on ``path`` for this tier's life (released with its process): two
+    tiers writing one folder (two Ray nodes of one host given one --disk-path) would reuse
+    each other's slab files."""
+    fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(
+            f"the disk tier folder {path} is in use by another raykv tier (another Ray node of "
+            "this host, or a tier still shutting down); give each node its own --disk-path "
+            "(RAYKV_DISK_PATH)"
+        ) from None
+    return fd
+
+
+def _put_key(rec: np.void, length: str, field: str, key: bytes) -> None:
+    rec[length] = len(key)
+    rec[field][: len(key)] = np.frombuffer(key, np.uint8)
+
+
+def _get_key(rec: np.void, length: str, field: str) -> bytes:
+    return bytes(rec[field][: int(rec[length])])
+
+
+def _pwrite(fd: int, buf: np.ndarray, offset: int) -> None:
+    """Write all of ``buf`` at ``offset`` (a short write goes on from where it stopped)."""
+    view = memoryview(buf).cast("B")
+    while len(view):
+        n = os.pwritev(fd, [view], offset)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short write at {offset}")
+        view, offset = view[n:], offset + n
+
+
+def _pread(fd: int, buf: np.ndarray, offset: int) -> int:
+    """Read into ``buf`` at ``offset`` until full or the end of the file; bytes read."""
+    view, got = memoryview(buf).cast("B"), 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got
+
+
+def _fallocate(fd: int, size: int) -> None:
+    """Allocate the slab's blocks up front (one extent where the filesystem can) so its
+    writes are sequential; a filesystem without it keeps the sparse file."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
