@@ -52,6 +52,7 @@ from raykv.blocks.hashing import HASH_VERSION
 from raykv.errors import ConfigError
 from raykv.layout import tp
 from raykv.layout.plan import Plan
+from raykv.tiers.admission import make_admission
 from raykv.tiers.checksum import checksums_at
 from raykv.tiers.cpu_tier import KeyRows, KeySums
 
@@ -105,6 +106,7 @@ class DiskStats:
     written: int = 0  # entries on disk
     written_bytes: int = 0
     skipped: int = 0  # demoted while already on disk (a promoted entry evicted again)
+    not_admitted: int = 0  # demoted to a full tier, not hotter than what they would evict
     hits: int = 0
     misses: int = 0
     read_bytes: int = 0
@@ -185,6 +187,9 @@ class DiskTier:
                 f"give --disk-bytes at least {self.slab_bytes}"
             )
         self.stats = DiskStats()
+        # TinyLFU over the CPU tier's accesses (``record``): a full tier takes an entry only
+        # if it was used more often than what it would push out (raykv bench eviction)
+        self.admission = make_admission(self.max_slabs * self.slots)
         self.direct = True  # O_DIRECT; False: the filesystem refused it (tmpfs)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -287,6 +292,11 @@ class DiskTier:
             self.stats.skipped += len(held)
             seen = set(held)
             new = [i for i in keep if keys[i] not in seen and not seen.add(keys[i])]
+            victim = self._admission_victim()
+            if victim is not None:
+                admitted = [i for i in new if self.admission.admit(keys[i], victim)]
+                self.stats.not_admitted += len(new) - len(admitted)
+                new = admitted
             if not new or self._closed:
                 return held
         # in batches of WRITE_BATCH_BYTES, each queued once copied: the writer starts on the
@@ -608,6 +618,24 @@ class DiskTier:
                 self.stats.write_errors += 1
             return
         slab.synced = filled
+
+    def record(self, keys: Sequence[bytes]) -> None:
+        """Accesses of ``keys`` in the CPU tier above (stores and loads): admission's counts."""
+        with self._lock:
+            for k in keys:
+                self.admission.record(k)
+
+    def _admission_victim(self) -> bytes | None:
+        """What a demotion would push out, for admission: None while the tier has room,
+        else the median-used entry of the slab evicted next (a slab goes whole). Under
+        the lock."""
+        cur = self._slabs.get(self._open_slab) if self._open_slab is not None else None
+        if len(self._slabs) < self.max_slabs or (cur is not None and cur.filled < cur.slots):
+            return None
+        victim = min(self._slabs, key=lambda s: (self._slabs[s].live > 0, self._slabs[s].used))
+        keys = sorted((k for k, (s, _) in self._index.items() if s == victim),
+                      key=self.admission.estimate)  # fmt: skip
+        return keys[len(keys) // 2] if keys else None
 
     def _slab_for_append(self) -> int:
         """The open slab if it has room, else a new one (evicting the least recently used

@@ -90,11 +90,28 @@ def _tier_rows_written(engine, model: str, node: str, tokens: list[int]):
     return arena, (arena[0] != before).any(dim=1).nonzero().flatten()
 
 
+def published(model: str, tokens: list[int], n: int = PREFIX) -> None:
+    """Wait until the cluster's index lists ``tokens``' first ``n`` (a save is published in
+    the background, and other nodes' replicas of the index follow it a moment later): B's
+    lookup right after A's answer may otherwise be a miss, which is correct but not what
+    these tests are about."""
+    import time
+
+    import raykv
+
+    kv, deadline = raykv.connect(model=model), time.monotonic() + 30
+    while kv.lookup(tokens).hit_tokens < n:
+        assert time.monotonic() < deadline, f"{n} tokens never reached the index"
+        time.sleep(0.1)
+    time.sleep(0.5)  # the feed to node b's replica
+
+
 def test_b_takes_the_prefix_a_computed_and_answers_identically(engines) -> None:
-    a, b, _, _ = engines
+    a, b, model, _ = engines
     shared = prompt(PREFIX, 1)
     ra = ray.get(a.generate.remote(shared + prompt(7, 2)))
     assert ra["raykv"]["saved_tokens"] == PREFIX
+    published(model, [*shared, 1])
     mine = shared + prompt(9, 3)
     rb = ray.get(b.generate.remote(mine))
     assert rb["raykv"]["external_tokens"] == PREFIX, rb  # block-aligned: the whole prefix
@@ -117,9 +134,10 @@ def test_a_corrupt_tier_entry_is_a_load_error_that_b_recomputes(engines) -> None
 
 
 def test_a_full_prompt_hit_is_n_minus_one_tokens(engines) -> None:
-    a, b, _, _ = engines
+    a, b, model, _ = engines
     whole = prompt(PREFIX, 21)  # a multiple of the block size: every block is a hit
     ray.get(a.generate.remote(whole))
+    published(model, [*whole, 1])
     assert ray.get(b.reset.remote())
     rb = ray.get(b.generate.remote(whole))
     assert rb["raykv"]["external_tokens"] == PREFIX - 1, rb  # vLLM computes the last token

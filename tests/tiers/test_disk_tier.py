@@ -214,14 +214,35 @@ def test_another_model_identity_or_a_torn_header_is_refused(tmp_path):
 def test_eviction_keeps_the_byte_budget(tmp_path):
     disk = open_disk(tmp_path, slabs=2, slab_entries=2)
     ks = keys_(6)
-    for k in ks:
+    for i, k in enumerate(ks):
+        disk.record([k] * (i + 1))  # each newcomer used more than those before it: admitted
         demote(disk, [k])
         assert disk.flush(10)
+    assert disk.stats.not_admitted == 0
     assert disk.num_slabs == 2 and disk.used_bytes <= disk.max_slabs * disk.slab_bytes
     assert disk.stats.evicted == 2 and sorted(disk.take_gone()) == ks[:2]
     assert disk.load(ks).keys == ks[2:]
     assert len(slab_files(disk)) == 2  # the evicted slab's file is reused
     assert demote(disk, [ks[3]]) == [ks[3]] and disk.stats.skipped == 1  # held: not rewritten
+    disk.close()
+
+
+def test_a_full_tier_admits_only_what_was_used_more_than_what_it_would_evict(tmp_path):
+    """TinyLFU over the CPU tier's accesses: while there is room every demotion is written;
+    once full, an entry used once does not push out a slab of entries used more often (a
+    scan cannot flush the disk), a hotter one does."""
+    disk = open_disk(tmp_path, slabs=2, slab_entries=2)
+    held = keys_(4)
+    for k in held:
+        disk.record([k] * 3)
+    assert demote(disk, held) == held and disk.flush(10)
+    cold, hot = keys_(2, start=10)
+    disk.record([cold])
+    assert demote(disk, [cold]) == [] and disk.stats.not_admitted == 1
+    assert disk.flush(10) and disk.load(held).keys == held  # nothing was pushed out
+    disk.record([hot] * 8)
+    assert demote(disk, [hot]) == [hot] and disk.flush(10)
+    assert disk.stats.evicted == 2 and hot in disk and cold not in disk
     disk.close()
 
 
@@ -306,6 +327,6 @@ class DiskMachine(RuleBasedStateMachine):
 
 TestDiskMachine = DiskMachine.TestCase
 TestDiskMachine.settings = settings(
-    max_examples=25, stateful_step_count=12, deadline=None,
+    max_examples=4, stateful_step_count=8, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )  # fmt: skip

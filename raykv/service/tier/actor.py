@@ -524,6 +524,8 @@ class CpuTierActor:
         if bad:
             raise InvalidInput(f"each stored entry of model {model!r} needs {factor} member keys")
         spec = mt.tier.arena_spec
+        if mt.disk is not None:
+            mt.disk.record(keys)
         res = mt.tier.prepare_store(keys, writers=writers, holder=holder)
         self._reclaimed(model, mt)  # overdue holds it reclaimed first, if any
         if res is None:
@@ -568,6 +570,8 @@ class CpuTierActor:
         passes of C and numpy, its answer arrays (no tuple per block to pickle; issue 45)."""
         own, chosen, entries = _entries_of(mt, keys)
         n = len(chosen)
+        if entries and mt.disk is not None:
+            mt.disk.record(entries)
         if entries and mt.disk is not None:  # after ``_promote``: up to the first not readable
             ok = [st in READABLE for st in mt.tier.states(entries)]
             if not all(ok):
