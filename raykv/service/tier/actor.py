@@ -35,10 +35,10 @@ below its arena (``raykv.tiers.disk_tier``, in ``<path>/<model>``): the entries 
 evicts are demoted to it and stay published (lookups count them as this node's CPU tier),
 and a lease of entries that are only on disk promotes them first (read and verified in a
 worker thread, then stored in the arena as a normal store), so the load path is the CPU
-tier's. Keys
-the disk tier loses (its slab evicted, corrupt, torn) leave the index with the next apply. A
-tier placed again (restarted) rebuilds its disk index from the slab headers and publishes
-those entries as it registers.
+tier's. Keys the disk tier loses (its slab evicted, corrupt, torn) leave the index with the
+next apply. A tier placed again (restarted) rebuilds its disk index from the slab headers and
+publishes those entries as it registers. A full disk tier admits an entry only if the CPU
+tier's stores and leases used it more than the slab it would evict (``DiskTier.record``).
 """
 
 from __future__ import annotations
