@@ -2,7 +2,6 @@
 served again from disk (promoted on its lease), and a tier killed and placed again serves its
 disk entries again (the index rebuilt from the slab headers, published as it registers)."""
 
-import os
 import time
 
 import pytest
@@ -10,6 +9,7 @@ import ray
 import torch
 
 from raykv import ops
+from raykv.bench.chaos import environment
 from raykv.layout import FullAttention
 from raykv.service.served import NAMESPACE, tier_name
 from raykv.service.tier.actor import DISK_BYTES_ENV, DISK_PATH_ENV
@@ -25,16 +25,8 @@ MODEL = "disk-m"
 def svc(request, tmp_path_factory):
     """The module's cluster, its node's tier with a disk tier in a folder of its own."""
     env = {DISK_PATH_ENV: str(tmp_path_factory.mktemp("disk")), DISK_BYTES_ENV: "64MiB"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the raylet, and so the tier, inherit them
-    try:
+    with environment(env):  # the raylet, and so the tier, inherit them
         yield request.getfixturevalue("ray_cluster")
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def tokens(n: int, seed: int) -> list[int]:
