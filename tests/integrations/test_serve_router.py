@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
+import ray
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -246,3 +247,38 @@ def test_the_first_requests_wait_for_the_index_and_later_ones_never_do() -> None
     assert not asyncio.run(never.ready())
     assert 0.2 < time.monotonic() - t0 < 1.0
     assert not asyncio.run(never.ready())  # the wait is spent
+
+
+def test_the_index_refreshes_run_on_the_loop_until_the_view_is_dropped_or_ray_stops(
+    monkeypatch,
+) -> None:
+    """No thread of the router makes a Ray call (one inside a call while the process shuts
+    Ray down crashes it): the refreshes are a task on the router's loop, which ends when
+    Serve drops the router's view or Ray shuts down in this process."""
+    calls = []
+
+    async def refresh(self, timeout_s: float = 5.0) -> int:
+        calls.append(1)  # not the view: the test drops it
+        return 0
+
+    monkeypatch.setattr(PlacementView, "refresh", refresh)
+    up = [True]
+    monkeypatch.setattr(ray, "is_initialized", lambda: up[0])
+
+    async def run(drop: bool) -> tuple[int, bool]:
+        view = PlacementView(interval_s=0.01)
+        view.start()
+        task = view._task
+        await asyncio.sleep(0.1)
+        n = len(calls)
+        if drop:
+            del view
+        else:
+            up[0] = False
+        await asyncio.sleep(0.1)
+        return n, task.done()
+
+    refreshes, ended = asyncio.run(run(drop=True))  # the task holds the view weakly
+    assert refreshes >= 3 and ended
+    refreshes, ended = asyncio.run(run(drop=False))  # kept, but Ray shut down here
+    assert refreshes >= 3 and ended

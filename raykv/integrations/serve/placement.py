@@ -18,6 +18,7 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,9 +51,9 @@ class NodeHit:
 
 
 class PlacementView:
-    """The cluster's block places, per model, kept current by ``refresh`` (a background
-    thread calls it every ``interval_s`` once ``start`` ran). ``fresh`` is False while the
-    coordinator does not answer (then nothing here should be trusted)."""
+    """The cluster's block places, per model, kept current by ``refresh`` (a task on the
+    router's event loop calls it every ``interval_s`` once ``start`` ran). ``fresh`` is
+    False while the coordinator does not answer (then nothing here should be trusted)."""
 
     STALE_S = 5.0  # no answer from the coordinator for this long: not fresh
     FIRST_ANSWER_S = 3.0  # after start, how long a request may wait for the first answer
@@ -65,24 +66,24 @@ class PlacementView:
         self._first_answer = threading.Event()
         self._started_at = 0.0
         self._coordinator: Any = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def fresh(self) -> bool:
         return time.monotonic() - self._answered < self.STALE_S
 
-    def refresh(self, timeout_s: float = 5.0) -> int:
+    async def refresh(self, timeout_s: float = 5.0) -> int:
         """Apply the coordinator's changes since the last call; returns how many keys
-        changed. Raises Ray's errors (the caller decides what a failure means)."""
+        changed. Raises Ray's errors and TimeoutError (the caller decides what a failure
+        means)."""
         if self._coordinator is None:
             self._coordinator = ray.get_actor(COORDINATOR, namespace=self.namespace)
         try:
-            blob = ray.get(
+            blob = await asyncio.wait_for(
                 self._coordinator.placement_changes.remote(self._epoch, self._since),
-                timeout=timeout_s,
+                timeout_s,
             )
-        except ray.exceptions.RayError:
+        except (ray.exceptions.RayError, TimeoutError):
             self._coordinator = None  # re-resolved next time (it may have been re-created)
             raise
         epoch, since, resync, changes = unpack(blob, 4, "placement_changes")
@@ -111,31 +112,12 @@ class PlacementView:
         return self.fresh
 
     def start(self) -> None:
-        """Refresh in a daemon thread until ``close``; failures are logged once per outage."""
-        if self._thread is None:
+        """Refresh in a task on the running event loop while this view is in use and Ray
+        runs in this process; failures are logged once per outage."""
+        if self._task is None:
             self._started_at = time.monotonic()
-            self._thread = threading.Thread(target=self._run, name="raykv-placement", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        down = False
-        # Ray shut down in this process: stop (a call now would start a new Ray here)
-        while not self._stop.is_set() and ray.is_initialized():
-            try:
-                self.refresh()
-                if down:
-                    log.info("raykv: the prefix index answers again")
-                down = False
-            except Exception as e:  # the service is down or restarting: retry, slower
-                if not down:
-                    log.warning("raykv: cannot read the prefix index (%s); retrying", e)
-                down = True
-                self._stop.wait(1.0)
-                continue
-            self._stop.wait(self.interval_s)
-
-    def close(self) -> None:
-        self._stop.set()
+            loop = asyncio.get_running_loop()
+            self._task = loop.create_task(_refresh_while_used(weakref.ref(self)))
 
     def hits(
         self, model: str, keys: Sequence[bytes], nodes: Iterable[str], block_size: int = 1
@@ -163,3 +145,22 @@ class PlacementView:
                     remote += 1
             out[node] = NodeHit(gpu * block_size, cpu * block_size, remote * block_size)
         return out
+
+
+async def _refresh_while_used(ref: weakref.ref[PlacementView]) -> None:
+    """``view.refresh`` every ``interval_s`` (1 s after a failure) until the view is
+    dropped (the task holds it weakly: a router Serve lets go takes its refreshes with it)
+    or Ray shuts down here (a call then would start a new Ray)."""
+    down = False
+    while (view := ref()) is not None and ray.is_initialized():
+        try:
+            await view.refresh()
+            if down:
+                log.info("raykv: the prefix index answers again")
+            down, wait = False, view.interval_s
+        except Exception as e:  # the service is down or restarting: retry, slower
+            if not down:
+                log.warning("raykv: cannot read the prefix index (%s); retrying", e)
+            down, wait = True, 1.0
+        del view
+        await asyncio.sleep(wait)

@@ -27,12 +27,13 @@ reports its constants and decisions to the coordinator: ``raykv status`` lists t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
 import socket
-import threading
 import time
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
@@ -120,15 +121,16 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._cache_tokens = replica_cache_tokens
         self.decisions: Counter[str] = Counter()
         self._warned: set[str] = set()
-        self._reporter: threading.Thread | None = None
+        self._reporter: asyncio.Task[None] | None = None
 
     def _start(self) -> None:
-        """The index replica's refreshes and the reports to ``raykv status``, in threads of
-        their own (from the first request on: Serve builds routers in processes that may
-        never route)."""
+        """The index replica's refreshes and the reports to ``raykv status``, as tasks on
+        the router's own event loop (from the first request on: Serve builds routers in
+        processes that may never route). Not threads: a thread inside a Ray call while the
+        process shuts Ray down crashes it; the loop makes its calls as Serve's own do."""
         self._view.start()
-        self._reporter = threading.Thread(target=self._report_loop, daemon=True)
-        self._reporter.start()
+        loop = asyncio.get_running_loop()
+        self._reporter = loop.create_task(_report_while_used(weakref.ref(self)))
 
     # --- ranking --------------------------------------------------------------------------
 
@@ -351,14 +353,19 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             ],
         }
 
-    def _report_loop(self) -> None:
-        name = f"{self._deployment_id}@{socket.gethostname()}:{os.getpid()}"
-        while True:
-            time.sleep(REPORT_S)
-            if not ray.is_initialized():  # shut down here: a call would start a new Ray
-                return
-            try:
-                coordinator = ray.get_actor(COORDINATOR, namespace=self._namespace)
-                coordinator.router_report.remote(name, self.report())
-            except Exception as e:  # the service is down: the next report may land
-                log.debug("raykv router: report not sent (%s)", e)
+
+async def _report_while_used(ref: weakref.ref[RaykvRouter]) -> None:
+    """Every ``REPORT_S``, the router's ``report`` to the coordinator, until the router is
+    dropped or Ray shuts down here."""
+    name = f"@{socket.gethostname()}:{os.getpid()}"
+    while True:
+        await asyncio.sleep(REPORT_S)
+        router = ref()
+        if router is None or not ray.is_initialized():  # a call would start a new Ray
+            return
+        try:
+            coordinator = ray.get_actor(COORDINATOR, namespace=router._namespace)
+            coordinator.router_report.remote(f"{router._deployment_id}{name}", router.report())
+        except Exception as e:  # the service is down: the next report may land
+            log.debug("raykv router: report not sent (%s)", e)
+        del router
