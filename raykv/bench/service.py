@@ -70,9 +70,10 @@ def _reference_hash(tokens: list[int], bs: int) -> list[bytes]:
 
 
 def _hashing_bench(tokens: list[int], hash_block_size: int, reps: int) -> dict[str, Any]:
-    """Client-side hashing of one prompt (a list of ints, as engines pass them), next to the
-    reference loop, interleaved so both see the same machine load: medians in ms, and which
-    path hashed (``native_status()``)."""
+    """Hashing of one prompt (a list of ints, as engines pass them) in the form an engine's
+    lookup hashes it (``NodeKV.lookup``: the digests joined in one bytes object), next to
+    the list form the client's other calls use and the reference loop, interleaved so all
+    see the same machine load: medians in ms, and which path hashed (``native_status()``)."""
     from raykv.blocks import BlockHasher
     from raykv.blocks.hashing import build_native
 
@@ -81,17 +82,29 @@ def _hashing_bench(tokens: list[int], hash_block_size: int, reps: int) -> dict[s
     hasher = BlockHasher(hash_block_size)
     lat = _interleaved(
         {
-            "ours": lambda: hasher.hash_blocks(tokens),
+            "joined": lambda: hasher.hash_blocks_joined(tokens),
+            "list": lambda: hasher.hash_blocks(tokens),
             "ref": lambda: _reference_hash(tokens, hash_block_size),
         },
         reps,
     )
-    ours, ref = lat["ours"], lat["ref"]
     return {
-        "hashing_ms": statistics.median(ours) * 1e3,
-        "hashing_reference_ms": statistics.median(ref) * 1e3,
+        "hashing_ms": statistics.median(lat["joined"]) * 1e3,
+        "hashing_list_ms": statistics.median(lat["list"]) * 1e3,
+        "hashing_reference_ms": statistics.median(lat["ref"]) * 1e3,
         "hashing_path": path,
     }
+
+
+def _in_engine_process(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """``fn(*args)`` in a fresh process without Ray, as an engine's is (it talks to the node
+    through the agent's socket): in this one the bench's Ray driver threads share the cores
+    (2048 blocks hashed here: ~0.37 ms on the H200 host, ~0.24 ms in a process of its own)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def _lookup_bench(kv: Any, a_node: str, b_node: str, tokens: int, reps: int) -> dict[str, Any]:
@@ -159,7 +172,8 @@ def _lookup_bench(kv: Any, a_node: str, b_node: str, tokens: int, reps: int) -> 
             "hit_tokens": res.hit_tokens,
         }
     engine.close()
-    out.update(_hashing_bench(prompt[:tokens], plan.hash_block_size, max(reps // 4, 5)))
+    out.update(_in_engine_process(_hashing_bench, prompt[:tokens], plan.hash_block_size,
+                                  max(reps // 4, 5)))  # fmt: skip
     ping = out["ping"]["p50_ms"]
     out["ratios"] = {
         "hit_p50_vs_ping": out["hit"]["p50_ms"] / ping,
@@ -517,9 +531,9 @@ def _format_lookup(lk: dict[str, Any]) -> list[str]:
         f"a Ray driver's hit p50 {rt['driver_hit_p50_vs_ping']:.2f}x"
     )
     lines.append(
-        f"  client-side hashing of {lk['blocks']} blocks: {lk['hashing_ms']:.2f} ms (target "
-        f"<= 0.3 ms); the reference loop {lk['hashing_reference_ms']:.2f} ms: "
-        f"{rt['hashing_vs_reference']:.2f}x"
+        f"  an engine lookup's hashing of {lk['blocks']} blocks: {lk['hashing_ms']:.2f} ms "
+        f"(target <= 0.3 ms; as a list of digests {lk['hashing_list_ms']:.2f} ms); the "
+        f"reference loop {lk['hashing_reference_ms']:.2f} ms: {rt['hashing_vs_reference']:.2f}x"
     )
     return lines
 
