@@ -34,6 +34,10 @@ MAX_COUNT = 15  # 4-bit counters, as in TinyLFU: "often" needs no more resolutio
 WIDTH_PER_SLOT = 4  # counters per row per lower-tier slot (4 rows x 4 bytes a slot)
 SAMPLE_PER_SLOT = 10  # age after 10 x capacity recorded accesses (TinyLFU's sample size W)
 DOOR_BITS_PER_SAMPLE = 8  # doorkeeper bloom bits per access in a sample: few false positives
+# a sketch sized for at most this many slots (32 MiB): a larger tier (a TiB disk of 64 KiB
+# entries has 16 M) shares counters between more keys and ages sooner, where sizing by its
+# slots would hold GiBs of counters in every tier actor
+MAX_SKETCH_SLOTS = 1 << 20
 _WORDS = struct.Struct("<8I")  # one blake2b digest: 4 sketch indexes + 4 doorkeeper indexes
 _HALF = bytes(c >> 1 for c in range(256))  # aging: every counter halved in one translate
 
@@ -53,7 +57,8 @@ class TinyLFU:
     hour ago does not keep out what is hot now. Indexes come from a keyed blake2b of the key,
     so the sketch is the same for the same seed in every process (Python's ``hash`` is not).
     Memory: 16 bytes of counters and 10 bits of doorkeeper a lower-tier slot, each rounded up
-    to a power of two (4 MiB + 4 MiB for a 250k-block disk tier).
+    to a power of two (4 MiB + 4 MiB for a 250k-block disk tier), for at most
+    ``MAX_SKETCH_SLOTS`` slots.
     """
 
     def __init__(self, capacity: int, seed: int = 0) -> None:
@@ -63,6 +68,7 @@ class TinyLFU:
             )
         self.capacity = capacity
         self.seed = seed
+        capacity = min(capacity, MAX_SKETCH_SLOTS)
         self.sample_size = SAMPLE_PER_SLOT * capacity
         # counters per row: the CPU tier above sees many more distinct keys in a sample than
         # the lower tier holds; at one counter per slot their collisions made a rarely used

@@ -95,3 +95,16 @@ def test_make_admission_names_and_errors() -> None:
         make_admission(0)
     with pytest.raises(InvalidInput, match="bytes"):
         f.record("not a hash")  # type: ignore[arg-type]
+
+
+def test_a_huge_lower_tier_gets_a_bounded_sketch() -> None:
+    """A TiB disk tier of small entries (1 << 34 slots here) holds at most
+    ``MAX_SKETCH_SLOTS`` slots' worth of counters (its opening took seconds and GiBs)."""
+    from raykv.tiers.admission import MAX_SKETCH_SLOTS
+
+    f = TinyLFU(1 << 34)
+    assert f.capacity == 1 << 34
+    assert len(f._counts) + len(f._door) <= 32 * MAX_SKETCH_SLOTS
+    f.record(b"k")
+    f.record(b"k")
+    assert f.estimate(b"k") == 2 and f.admit(b"k", b"other")

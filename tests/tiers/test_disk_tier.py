@@ -57,7 +57,7 @@ def expect(disk: DiskTier, key: bytes) -> np.ndarray:
 
 def open_disk(path: Path, plan=None, *, slabs: int = 4, slab_entries: int = 4, identity=ID):
     plan = plan or make_plan("full")
-    probe = DiskTier(path / "probe", plan, identity, 1 << 40, slab_bytes=1)
+    probe = DiskTier(path / "probe", plan, identity, 64 << 20, slab_bytes=1)
     slab = probe.slab_bytes  # one entry: the smallest slab
     probe.close()
     per = probe.stride * slab_entries + slab
@@ -327,6 +327,6 @@ class DiskMachine(RuleBasedStateMachine):
 
 TestDiskMachine = DiskMachine.TestCase
 TestDiskMachine.settings = settings(
-    max_examples=4, stateful_step_count=8, deadline=None,
+    max_examples=25, stateful_step_count=20, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )  # fmt: skip
