@@ -3,25 +3,35 @@ replaced); the end-to-end CLI runs live in tests/service/test_cli.py."""
 
 from __future__ import annotations
 
+import pytest
 from click.testing import CliRunner
 
 from raykv import cli
 
 
-def test_up_passes_tp_and_sizes_to_the_launcher(monkeypatch) -> None:
+@pytest.fixture
+def launched(monkeypatch) -> dict:
+    """``raykv up`` with its launcher replaced: the options the launcher was handed."""
     from raykv.service.control import launcher, ray_join
 
     seen: dict = {}
 
     def fake_up(address, **kw):
         seen.update(kw, address=address)
-        return {"address": "127.0.0.1:1", "started_head": False, "token": None,
-                "model": kw["preset"], "num_gpu_blocks": 8, "cpu_num_blocks": 4,
-                "nodes": 1, "members": 3}  # fmt: skip
+        out = {"address": "127.0.0.1:1", "started_head": True, "token": None}
+        if kw["preset"]:  # a model served: what the launcher reports of it
+            out |= {"started_head": False, "model": kw["preset"], "num_gpu_blocks": 8,
+                    "cpu_num_blocks": 4, "nodes": 1, "members": 3}  # fmt: skip
+        return out
 
     monkeypatch.setattr(launcher, "up", fake_up)
     monkeypatch.setattr(ray_join, "prepare_auth", lambda **_: None)
     monkeypatch.setattr(cli, "_bounded", lambda *a: None, raising=False)
+    return seen
+
+
+def test_up_passes_tp_and_sizes_to_the_launcher(launched) -> None:
+    seen = launched
     res = CliRunner().invoke(
         cli.main,
         ["up", "--address", "127.0.0.1:1", "--preset", "llama-3-8b", "--tp", "2",
@@ -34,20 +44,10 @@ def test_up_passes_tp_and_sizes_to_the_launcher(monkeypatch) -> None:
     assert bad.exit_code != 0 and "--tp" in bad.output
 
 
-def test_up_serves_no_model_unless_a_preset_is_named(monkeypatch) -> None:
+def test_up_serves_no_model_unless_a_preset_is_named(launched) -> None:
     """A bare ``raykv up`` takes no GPU (engines add their models); sizes without a preset
     are a usage error naming them, not silently ignored."""
-    from raykv.service.control import launcher, ray_join
-
-    seen: dict = {}
-
-    def fake_up(address, **kw):
-        seen.update(kw)
-        return {"address": "127.0.0.1:1", "started_head": True, "token": None}
-
-    monkeypatch.setattr(launcher, "up", fake_up)
-    monkeypatch.setattr(ray_join, "prepare_auth", lambda **_: None)
-    monkeypatch.setattr(cli, "_bounded", lambda *a: None, raising=False)
+    seen = launched
     res = CliRunner().invoke(cli.main, ["up"])
     assert res.exit_code == 0, res.output
     assert seen["preset"] is None and "no model served yet" in res.output
@@ -56,19 +56,9 @@ def test_up_serves_no_model_unless_a_preset_is_named(monkeypatch) -> None:
     assert "--cpu-mem, --tp" in bad.output and "--preset NAME" in bad.output
 
 
-def test_up_passes_the_disk_tier_with_or_without_a_preset(monkeypatch, tmp_path) -> None:
+def test_up_passes_the_disk_tier_with_or_without_a_preset(launched, tmp_path) -> None:
     """--disk-path and --disk-bytes go together and reach the launcher as (folder, bytes)."""
-    from raykv.service.control import launcher, ray_join
-
-    seen: dict = {}
-
-    def fake_up(address, **kw):
-        seen.update(kw)
-        return {"address": "127.0.0.1:1", "started_head": True, "token": None}
-
-    monkeypatch.setattr(launcher, "up", fake_up)
-    monkeypatch.setattr(ray_join, "prepare_auth", lambda **_: None)
-    monkeypatch.setattr(cli, "_bounded", lambda *a: None, raising=False)
+    seen = launched
     where = tmp_path / "slabs"
     res = CliRunner().invoke(cli.main, ["up", "--disk-path", str(where), "--disk-bytes", "2GiB"])
     assert res.exit_code == 0, res.output

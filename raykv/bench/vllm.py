@@ -56,13 +56,6 @@ class Row:
         }
 
 
-def _tokens(n: int, seed: int) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(4, 1000) for _ in range(n)]
-
-
 def run(
     sizes: tuple[int, ...] = (1024, 2048, 4096, 8192),
     repeat: int = 5,
@@ -76,7 +69,7 @@ def run(
 
     import raykv
     from raykv.integrations.vllm.engine import Engine
-    from raykv.integrations.vllm.tiny import build_tiny_llama
+    from raykv.integrations.vllm.tiny import build_tiny_llama, random_prompt
 
     work = tempfile.mkdtemp(prefix="raykv-bench-vllm-")
     model = str(build_tiny_llama(os.path.join(work, "model")))
@@ -113,13 +106,13 @@ def run(
                 notes[conn] = _why(e)
                 echo(f"      {conn} did not start: {notes[conn]}")
                 continue
-            ray.get(b.generate.remote(_tokens(200, 999), max_tokens=1))  # warm up
+            ray.get(b.generate.remote(random_prompt(200, 999), max_tokens=1))  # warm up
             for n in sizes:
                 for r in range(repeat):
-                    prefix = _tokens(n, 1000 * n + r)
-                    mine = prefix + _tokens(16, 7 + r)
+                    prefix = random_prompt(n, 1000 * n + r)
+                    mine = prefix + random_prompt(16, 7 + r)
                     if conn != "none":
-                        ray.get(a.generate.remote(prefix + _tokens(8, r), max_tokens=1))
+                        ray.get(a.generate.remote(prefix + random_prompt(8, r), max_tokens=1))
                     if conn == "raykv":  # A's save runs after its answer: B comes once it is in
                         _wait_for_hit(kv, mine, n)
                     out = ray.get(b.generate.remote(mine, max_tokens=1))
@@ -133,7 +126,9 @@ def run(
                 for n in sizes:
                     for r in range(repeat):  # interleaved with the connector off, per request
                         for use, into in ((True, DOWN), (False, OFF)):
-                            mine = _tokens(n, 5000 * n + 2 * r + use) + _tokens(16, 9 + r)
+                            mine = random_prompt(n, 5000 * n + 2 * r + use) + random_prompt(
+                                16, 9 + r
+                            )
                             out = ray.get(b.generate.remote(mine, max_tokens=1, use_raykv=use))
                             ttft[into][n].append(out["seconds"])
                     echo(

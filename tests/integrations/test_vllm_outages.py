@@ -22,10 +22,9 @@ import pytest
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs 'vllm'")
 
 import ray
-import torch
 
 from integrations.engine_process import EngineProcess
-from raykv.integrations.vllm.tiny import TinyLlama, build_tiny_llama
+from raykv.integrations.vllm.tiny import TinyLlama, build_tiny_llama, random_prompt
 from raykv.service.node.agent_protocol import AGENT_DIR_ENV, default_socket
 from raykv.service.served import COORDINATOR, NAMESPACE, tier_name
 
@@ -37,11 +36,6 @@ HEAD = dict(
 )
 SLACK_S = 2.0  # a request while the service is down: at most this much slower (a 60 s stall
 # before this fix; the benchmark measures the real cost)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, 1000, (n,), generator=g).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +83,10 @@ def hits_again(engine: EngineProcess, seed: int, seconds: float = 60) -> dict:
     the engine reconnected by itself)."""
     deadline = time.monotonic() + seconds
     while True:
-        shared = prompt(PREFIX, seed)
-        answer(engine, shared + prompt(5, seed + 1))
+        shared = random_prompt(PREFIX, seed)
+        answer(engine, shared + random_prompt(5, seed + 1))
         engine.ask(op="reset")
-        mine = shared + prompt(7, seed + 2)
+        mine = shared + random_prompt(7, seed + 2)
         got = answer(engine, mine)
         if got["raykv"].get("external_tokens") == PREFIX or time.monotonic() > deadline:
             assert got["token_ids"] == reference(engine, mine)["token_ids"]
@@ -108,7 +102,7 @@ def test_the_engine_hits_then_survives_every_outage_with_its_own_answers(setup) 
 
     # the node agent (its tier) killed between requests: a miss, at once
     ray.kill(ray.get_actor(tier_name(cluster.head_node.node_id), namespace=NAMESPACE))
-    mine = prompt(PREFIX, 200) + prompt(9, 201)
+    mine = random_prompt(PREFIX, 200) + random_prompt(9, 201)
     got, ref = answer(engine, mine), reference(engine, mine)
     assert got["token_ids"] == ref["token_ids"]
     assert got["wall_s"] < ref["wall_s"] + SLACK_S, (got["wall_s"], ref["wall_s"])
@@ -116,10 +110,10 @@ def test_the_engine_hits_then_survives_every_outage_with_its_own_answers(setup) 
     assert hits_again(engine, 300)["raykv"]["external_tokens"] == PREFIX
 
     # ... and killed during a request
-    shared = prompt(PREFIX, 400)
-    answer(engine, shared + prompt(3, 401))
+    shared = random_prompt(PREFIX, 400)
+    answer(engine, shared + random_prompt(3, 401))
     engine.ask(op="reset")
-    mine = shared + prompt(8, 402)
+    mine = shared + random_prompt(8, 402)
     engine.send(op="generate", token_ids=mine)
     ray.kill(ray.get_actor(tier_name(cluster.head_node.node_id), namespace=NAMESPACE))
     got = engine.answer()
@@ -128,7 +122,7 @@ def test_the_engine_hits_then_survives_every_outage_with_its_own_answers(setup) 
 
     # the coordinator killed (Ray restarts it): the engine's lookups never needed it
     ray.kill(ray.get_actor(COORDINATOR, namespace=NAMESPACE), no_restart=False)
-    mine = prompt(PREFIX, 600) + prompt(9, 601)
+    mine = random_prompt(PREFIX, 600) + random_prompt(9, 601)
     got, ref = answer(engine, mine), reference(engine, mine)
     assert got["token_ids"] == ref["token_ids"]
     assert got["wall_s"] < ref["wall_s"] + SLACK_S
@@ -137,7 +131,7 @@ def test_the_engine_hits_then_survives_every_outage_with_its_own_answers(setup) 
     ray.shutdown()
     cluster.shutdown()
     for seed in (700, 800):
-        mine = prompt(PREFIX, seed) + prompt(9, seed + 1)
+        mine = random_prompt(PREFIX, seed) + random_prompt(9, seed + 1)
         got, ref = answer(engine, mine), reference(engine, mine)
         assert got["token_ids"] == ref["token_ids"]
         assert got["raykv"].get("external_tokens", 0) == 0

@@ -80,3 +80,13 @@ def build_tiny_llama(path: str | Path, shape: TinyLlama | None = None) -> Path:
     )  # fmt: skip
     fast.save_pretrained(path)
     return path
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    """``n`` token ids of the tiny model's vocabulary (from 4: past its special tokens, below
+    1000 of the default 1024), the same for the same seed: prompts whose prefixes are shared
+    only where a caller shares them."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(4, 1000) for _ in range(n)]
