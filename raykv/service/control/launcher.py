@@ -372,11 +372,21 @@ def status_table(s: dict[str, Any]) -> str:
         f"late finishes {s.get('late_finishes', 0)}"
     )
     tenants = s.get("tenants") or {}
-    if tenants.keys() - {"none"}:  # engines serve tenants (salted or LoRA requests)
-        lines.append("engine lookups per tenant (hit / missed blocks, stored entries)")
+    quotas = s.get("tenant_quotas") or {}
+    if tenants.keys() - {"none"} or quotas:  # engines serve tenants (salted or LoRA requests)
+        from raykv.layout.report import format_bytes
+
+        lines.append(
+            "engine lookups per tenant (hit / missed blocks, stored entries; CPU-tier bytes "
+            "held on all nodes / quota per node and model, over quota: refused / own evicted)"
+        )
         for label, c in tenants.items():
+            quota = quotas.get(label, quotas.get("default"))
+            limit = "no quota" if quota is None or label == "other" else format_bytes(quota)
             lines.append(
                 f"  {label:<10}{c.get('lookups', 0):>8} lookups  {c.get('hit_blocks', 0)} / "
-                f"{c.get('miss_blocks', 0)} blocks  {c.get('stored_entries', 0)} stored"
+                f"{c.get('miss_blocks', 0)} blocks  {c.get('stored_entries', 0)} stored  "
+                f"{format_bytes(c.get('bytes_held', 0))} / {limit}  "
+                f"{c.get('quota_refused', 0)} / {c.get('quota_evicted', 0)}"
             )
     return "\n".join(lines)
