@@ -180,8 +180,17 @@ PRESET_DEFAULTS = dict(cpu_mem="1GiB", gpu_mem_fraction=0.9, pool_mem="0", block
 @click.option(
     "--disk-bytes", help="the disk tier's bytes per model, e.g. 100GiB (with --disk-path)"
 )
+@click.option(
+    "--tenant-quota",
+    "tenant_quota",
+    multiple=True,
+    metavar="TENANT=SIZE",
+    help="the CPU-tier bytes a tenant's entries may hold per node and model (repeatable): "
+    "TENANT a label as raykv status shows it, a cache salt, 'none' (requests without a "
+    "tenant) or 'default' (every tenant not listed), e.g. --tenant-quota default=8GiB",
+)
 @_timeout
-def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, **sizes) -> None:
+def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, tenant_quota, **sizes) -> None:
     """Start (or join) the raykv service and print where it runs.
 
     With no --preset it serves no model: engines add theirs (vLLM's connector serves its
@@ -205,6 +214,15 @@ def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, **sizes) -> 
             raise click.ClickException(
                 f"--disk-path {disk_path} --disk-bytes {disk_bytes}: {e}"
             ) from e
+
+    quotas = None
+    if tenant_quota:
+        from raykv.tiers.quotas import parse_tenant_quotas
+
+        try:
+            quotas = parse_tenant_quotas(tenant_quota)
+        except RaykvError as e:
+            raise click.UsageError(str(e)) from e
 
     given = sorted(k for k, v in sizes.items() if v is not None)
     if preset is None and given:
@@ -233,6 +251,7 @@ def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, **sizes) -> 
             num_cpus=num_cpus,
             tp_size=sizes["tp_size"],
             disk=disk,
+            tenant_quotas=quotas,
         )
     except RaykvError as e:
         raise click.ClickException(str(e)) from e
@@ -251,6 +270,8 @@ def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, **sizes) -> 
         click.echo(f"  {info['nodes']} node(s), {info['members']} pools and tiers")
     if disk is not None:
         click.echo(f"  disk tier in {disk[0]}, {disk_bytes} per model")
+    if quotas is not None:
+        click.echo(f"  tenant quotas per node and model: {', '.join(tenant_quota)}")
     click.echo(f"  connect with raykv.connect('{info['address']}')")
     if info.get("token"):
         click.echo(f"  Ray token auth is on; the token is in {info['token']}")
