@@ -415,10 +415,13 @@ def demo(prompt_tokens, seed) -> None:
 @click.option("--address", help="Ray cluster to join (default: this host's, else start one)")
 @click.option("--num-cpus", type=int, help="CPUs of a head started here (default: all)")
 @click.option("--detach", is_flag=True, help="return once the app runs; raykv down stops it")
+@click.option("--tenants", "tenants_file", type=click.Path(dir_okay=False, exists=True),
+              help="a JSON file {API key SHA-256 hex: tenant}: each request's tenant (its "
+              "cache_salt) is its Bearer key's; other requests are refused")  # fmt: skip
 @_timeout
 def serve(
     model, vllm_args, replicas, tp_size, port, host, router, no_connector, served_model_name,
-    block_size, max_model_len, address, num_cpus, detach, timeout_s,
+    block_size, max_model_len, address, num_cpus, detach, tenants_file, timeout_s,
 ) -> None:  # fmt: skip
     """Serve MODEL with vLLM replicas sharing KV through raykv, behind Ray Serve.
 
@@ -447,6 +450,14 @@ def serve(
         served_model_name=served_model_name, block_size=block_size, max_model_len=max_model_len,
         vllm_args=list(vllm_args),
     )  # fmt: skip
+    if tenants_file is not None:
+        import json
+
+        try:
+            with open(tenants_file) as f:
+                build["tenants"] = json.load(f)
+        except (OSError, ValueError) as e:
+            raise click.UsageError(f"--tenants {tenants_file}: {e}") from None
     try:
         serve_app.app_config(model, **build)  # a setting that cannot work: before any start
         info = launcher.up(address, preset=None, cpu_bytes=0, gpu_mem_fraction=0.0,

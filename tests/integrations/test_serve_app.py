@@ -379,3 +379,21 @@ def test_tenants_that_are_not_key_digests_are_config_errors(tenants, match, tmp_
     assert serve_app.app_config(str(tmp_path), tenants={"a" * 64: "acme"}).tenants == {
         "a" * 64: "acme"
     }
+
+
+def test_raykv_serve_reads_tenants_from_a_file_and_checks_them_first(monkeypatch, tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from raykv import cli
+    from raykv.service.control import launcher, ray_join
+
+    monkeypatch.setattr(ray_join, "prepare_auth", lambda **_: None)
+    monkeypatch.setattr(cli, "_bounded", lambda *a: types.SimpleNamespace(cancel=lambda: None))
+    monkeypatch.setattr(launcher, "up", lambda *a, **k: pytest.fail("started with bad tenants"))
+    keys = tmp_path / "tenants.json"
+    keys.write_text(json.dumps({KEY_A: "acme"}))  # a key, not its digest
+    res = CliRunner().invoke(cli.main, ["serve", str(tmp_path), "--tenants", str(keys)])
+    assert res.exit_code == 1 and "is not the SHA-256 of an API key" in res.output
+    keys.write_text("{not json")
+    res = CliRunner().invoke(cli.main, ["serve", str(tmp_path), "--tenants", str(keys)])
+    assert res.exit_code == 2 and "--tenants" in res.output
