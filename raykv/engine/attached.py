@@ -220,7 +220,7 @@ class AttachedKV:
         reservation may evict another's entries): the tier's bookkeeping runs beside the
         copy. Where the tier has no room for a piece, it and the pieces after it are not
         stored (the ones before are: a prefix); where ``tenant``'s quota leaves a piece's
-        last entries out (invariant 19), the pieces after it are not stored either."""
+        last entries out (invariant 13), the pieces after it are not stored either."""
         tables = as_tables(self.plan, block_ids)
         cuts = self._cuts(self._covered(token_ids, tables))
         pieces = self._pieces(token_ids, tables, cuts, tenant)

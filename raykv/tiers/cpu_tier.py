@@ -421,7 +421,7 @@ class CpuTier(ArenaRows):
         self._by_key: dict[Key, int] = {}
         self._holds = Holds(lease_timeout_s)
         self._clock = clock
-        # tenants (invariant 19): each held block's tenant as a small id (-1: free), the
+        # tenants (invariant 13): each held block's tenant as a small id (-1: free), the
         # blocks each id holds (WRITING ones too: a reservation counts against its quota),
         # ids of tenants holding nothing handed out again (rotating salts grow nothing)
         self.block_bytes = self.copies * self.factor * self.slot_bytes
@@ -551,7 +551,7 @@ class CpuTier(ArenaRows):
         own least valuable entries (the policy's order, restricted to its entries); the new
         keys it still has no room for, the last ones (a prefix is what a lookup can use), are
         left out of the reservation (``stats.quota_refused``; None if that leaves none): a
-        tenant's quota never evicts another tenant's entry (invariant 19). Room the tier
+        tenant's quota never evicts another tenant's entry (invariant 13). Room the tier
         lacks beyond that is found as before, from every tenant's entries.
         """
         with self._lock:

@@ -1,4 +1,4 @@
-"""Per-tenant byte quotas of the CPU tier (issue 48, point 4; invariant 19).
+"""Per-tenant byte quotas of the CPU tier (issue 48, point 4; invariant 13).
 
 A tenant is the key a request's blocks hash under (``raykv.blocks.hashing.tenant_key``: its
 cache salt and LoRA adapter); the tier records it per entry from the store that created it.

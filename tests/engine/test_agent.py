@@ -102,7 +102,7 @@ def test_requests_are_answered_in_order_and_a_closed_connection_releases_its_hol
 
 def test_stores_leases_and_pulls_carry_their_tenant_to_the_tier(agent):
     """The tier charges a store's, a promotion's and a pull's entries to the request's
-    tenant (its quota, invariant 19); a request without one is untenanted."""
+    tenant (its quota, invariant 13); a request without one is untenanted."""
     client = NodeAgent(agent.server.path, reprobe_s=0.1)
     assert client.connect()
     t = b"\x01" * 32

@@ -109,7 +109,7 @@ def test_engines_counts_per_tenant_are_bounded_and_summed_over_the_nodes() -> No
 
 def test_tenants_bytes_held_and_quotas_reach_the_metrics_and_the_status_table() -> None:
     """A tier's per-tenant bytes (every model, summed over the nodes), its stores over quota
-    (refused / own evicted) and the configured quotas, in ``raykv status`` (invariant 19)."""
+    (refused / own evicted) and the configured quotas, in ``raykv status`` (invariant 13)."""
     from raykv.blocks import tenant_key
     from raykv.blocks.hashing import tenant_label
     from raykv.service.control.launcher import status_table

@@ -1,5 +1,5 @@
 """The node's tier actor applies ``RAYKV_TENANT_QUOTAS`` to the stores of each tenant
-(invariant 19) and reports each tenant's bytes and quota. In-process, no Ray cluster."""
+(invariant 13) and reports each tenant's bytes and quota. In-process, no Ray cluster."""
 
 from __future__ import annotations
 

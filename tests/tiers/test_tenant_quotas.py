@@ -1,4 +1,4 @@
-"""Per-tenant byte quotas of the CPU tier (invariant 19) and their configuration."""
+"""Per-tenant byte quotas of the CPU tier (invariant 13) and their configuration."""
 
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ def key_digest(api_key: str) -> str:
 def bind_tenant(
     tenants: Mapping[str, str] | None, authorization: str | None, body: dict[str, Any]
 ) -> Refused | None:
-    """Bind a request to its client's tenant (invariant 19): with ``tenants`` configured
+    """Bind a request to its client's tenant (invariant 13): with ``tenants`` configured
     (SHA-256 hex of an API key -> tenant name), the request's ``Authorization: Bearer KEY``
     names its tenant, and ``body["cache_salt"]`` (vLLM's, the tenant its KV is keyed and
     counted under, by the router and the connector alike) is set to it. A request without a

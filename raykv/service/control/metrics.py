@@ -184,7 +184,7 @@ class ServiceMetrics:
         return tenant
 
     def tenant_quota(self, model: str, tenant: str, refused: int, evicted: int) -> None:
-        """A store of ``tenant`` (``tenant_label``) over its quota (invariant 19): new entries
+        """A store of ``tenant`` (``tenant_label``) over its quota (invariant 13): new entries
         it left out, and its own entries it evicted to stay within the quota."""
         label = self._tenant_label(tenant)
         counts = self.tenants.setdefault(label, Tally())

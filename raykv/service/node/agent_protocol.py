@@ -115,7 +115,7 @@ class Arena:
 class Reserve:
     """``CpuTierActor.reserve`` for the connection's process (``members`` None: each entry
     is one block, its own key; no tuple per key on the wire). ``tenant``: the entries'
-    (``tenant_key``; their quota, invariant 19)."""
+    (``tenant_key``; their quota, invariant 13)."""
 
     model: str
     keys: tuple[bytes, ...]

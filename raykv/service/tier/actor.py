@@ -528,7 +528,7 @@ class CpuTierActor:
         plan without a block-size factor sends no tuple per key). The reservation's
         ``evicted`` are forgotten and unpublished here, so it comes back without them.
         ``tenant``: the entries' (``tenant_key``): over its quota, its own entries go first
-        and the last keys may be left out of the reservation (invariant 19)."""
+        and the last keys may be left out of the reservation (invariant 13)."""
         mt = self._tier(model)
         factor = mt.tier.factor
         if members is None:
@@ -625,7 +625,7 @@ class CpuTierActor:
         thread (the actor answers other calls meanwhile; one promotion of a model at a time,
         they share its read buffer), then stored as a normal store. What is lost or
         unreadable stays out: the lease stops before it. ``tenant``: whose entries they
-        become (its quota, invariant 19)."""
+        become (its quota, invariant 13)."""
         async with mt.promoting:
             for keys in groups:
                 entries = _entries_of(mt, keys)[2]
