@@ -342,7 +342,8 @@ class AttachedKV:
                 start = [min(max(a, f), e) for a, f, e in zip(at, first, ends, strict=True)]
                 spans = zip(keys, start, at, ends, strict=True)
                 want = [list(k[max(s - a, 0) : max(e - a, 0)]) for k, s, a, e in spans]
-                sent.append((start, self.agent.send(p.LeaseGroups(self.model, want))))
+                request = p.LeaseGroups(self.model, want, tenant)  # promotions: its entries
+                sent.append((start, self.agent.send(request)))
                 return
 
         ask()
