@@ -35,6 +35,11 @@ per block (a CUDA engine's 1 GiB store and load of 2048 keys spent 12-18 ms each
 per-key bookkeeping beside a 19.6 ms copy on the H200 host; issue 45). Valid flags and
 checksums cross the tier's API as ``KeyRows`` / ``KeySums``: arrays that read as the tuple
 (dict) per key they stand for.
+
+Each held block also records its tenant (the ``tenant_key`` of the store that created it) and
+the tier counts each tenant's blocks: with ``quotas`` (``raykv.tiers.quotas``), a store over
+its tenant's quota evicts that tenant's own entries and leaves out what still does not fit,
+never another tenant's (invariant 13; ``prepare_store``).
 """
 
 from __future__ import annotations

@@ -39,6 +39,12 @@ tier's. Keys the disk tier loses (its slab evicted, corrupt, torn) leave the ind
 next apply. A tier placed again (restarted) rebuilds its disk index from the slab headers and
 publishes those entries as it registers. A full disk tier admits an entry only if the CPU
 tier's stores and leases used it more than the slab it would evict (``DiskTier.record``).
+
+With ``RAYKV_TENANT_QUOTAS`` (``raykv up --tenant-quota``, ``raykv.tiers.quotas``) each
+model's arena bounds the bytes each tenant's entries hold: an engine's reserve, pull and
+promotion carry the request's tenant, and a store over its quota evicts only that tenant's
+entries (invariant 13); bytes held per tenant are in ``stats`` and the
+``raykv_tenant_bytes_held`` gauge (set every sweep).
 """
 
 from __future__ import annotations
