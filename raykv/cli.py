@@ -271,7 +271,10 @@ def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, tenant_quota
     if disk is not None:
         click.echo(f"  disk tier in {disk[0]}, {disk_bytes} per model")
     if quotas is not None:
-        click.echo(f"  tenant quotas per node and model: {', '.join(tenant_quota)}")
+        from raykv.layout.report import format_bytes
+
+        shown = ", ".join(f"{k} {format_bytes(v)}" for k, v in quotas.as_dict().items())
+        click.echo(f"  tenant quotas per node and model (by label): {shown}")
     click.echo(f"  connect with raykv.connect('{info['address']}')")
     if info.get("token"):
         click.echo(f"  Ray token auth is on; the token is in {info['token']}")

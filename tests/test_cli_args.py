@@ -104,7 +104,8 @@ def test_up_passes_tenant_quotas_by_label_and_refuses_bad_ones(monkeypatch) -> N
     assert res.exit_code == 0, res.output
     label = tenant_label(tenant_key("acme"))
     assert seen["tenant_quotas"] == TenantQuotas({label: 1 << 30}, 8 << 30)
-    assert "acme" not in seen["tenant_quotas"].to_env()
+    assert "acme" not in seen["tenant_quotas"].to_env() and "acme" not in res.output
+    assert f"default 8.00 GiB, {label} 1.00 GiB" in res.output
     bad = CliRunner().invoke(cli.main, ["up", "--tenant-quota", "acme:1GiB"])
     assert bad.exit_code == 2 and "NAME=SIZE" in bad.output
     monkeypatch.undo()
