@@ -180,8 +180,17 @@ PRESET_DEFAULTS = dict(cpu_mem="1GiB", gpu_mem_fraction=0.9, pool_mem="0", block
 @click.option(
     "--disk-bytes", help="the disk tier's bytes per model, e.g. 100GiB (with --disk-path)"
 )
+@click.option(
+    "--tenant-quota",
+    "tenant_quota",
+    multiple=True,
+    metavar="TENANT=SIZE",
+    help="the CPU-tier bytes a tenant's entries may hold per node and model (repeatable): "
+    "TENANT a label as raykv status shows it, a cache salt, 'none' (requests without a "
+    "tenant) or 'default' (every tenant not listed), e.g. --tenant-quota default=8GiB",
+)
 @_timeout
-def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, **sizes) -> None:
+def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, tenant_quota, **sizes) -> None:
     """Start (or join) the raykv service and print where it runs.
 
     With no --preset it serves no model: engines add theirs (vLLM's connector serves its
@@ -205,6 +214,15 @@ def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, **sizes) -> 
             raise click.ClickException(
                 f"--disk-path {disk_path} --disk-bytes {disk_bytes}: {e}"
             ) from e
+
+    quotas = None
+    if tenant_quota:
+        from raykv.tiers.quotas import parse_tenant_quotas
+
+        try:
+            quotas = parse_tenant_quotas(tenant_quota)
+        except RaykvError as e:
+            raise click.UsageError(str(e)) from e
 
     given = sorted(k for k, v in sizes.items() if v is not None)
     if preset is None and given:
@@ -233,6 +251,7 @@ def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, **sizes) -> 
             num_cpus=num_cpus,
             tp_size=sizes["tp_size"],
             disk=disk,
+            tenant_quotas=quotas,
         )
     except RaykvError as e:
         raise click.ClickException(str(e)) from e
@@ -251,6 +270,11 @@ def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, **sizes) -> 
         click.echo(f"  {info['nodes']} node(s), {info['members']} pools and tiers")
     if disk is not None:
         click.echo(f"  disk tier in {disk[0]}, {disk_bytes} per model")
+    if quotas is not None:
+        from raykv.layout.report import format_bytes
+
+        shown = ", ".join(f"{k} {format_bytes(v)}" for k, v in quotas.as_dict().items())
+        click.echo(f"  tenant quotas per node and model (by label): {shown}")
     click.echo(f"  connect with raykv.connect('{info['address']}')")
     if info.get("token"):
         click.echo(f"  Ray token auth is on; the token is in {info['token']}")
@@ -394,10 +418,13 @@ def demo(prompt_tokens, seed) -> None:
 @click.option("--address", help="Ray cluster to join (default: this host's, else start one)")
 @click.option("--num-cpus", type=int, help="CPUs of a head started here (default: all)")
 @click.option("--detach", is_flag=True, help="return once the app runs; raykv down stops it")
+@click.option("--tenants", "tenants_file", type=click.Path(dir_okay=False, exists=True),
+              help="a JSON file {API key SHA-256 hex: tenant}: each request's tenant (its "
+              "cache_salt) is its Bearer key's; other requests are refused")  # fmt: skip
 @_timeout
 def serve(
     model, vllm_args, replicas, tp_size, port, host, router, no_connector, served_model_name,
-    block_size, max_model_len, address, num_cpus, detach, timeout_s,
+    block_size, max_model_len, address, num_cpus, detach, tenants_file, timeout_s,
 ) -> None:  # fmt: skip
     """Serve MODEL with vLLM replicas sharing KV through raykv, behind Ray Serve.
 
@@ -426,6 +453,14 @@ def serve(
         served_model_name=served_model_name, block_size=block_size, max_model_len=max_model_len,
         vllm_args=list(vllm_args),
     )  # fmt: skip
+    if tenants_file is not None:
+        import json
+
+        try:
+            with open(tenants_file) as f:
+                build["tenants"] = json.load(f)
+        except (OSError, ValueError) as e:
+            raise click.UsageError(f"--tenants {tenants_file}: {e}") from None
     try:
         serve_app.app_config(model, **build)  # a setting that cannot work: before any start
         info = launcher.up(address, preset=None, cpu_bytes=0, gpu_mem_fraction=0.0,

@@ -219,7 +219,8 @@ class AttachedKV:
         made readable as its copy completes once every reservation is in (no piece's
         reservation may evict another's entries): the tier's bookkeeping runs beside the
         copy. Where the tier has no room for a piece, it and the pieces after it are not
-        stored (the ones before are: a prefix)."""
+        stored (the ones before are: a prefix); where ``tenant``'s quota leaves a piece's
+        last entries out (invariant 13), the pieces after it are not stored either."""
         tables = as_tables(self.plan, block_ids)
         cuts = self._cuts(self._covered(token_ids, tables))
         pieces = self._pieces(token_ids, tables, cuts, tenant)
@@ -233,7 +234,8 @@ class AttachedKV:
                     members = None  # entries of one block each: their own only member
                     if not (job.arrays.widths == 1).all():
                         members = tuple(c.members for c in complete_chunks(self.plan, part, keys))
-                    sent.append((job, self.agent.send(p.Reserve(self.model, job.keys, members))))
+                    request = p.Reserve(self.model, job.keys, members, tenant)
+                    sent.append((job, self.agent.send(request)))
                     return
 
         ask()
@@ -248,6 +250,8 @@ class AttachedKV:
                     break  # no room (or the tier was placed again): a prefix is stored
                 eng = self._engine(spec)
                 counts[eng.submit_store(job, res)] = len(res.keys)
+                if len(res.keys) + len(res.present) < len(set(job.keys)):
+                    break  # its tenant's quota left the last out: the rest would follow a gap
             for job_id in list(counts)[:-1]:  # readable as they complete, the last below
                 results += eng.wait(job_id)
                 self._apply(eng.tier.take())
@@ -281,7 +285,7 @@ class AttachedKV:
         keys = self.keys(token_ids, tenant)
         counts = [num_blocks] * len(keys) if isinstance(num_blocks, int) else list(num_blocks)
         asked = [
-            self.agent.send(p.Pull(self.model, gk[:n])) if n else None
+            self.agent.send(p.Pull(self.model, gk[:n], tenant)) if n else None
             for gk, n in zip(keys, counts, strict=True)
         ]
         return [f.result(PULL_TIMEOUT_S) if f is not None else 0 for f in asked]
@@ -304,7 +308,7 @@ class AttachedKV:
         first = [min(s, len(k)) for s, k in zip(skip, keys, strict=True)]
         self._answered()
         wanted = [list(k[f:]) for k, f in zip(keys, first, strict=True)]
-        return self._leased(self.agent.send(p.LeaseGroups(self.model, wanted)), first)
+        return self._leased(self.agent.send(p.LeaseGroups(self.model, wanted, tenant)), first)
 
     def load_into(
         self,
@@ -338,7 +342,8 @@ class AttachedKV:
                 start = [min(max(a, f), e) for a, f, e in zip(at, first, ends, strict=True)]
                 spans = zip(keys, start, at, ends, strict=True)
                 want = [list(k[max(s - a, 0) : max(e - a, 0)]) for k, s, a, e in spans]
-                sent.append((start, self.agent.send(p.LeaseGroups(self.model, want))))
+                request = p.LeaseGroups(self.model, want, tenant)  # promotions: its entries
+                sent.append((start, self.agent.send(request)))
                 return
 
         ask()

@@ -35,6 +35,11 @@ per block (a CUDA engine's 1 GiB store and load of 2048 keys spent 12-18 ms each
 per-key bookkeeping beside a 19.6 ms copy on the H200 host; issue 45). Valid flags and
 checksums cross the tier's API as ``KeyRows`` / ``KeySums``: arrays that read as the tuple
 (dict) per key they stand for.
+
+Each held block also records its tenant (the ``tenant_key`` of the store that created it) and
+the tier counts each tenant's blocks: with ``quotas`` (``raykv.tiers.quotas``), a store over
+its tenant's quota evicts that tenant's own entries and leaves out what still does not fit,
+never another tenant's (invariant 13; ``prepare_store``).
 """
 
 from __future__ import annotations
@@ -54,12 +59,14 @@ import numpy as np
 import torch
 
 from raykv import ops
+from raykv.blocks.hashing import Tenant, tenant_label
 from raykv.errors import ConfigError
 from raykv.layout import tp
 from raykv.layout.plan import Plan
 from raykv.tiers import shm
 from raykv.tiers.holds import DEFAULT_TIMEOUT_S, LOAD, STORE, Hold, Holds
 from raykv.tiers.policies import EvictionPolicy, evict_all, insert_all, make_policy, touch_all
+from raykv.tiers.quotas import TenantQuotas
 from raykv.tiers.shm import SharedSpec
 
 Key = bytes
@@ -292,6 +299,8 @@ class TierStats:
     expired_reservations: int = 0  # reservations reclaimed at their deadline (blocks freed)
     released_holds: int = 0  # leases and reservations of a holder that went away
     late_finishes: int = 0  # finishes of holds reclaimed already: ignored
+    quota_evicted: int = 0  # entries a store evicted of its own tenant's, over its quota
+    quota_refused: int = 0  # new entries a store left out: over quota, none of its own free
 
 
 class ArenaRows:
@@ -372,9 +381,11 @@ class CpuTier(ArenaRows):
         lease_timeout_s: float = DEFAULT_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         demote: Demote | None = None,
+        quotas: TenantQuotas | None = None,
     ) -> None:
         self.plan = plan
         self.demote = demote
+        self.quotas = quotas
         self.num_blocks = n = plan.cpu_num_blocks
         self.factor = max(1, plan.block_size_factor)
         self.copies = tp.plan_copies(plan)
@@ -415,10 +426,58 @@ class CpuTier(ArenaRows):
         self._by_key: dict[Key, int] = {}
         self._holds = Holds(lease_timeout_s)
         self._clock = clock
+        # tenants (invariant 13): each held block's tenant as a small id (-1: free), the
+        # blocks each id holds (WRITING ones too: a reservation counts against its quota),
+        # ids of tenants holding nothing handed out again (rotating salts grow nothing)
+        self.block_bytes = self.copies * self.factor * self.slot_bytes
+        self._tenant = np.full(n, -1, np.int32)
+        self._tenant_ids: dict[Tenant, int] = {}
+        self._tenant_of: list[Tenant] = []
+        self._held = np.zeros(0, np.int64)
+        self._spare_ids: list[int] = []
+        # per tenant label: [entries refused over quota, own entries evicted over quota]
+        self.quota_counts: dict[str, list[int]] = {}
 
     @property
     def total_bytes(self) -> int:
         return self.arena.numel()
+
+    def tenant_bytes(self) -> dict[str, int]:
+        """Bytes held (entries stored or being written) per tenant label."""
+        with self._lock:
+            out: dict[str, int] = {}
+            for tid in np.flatnonzero(self._held).tolist():
+                label = tenant_label(self._tenant_of[tid])
+                out[label] = out.get(label, 0) + int(self._held[tid]) * self.block_bytes
+            return out
+
+    def held_bytes(self, tenant: Tenant) -> int:
+        """Bytes ``tenant``'s entries hold (stored or being written)."""
+        with self._lock:
+            tid = self._tenant_ids.get(tenant)
+            return 0 if tid is None else int(self._held[tid]) * self.block_bytes
+
+    def _tenant_id(self, tenant: Tenant) -> int:
+        tid = self._tenant_ids.get(tenant)
+        if tid is not None:
+            return tid
+        if self._spare_ids:
+            tid = self._spare_ids.pop()
+            self._tenant_of[tid] = tenant
+        else:
+            tid = len(self._tenant_of)
+            self._tenant_of.append(tenant)
+            if tid >= len(self._held):
+                self._held = np.concatenate([self._held, np.zeros(max(4, tid), np.int64)])
+        self._tenant_ids[tenant] = tid
+        return tid
+
+    def _drop_tenants(self, ids: Iterable[int]) -> None:
+        """Tenants ``ids`` that hold nothing now: their ids are free for others."""
+        for tid in ids:
+            if self._held[tid] == 0 and self._tenant_ids.get(self._tenant_of[tid]) == tid:
+                del self._tenant_ids[self._tenant_of[tid]]
+                self._spare_ids.append(tid)
 
     def release(self) -> None:
         """Unlink a shared arena's files (their mappings stay valid until dropped): the
@@ -482,6 +541,7 @@ class CpuTier(ArenaRows):
         *,
         holder: Hashable = None,
         timeout_s: float | None = None,
+        tenant: Tenant = None,
     ) -> StoreReservation | None:
         """Reserve a block for every key not yet stored, evicting if needed — all or nothing.
 
@@ -490,6 +550,14 @@ class CpuTier(ArenaRows):
         written or read, nor any of ``keys``. Holds past their deadline are reclaimed first.
         The reservation is ``holder``'s until finished, for ``timeout_s`` (the tier's
         ``lease_timeout_s`` by default) at most.
+
+        The new entries are ``tenant``'s (``tenant_key``; None: untenanted). Where the tier
+        has a quota for it (``quotas``) and its entries would hold more, it first evicts its
+        own least valuable entries (the policy's order, restricted to its entries); the new
+        keys it still has no room for, the last ones (a prefix is what a lookup can use), are
+        left out of the reservation (``stats.quota_refused``; None if that leaves none): a
+        tenant's quota never evicts another tenant's entry (invariant 13). Room the tier
+        lacks beyond that is found as before, from every tenant's entries.
         """
         with self._lock:
             now = self._clock()
@@ -502,14 +570,34 @@ class CpuTier(ArenaRows):
                 new = [k for k in wanted if k not in by_key]
                 present = tuple(k for k in wanted if k in by_key)
                 touch_all(self.policy, present)
-            need = len(new) - len(self._free)
-            victims: list[Key] = []
+            tid = self._tenant_id(tenant)
+            own: list[Key] = []
+            quota = self.quotas.of(tenant) if self.quotas is not None and new else None
+            if quota is not None:
+                own, refused = self._over_quota(tid, len(new), present)
+                if refused:
+                    del new[len(new) - refused :]
+                    self.stats.quota_refused += refused
+                    self.quota_counts.setdefault(tenant_label(tenant), [0, 0])[0] += refused
+                    if not new:
+                        self.stats.rejected_stores += 1
+                        self._drop_tenants((tid,))
+                        return None
+            need = len(new) - len(self._free) - len(own)
+            victims: list[Key] = own
             if need > 0:  # of ``keys``, only the present ones can be candidates
-                found = self.policy.victims(need, _Evictable(self, set(present)))
+                found = self.policy.victims(need, _Evictable(self, {*present, *own}))
                 if found is None:
                     self.stats.rejected_stores += 1
+                    self._drop_tenants((tid,))
                     return None
-                victims = found
+                victims = own + found
+            # counted before the evictions: its own victims never leave it holding nothing
+            # (its id would be handed to another tenant mid-store)
+            self._held[tid] += len(new)
+            if own:
+                self.stats.quota_evicted += len(own)
+                self.quota_counts.setdefault(tenant_label(tenant), [0, 0])[1] += len(own)
             if victims:
                 evict_all(self.policy, victims)
                 gone = int_array(map(by_key.pop, victims), len(victims))
@@ -531,6 +619,9 @@ class CpuTier(ArenaRows):
                 at = int_array(blocks)
             self._state[at] = _WRITING  # free blocks are clean (``_release``)
             self._writers[at] = writers
+            self._tenant[at] = tid
+            if not blocks:
+                self._drop_tenants((tid,))
             self._key[at] = np.fromiter(new, object, len(new))
             by_key.update(zip(new, blocks, strict=True))
             hold = self._holds.open(STORE, holder, blocks, now, timeout_s) if blocks else None
@@ -620,13 +711,15 @@ class CpuTier(ArenaRows):
         sums: KeySums,
         *,
         beside: Sequence[Key] = (),
+        tenant: Tenant = None,
     ) -> StoreReservation | None:
         """Store entries whose bytes are at hand (promoted from the tier below): ``rows``
         ``[len(keys), copies, factor, slot_bytes]`` with the valid sub-slots and every copy's
         checksums they were stored with. Reserves (``beside``: keys held here that the same
         load needs, kept from eviction), copies, finishes as every copy's writer. Keys held
-        already are skipped. The reservation (its ``evicted`` went below), or None: no room."""
-        res = self.prepare_store([*beside, *keys], writers=self.copies)
+        already are skipped. The reservation (its ``evicted`` went below), or None: no room.
+        ``tenant``: the entries' (``prepare_store``; a quota may leave the last ones out)."""
+        res = self.prepare_store([*beside, *keys], writers=self.copies, tenant=tenant)
         if res is None or not res.keys:
             return res
         at = dict(zip(keys, range(len(keys)), strict=True))
@@ -795,9 +888,39 @@ class CpuTier(ArenaRows):
         if dropped.any():
             self._release(idle[dropped])
 
+    def _over_quota(self, tid: int, new: int, present: Sequence[Key]) -> tuple[list[Key], int]:
+        """For a store of ``new`` entries by tenant ``tid`` (which has a quota): (its own
+        entries to evict, in the policy's order, to stay within its quota; how many of the
+        new entries it has no room for even so: its other entries are leased, being
+        written, or among the store's ``present`` keys)."""
+        quota = self.quotas.of(self._tenant_of[tid]) if self.quotas is not None else None
+        limit = (quota or 0) // self.block_bytes
+        over = int(self._held[tid]) + new - limit
+        if over <= 0:
+            return [], 0
+        ok = _Evictable(self, set(present), tid)
+        found = self.policy.victims(over, ok)
+        if found is not None:
+            return found, 0
+        mine = (self._tenant == tid) & (self._state == _READABLE) & (self._readers == 0)
+        if present:  # the store's own keys stay
+            mine[_blocks_of(self._by_key, present)] = False
+        avail = min(over, int(mine.sum()))
+        found = self.policy.victims(avail, ok) if avail else []
+        if found is None:  # the policy orders fewer keys than the tier holds: never the rule
+            found = []
+        return found, min(new, over - len(found))
+
     def _release(self, blocks: np.ndarray) -> None:
         """Blocks (distinct) back to FREE, clean, in the free list; their generations and
         the release count move on (the count last, ``current``'s fast path relies on it)."""
+        ids = self._tenant[blocks]
+        ids = ids[ids >= 0]
+        if len(ids):  # their tenants hold that much less; one that holds nothing goes
+            less = np.bincount(ids, minlength=len(self._held))
+            self._held -= less
+            self._drop_tenants(np.flatnonzero(less).tolist())
+        self._tenant[blocks] = -1
         self._key[blocks] = None
         self._state[blocks] = _FREE
         self._readers[blocks] = self._writers[blocks] = 0
@@ -871,6 +994,13 @@ class CpuTier(ArenaRows):
             assert writing == {b.index for b in blocks if b.state is BlockState.WRITING}, (
                 "a block is written outside a reservation"
             )
+            held = self._state != _FREE
+            assert (self._tenant[~held] == -1).all(), "a free block has a tenant"
+            assert (self._tenant[held] >= 0).all(), "a held block has no tenant"
+            counts = np.bincount(self._tenant[held], minlength=len(self._held))
+            assert (counts == self._held).all(), "blocks per tenant and held counts disagree"
+            assert all(self._tenant_of[i] == t for t, i in self._tenant_ids.items())
+            assert not self._held[self._spare_ids].any(), "a spare tenant id holds blocks"
 
 
 class _Evictable:
@@ -878,10 +1008,11 @@ class _Evictable:
     not one of the store's own keys. ``many`` answers for a batch of keys at once (what the
     policies ask when it is there): one array lookup instead of a call per key."""
 
-    __slots__ = ("protected", "tier")
+    __slots__ = ("protected", "tenant", "tier")
 
-    def __init__(self, tier: CpuTier, protected: set[Key]) -> None:
-        self.tier, self.protected = tier, protected
+    def __init__(self, tier: CpuTier, protected: set[Key], tenant: int = -1) -> None:
+        # ``tenant`` (an id >= 0): only that tenant's entries (a store over its quota)
+        self.tier, self.protected, self.tenant = tier, protected, tenant
 
     def __call__(self, key: Key) -> bool:
         return bool(self.many([key])[0])
@@ -890,6 +1021,8 @@ class _Evictable:
         t = self.tier
         at = _blocks_of(t._by_key, keys)
         ok = (t._state[at] == _READABLE) & (t._readers[at] == 0)
+        if self.tenant >= 0:
+            ok &= t._tenant[at] == self.tenant
         if self.protected and not self.protected.isdisjoint(keys):
             ok &= np.fromiter((k not in self.protected for k in keys), bool, len(keys))
         return ok

@@ -49,12 +49,15 @@ def _take(n: int, candidates: Iterable[Key], ok: Callable[[Key], bool]) -> list[
     many = getattr(ok, "many", None)
     out: list[Key] = []
     if many is not None:  # in batches of the number still missing: the same keys, in order
-        it = iter(candidates)
+        it, least = iter(candidates), 16
         while len(out) < n:
-            batch = list(itertools.islice(it, max(n - len(out), 16)))
+            batch = list(itertools.islice(it, max(n - len(out), least)))
             if not batch:
                 break
             out += itertools.compress(batch, many(batch))
+            # few qualify (a tenant's own entries among everyone's, over its quota): larger
+            # batches, so a scan is a few numpy calls, not one per 16 keys
+            least *= 2
         return out[:n]
     for key in candidates:
         if len(out) == n:

@@ -211,6 +211,8 @@ def test_crd_check_is_strict_about_unknown_rayservice_fields(render, crd_validat
         ({"transport": {"peerRead": True}}, ["transport", "peerRead"]),
         ({"transport": {"ucxTls": "rc; touch /x"}}, ["transport/ucxTls"]),
         ({"transport": {"ucxStripes": -1}}, ["transport/ucxStripes"]),
+        ({"tenantQuotas": {"a,b": "1GiB"}}, ["tenantQuotas"]),
+        ({"tenantQuotas": {"acme": "lots of"}}, ["tenantQuotas/acme"]),
         ({"serve": {"enabled": True}}, ["serve/model"]),
         ({"serve": {"replicas": 0}}, ["serve/replicas"]),
         ({"serve": {"tp": 0}}, ["serve/tp"]),
@@ -238,6 +240,8 @@ def test_crd_check_is_strict_about_unknown_rayservice_fields(render, crd_validat
         "misspelled-transport-key",
         "ucx-tls-not-a-list-of-names",
         "negative-stripes",
+        "tenant-quota-name-with-a-comma",
+        "tenant-quota-size-that-does-not-read",
         "serve-without-model",
         "serve-zero-replicas",
         "serve-zero-tp",
@@ -754,3 +758,20 @@ def test_serve_notes_give_the_openai_endpoint(install_dry_run):
     assert "svc/rel-raykv-serve-svc 8000:8000" in notes
     assert "/v1/chat/completions" in notes and '"model": "Qwen/Qwen3-8B"' in notes
     assert "/v1/" not in install_dry_run()["info"]["notes"]
+
+
+def test_tenant_quotas_reach_every_ray_node_as_the_tier_reads_them(render):
+    """``tenantQuotas`` becomes ``RAYKV_TENANT_QUOTAS`` on every Ray node, in the form the
+    tier actor reads (``raykv.tiers.quotas.tenant_quotas``); none set: no variable."""
+    from raykv.blocks.hashing import tenant_key, tenant_label
+    from raykv.tiers.quotas import TenantQuotas, tenant_quotas
+
+    values = {"tenantQuotas": {"default": "8GiB", "none": 1024, "acme": "2GiB"},
+              "cpuWorkers": {"enabled": True}}  # fmt: skip
+    nodes = ray_node_containers(render(values=values))
+    assert len(nodes) == 3
+    want = TenantQuotas({"none": 1024, tenant_label(tenant_key("acme")): 2 << 30}, 8 << 30)
+    for container in nodes:
+        assert tenant_quotas(plain_env(container)) == want
+    for container in ray_node_containers(render(values={"cpuWorkers": {"enabled": True}})):
+        assert "RAYKV_TENANT_QUOTAS" not in plain_env(container)

@@ -40,6 +40,15 @@ class FakeTier:
     async def arena(self, model):
         raise InvalidInput(f"the CPU tier holds no model {model!r}")
 
+    async def reserve(self, model, keys, members, writers=1, holder=None, tenant=None):
+        return ("reserve", keys, tenant)
+
+    async def lease_groups(self, model, keys, holder=None, tenant=None):
+        return ("lease", keys, tenant)
+
+    async def pull(self, model, keys, tenant=None):
+        return ("pull", keys, tenant)
+
 
 class Agent:
     """An ``AgentServer`` on its own event loop thread, started and stopped at will."""
@@ -89,6 +98,19 @@ def test_requests_are_answered_in_order_and_a_closed_connection_releases_its_hol
     while not agent.tier.released and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(agent.tier.released) == 1 and agent.tier.released[0].pid == os.getpid()
+
+
+def test_stores_leases_and_pulls_carry_their_tenant_to_the_tier(agent):
+    """The tier charges a store's, a promotion's and a pull's entries to the request's
+    tenant (its quota, invariant 13); a request without one is untenanted."""
+    client = NodeAgent(agent.server.path, reprobe_s=0.1)
+    assert client.connect()
+    t = b"\x01" * 32
+    assert client.call(p.Reserve("m", (b"k",), None, t)) == ("reserve", (b"k",), t)
+    assert client.call(p.Reserve("m", (b"k",), None)) == ("reserve", (b"k",), None)
+    assert client.call(p.LeaseGroups("m", [[b"k"]], t)) == ("lease", [[b"k"]], t)
+    assert client.call(p.Pull("m", [b"k"], t)) == ("pull", [b"k"], t)
+    client.close()
 
 
 def test_while_the_agent_is_gone_calls_fail_at_once_and_it_reconnects_by_itself(agent):

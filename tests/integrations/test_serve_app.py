@@ -298,3 +298,102 @@ def test_a_replica_binds_its_connector_to_its_own_nodes_agent() -> None:
     assert json.loads(kept[-1])["kv_connector_extra_config"]["agent"] == "/run/a.sock"
     off = serve_app.app_config("some/model", connector=False)
     assert on_this_node(off.vllm_args, node) == list(off.vllm_args)
+
+
+KEY_A, KEY_B = "sk-tenant-a-0123456789", "sk-tenant-b-0123456789"
+
+
+def test_a_requests_tenant_is_its_api_keys_and_the_router_hashes_under_it() -> None:
+    """With ``tenants`` set, a request's ``cache_salt`` is its API key's tenant (the router
+    and the connector key its blocks under it); no known key: 401; another's salt: 403."""
+    from types import SimpleNamespace
+
+    from raykv.blocks.hashing import tenant_key
+    from raykv.integrations.serve.deployments import bind_tenant, key_digest
+    from raykv.integrations.serve.router import routed_prompt
+
+    tenants = {key_digest(KEY_A): "acme", key_digest(KEY_B): "globex"}
+    body = {"prompt": [1, 2, 3]}
+    assert bind_tenant(tenants, f"Bearer {KEY_A}", body) is None and body["cache_salt"] == "acme"
+    routed = RoutedRequest("completions", body, [1, 2, 3])
+    assert routed_prompt(SimpleNamespace(args=(routed,), kwargs={})) == (
+        [1, 2, 3], tenant_key("acme"),
+    )  # fmt: skip
+    own = {"prompt": "x", "cache_salt": "globex"}
+    assert bind_tenant(tenants, f"bearer  {KEY_B} ", own) is None  # its own salt: as sent
+    for header in (None, "", "Bearer", f"Basic {KEY_A}", "Bearer sk-unknown", KEY_A):
+        refused = bind_tenant(tenants, header, {"prompt": "x"})
+        assert refused is not None and refused.status == 401, header
+    refused = bind_tenant(tenants, f"Bearer {KEY_A}", {"prompt": "x", "cache_salt": "globex"})
+    assert refused.status == 403 and "another tenant" in refused.message
+    open_app = {"prompt": "x", "cache_salt": "anything"}
+    assert bind_tenant(None, None, open_app) is None and open_app["cache_salt"] == "anything"
+
+
+def test_the_ingress_refuses_requests_without_their_tenants_key_before_rendering() -> None:
+    """Through the ingress's HTTP handler (no replica, no renderer: refused first)."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from raykv.integrations.serve.deployments import OpenAIIngress, key_digest
+
+    # the class Serve's ingress wrapper wraps, its handler on a stand-in for the replica
+    # set up: nothing past the refusal is reached
+    cls = next(c for c in OpenAIIngress.__mro__ if "_answer" in vars(c))
+    ingress = types.SimpleNamespace(tenants={key_digest(KEY_A): "acme"})
+
+    def request(headers: dict[str, str], body: dict) -> Request:
+        raw = json.dumps(body).encode()
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        }
+        return Request(scope, receive)  # fmt: skip
+
+    answer = asyncio.run(cls._answer(ingress, "completions", request({}, {"prompt": "hi"})))
+    assert answer.status_code == 401 and answer.headers["www-authenticate"] == "Bearer"
+    assert json.loads(answer.body)["error"]["type"] == "AuthenticationError"
+    other = request({"Authorization": f"Bearer {KEY_A}"}, {"prompt": "hi", "cache_salt": "b"})
+    answer = asyncio.run(cls._answer(ingress, "completions", other))
+    assert answer.status_code == 403
+
+
+@pytest.mark.parametrize(
+    ("tenants", "match"),
+    [
+        ({KEY_A: "acme"}, "is not the SHA-256 of an API key"),
+        ({"A" * 64: "acme"}, "64 lowercase hex digits"),
+        ({"a" * 64: " "}, "empty tenant name"),
+    ],
+)
+def test_tenants_that_are_not_key_digests_are_config_errors(tenants, match, tmp_path) -> None:
+    with pytest.raises(ConfigError, match=match):
+        serve_app.app_config(str(tmp_path), tenants=tenants)
+    assert serve_app.app_config(str(tmp_path), tenants={"a" * 64: "acme"}).tenants == {
+        "a" * 64: "acme"
+    }
+
+
+def test_raykv_serve_reads_tenants_from_a_file_and_checks_them_first(monkeypatch, tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from raykv import cli
+    from raykv.service.control import launcher, ray_join
+
+    monkeypatch.setattr(ray_join, "prepare_auth", lambda **_: None)
+    monkeypatch.setattr(cli, "_bounded", lambda *a: types.SimpleNamespace(cancel=lambda: None))
+    monkeypatch.setattr(launcher, "up", lambda *a, **k: pytest.fail("started with bad tenants"))
+    keys = tmp_path / "tenants.json"
+    keys.write_text(json.dumps({KEY_A: "acme"}))  # a key, not its digest
+    res = CliRunner().invoke(cli.main, ["serve", str(tmp_path), "--tenants", str(keys)])
+    assert res.exit_code == 1 and "is not the SHA-256 of an API key" in res.output
+    keys.write_text("{not json")
+    res = CliRunner().invoke(cli.main, ["serve", str(tmp_path), "--tenants", str(keys)])
+    assert res.exit_code == 2 and "--tenants" in res.output

@@ -105,3 +105,47 @@ def test_engines_counts_per_tenant_are_bounded_and_summed_over_the_nodes() -> No
     from raykv.service.control.launcher import status_table
 
     assert f"  {a}         3 lookups  4 / 0 blocks  0 stored" in status_table({**s, "address": "-"})
+
+
+def test_tenants_bytes_held_and_quotas_reach_the_metrics_and_the_status_table() -> None:
+    """A tier's per-tenant bytes (every model, summed over the nodes), its stores over quota
+    (refused / own evicted) and the configured quotas, in ``raykv status`` (invariant 13)."""
+    from raykv.blocks import tenant_key
+    from raykv.blocks.hashing import tenant_label
+    from raykv.service.control.launcher import status_table
+    from raykv.service.control.metrics import ServiceMetrics
+
+    a = tenant_label(tenant_key("a"))
+    m = ServiceMetrics("tier")
+    m.tenant_bytes({"m1": {a: 1 << 20, "none": 512}, "m2": {a: 1 << 20}})
+    m.tenant_quota("m1", a, refused=3, evicted=2)
+    assert m.tenants[a] == {"bytes_held": 2 << 20, "quota_refused": 3, "quota_evicted": 2}
+    m.tenant_bytes({"m1": {"none": 512}})  # a holds nothing now: its gauge back to 0
+    assert m.tenants[a]["bytes_held"] == 0 and m._gauged == {"m1": {"none"}, "m2": set()}
+
+    layers = {"l0": FullAttention("float32", 1, 8)}
+    p = plan(layers, num_gpu_blocks=9, max_model_len=64, max_num_batched_tokens=64)
+    quotas = {"default": 1 << 30, a: 2 << 20}
+    members = [
+        Member("tier-1", "tier", "n1", None, stats={
+            "tenants": {a: {"bytes_held": 1 << 20, "quota_refused": 1}},
+            "tenant_quotas": quotas}),
+        Member("tier-2", "tier", "n2", None, stats={
+            "tenants": {a: {"bytes_held": 1 << 20}, "none": {"bytes_held": 5}},
+            "tenant_quotas": quotas}),
+    ]  # fmt: skip
+    s = status.cluster(
+        ray_nodes=[],
+        members_=members,
+        index=PrefixIndex(),
+        served={"m": ServedModel("m", layers, max_model_len=64, cpu_bytes=1 << 16)},
+        plans={"m": p},
+        tally=Counter(),
+        started=time.time(),
+        restarted=False,
+    )
+    assert s["tenants"][a] == {"bytes_held": 2 << 20, "quota_refused": 1}
+    assert s["tenant_quotas"] == quotas
+    table = status_table({**s, "address": "-"})
+    assert "0 stored  2.00 MiB / 2.00 MiB  1 / 0" in table
+    assert "none" in table and "5 B / 1.00 GiB  0 / 0" in table

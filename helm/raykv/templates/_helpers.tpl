@@ -183,6 +183,14 @@ transport settings of `transport` (only those that differ from raykv's defaults)
   value: "1"
 {{- end }}
 {{- end }}
+{{- with .Values.tenantQuotas }}
+{{- $quotas := list }}
+{{- range $name, $size := . }}
+{{- $quotas = append $quotas (printf "%s=%v" $name $size) }}
+{{- end }}
+- name: RAYKV_TENANT_QUOTAS
+  value: {{ join "," $quotas | quote }}
+{{- end }}
 {{- end -}}
 
 {{- define "raykv.podSecurityContext" -}}

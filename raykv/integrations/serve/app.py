@@ -79,6 +79,7 @@ class AppConfig:
     ingress_actor_options: dict[str, Any]
     router_costs: dict[str, Any] | None = None
     max_replicas_per_node: int | None = None
+    tenants: dict[str, str] | None = None  # API key SHA-256 (hex) -> tenant: bind_tenant
 
 
 def raykv_model_name(model: str, vllm_args: Sequence[str]) -> str:
@@ -144,6 +145,7 @@ def app_config(model: str, **settings: Any) -> AppConfig:
         )
     if replicas < 1:
         raise ConfigError(f"replicas={replicas}: run at least one replica")
+    _check_tenants(a.tenants)
     if a.router_costs is not None:
         from raykv.integrations.serve.costs import RouteCosts
 
@@ -194,8 +196,25 @@ def app_config(model: str, **settings: Any) -> AppConfig:
         replicas=replicas, tp=tp, connector=connector,
         router=_resolve_router(a.router, connector), replica_actor_options=replica_options,
         ingress_actor_options=ingress_options, router_costs=a.router_costs,
-        max_replicas_per_node=a.max_replicas_per_node,
+        max_replicas_per_node=a.max_replicas_per_node, tenants=a.tenants or None,
     )  # fmt: skip
+
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def _check_tenants(tenants: Mapping[str, str] | None) -> None:
+    """``tenants``' keys are API keys' SHA-256 digests (64 lowercase hex digits), never keys
+    themselves, and every tenant has a name: else a ConfigError naming the fix."""
+    for digest, name in (tenants or {}).items():
+        if not _DIGEST.fullmatch(digest):
+            raise ConfigError(
+                f"tenants: {digest[:12]!r}... ({len(digest)} characters) is not the SHA-256 of an "
+                "API key: map each key's digest, 64 lowercase hex digits (printf %s KEY | "
+                "sha256sum), to its tenant, never the key itself"
+            )
+        if not name.strip():
+            raise ConfigError(f"tenants: the key {digest[:12]}... maps to an empty tenant name")
 
 
 def request_router_config(config: AppConfig) -> Any:
@@ -232,7 +251,11 @@ class AppSettings(BaseModel):
     (docs/vllm.md). ``num_gpus`` per replica (default: ``tp`` on a cluster with GPUs),
     ``num_cpus`` per replica and ingress; ``max_replicas_per_node`` (Ray Serve's: e.g. 1
     spreads the replicas over the nodes, each with its node's CPU tier); ``env``: environment
-    variables of every replica and the ingress."""
+    variables of every replica and the ingress. ``tenants``: binds tenancy to the client's
+    API key (``deployments.bind_tenant``): the SHA-256 (hex) of each key -> its tenant name,
+    which becomes the request's ``cache_salt``; requests without a known key are refused
+    (401), a ``cache_salt`` of another tenant too (403); None: no keys, the client's own
+    ``cache_salt`` (docs/operations.md, "Tenant quotas and identity")."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -252,6 +275,7 @@ class AppSettings(BaseModel):
     num_cpus: float = 1.0
     max_replicas_per_node: int | None = None
     env: dict[str, str] | None = None
+    tenants: dict[str, str] | None = None
 
 
 def app_settings(settings: Mapping[str, Any]) -> AppSettings:
@@ -300,7 +324,7 @@ def vllm_app(model: str, **settings: Any) -> Any:
         ray_actor_options=config.ingress_actor_options,
         max_ongoing_requests=1024,
     )
-    return ingress.bind(replica, list(config.vllm_args))
+    return ingress.bind(replica, list(config.vllm_args), config.tenants)
 
 
 def serve_status() -> list[dict[str, Any]]:

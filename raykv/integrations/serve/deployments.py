@@ -9,6 +9,7 @@ OpenAI error bodies (vLLM's ``ErrorResponse``) with their HTTP status, never as 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import statistics
@@ -16,7 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import ray
 from fastapi import FastAPI, Request
@@ -56,6 +57,57 @@ class RoutedRequest:
     def cache_salt(self) -> str | None:
         """vLLM's ``cache_salt`` (the request's tenant): the router hashes under it too."""
         return self.body.get("cache_salt")
+
+
+class Refused(NamedTuple):
+    """Why the ingress refuses a request before rendering it: an HTTP status, an OpenAI
+    error type and the message."""
+
+    status: int
+    kind: str
+    message: str
+
+
+def key_digest(api_key: str) -> str:
+    """The SHA-256 (hex) of an API key: what ``AppSettings.tenants`` maps to a tenant, so
+    the app's settings never hold a key itself."""
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def bind_tenant(
+    tenants: Mapping[str, str] | None, authorization: str | None, body: dict[str, Any]
+) -> Refused | None:
+    """Bind a request to its client's tenant (invariant 13): with ``tenants`` configured
+    (SHA-256 hex of an API key -> tenant name), the request's ``Authorization: Bearer KEY``
+    names its tenant, and ``body["cache_salt"]`` (vLLM's, the tenant its KV is keyed and
+    counted under, by the router and the connector alike) is set to it. A request without a
+    known key is refused (401); one that sends a ``cache_salt`` other than its own tenant's
+    is refused (403), not silently overridden, so a client that means another tenant's
+    cache learns it cannot have it. Without ``tenants``: nothing changes (None)."""
+    if not tenants:
+        return None
+    scheme, _, key = (authorization or "").strip().partition(" ")
+    key = key.strip()
+    # a lookup by digest: its timing could at most tell how a guess's SHA-256 compares to
+    # a known one, which brings no key closer (no compare of the key itself)
+    tenant = tenants.get(key_digest(key)) if scheme.lower() == "bearer" and key else None
+    if tenant is None:
+        return Refused(
+            401,
+            "AuthenticationError",
+            "this app binds requests to tenants by API key: send Authorization: Bearer KEY "
+            "with a key the app's tenants setting knows",
+        )
+    salt = body.get("cache_salt")
+    if salt is not None and salt != tenant:
+        return Refused(
+            403,
+            "PermissionDeniedError",
+            "cache_salt names another tenant than your API key's; leave cache_salt out (the "
+            "app sets it from your key) or send your own",
+        )
+    body["cache_salt"] = tenant
+    return None
 
 
 def on_this_node(vllm_args: Sequence[str], node_id: str) -> list[str]:
@@ -120,10 +172,13 @@ def _render_config(args: Any) -> Any:
 class OpenAIIngress:
     """The HTTP ingress: OpenAI routes, vLLM's rendering, one replica call per request."""
 
-    async def __init__(self, replicas: Any, vllm_args: list[str]) -> None:
+    async def __init__(
+        self, replicas: Any, vllm_args: list[str], tenants: dict[str, str] | None = None
+    ) -> None:
         from vllm.entrypoints.launchers.render.app_state import init_render_app_state
 
         self.replicas = replicas
+        self.tenants = tenants  # API key digest -> tenant (``bind_tenant``); None: open
         args = vllm_namespace(vllm_args)
         self.state = State()
         await init_render_app_state(_render_config(args), self.state, args)
@@ -152,6 +207,11 @@ class OpenAIIngress:
             return JSONResponse(_error(400, "the request body is not JSON"), status_code=400)
         if not isinstance(body, dict):
             return JSONResponse(_error(400, "the request body is not a JSON object"), 400)
+        refused = bind_tenant(self.tenants, raw.headers.get("authorization"), body)
+        if refused is not None:
+            headers = {"WWW-Authenticate": "Bearer"} if refused.status == 401 else None
+            return JSONResponse(_error(refused.status, refused.message, refused.kind),
+                                refused.status, headers)  # fmt: skip
         routed = await self._render(endpoint, body)
         if isinstance(routed, JSONResponse):
             return routed

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raykv.errors import ConfigError, RaykvError, ServiceError, ServiceGone
 from raykv.service.control import calls
@@ -32,6 +32,9 @@ from raykv.service.control.ray_join import (
     state_file,
     transport_secret_path,
 )
+
+if TYPE_CHECKING:
+    from raykv.tiers.quotas import TenantQuotas
 
 STOP_TIMEOUT_S = 60.0
 
@@ -129,13 +132,16 @@ def up(
     num_cpus: int | None = None,
     tp_size: int = 1,
     disk: tuple[str, int] | None = None,
+    tenant_quotas: TenantQuotas | None = None,
 ) -> dict[str, Any]:
     """Start or join the service and serve ``preset`` (``tp_size`` GPUs per pool group, one
     TP rank each; None: no model, e.g. for engines that add their own, as ``raykv serve``'s
     do); returns where it runs. ``disk``: (folder, bytes per model) of the node's disk tier,
-    in the environment of the head started here (a running cluster's nodes keep theirs)."""
+    in the environment of the head started here (a running cluster's nodes keep theirs);
+    so are ``tenant_quotas`` (``RAYKV_TENANT_QUOTAS``, labels only: invariant 13)."""
     from raykv.layout.presets import get_preset
     from raykv.service.tier.actor import DISK_BYTES_ENV, DISK_PATH_ENV
+    from raykv.tiers.quotas import QUOTAS_ENV
 
     p = get_preset(preset) if preset is not None else None
     started = None
@@ -146,9 +152,17 @@ def up(
             f"runs already at {address}; run raykv down first, or start each node with "
             f"{DISK_PATH_ENV} and {DISK_BYTES_ENV} in the environment of its `ray start`"
         )
+    if address is not None and tenant_quotas is not None:
+        raise ConfigError(
+            f"--tenant-quota configures the Ray head raykv up starts, and Ray runs already at "
+            f"{address}; run raykv down first, or start each node with {QUOTAS_ENV}="
+            f"{tenant_quotas.to_env()} in the environment of its `ray start`"
+        )
     if address is None:
         _stop_stale_head()
         env = {DISK_PATH_ENV: disk[0], DISK_BYTES_ENV: str(disk[1])} if disk else None
+        if tenant_quotas is not None:
+            env = (env or {}) | {QUOTAS_ENV: tenant_quotas.to_env()}
         started = start_head(num_cpus, env=env)
         address = started["address"]
     try:
@@ -372,11 +386,21 @@ def status_table(s: dict[str, Any]) -> str:
         f"late finishes {s.get('late_finishes', 0)}"
     )
     tenants = s.get("tenants") or {}
-    if tenants.keys() - {"none"}:  # engines serve tenants (salted or LoRA requests)
-        lines.append("engine lookups per tenant (hit / missed blocks, stored entries)")
+    quotas = s.get("tenant_quotas") or {}
+    if tenants.keys() - {"none"} or quotas:  # engines serve tenants (salted or LoRA requests)
+        from raykv.layout.report import format_bytes
+
+        lines.append(
+            "engine lookups per tenant (hit / missed blocks, stored entries; CPU-tier bytes "
+            "held on all nodes / quota per node and model, over quota: refused / own evicted)"
+        )
         for label, c in tenants.items():
+            quota = quotas.get(label, quotas.get("default"))
+            limit = "no quota" if quota is None or label == "other" else format_bytes(quota)
             lines.append(
                 f"  {label:<10}{c.get('lookups', 0):>8} lookups  {c.get('hit_blocks', 0)} / "
-                f"{c.get('miss_blocks', 0)} blocks  {c.get('stored_entries', 0)} stored"
+                f"{c.get('miss_blocks', 0)} blocks  {c.get('stored_entries', 0)} stored  "
+                f"{format_bytes(c.get('bytes_held', 0))} / {limit}  "
+                f"{c.get('quota_refused', 0)} / {c.get('quota_evicted', 0)}"
             )
     return "\n".join(lines)

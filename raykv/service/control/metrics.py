@@ -67,8 +67,14 @@ class ServiceMetrics:
                 ("hit_blocks", "Blocks engine lookups found, per tenant"),
                 ("miss_blocks", "Blocks engine lookups did not find, per tenant"),
                 ("stored_entries", "CPU-tier entries engines stored, per tenant"),
+                ("quota_refused", "New CPU-tier entries a store left out over its tenant's quota"),
+                ("quota_evicted", "A tenant's own CPU-tier entries its store evicted over quota"),
             )
         }
+        self._tenant_bytes = metrics.Gauge(
+            "raykv_tenant_bytes_held", "CPU-tier bytes a tenant's entries hold", per_tenant
+        )
+        self._gauged: dict[str, set[str]] = {}  # model -> labels whose gauge is not 0
 
     def _tags(self, model: str, tier: str) -> dict[str, str]:
         return {"component": self.component, "model": model, "tier": tier}
@@ -176,6 +182,38 @@ class ServiceMetrics:
         if not well_formed or len(self.tenants.keys() - {"none", OTHER_TENANTS}) >= MAX_TENANTS:
             return OTHER_TENANTS
         return tenant
+
+    def tenant_quota(self, model: str, tenant: str, refused: int, evicted: int) -> None:
+        """A store of ``tenant`` (``tenant_label``) over its quota (invariant 13): new entries
+        it left out, and its own entries it evicted to stay within the quota."""
+        label = self._tenant_label(tenant)
+        counts = self.tenants.setdefault(label, Tally())
+        tags = {"component": self.component, "model": model, "tenant": label}
+        for what, n in (("quota_refused", refused), ("quota_evicted", evicted)):
+            if n:
+                counts[what] += n
+                self._tenant[what].inc(n, tags)
+
+    def tenant_bytes(self, held: dict[str, dict[str, int]]) -> None:
+        """The bytes each tenant label's entries hold now, per model (``{model: {label:
+        bytes}}``): the ``raykv_tenant_bytes_held`` gauge per model (back to 0 for a tenant
+        that holds nothing now) and ``tenants``' ``bytes_held`` over every model."""
+        total: Tally[str] = Tally()
+        for model in [*held, *(self._gauged.keys() - held.keys())]:  # a model gone: 0s
+            now: Tally[str] = Tally()
+            for tenant, n in held.get(model, {}).items():
+                label = self._tenant_label(tenant)
+                self.tenants.setdefault(label, Tally())
+                now[label] += n
+            gone = self._gauged.get(model, set()) - now.keys()
+            for label in [*now, *gone]:
+                tags = {"component": self.component, "model": model, "tenant": label}
+                self._tenant_bytes.set(now.get(label, 0), tags)
+            self._gauged[model] = set(now)
+            total.update(now)
+        for label, counts in self.tenants.items():
+            if total.get(label) or counts.get("bytes_held"):
+                counts["bytes_held"] = total.get(label, 0)
 
     def lookup_ms(self, model: str, ms: float) -> None:
         self.tally["lookups"] += 1

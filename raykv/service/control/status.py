@@ -117,6 +117,9 @@ def cluster(
         # engines' lookups, hit / missed blocks and stored CPU-tier entries per tenant
         # (``tenant_label``: "none" for requests without one, "other" past MAX_TENANTS)
         "tenants": {label: dict(c) for label, c in sorted(per_tenant.items())},
+        # each tenant label's byte quota in one model's arena on one node (invariant 13;
+        # "default": every tenant not listed), as the tiers were configured: RAYKV_TENANT_QUOTAS
+        "tenant_quotas": next((r["tenant_quotas"] for r in rows if r.get("tenant_quotas")), {}),
         # copies that failed their checksum (invariant 12: served as misses), each counted
         # once, by the member that found it (its row), and by where: "gpu" (a pool's own
         # block), "cpu" (a CPU-tier entry loaded on its node), "remote" (a copy another

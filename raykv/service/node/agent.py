@@ -74,17 +74,18 @@ class ServedTier(Protocol):
         members: tuple[tuple[bytes | None, ...], ...] | None,
         writers: int = 1,
         holder: Any = None,
+        tenant: bytes | None = None,
     ) -> Any: ...
 
     async def lease_groups(
-        self, model: str, keys: list[list[bytes]], holder: Any = None
+        self, model: str, keys: list[list[bytes]], holder: Any = None, tenant: bytes | None = None
     ) -> Any: ...
 
     async def apply(self, model: str, ops: list[tuple], wait_publish: bool = True) -> int: ...
 
     async def arena(self, model: str) -> Any: ...
 
-    async def pull(self, model: str, keys: list[bytes]) -> int: ...
+    async def pull(self, model: str, keys: list[bytes], tenant: bytes | None = None) -> int: ...
 
     async def release_holder(self, holder: Any) -> int: ...
 
@@ -205,16 +206,16 @@ class AgentServer:
         match request:
             case p.Hello():
                 return p.Welcome(tier.node_id, self.namespace, tuple(tier.tiers))
-            case p.Reserve(model, keys, members):
-                return await tier.reserve(model, keys, members, 1, holder)
-            case p.LeaseGroups(model, keys):
-                return await tier.lease_groups(model, keys, holder)
+            case p.Reserve(model, keys, members, tenant):
+                return await tier.reserve(model, keys, members, 1, holder, tenant)
+            case p.LeaseGroups(model, keys, tenant):
+                return await tier.lease_groups(model, keys, holder, tenant)
             case p.Apply(model, ops):
                 return await tier.apply(model, ops, False)
             case p.Arena(model):
                 return await tier.arena(model)
-            case p.Pull(model, keys):
-                return await tier.pull(model, keys)
+            case p.Pull(model, keys, tenant):
+                return await tier.pull(model, keys, tenant)
             case p.ReleaseAll():
                 return await tier.release_holder(holder)
             case p.Replica(model):

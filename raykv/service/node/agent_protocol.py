@@ -114,20 +114,24 @@ class Arena:
 @dataclass(frozen=True)
 class Reserve:
     """``CpuTierActor.reserve`` for the connection's process (``members`` None: each entry
-    is one block, its own key; no tuple per key on the wire)."""
+    is one block, its own key; no tuple per key on the wire). ``tenant``: the entries'
+    (``tenant_key``; their quota, invariant 13)."""
 
     model: str
     keys: tuple[bytes, ...]
     members: tuple[tuple[bytes | None, ...], ...] | None
+    tenant: bytes | None = None
 
 
 @dataclass(frozen=True)
 class LeaseGroups:
     """``CpuTierActor.lease_groups`` for the connection's process: per group, a
-    ``LoadLease`` or None and, per block, (entry index in it, sub-slot) as an int64 array."""
+    ``LoadLease`` or None and, per block, (entry index in it, sub-slot) as an int64 array.
+    ``tenant``: whose entries promoted from the disk tier become."""
 
     model: str
     keys: list[list[bytes]]
+    tenant: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -140,10 +144,12 @@ class Apply:
 
 @dataclass(frozen=True)
 class Pull:
-    """``CpuTierActor.pull``: copy the leading ``keys`` other members hold into this node."""
+    """``CpuTierActor.pull``: copy the leading ``keys`` other members hold into this node
+    (``tenant``'s entries there)."""
 
     model: str
     keys: list[bytes]
+    tenant: bytes | None = None
 
 
 @dataclass(frozen=True)

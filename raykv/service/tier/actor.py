@@ -39,6 +39,12 @@ tier's. Keys the disk tier loses (its slab evicted, corrupt, torn) leave the ind
 next apply. A tier placed again (restarted) rebuilds its disk index from the slab headers and
 publishes those entries as it registers. A full disk tier admits an entry only if the CPU
 tier's stores and leases used it more than the slab it would evict (``DiskTier.record``).
+
+With ``RAYKV_TENANT_QUOTAS`` (``raykv up --tenant-quota``, ``raykv.tiers.quotas``) each
+model's arena bounds the bytes each tenant's entries hold: an engine's reserve, pull and
+promotion carry the request's tenant, and a store over its quota evicts only that tenant's
+entries (invariant 13); bytes held per tenant are in ``stats`` and the
+``raykv_tenant_bytes_held`` gauge (set every sweep).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from typing import Any
 
 import numpy as np
 
+from raykv.blocks.hashing import tenant_label
 from raykv.errors import ConfigError, InvalidInput, RaykvError
 from raykv.service.control.index import CPU
 from raykv.service.control.metrics import ServiceMetrics
@@ -68,6 +75,7 @@ from raykv.service.served import NAMESPACE, tier_name
 from raykv.service.transports import reader_transports
 from raykv.tiers import holds, shm
 from raykv.tiers.cpu_tier import READABLE, KeyRows, KeySums
+from raykv.tiers.quotas import TenantQuotas, tenant_quotas
 from raykv.transport import Lent, export_rows
 
 Members = tuple[bytes | None, ...]
@@ -138,7 +146,12 @@ class _ModelTier:
     """One model's arena plus the block-key -> (entry key, sub-slot) map."""
 
     def __init__(
-        self, plan: Any, timeout_s: float, model: str = "", disk: DiskSettings | None = None
+        self,
+        plan: Any,
+        timeout_s: float,
+        model: str = "",
+        disk: DiskSettings | None = None,
+        quotas: TenantQuotas | None = None,
     ) -> None:
         from raykv.tiers.cpu_tier import CpuTier
         from raykv.tiers.disk_tier import DiskTier, model_identity
@@ -152,7 +165,8 @@ class _ModelTier:
             where = os.path.join(disk.path, _model_dir(model))
             self.disk = DiskTier(where, plan, model_identity(model, plan), disk.nbytes)
         self.tier = CpuTier(plan, "lru", shared=True, lease_timeout_s=timeout_s,
-                            demote=self._demote if self.disk is not None else None)  # fmt: skip
+                            demote=self._demote if self.disk is not None else None,
+                            quotas=quotas)  # fmt: skip
         spec = ReplicaSpec("", replica_slots())
         buf, shared = shm.create((spec.nbytes,), "replica")
         # the node's engines answer lookups from it (``raykv.service.node.replica``)
@@ -339,10 +353,11 @@ class CpuTierActor:
         self.name, self.node_id = tier_name(node_id), node_id
         self.timeout_s = lease_timeout_s()
         self.disk = disk_settings()
+        self.quotas = tenant_quotas()  # RAYKV_TENANT_QUOTAS (raykv up --tenant-quota)
         # the served models' arenas from the start: a tier placed again after it died must
         # take its node's offloads before it registers (its pools added them to the old one),
         # and registers with what its disk tier holds
-        self.tiers = {m: _ModelTier(p, self.timeout_s, m, self.disk)
+        self.tiers = {m: _ModelTier(p, self.timeout_s, m, self.disk, self.quotas)
                       for m, p in (plans or {}).items()}  # fmt: skip
         self.metrics = ServiceMetrics("tier")
         # its UCX server sends from the arena where it can (``export_blocks``: lends rows)
@@ -421,7 +436,8 @@ class CpuTierActor:
     async def add_model(self, model: str, plan: Any) -> int:
         """Make room for ``model`` (idempotent); returns its CPU-tier block count."""
         if model not in self.tiers:
-            mt = self.tiers[model] = _ModelTier(plan, self.timeout_s, model, self.disk)
+            mt = self.tiers[model] = _ModelTier(plan, self.timeout_s, model, self.disk,
+                                                self.quotas)  # fmt: skip
             if mt.where:  # its disk tier's entries (a model added after the tier started)
                 await self.publish(model, list(zip(mt.where, repeat(-1))), [])
         return self.tiers[model].tier.num_blocks
@@ -461,6 +477,7 @@ class CpuTierActor:
                                 self.name, h, got, model)  # fmt: skip
                     n += got
             self._reclaimed(model, mt)
+        self.metrics.tenant_bytes({m: mt.tier.tenant_bytes() for m, mt in self.tiers.items()})
         return n
 
     async def release_holder(self, holder: Any) -> int:
@@ -506,6 +523,7 @@ class CpuTierActor:
         members: tuple[Members, ...] | None,
         writers: int = 1,
         holder: Any = None,
+        tenant: bytes | None = None,
     ) -> Any:
         """Reserve entries for ``keys`` (all or nothing; LRU evicts to make room; keys held
         already are skipped): (the arena's ``SharedSpec``, a ``StoreReservation`` for
@@ -514,7 +532,9 @@ class CpuTierActor:
         after the tier was placed again) the arena. ``members``: each entry's block keys;
         None: each entry is one block, its own key (``(key,)`` each: an engine's store of a
         plan without a block-size factor sends no tuple per key). The reservation's
-        ``evicted`` are forgotten and unpublished here, so it comes back without them."""
+        ``evicted`` are forgotten and unpublished here, so it comes back without them.
+        ``tenant``: the entries' (``tenant_key``): over its quota, its own entries go first
+        and the last keys may be left out of the reservation (invariant 13)."""
         mt = self._tier(model)
         factor = mt.tier.factor
         if members is None:
@@ -526,8 +546,13 @@ class CpuTierActor:
         spec = mt.tier.arena_spec
         if mt.disk is not None:
             mt.disk.record(keys)
-        res = mt.tier.prepare_store(keys, writers=writers, holder=holder)
+        s = mt.tier.stats
+        before = (s.quota_refused, s.quota_evicted)
+        res = mt.tier.prepare_store(keys, writers=writers, holder=holder, tenant=tenant)
         self._reclaimed(model, mt)  # overdue holds it reclaimed first, if any
+        if (s.quota_refused, s.quota_evicted) != before:  # over the tenant's quota
+            self.metrics.tenant_quota(model, tenant_label(tenant), s.quota_refused - before[0],
+                                      s.quota_evicted - before[1])  # fmt: skip
         if res is None:
             return spec, None
         removed = mt.evicted(res.evicted) + mt.lost_below()
@@ -549,14 +574,14 @@ class CpuTierActor:
         return spec, res
 
     async def lease(
-        self, model: str, keys: list[bytes], holder: Any = None
+        self, model: str, keys: list[bytes], holder: Any = None, tenant: bytes | None = None
     ) -> tuple[Any, Any, list[tuple[int, int]]]:
         """Read references on the entries holding the leading block ``keys`` (one group),
         ``holder``'s until released or their deadline: (the arena's ``SharedSpec``,
         ``LoadLease`` or None, per block (entry index in the lease, sub-slot))."""
         mt = self.tiers.get(model)
         if mt is not None and mt.disk is not None:
-            await self._promote(model, mt, [keys])
+            await self._promote(model, mt, [keys], tenant)
         lease, chosen = self._lease(model, mt, keys, holder)
         spec = mt.tier.arena_spec if mt is not None else None
         return spec, lease, list(map(tuple, chosen.tolist()))
@@ -598,12 +623,15 @@ class CpuTierActor:
             out[:, 1] = np.fromiter(map(_SECOND, chosen), np.int64, n)
         return lease, out
 
-    async def _promote(self, model: str, mt: _ModelTier, groups: list[list[bytes]]) -> None:
+    async def _promote(
+        self, model: str, mt: _ModelTier, groups: list[list[bytes]], tenant: bytes | None = None
+    ) -> None:
         """Bring the entries a lease of ``groups`` (each one group's leading block keys)
         needs that only the disk tier holds into the arena: read and verified in a worker
         thread (the actor answers other calls meanwhile; one promotion of a model at a time,
         they share its read buffer), then stored as a normal store. What is lost or
-        unreadable stays out: the lease stops before it."""
+        unreadable stays out: the lease stops before it. ``tenant``: whose entries they
+        become (its quota, invariant 13)."""
         async with mt.promoting:
             for keys in groups:
                 entries = _entries_of(mt, keys)[2]
@@ -620,7 +648,8 @@ class CpuTierActor:
                     continue
                 states = mt.tier.states(entries)  # stores and evictions ran meanwhile
                 here = [e for e, st in zip(entries, states, strict=True) if st is not None]
-                res = mt.tier.store_rows(got.keys, got.rows, got.valid, got.sums, beside=here)
+                res = mt.tier.store_rows(got.keys, got.rows, got.valid, got.sums, beside=here,
+                                         tenant=tenant)  # fmt: skip
                 if res is not None:
                     self.metrics.hit(model, DISK, len(res.keys))
                     self.metrics.evicted(model, CPU, len(res.evicted))
@@ -631,6 +660,7 @@ class CpuTierActor:
         model: str,
         keys: list[list[bytes]],
         holder: Any = None,
+        tenant: bytes | None = None,
     ) -> tuple[Any, list[tuple[Any, np.ndarray]]]:
         """``lease`` for every group at once (one round trip for a hybrid model's load):
         (the arena's ``SharedSpec``, per group (``LoadLease`` or None, int64 [blocks, 2]: per
@@ -639,7 +669,7 @@ class CpuTierActor:
         mt = self.tiers.get(model)
         spec = mt.tier.arena_spec if mt is not None else None
         if mt is not None and mt.disk is not None:
-            await self._promote(model, mt, keys)
+            await self._promote(model, mt, keys, tenant)
         return spec, [self._lease(model, mt, gk, holder) for gk in keys]
 
     async def apply(
@@ -747,7 +777,7 @@ class CpuTierActor:
                 tier.finish_load(lease)
         return len(chosen), export_rows(rows), sums
 
-    async def pull(self, model: str, keys: list[bytes]) -> int:
+    async def pull(self, model: str, keys: list[bytes], tenant: bytes | None = None) -> int:
         """Copy the leading block ``keys`` (one group, prefix order, from a chunk boundary)
         that other members hold into this node's arena (CPU tier -> CPU tier over UCX where
         both run it, else the object store): verified, stored with their checksums,
@@ -755,7 +785,7 @@ class CpuTierActor:
         are misses (``raykv.service.tier.pull``)."""
         from raykv.service.tier.pull import pull
 
-        return await pull(self, model, keys)
+        return await pull(self, model, keys, tenant)
 
     # --- membership (``Membership``: what it asks of the tier, ``Contents``) ---------------
 
@@ -801,6 +831,10 @@ class CpuTierActor:
                     "reservations_expired": mt.tier.stats.expired_reservations,
                     "leases_released": mt.tier.stats.released_holds,
                     "late_finishes": mt.tier.stats.late_finishes,
+                    # bytes per tenant label, entries over quota left out / own evicted
+                    "tenant_bytes": mt.tier.tenant_bytes(),
+                    "quota_refused": mt.tier.stats.quota_refused,
+                    "quota_evicted": mt.tier.stats.quota_evicted,
                     **({"disk": mt.disk_stats()} if mt.disk is not None else {}),
                 }
                 for m, mt in self.tiers.items()
@@ -809,6 +843,9 @@ class CpuTierActor:
             "agent_clients": self.agent.clients,
             # their lookups, hit / missed blocks and stored entries per tenant (labels:
             # "none", a short hash of a tenant's key, or "other" past MAX_TENANTS)
+            # and bytes_held (this node's tiers, every model), quota_refused / quota_evicted
             "tenants": {t: dict(c) for t, c in self.metrics.tenants.items()},
+            # the quota of each tenant label (and "default") in each model's arena here
+            "tenant_quotas": self.quotas.as_dict() if self.quotas is not None else {},
             "replica_dropped": sum(mt.replica.dropped for mt in self.tiers.values()),
         } | dict(self.metrics.tally)

@@ -60,9 +60,10 @@ def held_prefix(mt: Any, keys: list[bytes]) -> int:
     return len(mt.choose(keys)) if keys else 0
 
 
-async def pull(tier: Any, model: str, keys: list[bytes]) -> int:
-    """Copy the leading ``keys`` held elsewhere into ``tier``'s arena; returns how many
-    leading keys it holds afterwards (0..len(keys))."""
+async def pull(tier: Any, model: str, keys: list[bytes], tenant: bytes | None = None) -> int:
+    """Copy the leading ``keys`` held elsewhere into ``tier``'s arena (``tenant``'s entries
+    there: its quota bounds them); returns how many leading keys it holds afterwards
+    (0..len(keys))."""
     mt = tier._tier(model)
     keys = [bytes(k) for k in keys]
     if not keys:
@@ -91,7 +92,7 @@ async def pull(tier: Any, model: str, keys: list[bytes]) -> int:
         # answer says nobody holds is released again (a pull is asked for keys a lookup found)
         locating = asyncio.ensure_future(_locate(tier, model, want))
         await asyncio.sleep(0)  # the locate call is sent before the reservation's work
-        res = await _reserve(tier, mt, model, want)
+        res = await _reserve(tier, mt, model, want, tenant)
         writer = None if res is None else pending.reserved(res)
         if guessing is not None and (writer is None or not writer.todo):
             await _stop(guessing)  # no room, or nothing to write: nothing lands in the arena
@@ -178,13 +179,15 @@ async def _locate(tier: Any, model: str, want: list[bytes]) -> list[list[Any]]:
     return out
 
 
-async def _reserve(tier: Any, mt: Any, model: str, want: list[bytes]) -> Any:
+async def _reserve(
+    tier: Any, mt: Any, model: str, want: list[bytes], tenant: bytes | None = None
+) -> Any:
     """The reservation of ``want``'s entries (whole chunks) in this tier's arena; None when
     there is no room (everything is being read): misses, nothing changed."""
     f = mt.tier.factor
     entries = [tuple(want[e : e + f]) for e in range(0, len(want), f)]
     _, res = await tier.reserve(model, tuple(e[-1] for e in entries), tuple(entries),
-                                mt.tier.copies)  # fmt: skip
+                                mt.tier.copies, None, tenant)  # fmt: skip
     return res
 
 

@@ -1,0 +1,56 @@
+"""The node's tier actor applies ``RAYKV_TENANT_QUOTAS`` to the stores of each tenant
+(invariant 13) and reports each tenant's bytes and quota. In-process, no Ray cluster."""
+
+from __future__ import annotations
+
+import asyncio
+
+import ray
+
+from raykv.blocks.hashing import tenant_key, tenant_label
+from raykv.layout import FullAttention
+from raykv.service.member import Membership
+from raykv.service.served import ServedModel
+from raykv.service.tier.actor import CpuTierActor
+from raykv.tiers.quotas import QUOTAS_ENV
+
+BS, ROW = 16, 2 * 16 * 1 * 16 * 4
+LAYERS = {"l0": FullAttention(dtype="float32", num_kv_heads=1, head_dim=16)}
+
+
+def test_the_tier_actor_charges_stores_to_their_tenant_and_reports_quotas(monkeypatch) -> None:
+    async def published(*args):
+        return True
+
+    monkeypatch.setattr(Membership, "call", lambda self, *a: published())
+    monkeypatch.setattr(ray, "get_actor", lambda *a, **k: None)
+    monkeypatch.setenv(QUOTAS_ENV, f"tenant-a={2 * ROW},default={8 * ROW}")
+    model = ServedModel("m", LAYERS, max_model_len=14 * BS, pool_bytes=16 * ROW,
+                        cpu_bytes=16 * ROW)  # fmt: skip
+    t = CpuTierActor("this-node", {model.name: model.plan(16 * ROW)})
+    a, b = tenant_key("tenant-a"), tenant_key("tenant-b")
+    loop = asyncio.new_event_loop()
+    run = loop.run_until_complete
+    try:
+        keys = [bytes(4) + i.to_bytes(32, "little") for i in range(1, 13)]
+        _, res = run(t.reserve(model.name, tuple(keys[:3]), None, 1, "me", a))
+        assert res.keys == tuple(keys[:2])  # a's quota: two entries; the third left out
+        run(t.apply(model.name, [("finish_store", res, True, None, None, 0)], False))
+        _, res = run(t.reserve(model.name, tuple(keys[3:5]), None, 1, "me", b))
+        run(t.apply(model.name, [("finish_store", res, True, None, None, 0)], False))
+        _, res = run(t.reserve(model.name, (keys[5],), None, 1, "me", a))
+        assert res.keys == (keys[5],)  # a's oldest entry made room, not b's
+        run(t.apply(model.name, [("finish_store", res, True, None, None, 0)], False))
+        mt = t.tiers[model.name]
+        assert keys[0] not in mt.where and keys[3] in mt.where and keys[4] in mt.where
+        t.sweep()
+        s = t.stats()
+        la, lb = tenant_label(a), tenant_label(b)
+        assert s["tenant_quotas"] == {"default": 8 * ROW, la: 2 * ROW}
+        assert s["per_model"]["m"]["tenant_bytes"] == {la: 2 * ROW, lb: 2 * ROW}
+        assert s["tenants"][la] == {"bytes_held": 2 * ROW, "quota_refused": 1,
+                                    "quota_evicted": 1}  # fmt: skip
+        assert s["tenants"][lb] == {"bytes_held": 2 * ROW}
+        run(asyncio.sleep(0))
+    finally:
+        loop.close()
