@@ -70,24 +70,16 @@ def test_up_passes_the_disk_tier_with_or_without_a_preset(launched, tmp_path) ->
     assert bad.exit_code == 1 and "cannot read size" in bad.output
 
 
-def test_up_passes_tenant_quotas_by_label_and_refuses_bad_ones(monkeypatch) -> None:
+def test_up_passes_tenant_quotas_by_label_and_refuses_bad_ones(launched, monkeypatch) -> None:
     """--tenant-quota NAME=SIZE (repeatable) reaches the launcher as ``TenantQuotas``, a salt
     as its label (never the salt itself); a bad one is a usage error naming the fix; quotas
     for a cluster that runs already are refused (they configure the head raykv up starts)."""
     from raykv.blocks.hashing import tenant_key, tenant_label
     from raykv.errors import ConfigError
-    from raykv.service.control import launcher, ray_join
+    from raykv.service.control import launcher
     from raykv.tiers.quotas import TenantQuotas
 
-    seen: dict = {}
-
-    def fake_up(address, **kw):
-        seen.update(kw)
-        return {"address": "127.0.0.1:1", "started_head": True, "token": None}
-
-    monkeypatch.setattr(launcher, "up", fake_up)
-    monkeypatch.setattr(ray_join, "prepare_auth", lambda **_: None)
-    monkeypatch.setattr(cli, "_bounded", lambda *a: None, raising=False)
+    seen = launched
     args = ["up", "--tenant-quota", "default=8GiB", "--tenant-quota", "acme=1GiB"]
     res = CliRunner().invoke(cli.main, args)
     assert res.exit_code == 0, res.output
@@ -97,7 +89,7 @@ def test_up_passes_tenant_quotas_by_label_and_refuses_bad_ones(monkeypatch) -> N
     assert f"default 8.00 GiB, {label} 1.00 GiB" in res.output
     bad = CliRunner().invoke(cli.main, ["up", "--tenant-quota", "acme:1GiB"])
     assert bad.exit_code == 2 and "NAME=SIZE" in bad.output
-    monkeypatch.undo()
+    monkeypatch.undo()  # the launcher itself
     with pytest.raises(ConfigError, match="RAYKV_TENANT_QUOTAS=default=1024"):
         launcher.up("127.0.0.1:1", preset=None, cpu_bytes=1, gpu_mem_fraction=0.9,
                     block_size=16, max_model_len=None, pool_bytes=0,
