@@ -178,7 +178,9 @@ PRESET_DEFAULTS = dict(cpu_mem="1GiB", gpu_mem_fraction=0.9, pool_mem="0", block
     "--disk-bytes; on the head raykv up starts)",
 )
 @click.option(
-    "--disk-bytes", help="the disk tier's bytes per model, e.g. 100GiB (with --disk-path)"
+    "--disk-bytes",
+    help="the node's disk tier bytes, all its models together (split equally), e.g. 100GiB "
+    "(with --disk-path)",
 )
 @_timeout
 def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, **sizes) -> None:
@@ -193,7 +195,7 @@ def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, **sizes) -> 
     if (disk_path is None) != (disk_bytes is None):
         raise click.UsageError(
             "--disk-path and --disk-bytes go together: a folder for the slab files and the "
-            "bytes each model's disk tier may use (e.g. --disk-path /mnt/nvme/raykv "
+            "bytes the node's disk tier may use (e.g. --disk-path /mnt/nvme/raykv "
             "--disk-bytes 100GiB)"
         )
     disk = None
@@ -250,7 +252,7 @@ def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, **sizes) -> 
         )
         click.echo(f"  {info['nodes']} node(s), {info['members']} pools and tiers")
     if disk is not None:
-        click.echo(f"  disk tier in {disk[0]}, {disk_bytes} per model")
+        click.echo(f"  disk tier in {disk[0]}, {disk_bytes} for all its models")
     click.echo(f"  connect with raykv.connect('{info['address']}')")
     if info.get("token"):
         click.echo(f"  Ray token auth is on; the token is in {info['token']}")

@@ -132,8 +132,9 @@ def up(
 ) -> dict[str, Any]:
     """Start or join the service and serve ``preset`` (``tp_size`` GPUs per pool group, one
     TP rank each; None: no model, e.g. for engines that add their own, as ``raykv serve``'s
-    do); returns where it runs. ``disk``: (folder, bytes per model) of the node's disk tier,
-    in the environment of the head started here (a running cluster's nodes keep theirs)."""
+    do); returns where it runs. ``disk``: (folder, bytes for all its models) of the node's
+    disk tier, in the environment of the head started here (a running cluster's nodes keep
+    theirs)."""
     from raykv.layout.presets import get_preset
     from raykv.service.tier.actor import DISK_BYTES_ENV, DISK_PATH_ENV
 
