@@ -153,7 +153,8 @@ class _Batch:
 
 class DiskTier:
     """One model's disk tier in ``path`` (see the module docstring). ``disk_bytes`` bounds
-    its slab files; ``slab_bytes`` is each slab's size (at least one entry)."""
+    its slab files; ``slab_bytes`` is each slab's size (at least one entry); ``direct=False``
+    writes and reads through the page cache (and ``fdatasync``) even where O_DIRECT works."""
 
     def __init__(
         self,
@@ -163,6 +164,7 @@ class DiskTier:
         disk_bytes: int,
         *,
         slab_bytes: int = DEFAULT_SLAB_BYTES,
+        direct: bool = True,
     ) -> None:
         self.path = Path(path)
         self.identity = identity
@@ -190,7 +192,9 @@ class DiskTier:
         # TinyLFU over the CPU tier's accesses (``record``): a full tier takes an entry only
         # if it was used more often than what it would push out (raykv bench eviction)
         self.admission = make_admission(self.max_slabs * self.slots)
-        self.direct = True  # O_DIRECT; False: the filesystem refused it (tmpfs)
+        # O_DIRECT; False: the filesystem refused it (tmpfs), or buffered I/O was asked for
+        # (``direct=False``: ``raykv bench tiers`` measures it beside O_DIRECT)
+        self.direct = direct
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._slabs: dict[int, _Slab] = {}
