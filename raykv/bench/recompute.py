@@ -162,15 +162,17 @@ def run(
     or "torch" for the forward pass without vLLM."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from raykv.blocks.hashing import build_native
-    from raykv.integrations.vllm.tiny import build_tiny_llama
+    from raykv.integrations.vllm.tiny import TinyLlama, build_tiny_llama
 
     build_native()  # the tier verifies with the native row sums, as the service does
     root = Path(tempfile.mkdtemp(prefix="raykv-bench-recompute-", dir=path))
     points: list[Point] = []
     why = ""
     try:
-        model = str(build_tiny_llama(root / "model"))
         max_len = max(lengths) + BLOCK
+        # the default tiny shape, its positions long enough for the longest prompt
+        shape = TinyLlama(max_position_embeddings=max(max_len, TinyLlama().max_position_embeddings))
+        model = str(build_tiny_llama(root / "model", shape))
         compute: _Vllm | _Torch
         if engine == "vllm":
             try:
