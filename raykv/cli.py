@@ -178,7 +178,9 @@ PRESET_DEFAULTS = dict(cpu_mem="1GiB", gpu_mem_fraction=0.9, pool_mem="0", block
     "--disk-bytes; on the head raykv up starts)",
 )
 @click.option(
-    "--disk-bytes", help="the disk tier's bytes per model, e.g. 100GiB (with --disk-path)"
+    "--disk-bytes",
+    help="the node's disk tier bytes, all its models together (split equally), e.g. 100GiB "
+    "(with --disk-path)",
 )
 @click.option(
     "--tenant-quota",
@@ -202,7 +204,7 @@ def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, tenant_quota
     if (disk_path is None) != (disk_bytes is None):
         raise click.UsageError(
             "--disk-path and --disk-bytes go together: a folder for the slab files and the "
-            "bytes each model's disk tier may use (e.g. --disk-path /mnt/nvme/raykv "
+            "bytes the node's disk tier may use (e.g. --disk-path /mnt/nvme/raykv "
             "--disk-bytes 100GiB)"
         )
     disk = None
@@ -269,7 +271,7 @@ def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, tenant_quota
         )
         click.echo(f"  {info['nodes']} node(s), {info['members']} pools and tiers")
     if disk is not None:
-        click.echo(f"  disk tier in {disk[0]}, {disk_bytes} per model")
+        click.echo(f"  disk tier in {disk[0]}, {disk_bytes} for all its models")
     if quotas is not None:
         from raykv.layout.report import format_bytes
 
@@ -501,9 +503,22 @@ def bench() -> None:
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
               help="rounds of each (medians)")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-def bench_tiers(path, nbytes, rounds, as_json) -> None:
+@click.option("--vs-recompute", is_flag=True,
+              help="instead: a prompt's KV loaded from the disk tier vs recomputing its prefill "
+              "with the tiny vLLM engine, per prompt length")  # fmt: skip
+@click.option("--lengths", default="2048,4096,8192,16384,32768", show_default=True,
+              help="with --vs-recompute: prompt lengths in tokens")  # fmt: skip
+@click.option(
+    "--engine",
+    type=click.Choice(["vllm", "torch"]),
+    default="vllm",
+    show_default=True,
+    help="with --vs-recompute: what recomputes (torch: the model's forward pass)",
+)
+def bench_tiers(path, nbytes, rounds, as_json, vs_recompute, lengths, engine) -> None:
     """The disk tier's write of demoted entries and read of hits vs a plain sequential
-    O_DIRECT write and read of the same bytes in the same folder."""
+    O_DIRECT write and read of the same bytes in the same folder, and the tier forced to
+    buffered I/O beside it; --vs-recompute: a prompt served from disk vs recomputed."""
     import json
 
     from raykv.bench import tiers
@@ -511,6 +526,22 @@ def bench_tiers(path, nbytes, rounds, as_json) -> None:
     from raykv.layout.report import parse_size
 
     try:
+        if vs_recompute:
+            from raykv.bench import recompute
+
+            sizes = tuple(int(n) for n in lengths.split(",") if n.strip())
+            bad = [n for n in sizes if n <= 0 or n % recompute.BLOCK]
+            if bad:
+                raise click.BadParameter(
+                    f"{bad}: give token counts that are positive multiples of the engine's "
+                    f"block, {recompute.BLOCK}",
+                    param_hint="--lengths",
+                )
+            report = recompute.run(sizes, rounds, path, engine,
+                                   echo=(lambda _: None) if as_json else click.echo)  # fmt: skip
+            click.echo(json.dumps(report, indent=2) if as_json else
+                       recompute.format_report(report))  # fmt: skip
+            return
         report = tiers.run(path, parse_size(nbytes), rounds)
     except RaykvError as e:
         raise click.ClickException(str(e)) from e

@@ -1,6 +1,7 @@
 """``raykv bench tiers``: the disk tier's write of demoted entries and read of hits, next to a
 plain sequential O_DIRECT write and read of the same bytes in the same folder (a ``dd
-oflag=direct`` loop), in one run.
+oflag=direct`` loop), and the disk tier forced to buffered I/O (+ ``fdatasync``) beside its
+O_DIRECT default, in one run.
 
 The entries are a preset's CPU-tier entries (llama-3-8b: 2 MiB each) with their checksums;
 each round writes and reads them once each way, in a fresh tier and a fresh file.
@@ -89,18 +90,35 @@ def entries(plan: Plan, nbytes: int) -> tuple[torch.Tensor, KeyRows, KeySums]:
     return arena, valid, KeySums(sums, np.ones((1, n), np.int64))
 
 
+def drop_cache(path: Path) -> None:
+    """Evict the files under ``path`` from the page cache (``POSIX_FADV_DONTNEED``, no root
+    needed for clean pages): a buffered read after it reads the disk, as a read of an entry
+    demoted long ago does once the page cache has moved on."""
+    for file in path.rglob("*.kv"):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)  # dirty pages cannot be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def disk_tier(
     path: Path, plan: Plan, arena: torch.Tensor, valid: KeyRows, sums: KeySums,
-    batch_bytes: int = BATCH_BYTES,
+    batch_bytes: int = BATCH_BYTES, direct: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """Demote the ``arena``'s entries into a fresh disk tier in ``path``, then load them all
-    back (verified): seconds each, whether it wrote O_DIRECT."""
+    back (verified): seconds each, whether it wrote O_DIRECT. ``direct=False``: the tier
+    forced to buffered I/O (+ ``fdatasync``); its read is timed twice, once with its files
+    dropped from the page cache first (``read_s``: from the disk) and once again right after
+    (``warm_read_s``: from the page cache, the copy O_DIRECT does not keep)."""
     from raykv.tiers.disk_tier import DiskTier, model_identity
 
     entry, n = plan.gpu_bytes_per_block, arena.shape[1]
     per = max(1, batch_bytes // entry)
     keys = [b"\0\0\0\0" + i.to_bytes(32, "little") for i in range(n)]
-    tier = DiskTier(path / "tier", plan, model_identity("bench", plan), 2 * n * entry + (1 << 30))
+    tier = DiskTier(path / "tier", plan, model_identity("bench", plan), 2 * n * entry + (1 << 30),
+                    direct=direct)  # fmt: skip
     try:
         t0 = time.perf_counter()
         for i in range(0, n, per):
@@ -112,14 +130,22 @@ def disk_tier(
         tier.flush()
         write_s = time.perf_counter() - t0
         out = tier.buffer(per)  # reused, as the node's tier reuses its own
-        t0 = time.perf_counter()
-        got = 0
-        for i in range(0, n, per):
-            got += len(tier.load(keys[i : i + per], out).keys)
-        read_s = time.perf_counter() - t0
-        if got != n:
-            raise TierError(f"the disk tier served {got} of {n} entries; see its log")
-        return {"write_s": write_s, "read_s": read_s, "direct": tier.direct}
+
+        def read() -> float:
+            t0 = time.perf_counter()
+            got = 0
+            for i in range(0, n, per):
+                got += len(tier.load(keys[i : i + per], out).keys)
+            if got != n:
+                raise TierError(f"the disk tier served {got} of {n} entries; see its log")
+            return time.perf_counter() - t0
+
+        if not tier.direct:
+            drop_cache(path / "tier")
+        got = {"write_s": write_s, "read_s": read(), "direct": tier.direct}
+        if not direct:
+            got["warm_read_s"] = read()
+        return got
     finally:
         tier.close()
         shutil.rmtree(path / "tier", ignore_errors=True)
@@ -139,14 +165,22 @@ def run(path: str | None = None, nbytes: int = DEFAULT_BYTES, rounds: int = 3) -
     runs: list[dict[str, float]] = []
     try:
         for r in range(rounds):
-            steps = [lambda: plain(root, nbytes), lambda: disk_tier(root, plan, arena, valid, sums)]
-            got = [step() for step in (steps if r % 2 == 0 else steps[::-1])]
-            raw, tier = got if r % 2 == 0 else got[::-1]
+            steps = [
+                lambda: plain(root, nbytes),
+                lambda: disk_tier(root, plan, arena, valid, sums),
+                lambda: disk_tier(root, plan, arena, valid, sums, direct=False),
+            ]
+            order = list(range(len(steps))) if r % 2 == 0 else list(range(len(steps)))[::-1]
+            got = {i: steps[i]() for i in order}
+            raw, tier, buffered = got[0], got[1], got[2]
             runs.append({
                 "tier_write": nbytes / tier["write_s"] / 1e9,
                 "tier_read": nbytes / tier["read_s"] / 1e9,
                 "plain_write": nbytes / raw["write_s"] / 1e9,
                 "plain_read": nbytes / raw["read_s"] / 1e9,
+                "buffered_write": nbytes / buffered["write_s"] / 1e9,
+                "buffered_read": nbytes / buffered["read_s"] / 1e9,
+                "buffered_warm_read": nbytes / buffered["warm_read_s"] / 1e9,
             })  # fmt: skip
         direct = {"tier": tier["direct"], "plain": raw["direct"]}
     finally:
@@ -162,6 +196,11 @@ def run(path: str | None = None, nbytes: int = DEFAULT_BYTES, rounds: int = 3) -
         "gbps": gbs,
         "write_ratio": statistics.median(r["tier_write"] / r["plain_write"] for r in runs),
         "read_ratio": statistics.median(r["tier_read"] / r["plain_read"] for r in runs),
+        # the tier forced to buffered I/O against the tier with O_DIRECT, same bytes
+        "buffered_write_ratio": statistics.median(
+            r["buffered_write"] / r["tier_write"] for r in runs
+        ),
+        "buffered_read_ratio": statistics.median(r["buffered_read"] / r["tier_read"] for r in runs),
     }
 
 
@@ -189,5 +228,14 @@ def format_report(r: dict[str, Any]) -> str:
         f"{'':8}{'disk tier GB/s':>16}{'plain GB/s':>14}{'ratio':>8}",
         f"{'write':8}{g['tier_write']:>16.2f}{g['plain_write']:>14.2f}{r['write_ratio']:>8.2f}",
         f"{'read':8}{g['tier_read']:>16.2f}{g['plain_read']:>14.2f}{r['read_ratio']:>8.2f}",
+        "the disk tier forced to buffered I/O (+ fdatasync) vs the disk tier with O_DIRECT, "
+        "same bytes (ratio: buffered / O_DIRECT)",
+        f"{'':8}{'buffered GB/s':>16}{'O_DIRECT GB/s':>14}{'ratio':>8}",
+        f"{'write':8}{g['buffered_write']:>16.2f}{g['tier_write']:>14.2f}"
+        f"{r['buffered_write_ratio']:>8.2f}",
+        f"{'read':8}{g['buffered_read']:>16.2f}{g['tier_read']:>14.2f}"
+        f"{r['buffered_read_ratio']:>8.2f}  (page cache dropped first: from the disk)",
+        f"{'re-read':8}{g['buffered_warm_read']:>16.2f}{'':>14}{'':>8}  (right after: from "
+        "the page cache, a second copy of what the CPU tier above may hold)",
     ]
     return "\n".join(lines)

@@ -153,7 +153,8 @@ class _Batch:
 
 class DiskTier:
     """One model's disk tier in ``path`` (see the module docstring). ``disk_bytes`` bounds
-    its slab files; ``slab_bytes`` is each slab's size (at least one entry)."""
+    its slab files; ``slab_bytes`` is each slab's size (at least one entry); ``direct=False``
+    writes and reads through the page cache (and ``fdatasync``) even where O_DIRECT works."""
 
     def __init__(
         self,
@@ -163,6 +164,7 @@ class DiskTier:
         disk_bytes: int,
         *,
         slab_bytes: int = DEFAULT_SLAB_BYTES,
+        direct: bool = True,
     ) -> None:
         self.path = Path(path)
         self.identity = identity
@@ -190,7 +192,9 @@ class DiskTier:
         # TinyLFU over the CPU tier's accesses (``record``): a full tier takes an entry only
         # if it was used more often than what it would push out (raykv bench eviction)
         self.admission = make_admission(self.max_slabs * self.slots)
-        self.direct = True  # O_DIRECT; False: the filesystem refused it (tmpfs)
+        # O_DIRECT; False: the filesystem refused it (tmpfs), or buffered I/O was asked for
+        # (``direct=False``: ``raykv bench tiers`` measures it beside O_DIRECT)
+        self.direct = direct
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._slabs: dict[int, _Slab] = {}
@@ -637,6 +641,34 @@ class DiskTier:
                       key=self.admission.estimate)  # fmt: skip
         return keys[len(keys) // 2] if keys else None
 
+    def resize(self, disk_bytes: int) -> None:
+        """Bound the slab files by ``disk_bytes`` from now on (``NodeDisk`` rebalancing the
+        node's budget as models come and go). Over it, the least recently used slabs other
+        than the open one are evicted now and their files removed, so the bytes are free on
+        disk when this returns; the open slab is the writer's alone (it may be writing it
+        without the lock) and one slab always fits."""
+        slabs = disk_bytes // self.slab_bytes
+        if slabs < 1:
+            raise ConfigError(
+                f"the disk tier {self.path} would have {disk_bytes} bytes, less than one slab "
+                f"of {self.slab_bytes} bytes; give --disk-bytes at least {self.slab_bytes}"
+            )
+        drop: list[Path] = []
+        with self._lock:
+            self.max_slabs = slabs
+            while len(self._slabs) > slabs:
+                victim = min(
+                    (s for s in self._slabs if s != self._open_slab),
+                    key=lambda s: (self._slabs[s].live > 0, self._slabs[s].used),
+                )
+                drop.append(self._slabs.pop(victim).path)
+                for k in [k for k, (s, _) in self._index.items() if s == victim]:
+                    del self._index[k]
+                    self._gone.append(k)
+                    self.stats.evicted += 1
+        for path in drop:  # a reader of it holds its fd: it reads, then finds the slab gone
+            path.unlink(missing_ok=True)
+
     def _slab_for_append(self) -> int:
         """The open slab if it has room, else a new one (evicting the least recently used
         slab when ``max_slabs`` are there). Under the lock."""
@@ -843,3 +875,73 @@ def _fallocate(fd: int, size: int) -> None:
     except OSError as e:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
+
+
+class NodeDisk:
+    """A node's disk tier budget, ``disk_bytes`` across all the models it serves: each
+    model's ``DiskTier`` (in ``path/<name>``) gets an equal share, rebalanced as models are
+    opened and closed. Equal shares rather than one pool with eviction across models: a
+    tier's slabs, admission and eviction stay its own (one lock, one writer, no lock order
+    between tiers), and a model that demotes a lot cannot push another model's entries out
+    of the node's disk. The cost: a model that demotes little leaves part of its share
+    unused. A share shrinks before a new tier takes its own, so the slab files of the
+    node's models never hold more than ``disk_bytes`` together."""
+
+    def __init__(self, path: str | os.PathLike, disk_bytes: int) -> None:
+        self.path = Path(path)
+        self.disk_bytes = disk_bytes
+        self._tiers: dict[str, DiskTier] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def share(self) -> int:
+        """Each open tier's bytes now."""
+        return self.disk_bytes // max(1, len(self._tiers))
+
+    @property
+    def used_bytes(self) -> int:
+        """The slab files of every open tier, together."""
+        return sum(t.used_bytes for t in list(self._tiers.values()))
+
+    def open(
+        self, name: str, plan: Plan, identity: bytes, *, slab_bytes: int = DEFAULT_SLAB_BYTES
+    ) -> DiskTier:
+        """The disk tier of a model (in ``path/name``), its share taken from the others."""
+        with self._lock:
+            if name in self._tiers:
+                raise ConfigError(f"the disk tier {self.path / name} is open already")
+            # opened on the whole budget, shrunk below: it writes nothing before it is
+            # returned, and the slabs it finds (a restart) are on disk already
+            tier = DiskTier(self.path / name, plan, identity, self.disk_bytes,
+                            slab_bytes=slab_bytes)  # fmt: skip
+            tiers = {**self._tiers, name: tier}
+            share = self.disk_bytes // len(tiers)
+            small = [(n, t.slab_bytes) for n, t in tiers.items() if t.slab_bytes > share]
+            if small:
+                tier.close()
+                need = len(tiers) * max(t.slab_bytes for t in tiers.values())
+                raise ConfigError(
+                    f"--disk-bytes {self.disk_bytes} is the node's disk tier for all its models: "
+                    f"{share} bytes each for {len(tiers)} models, less than one slab of "
+                    f"{small[0][0]} ({small[0][1]} bytes); give --disk-bytes at least {need}"
+                )
+            for t in self._tiers.values():  # the others shrink first: never over the budget
+                t.resize(share)
+            tier.resize(share)
+            self._tiers = tiers
+            return tier
+
+    def close(self, name: str) -> None:
+        """Close a model's tier and remove its slab files; the others grow into its share.
+        Its files go because its bytes now belong to the others (kept, the node's disk
+        would hold more than ``disk_bytes``); a tier that dies instead keeps them for the
+        tier placed again."""
+        with self._lock:
+            tier = self._tiers.pop(name, None)
+            if tier is None:
+                return
+            tier.close()
+            for path in tier.path.glob("slab-*.kv"):
+                path.unlink(missing_ok=True)
+            for t in self._tiers.values():
+                t.resize(self.share)

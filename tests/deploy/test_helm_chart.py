@@ -50,6 +50,22 @@ EXTRA_SHAPES = {
             },
         },
     },
+    "disk-ephemeral-on-every-group": {
+        "cpuWorkers": {"enabled": True},
+        "disk": {
+            "enabled": True,
+            "size": 64 << 30,
+            "volume": {"ephemeral": {"storageClassName": "local-nvme", "size": "70Gi"}},
+        },
+    },
+    "disk-claim": {
+        "disk": {
+            "enabled": True,
+            "path": "/data/kv",
+            "size": "500GiB",
+            "volume": {"persistentVolumeClaim": {"claimName": "raykv-disk"}},
+        },
+    },
     "stock-image-pip-install": {
         "image": {
             "repository": "rayproject/ray",
@@ -227,6 +243,20 @@ def test_crd_check_is_strict_about_unknown_rayservice_fields(render, crd_validat
             {"metrics": {"grafanaDashboard": {"enabled": "yes"}}},
             ["metrics/grafanaDashboard/enabled"],
         ),
+        ({"disk": {"enabled": True}}, ["disk/volume", "minProperties"]),
+        (
+            {
+                "disk": {
+                    "enabled": True,
+                    "volume": {"hostPath": {"path": "/a"}, "ephemeral": {"size": "1Gi"}},
+                }
+            },
+            ["disk/volume", "maxProperties"],
+        ),
+        ({"disk": {"size": "lots"}}, ["disk/size"]),
+        ({"disk": {"path": "relative/dir"}}, ["disk/path"]),
+        ({"disk": {"volume": {"nfs": {"server": "x"}}}}, ["disk/volume", "nfs"]),
+        ({"disk": {"volume": {"persistentVolumeClaim": {}}}}, ["claimName"]),
     ],
     ids=[
         "misspelled-worker-key",
@@ -253,6 +283,12 @@ def test_crd_check_is_strict_about_unknown_rayservice_fields(render, crd_validat
         "serve-unknown-upgrade-strategy",
         "misspelled-dashboard-key",
         "dashboard-enabled-not-a-boolean",
+        "disk-without-a-volume",
+        "disk-with-two-volumes",
+        "disk-size-not-a-size",
+        "disk-path-not-absolute",
+        "disk-unknown-volume-kind",
+        "disk-claim-without-a-name",
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(helm_run, values, names):
@@ -346,7 +382,7 @@ def secret_refs(container: dict) -> dict[str, dict]:
     return {
         e["name"]: e["valueFrom"]["secretKeyRef"]
         for e in container.get("env", [])
-        if "valueFrom" in e
+        if "secretKeyRef" in e.get("valueFrom", {})
     }
 
 
@@ -439,6 +475,66 @@ def test_default_transport_values_leave_raykvs_own_defaults(render, monkeypatch)
         assert UcxConfig.from_env(env) == UcxConfig.from_env({})
         monkeypatch.delenv("RAYKV_PEER_READS", raising=False)
         assert not peer_read.enabled()
+
+
+def expanded_env(container: dict, node: str) -> dict[str, str]:
+    """The container's plain env as the kubelet gives it on ``node``: spec.nodeName where a
+    variable takes it, $(NAME) references replaced."""
+    env: dict[str, str] = {}
+    for e in container.get("env", []):
+        if e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "spec.nodeName":
+            env[e["name"]] = node
+        elif "value" in e:
+            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], e["value"])
+    return env
+
+
+def test_disk_values_reach_every_ray_node_as_raykv_reads_them(render, monkeypatch):
+    """``disk`` mounts its volume at ``path`` in the head and every worker group, and sets the
+    node's disk tier there as the tier actor reads it: a folder under the mount, one per
+    Kubernetes node and role, and the node's bytes."""
+    from raykv.service.tier.actor import DISK_BYTES_ENV, DISK_PATH_ENV, disk_settings
+
+    values = {
+        "cpuWorkers": {"enabled": True},
+        "disk": {"enabled": True, "path": "/mnt/kv", "size": "2TiB",
+                 "volume": {"hostPath": {"path": "/mnt/nvme0/raykv"}}},
+    }  # fmt: skip
+    objects = render(values=values)
+    specs = pod_specs(one(objects, "RayCluster"))
+    roles = ["head", "gpu", "cpu"]
+    assert len(specs) == len(roles)
+    for spec, role in zip(specs, roles, strict=True):
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "raykv-disk"]
+        assert volume["hostPath"] == {"path": "/mnt/nvme0/raykv", "type": "Directory"}
+        (container,) = spec["containers"]
+        assert {"name": "raykv-disk", "mountPath": "/mnt/kv"} in container["volumeMounts"]
+        env = expanded_env(container, "node-7")
+        monkeypatch.setenv(DISK_PATH_ENV, env[DISK_PATH_ENV])
+        monkeypatch.setenv(DISK_BYTES_ENV, env[DISK_BYTES_ENV])
+        got = disk_settings()
+        assert (got.path, got.nbytes) == (f"/mnt/kv/node-7-{role}", 2 << 40)
+    # raykv up is not given --disk-path: Ray runs already there, and the nodes' env carries it
+    assert "--disk" not in head_container(objects)["lifecycle"]["postStart"]["exec"]["command"][3]
+
+
+def test_disk_bytes_given_as_a_number_reach_the_env_as_an_integer(render):
+    values = {"disk": {"enabled": True, "size": 1 << 40,
+                       "volume": {"ephemeral": {"size": "1100Gi"}}}}  # fmt: skip
+    objects = render(values=values)
+    for container in ray_node_containers(objects):
+        assert plain_env(container)["RAYKV_DISK_BYTES"] == str(1 << 40)
+    for spec in pod_specs(one(objects, "RayCluster")):
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "raykv-disk"]
+        claim = volume["ephemeral"]["volumeClaimTemplate"]["spec"]
+        assert claim["resources"]["requests"]["storage"] == "1100Gi"
+        assert "storageClassName" not in claim  # the cluster's default class
+
+
+def test_no_disk_by_default(render):
+    for container in ray_node_containers(render()):
+        assert not [e for e in container["env"] if e["name"].startswith("RAYKV_DISK")]
+        assert all(m["name"] != "raykv-disk" for m in container["volumeMounts"])
 
 
 def test_secret_values_given_are_used_and_missing_ones_generated(render):

@@ -17,7 +17,7 @@ from raykv.errors import ConfigError
 from raykv.tiers import BlockState, CpuTier
 from raykv.tiers.checksum import checksums_at
 from raykv.tiers.cpu_tier import KeyRows, KeySums
-from raykv.tiers.disk_tier import DiskTier, model_identity
+from raykv.tiers.disk_tier import DiskTier, NodeDisk, model_identity
 
 from .helpers import make_plan
 
@@ -330,3 +330,56 @@ TestDiskMachine.settings = settings(
     max_examples=25, stateful_step_count=20, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )  # fmt: skip
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes of every slab file under ``path`` (each model's folder)."""
+    return sum(f.stat().st_size for f in path.rglob("slab-*.kv"))
+
+
+def test_two_models_on_a_node_never_use_more_than_its_disk_bytes_together(tmp_path):
+    """``--disk-bytes`` is the node's: the models' tiers split it equally, a second model's
+    arrival shrinks the first's share (its oldest slabs go at once), a model's removal gives
+    its share back; the slab files never hold more than the budget together."""
+    plan = make_plan("full")
+    probe = DiskTier(tmp_path / "probe", plan, ID, 1 << 40, slab_bytes=1)
+    probe.close()
+    asked = probe.slab_bytes + 2 * probe.stride  # a few entries a slab
+    probe = DiskTier(tmp_path / "probe", plan, ID, 1 << 40, slab_bytes=asked)
+    per = probe.slab_bytes
+    probe.close()
+    budget = 6 * per + per // 2  # not a multiple of a slab: the shares round down
+    node = NodeDisk(tmp_path / "node", budget)
+    other = model_identity("b", plan)
+    a = node.open("a", plan, ID, slab_bytes=asked)
+    assert a.slab_bytes == per
+    assert a.max_slabs == 6  # alone: the whole budget
+    for i in range(12):
+        demote(a, keys_(1, start=i))
+        assert a.flush(10)
+        assert disk_usage(node.path) <= budget
+    assert a.num_slabs == 6 and disk_usage(node.path) == 6 * per
+    b = node.open("b", plan, other, slab_bytes=asked)
+    assert (a.max_slabs, b.max_slabs) == (3, 3)
+    assert a.num_slabs == 3 and disk_usage(node.path) <= budget  # shrunk before b writes
+    assert a.load(keys_(6, start=6)).keys == keys_(6, start=6)  # the newest slabs stayed
+    assert sorted(a.take_gone()) == keys_(6)
+    for i in range(12):  # both demote, interleaved: each within its share, both within N
+        for tier in (a, b):
+            tier.record([b"hot" + bytes([i])] * (i + 2))
+            demote(tier, [b"\0\0\0\0" + bytes([i, tier is a])])
+            assert tier.flush(10)
+            assert disk_usage(node.path) <= budget
+            assert node.used_bytes <= budget
+    assert a.num_slabs == b.num_slabs == 3
+    node.close("b")  # removed: its files go, a grows back into its share
+    assert not list((node.path / "b").glob("slab-*.kv")) and a.max_slabs == 6
+    with pytest.raises(ConfigError, match="give --disk-bytes at least"):
+        NodeDisk(tmp_path / "small", per - 1).open("a", plan, ID, slab_bytes=asked)
+    small = NodeDisk(tmp_path / "small2", per)
+    small.open("a", plan, ID, slab_bytes=asked)
+    with pytest.raises(ConfigError, match="for all its models"):
+        small.open("b", plan, other, slab_bytes=asked)
+    assert small.share == per  # the refused model took nothing
+    small.close("a")
+    node.close("a")

@@ -60,12 +60,18 @@ headGroupSpec:
             {{- end }}
           env:
             {{- include "raykv.nodeEnv" . | nindent 12 }}
+            {{- with (include "raykv.diskEnv" (dict "root" . "role" "head")) }}
+            {{- . | nindent 12 }}
+            {{- end }}
           resources:
             {{- toYaml .Values.head.resources | nindent 12 }}
           securityContext:
             {{- include "raykv.containerSecurityContext" . | nindent 12 }}
           volumeMounts:
             - {name: dshm, mountPath: /dev/shm}
+            {{- with (include "raykv.diskMount" .) }}
+            {{- . | nindent 12 }}
+            {{- end }}
           {{- if eq .Values.raykv.start "headCommand" }}
           lifecycle:
             postStart:
@@ -97,6 +103,9 @@ headGroupSpec:
           emptyDir:
             medium: Memory
             sizeLimit: {{ .Values.head.shmSize }}
+        {{- with (include "raykv.diskVolume" .) }}
+        {{- . | nindent 8 }}
+        {{- end }}
 workerGroupSpecs:
   {{- if .Values.gpuWorkers.enabled }}
   {{- include "raykv.workerGroup" (dict "root" . "group" .Values.gpuWorkers "gpus" (int .Values.gpuWorkers.gpus)) | nindent 2 }}

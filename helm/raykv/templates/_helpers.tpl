@@ -250,3 +250,63 @@ unset (null), with the PodMonitor, whose series the dashboard reads. */}}
 {{- end -}}
 {{- if $on }}true{{ end -}}
 {{- end -}}
+
+{{/*
+The disk tier's environment on a Ray node (disk.enabled), as the node's tier actor reads it
+(raykv.service.tier.actor.disk_settings): its folder on the volume and its bytes. The folder is
+one per Kubernetes node and role (head, or the worker group's name) so that a pod placed again
+on the node finds its slabs, and a hostPath or shared claim is not written by two groups' tiers.
+Args: root, role.
+*/}}
+{{- define "raykv.diskEnv" -}}
+{{- $d := .root.Values.disk -}}
+{{- if $d.enabled -}}
+- name: RAYKV_K8S_NODE_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: spec.nodeName
+- name: RAYKV_DISK_PATH
+  value: {{ printf "%s/$(RAYKV_K8S_NODE_NAME)-%s" (trimSuffix "/" $d.path) .role | quote }}
+- name: RAYKV_DISK_BYTES
+  value: {{ ternary $d.size (toString (int64 $d.size)) (kindIs "string" $d.size) | quote }}
+{{- end -}}
+{{- end -}}
+
+{{/* The disk tier's volume mount on a Ray container (disk.enabled). */}}
+{{- define "raykv.diskMount" -}}
+{{- if .Values.disk.enabled -}}
+- {name: raykv-disk, mountPath: {{ .Values.disk.path | quote }}}
+{{- end -}}
+{{- end -}}
+
+{{/* The disk tier's volume in a Ray pod (disk.enabled): disk.volume's one kind. */}}
+{{- define "raykv.diskVolume" -}}
+{{- $d := .Values.disk -}}
+{{- if $d.enabled -}}
+- name: raykv-disk
+{{- with $d.volume.hostPath }}
+  hostPath:
+    path: {{ .path | quote }}
+    type: {{ .type | default "Directory" }}
+{{- end }}
+{{- with $d.volume.persistentVolumeClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .claimName | quote }}
+{{- end }}
+{{- with $d.volume.ephemeral }}
+  ephemeral:
+    volumeClaimTemplate:
+      metadata:
+        labels:
+          {{- include "raykv.selectorLabels" $ | nindent 10 }}
+      spec:
+        accessModes: [ReadWriteOnce]
+        {{- with .storageClassName }}
+        storageClassName: {{ . | quote }}
+        {{- end }}
+        resources:
+          requests:
+            storage: {{ .size | quote }}
+{{- end }}
+{{- end -}}
+{{- end -}}

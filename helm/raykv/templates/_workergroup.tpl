@@ -47,12 +47,18 @@ KubeRay passes the limit to `ray start --num-gpus`.
             {{- end }}
           env:
             {{- include "raykv.nodeEnv" $root | nindent 12 }}
+            {{- with (include "raykv.diskEnv" (dict "root" $root "role" $g.groupName)) }}
+            {{- . | nindent 12 }}
+            {{- end }}
           resources:
             {{- toYaml $resources | nindent 12 }}
           securityContext:
             {{- include "raykv.containerSecurityContext" $root | nindent 12 }}
           volumeMounts:
             - {name: dshm, mountPath: /dev/shm}
+            {{- with (include "raykv.diskMount" $root) }}
+            {{- . | nindent 12 }}
+            {{- end }}
       {{- with $g.nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}
@@ -70,4 +76,7 @@ KubeRay passes the limit to `ray start --num-gpus`.
           emptyDir:
             medium: Memory
             sizeLimit: {{ $g.shmSize }}
+        {{- with (include "raykv.diskVolume" $root) }}
+        {{- . | nindent 8 }}
+        {{- end }}
 {{- end -}}

@@ -136,9 +136,9 @@ def up(
 ) -> dict[str, Any]:
     """Start or join the service and serve ``preset`` (``tp_size`` GPUs per pool group, one
     TP rank each; None: no model, e.g. for engines that add their own, as ``raykv serve``'s
-    do); returns where it runs. ``disk``: (folder, bytes per model) of the node's disk tier,
-    in the environment of the head started here (a running cluster's nodes keep theirs);
-    so are ``tenant_quotas`` (``RAYKV_TENANT_QUOTAS``, labels only: invariant 13)."""
+    do); returns where it runs. ``disk``: (folder, bytes for all its models) of the node's
+    disk tier, in the environment of the head started here (a running cluster's nodes keep
+    theirs); so are ``tenant_quotas`` (``RAYKV_TENANT_QUOTAS``, labels only: invariant 13)."""
     from raykv.layout.presets import get_preset
     from raykv.service.tier.actor import DISK_BYTES_ENV, DISK_PATH_ENV
     from raykv.tiers.quotas import QUOTAS_ENV

@@ -31,7 +31,8 @@ changes nothing, and a reader that copied reclaimed entries sees their generatio
 
 With ``RAYKV_DISK_PATH`` and ``RAYKV_DISK_BYTES`` in the node's environment (``raykv up
 --disk-path --disk-bytes`` sets them on a head it starts), each model also has a disk tier
-below its arena (``raykv.tiers.disk_tier``, in ``<path>/<model>``): the entries the arena
+below its arena (``raykv.tiers.disk_tier``, in ``<path>/<model>``; the bytes are the node's,
+split equally between its models: ``NodeDisk``): the entries the arena
 evicts are demoted to it and stay published (lookups count them as this node's CPU tier),
 and a lease of entries that are only on disk promotes them first (read and verified in a
 worker thread, then stored in the arena as a normal store), so the load path is the CPU
@@ -59,7 +60,7 @@ import pickle
 import re
 from collections.abc import Coroutine, Hashable, Sequence
 from itertools import filterfalse, repeat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -77,6 +78,9 @@ from raykv.tiers import holds, shm
 from raykv.tiers.cpu_tier import READABLE, KeyRows, KeySums
 from raykv.tiers.quotas import TenantQuotas, tenant_quotas
 from raykv.transport import Lent, export_rows
+
+if TYPE_CHECKING:
+    from raykv.tiers.disk_tier import NodeDisk
 
 Members = tuple[bytes | None, ...]
 log = logging.getLogger(__name__)
@@ -98,7 +102,8 @@ def lease_timeout_s() -> float:
 
 @dataclasses.dataclass(frozen=True)
 class DiskSettings:
-    """Where this node's disk tier keeps its slabs, and how many bytes each model's may use."""
+    """Where this node's disk tier keeps its slabs, and how many bytes its models' slabs may
+    use together (``raykv.tiers.disk_tier.NodeDisk`` splits them)."""
 
     path: str
     nbytes: int
@@ -150,11 +155,11 @@ class _ModelTier:
         plan: Any,
         timeout_s: float,
         model: str = "",
-        disk: DiskSettings | None = None,
+        disk: NodeDisk | None = None,
         quotas: TenantQuotas | None = None,
     ) -> None:
         from raykv.tiers.cpu_tier import CpuTier
-        from raykv.tiers.disk_tier import DiskTier, model_identity
+        from raykv.tiers.disk_tier import model_identity
 
         check_servable(plan)
         self.plan = plan
@@ -162,8 +167,7 @@ class _ModelTier:
         self.read_buffer = np.empty(0, np.uint8)  # promotions read into it (``_promote``)
         self.promoting = asyncio.Lock()
         if disk is not None:
-            where = os.path.join(disk.path, _model_dir(model))
-            self.disk = DiskTier(where, plan, model_identity(model, plan), disk.nbytes)
+            self.disk = disk.open(_model_dir(model), plan, model_identity(model, plan))
         self.tier = CpuTier(plan, "lru", shared=True, lease_timeout_s=timeout_s,
                             demote=self._demote if self.disk is not None else None,
                             quotas=quotas)  # fmt: skip
@@ -352,12 +356,16 @@ class CpuTierActor:
     def __init__(self, node_id: str, plans: dict[str, Any] | None = None) -> None:
         self.name, self.node_id = tier_name(node_id), node_id
         self.timeout_s = lease_timeout_s()
+        from raykv.tiers.disk_tier import NodeDisk
+
         self.disk = disk_settings()
         self.quotas = tenant_quotas()  # RAYKV_TENANT_QUOTAS (raykv up --tenant-quota)
+        # one budget for the node's disk, shared by its models' disk tiers (``NodeDisk``)
+        self.node_disk = NodeDisk(self.disk.path, self.disk.nbytes) if self.disk else None
         # the served models' arenas from the start: a tier placed again after it died must
         # take its node's offloads before it registers (its pools added them to the old one),
         # and registers with what its disk tier holds
-        self.tiers = {m: _ModelTier(p, self.timeout_s, m, self.disk, self.quotas)
+        self.tiers = {m: _ModelTier(p, self.timeout_s, m, self.node_disk, self.quotas)
                       for m, p in (plans or {}).items()}  # fmt: skip
         self.metrics = ServiceMetrics("tier")
         # its UCX server sends from the arena where it can (``export_blocks``: lends rows)
@@ -436,7 +444,7 @@ class CpuTierActor:
     async def add_model(self, model: str, plan: Any) -> int:
         """Make room for ``model`` (idempotent); returns its CPU-tier block count."""
         if model not in self.tiers:
-            mt = self.tiers[model] = _ModelTier(plan, self.timeout_s, model, self.disk,
+            mt = self.tiers[model] = _ModelTier(plan, self.timeout_s, model, self.node_disk,
                                                 self.quotas)  # fmt: skip
             if mt.where:  # its disk tier's entries (a model added after the tier started)
                 await self.publish(model, list(zip(mt.where, repeat(-1))), [])
@@ -447,8 +455,8 @@ class CpuTierActor:
         could not be placed: ``Coordinator._withdraw``). False: it had none here."""
         mt = self.tiers.pop(model, None)
         if mt is not None:
-            if mt.disk is not None:
-                mt.disk.close()  # its slabs stay: a tier serving the model again reads them
+            if self.node_disk is not None:  # its slabs go: the other models take its share
+                self.node_disk.close(_model_dir(model))
             mt.tier.release()
             shm.release(mt.replica_shm)
         return mt is not None
