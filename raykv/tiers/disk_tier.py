@@ -38,8 +38,10 @@ import hashlib
 import logging
 import mmap
 import os
+import re
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -820,6 +822,48 @@ class DiskTier:
         return os.open(path, flags, 0o600)
 
 
+LANE_WAIT_S = 5.0  # how long a tier waits for a lane with slabs before it opens a new one
+MAX_LANES = 64
+_LANE = re.compile(r"\.lane-[0-9]+")  # a model's folder never matches: no lane inside a lane
+
+
+def take_lane(root: Path) -> tuple[Path, int]:
+    """A folder of ``root`` that no other live tier holds, and the lock fd that holds it for
+    this process's life: ``root`` itself or an existing ``root/.lane-<k>`` (they hold slabs:
+    for up to ``LANE_WAIT_S`` a tier waits for one, as one placed again waits for its
+    predecessor to exit), else a new lane."""
+    root.mkdir(parents=True, exist_ok=True)
+
+    def lock(lane: Path) -> int | None:
+        lane.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lane / ".node.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            os.close(fd)
+            return None
+
+    deadline = time.monotonic() + LANE_WAIT_S
+    while True:
+        found = (p for p in root.iterdir() if _LANE.fullmatch(p.name) and p.is_dir())
+        lanes = [root, *sorted(found, key=lambda p: int(p.name[6:]))]
+        for lane in lanes:
+            if (fd := lock(lane)) is not None:
+                return lane, fd
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    for k in range(1, MAX_LANES):
+        lane = root / f".lane-{k}"
+        if not lane.exists() and (fd := lock(lane)) is not None:
+            return lane, fd
+    raise ConfigError(
+        f"every lane of the disk tier folder {root} ({MAX_LANES}) is held by a live raykv "
+        "tier; give this node its own --disk-path (RAYKV_DISK_PATH)"
+    )
+
+
 def _lock_folder(path: Path) -> int:
     """An exclusive lock on ``path`` for this tier's life (released with its process): two
     tiers writing one folder (two Ray nodes of one host given one --disk-path) would reuse
@@ -879,16 +923,23 @@ def _fallocate(fd: int, size: int) -> None:
 
 class NodeDisk:
     """A node's disk tier budget, ``disk_bytes`` across all the models it serves: each
-    model's ``DiskTier`` (in ``path/<name>``) gets an equal share, rebalanced as models are
+    model's ``DiskTier`` (in ``<lane>/<name>``) gets an equal share, rebalanced as models are
     opened and closed. Equal shares rather than one pool with eviction across models: a
     tier's slabs, admission and eviction stay its own (one lock, one writer, no lock order
     between tiers), and a model that demotes a lot cannot push another model's entries out
     of the node's disk. The cost: a model that demotes little leaves part of its share
     unused. A share shrinks before a new tier takes its own, so the slab files of the
-    node's models never hold more than ``disk_bytes`` together."""
+    node's models never hold more than ``disk_bytes`` together.
+
+    The node's folder is a lane of ``path`` (``take_lane``): ``path`` itself, or
+    ``path/.lane-<k>`` where another live tier holds it. Two Ray nodes of one host given one
+    folder (two pods of a Helm worker group on one Kubernetes node, with one hostPath) each
+    get their own lane and their own ``disk_bytes``, and a tier placed again takes a lane
+    that holds slabs, its predecessor's once that one has let go."""
 
     def __init__(self, path: str | os.PathLike, disk_bytes: int) -> None:
-        self.path = Path(path)
+        self.root = Path(path)
+        self.path, self._lane_fd = take_lane(self.root)
         self.disk_bytes = disk_bytes
         self._tiers: dict[str, DiskTier] = {}
         self._lock = threading.Lock()

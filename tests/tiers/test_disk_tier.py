@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -383,3 +384,34 @@ def test_two_models_on_a_node_never_use_more_than_its_disk_bytes_together(tmp_pa
     assert small.share == per  # the refused model took nothing
     small.close("a")
     node.close("a")
+
+
+def test_two_tiers_given_one_folder_take_a_lane_each_and_a_restart_finds_its_slabs(
+    tmp_path, monkeypatch
+):
+    """Two Ray nodes of one host given one --disk-path (two pods of a Helm group on one
+    Kubernetes node, one hostPath) each take a lane of it with its own budget; a node's tier
+    placed again takes a lane that holds slabs once its predecessor let go, and serves them."""
+    import raykv.tiers.disk_tier as disk_tier
+
+    monkeypatch.setattr(disk_tier, "LANE_WAIT_S", 0.2)  # how long a held lane 0 is waited for
+    plan = make_plan("full")
+    first = NodeDisk(tmp_path, 64 << 20)
+    second = NodeDisk(tmp_path, 64 << 20)
+    assert first.path == tmp_path and second.path == tmp_path / ".lane-1"
+    a = first.open("m", plan, ID)
+    demote(a, keys_(3))
+    assert a.flush(10)
+    b = second.open("m", plan, ID)  # the same model: its own folder, nothing of a's
+    assert b.load(keys_(3)).keys == []
+    a.close()
+    os.close(first._lane_fd)  # the first node's process exits
+    t0 = time.monotonic()
+    again = NodeDisk(tmp_path, 64 << 20)
+    assert again.path == tmp_path and time.monotonic() - t0 < 1.0  # free: taken at once
+    assert again.open("m", plan, ID).load(keys_(3)).keys == keys_(3)
+    t0 = time.monotonic()
+    third = NodeDisk(tmp_path, 64 << 20)  # every lane held: a new one, after waiting
+    assert third.path == tmp_path / ".lane-2" and time.monotonic() - t0 >= 0.2
+    assert third.path == tmp_path / ".lane-2"
+    b.close()
