@@ -15,12 +15,17 @@ through the page cache where it does not (reported).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import shutil
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -191,3 +196,46 @@ def format_report(r: dict[str, Any]) -> str:
         f"{'read':8}{g['tier_read']:>16.2f}{g['plain_read']:>14.2f}{r['read_ratio']:>8.2f}",
     ]
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def local_s3(bucket: str = "raykv") -> Iterator[str]:
+    """An S3-compatible server on 127.0.0.1 for as long as the context lasts (moto's, in a
+    process of its own, so neither side of a comparison shares its GIL), with ``bucket``
+    created and dummy credentials in this process's environment if it has none: its
+    endpoint URL."""
+    try:
+        import boto3
+    except ImportError as e:
+        raise TierError("a local S3 server needs boto3 and moto: pip install 'raykv[dev]'") from e
+    for name, value in (("AWS_ACCESS_KEY_ID", "raykv"), ("AWS_SECRET_ACCESS_KEY", "raykv"),
+                        ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
+        os.environ.setdefault(name, value)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from moto.server import main; main()", "-H", "127.0.0.1",
+         "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise TierError(f"moto's S3 server did not start on {endpoint}") from None
+                time.sleep(0.1)
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
