@@ -180,8 +180,20 @@ PRESET_DEFAULTS = dict(cpu_mem="1GiB", gpu_mem_fraction=0.9, pool_mem="0", block
 @click.option(
     "--disk-bytes", help="the disk tier's bytes per model, e.g. 100GiB (with --disk-path)"
 )
+@click.option(
+    "--object-url",
+    help="an object-store tier below each node's lowest tier, shared by every node and "
+    "cluster on the bucket: s3://BUCKET/PREFIX (on the head raykv up starts)",
+)
+@click.option(
+    "--object-endpoint",
+    help="the S3-compatible server of --object-url, e.g. http://127.0.0.1:9000 [AWS]",
+)
 @_timeout
-def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, **sizes) -> None:
+def up(
+    address, preset, num_cpus, timeout_s, disk_path, disk_bytes, object_url, object_endpoint,
+    **sizes,
+) -> None:  # fmt: skip
     """Start (or join) the raykv service and print where it runs.
 
     With no --preset it serves no model: engines add theirs (vLLM's connector serves its
@@ -205,6 +217,21 @@ def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, **sizes) -> 
             raise click.ClickException(
                 f"--disk-path {disk_path} --disk-bytes {disk_bytes}: {e}"
             ) from e
+
+    objects = None
+    if object_url is not None or object_endpoint is not None:
+        from raykv.tiers.object_tier import ObjectSettings
+
+        if object_url is None:
+            raise click.UsageError(
+                "--object-endpoint names the server of an object tier: give its bucket too, "
+                "--object-url s3://BUCKET/PREFIX"
+            )
+        try:
+            ObjectSettings.parse(object_url, object_endpoint)
+        except RaykvError as e:
+            raise click.UsageError(str(e)) from e
+        objects = (object_url, object_endpoint)
 
     given = sorted(k for k, v in sizes.items() if v is not None)
     if preset is None and given:
@@ -233,6 +260,7 @@ def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, **sizes) -> 
             num_cpus=num_cpus,
             tp_size=sizes["tp_size"],
             disk=disk,
+            objects=objects,
         )
     except RaykvError as e:
         raise click.ClickException(str(e)) from e
@@ -251,6 +279,9 @@ def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, **sizes) -> 
         click.echo(f"  {info['nodes']} node(s), {info['members']} pools and tiers")
     if disk is not None:
         click.echo(f"  disk tier in {disk[0]}, {disk_bytes} per model")
+    if objects is not None:
+        click.echo(f"  object tier in {object_url}" + (f" at {object_endpoint}"
+                   if object_endpoint else ""))  # fmt: skip
     click.echo(f"  connect with raykv.connect('{info['address']}')")
     if info.get("token"):
         click.echo(f"  Ray token auth is on; the token is in {info['token']}")

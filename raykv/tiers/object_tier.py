@@ -36,7 +36,6 @@ the tier above it evicted, after that tier's own admission.
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import mmap
 import os
@@ -64,6 +63,7 @@ READ_PIECE_BYTES = 16 << 20  # a load's ranged GETs are at most this long
 READERS = 8  # ranged GETs in flight
 UPLOADERS = 4  # objects uploading at once
 POINTERS = 16  # pointer PUTs and GETs in flight
+POINTER_ROUND = 8  # a load's pointer GETs in one round (an object's header answers for more)
 INDEX_ENTRIES = 1 << 20  # this tier's own uploads it remembers (the rest: by pointer)
 HEADERS_CACHED = 256  # slab headers kept (a load of a slab's entries reads it once)
 FILE_WAIT_S = 120.0  # a load of entries of a disk slab being uploaded waits this long
@@ -152,6 +152,7 @@ class _Batch:
     buffer: np.ndarray  # header then rows: the object's bytes
     rows: np.ndarray  # [n, stride]: a view of ``buffer``
     path: Path | None = None  # a disk tier's slab file instead (``upload_file``)
+    body: bytearray | None = None  # what ``buffer`` views: the object's bytes, as sent
 
 
 @dataclass
@@ -190,6 +191,7 @@ class ObjectTier:
         self._index: OrderedDict[bytes, _Loc] = OrderedDict()  # entry key -> where
         self._pending: dict[bytes, tuple[_Batch, int]] = {}  # queued, not yet uploaded
         self._headers: OrderedDict[bytes, _Header] = OrderedDict()
+        self._refused: set[bytes] = set()  # objects whose header was refused
         self._gone: list[bytes] = []
         self._closed = False
         self._check_bucket()
@@ -292,7 +294,9 @@ class ObjectTier:
         n, f, fmt = len(new), self.factor, self.format
         at = np.asarray(new, np.int64)
         hb = fmt.header_bytes(n)
-        buffer = np.frombuffer(mmap.mmap(-1, hb + n * self.stride), np.uint8)
+        # a bytearray: botocore sends it as it is (bytes would be one more copy of the rows)
+        body = bytearray(hb + n * self.stride)
+        buffer = np.frombuffer(body, np.uint8)
         rows = buffer[hb:].reshape(n, self.stride)
         dst = rows[:, : self.entry_bytes].reshape(n, self.copies, f, self.slot_bytes)
         src = arena.numpy().reshape(self.copies, -1, f, self.slot_bytes)
@@ -301,7 +305,7 @@ class ObjectTier:
         new_keys = [keys[i] for i in new]
         rec = fmt.records(new_keys, at, valid, sums, widths, members)
         fmt.fill_header(buffer, n, rec)
-        self._queue(_Batch(new_keys, rec, buffer, rows))
+        self._queue(_Batch(new_keys, rec, buffer, rows, body=body))
         with self._lock:
             self.stats.demoted += n
 
@@ -361,7 +365,7 @@ class ObjectTier:
         digest = self.digest_of(batch.keys)
         got = self.client.put_object(
             Bucket=self.settings.bucket, Key=self.object_name(digest),
-            Body=_BufferFile(batch.buffer), ContentLength=batch.buffer.nbytes,
+            Body=batch.body,
         )  # fmt: skip
         return digest, [_Loc(digest, j, n) for j in range(n)], batch.records, got["ETag"]
 
@@ -427,12 +431,10 @@ class ObjectTier:
         """(entry key, sub-slot) of the leading block ``keys`` that pointers in the bucket
         name (uploaded by any node or cluster), up to the first that none names; the
         entries are then in this tier's index, for ``load``."""
-        got = self._pointer_gets(keys)
-        out = []
+        out: list[tuple[bytes, int]] = []
+        got = self._resolve(keys, leading=True)
         with self._lock:
             for g in got:
-                if g is None:
-                    break
                 entry, sub, loc = g
                 if entry not in self._index and entry not in self._pending:
                     self._note(entry, loc)
@@ -440,11 +442,53 @@ class ObjectTier:
                 out.append((entry, sub))
         return out
 
+    def _resolve(
+        self, keys: Sequence[bytes], leading: bool = False
+    ) -> list[tuple[bytes, int, _Loc] | None]:
+        """(entry key, sub-slot, where) of each block key by its pointer, or None. A pointer
+        names an object whose header lists every block its entries carry: read once (and
+        cached for the load), it answers for the object's other blocks, so a batch costs a
+        pointer GET per object, not per block. ``leading``: the keys up to the first that
+        nothing names (a prompt the bucket lacks costs one GET)."""
+        out: list[tuple[bytes, int, _Loc] | None] = []
+        known: dict[bytes, tuple[bytes, int, _Loc]] = {}
+        step = 1 if leading else POINTER_ROUND
+        at = 0
+        while at < len(keys):
+            window = keys[at : at + step]
+            ask = [k for k in window if k not in known]
+            for k, g in zip(ask, self._pointer_gets(ask), strict=True):
+                if g is not None:
+                    known[k] = g
+                    self._listed(g[2], known)
+            for k in window:
+                if k not in known and leading:
+                    return out
+                out.append(known.get(k))
+            at += len(window)
+            step = min(8 * step, 512) if leading else step
+        return out
+
+    def _listed(self, loc: _Loc, known: dict[bytes, tuple[bytes, int, _Loc]]) -> None:
+        """The blocks the header of ``loc``'s object lists, into ``known``."""
+        head = self._header(loc.digest, loc.slots)
+        if head is None:
+            return
+        for i, r in enumerate(head.records):
+            entry, where = get_key(r, "klen", "key"), _Loc(loc.digest, i, loc.slots)
+            for s, m in enumerate(self.format.members(r)):
+                if m is not None:
+                    known.setdefault(m, (entry, s, where))
+
     def _pointer_gets(self, keys: Sequence[bytes]) -> list[tuple[bytes, int, _Loc] | None]:
         return list(self._pointers.map(self._pointer_get, keys))
 
     def _pointer_get(self, key: bytes) -> tuple[bytes, int, _Loc] | None:
-        body = self._get(self.pointer_name(key))
+        try:
+            body = self._get(self.pointer_name(key))
+        except Exception as e:  # unreachable, refused: not found
+            log.warning("object tier %s: reading a pointer failed: %r", self.base, e)
+            return None
         if body is None or len(body) < _POINTER.size:
             return None
         magic, digest, slot, slots, sub = _POINTER.unpack(body[: _POINTER.size])
@@ -491,7 +535,7 @@ class ObjectTier:
                     located[k] = self._index[k]
                 else:
                     unknown.append(k)
-        for k, got in zip(unknown, self._pointer_gets(unknown), strict=True):
+        for k, got in zip(unknown, self._resolve(unknown), strict=True):
             if got is not None and got[0] == k:  # a pointer of the entry's own key
                 located[k] = got[2]
                 with self._lock:
@@ -626,6 +670,8 @@ class ObjectTier:
             if head is not None:
                 self._headers.move_to_end(digest)
                 return head
+            if digest in self._refused:  # counted once, not read again
+                return None
         from botocore.exceptions import ClientError
 
         hb = self.format.header_bytes(slots)
@@ -651,6 +697,9 @@ class ObjectTier:
             log.warning("object tier %s: refused object %s (%s)", self.base, digest.hex(), why)
             with self._lock:
                 self.stats.refused_objects += 1
+                if len(self._refused) >= HEADERS_CACHED:
+                    self._refused.clear()
+                self._refused.add(digest)
             return None
         head = _Header(records, etag)
         with self._lock:
@@ -671,33 +720,3 @@ class ObjectTier:
         self._headers.move_to_end(digest)
         while len(self._headers) > HEADERS_CACHED:
             self._headers.popitem(last=False)
-
-
-class _BufferFile(io.RawIOBase):
-    """A buffer as a seekable file: botocore sends it as it is (it takes bytes or files, and
-    a 64 MiB ``bytes`` copy per object would be one more pass over the rows)."""
-
-    def __init__(self, buf: np.ndarray) -> None:
-        super().__init__()
-        self._view = memoryview(buf).cast("B")
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), len(self._view) - self._pos))
-        memoryview(b).cast("B")[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
