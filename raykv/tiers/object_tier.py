@@ -59,7 +59,10 @@ from raykv.tiers.slab import ALIGN, HEAD, MAX_KEY, Entries, Members, SlabFormat,
 log = logging.getLogger(__name__)
 
 BATCH_BYTES = 64 << 20  # a demotion is staged and uploaded as objects of about this
-READ_PIECE_BYTES = 16 << 20  # a load's ranged GETs are at most this long
+# a load's ranged GETs are at most this long: one per run of a default-sized object. Not
+# smaller pieces of one object: servers that read an object whole for every ranged GET
+# (moto's) pay that per piece; a load of many objects keeps READERS GETs in flight anyway
+READ_PIECE_BYTES = BATCH_BYTES
 READERS = 8  # ranged GETs in flight
 UPLOADERS = 4  # objects uploading at once
 POINTERS = 16  # pointer PUTs and GETs in flight
@@ -71,6 +74,8 @@ FILE_WAIT_S = 120.0  # a load of entries of a disk slab being uploaded waits thi
 _POINTER = struct.Struct("<8s32sIIH")
 _POINTER_MAGIC = b"RAYKVPTR"
 INSTALL = "pip install 'raykv[s3]'"
+# error codes of a GET that mean "not there": gone, replaced (IfMatch), cut short
+_ABSENT = ("NoSuchKey", "404", "PreconditionFailed", "412", "InvalidRange", "416")
 
 
 @dataclass(frozen=True)
@@ -506,8 +511,7 @@ class ObjectTier:
                 "Body"
             ].read()
         except ClientError as e:
-            code = e.response.get("Error", {}).get("Code", "")
-            if code in ("NoSuchKey", "404", "PreconditionFailed", "412", "InvalidRange", "416"):
+            if e.response.get("Error", {}).get("Code", "") in _ABSENT:
                 return None
             raise
 
@@ -644,23 +648,62 @@ class ObjectTier:
         lo = self.format.header_bytes(first.slots) + first.slot * self.stride
         hi = lo + len(run) * self.stride
         whole = np.zeros(len(run), bool)
+        # the rule (a load in slot order): one run of rows of ``buf``, read into in place
+        a = run[0]
+        dense = run == list(range(a, a + len(run)))
+        into = buf[a : a + len(run)] if dense else np.empty((len(run), self.stride), np.uint8)
+        # every slot of an object (a batch loaded back whole): a plain GET, skipping the
+        # header, as some servers serve a ranged GET slower (moto: ~1.7 x)
+        everything = first.slot == 0 and len(run) == len(head.records) == first.slots
+        ranged = {} if everything else {"Range": f"bytes={lo}-{hi - 1}"}
         try:
-            data = self._get(self.object_name(digest), Range=f"bytes={lo}-{hi - 1}",
-                             IfMatch=head.etag)  # fmt: skip
+            got = self._get_into(self.object_name(digest), into.reshape(-1), lo if everything
+                                 else 0, IfMatch=head.etag, **ranged)  # fmt: skip
         except Exception as e:  # unreachable, refused: a miss, counted as torn
             log.warning("object tier %s: reading %s failed: %r", self.base, digest.hex(), e)
-            data = None
-        if data is None:  # gone or replaced: its cached header is stale too
+            got = None
+        if got is None:  # gone or replaced: its cached header is stale too
             with self._lock:
                 self._headers.pop(digest, None)
             return whole, whole
-        got = len(data) // self.stride
-        rows = np.frombuffer(data, np.uint8)
-        at = np.asarray(run[:got], np.int64)
-        if got:
-            buf[at] = rows[: got * self.stride].reshape(got, self.stride)
+        got //= self.stride
+        if not dense and got:
+            buf[np.asarray(run[:got], np.int64)] = into[:got]
         whole[:got] = True
-        return whole, whole & self.format.verified(buf[run], rec[run])
+        return whole, whole & self.format.verified(into, rec[run])
+
+    def _get_into(self, name: str, out: np.ndarray, skip: int = 0, **kw: Any) -> int | None:
+        """Read object ``name`` (``Range`` etc. in ``kw``), its first ``skip`` bytes left
+        out, into ``out`` (contiguous uint8): the bytes read into it; None: not there (or
+        replaced, with ``IfMatch``). Straight from the socket where the stream takes
+        ``readinto`` (urllib3's, under botocore's body), not through a bytes object."""
+        from botocore.exceptions import ClientError
+
+        try:
+            body = self.client.get_object(Bucket=self.settings.bucket, Key=name, **kw)["Body"]
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code", "") in _ABSENT:
+                return None
+            raise
+        view = memoryview(out).cast("B")
+        readinto = getattr(getattr(body, "_raw_stream", None), "readinto", None)
+        try:
+            if skip and len(body.read(skip)) < skip:
+                return 0
+            if readinto is None:
+                data = body.read(len(view))
+                n = min(len(data), len(view))
+                view[:n] = data[:n]
+                return n
+            got = 0
+            while got < len(view):
+                n = readinto(view[got:])
+                if not n:
+                    break
+                got += n
+            return got
+        finally:
+            body.close()
 
     def _header(self, digest: bytes, slots: int) -> _Header | None:
         """An object's header (cached; else one ranged GET), checked; None: missing or

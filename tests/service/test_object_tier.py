@@ -38,6 +38,7 @@ def object_stats(svc) -> dict:
     return ray.get(tier.snapshot.remote(), timeout=10)["stats"]["per_model"][MODEL]["object"]
 
 
+@pytest.mark.ray
 def test_evicted_entries_reach_the_bucket_and_come_back(svc) -> None:
     kv = svc.kv
     plan = kv.add_model(MODEL, LAYERS, max_model_len=512, pool_bytes=40 * ROW, cpu_bytes=8 * ROW)
