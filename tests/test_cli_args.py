@@ -80,6 +80,31 @@ def test_up_passes_the_disk_tier_with_or_without_a_preset(monkeypatch, tmp_path)
     assert bad.exit_code == 1 and "cannot read size" in bad.output
 
 
+def test_up_passes_the_object_tier(monkeypatch) -> None:
+    """--object-url (with --object-endpoint or not) reaches the launcher as (url, endpoint);
+    an endpoint alone or a URL that is not s3:// is a usage error naming the fix."""
+    from raykv.service.control import launcher, ray_join
+
+    seen: dict = {}
+
+    def fake_up(address, **kw):
+        seen.update(kw)
+        return {"address": "127.0.0.1:1", "started_head": True, "token": None}
+
+    monkeypatch.setattr(launcher, "up", fake_up)
+    monkeypatch.setattr(ray_join, "prepare_auth", lambda **_: None)
+    monkeypatch.setattr(cli, "_bounded", lambda *a: None, raising=False)
+    args = ["up", "--object-url", "s3://kv/p", "--object-endpoint", "http://127.0.0.1:9000"]
+    res = CliRunner().invoke(cli.main, args)
+    assert res.exit_code == 0, res.output
+    assert seen["objects"] == ("s3://kv/p", "http://127.0.0.1:9000")
+    assert "object tier in s3://kv/p at http://127.0.0.1:9000" in res.output
+    bad = CliRunner().invoke(cli.main, ["up", "--object-endpoint", "http://127.0.0.1:9000"])
+    assert bad.exit_code == 2 and "--object-url s3://BUCKET/PREFIX" in bad.output
+    bad = CliRunner().invoke(cli.main, ["up", "--object-url", "kv/p"])
+    assert bad.exit_code == 2 and "s3://BUCKET" in bad.output
+
+
 def _stats(lookups: int) -> dict:
     """What the coordinator's ``stats`` answers, for a service of one node and no members."""
     return {"address": "127.0.0.1:1", "uptime_s": 1.0, "models": {}, "members": [],
