@@ -67,6 +67,10 @@ READERS = 8  # ranged GETs in flight
 UPLOADERS = 4  # objects uploading at once
 POINTERS = 16  # pointer PUTs and GETs in flight
 POINTER_ROUND = 8  # a load's pointer GETs in one round (an object's header answers for more)
+# uploads queued at most (staging buffers of BATCH_BYTES, or a disk tier's slab files): past
+# that, a slow or unreachable bucket drops what the tier above lets go (``dropped``) rather
+# than holding memory or disk without bound
+MAX_QUEUED = 16
 INDEX_ENTRIES = 1 << 20  # this tier's own uploads it remembers (the rest: by pointer)
 HEADERS_CACHED = 256  # slab headers kept (a load of a slab's entries reads it once)
 FILE_WAIT_S = 120.0  # a load of entries of a disk slab being uploaded waits this long
@@ -141,6 +145,7 @@ class ObjectStats:
     torn: int = 0  # entries of a missing, replaced or short object or a stale pointer
     refused_objects: int = 0  # objects of another identity or format, or a torn header
     write_errors: int = 0  # uploads that failed (their entries dropped)
+    dropped: int = 0  # entries let go while MAX_QUEUED uploads were queued
 
 
 @dataclass(frozen=True)
@@ -199,6 +204,7 @@ class ObjectTier:
         self._refused: set[bytes] = set()  # objects whose header was refused
         self._gone: list[bytes] = []
         self._closed = False
+        self._queued = 0  # uploads queued or running
         self._check_bucket()
         self._uploads = ThreadPoolExecutor(UPLOADERS, thread_name_prefix="raykv-obj-put")
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="raykv-obj-get")
@@ -278,6 +284,9 @@ class ObjectTier:
             self.stats.skipped += len(held)
             seen = set(held)
             new = [i for i in keep if keys[i] not in seen and not seen.add(keys[i])]
+            room = max(0, MAX_QUEUED - self._queued) * self.per_object
+            self.stats.dropped += max(0, len(new) - room)
+            new = new[:room]
             if not new or self._closed:
                 return held
         for a in range(0, len(new), self.per_object):
@@ -320,7 +329,9 @@ class ObjectTier:
         waits for the upload). Quick: the disk tier calls it under its lock."""
         with self._lock:
             keys = [k for k in keys if k not in self._index and k not in self._pending]
-            if self._closed or not keys:
+            full = self._queued >= MAX_QUEUED
+            self.stats.dropped += len(keys) if full else 0
+            if self._closed or not keys or full:
                 path.unlink(missing_ok=True)
                 return
             self.stats.handed += len(keys)
@@ -329,6 +340,7 @@ class ObjectTier:
 
     def _queue(self, batch: _Batch) -> None:
         with self._lock:
+            self._queued += 1
             self._pending.update(zip(batch.keys, ((batch, j) for j in range(len(batch.keys))),
                                      strict=True))  # fmt: skip
         self._uploads.submit(self._upload, batch)
@@ -354,6 +366,8 @@ class ObjectTier:
         finally:
             if batch.path is not None:
                 batch.path.unlink(missing_ok=True)
+            with self._lock:
+                self._queued -= 1
         with self._idle:
             self._remember_header(digest, _Header(records, etag))
             for k, loc in zip(batch.keys, locs, strict=True):

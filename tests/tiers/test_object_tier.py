@@ -275,3 +275,18 @@ def test_a_key_found_loads_its_own_rows_or_misses(endpoint):
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
     )  # fmt: skip
     run().runTest()
+
+
+def test_a_full_upload_queue_drops_rather_than_grows(endpoint, monkeypatch):
+    from raykv.tiers import object_tier
+
+    t = tier(fresh(endpoint), batch_bytes=1)  # one entry an object
+    monkeypatch.setattr(object_tier, "MAX_QUEUED", 2)
+    with t._lock:
+        t._queued = 1  # one upload in flight: room for one more
+    ks = keys_(3)
+    assert demote(t, ks) == ks[:1] and t.stats.dropped == 2
+    with t._lock:
+        t._queued -= 1
+    assert t.flush(30) and t.load(ks).keys == ks[:1]
+    t.close()
