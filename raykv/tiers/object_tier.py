@@ -41,6 +41,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -71,6 +72,10 @@ POINTER_ROUND = 8  # a load's pointer GETs in one round (an object's header answ
 # that, a slow or unreachable bucket drops what the tier above lets go (``dropped``) rather
 # than holding memory or disk without bound
 MAX_QUEUED = 16
+# a block no pointer named is not asked for again by ``find`` for this long: a lease of a
+# prompt whose tail is nowhere would otherwise pay a GET each time
+ABSENT_S = 5.0
+ABSENT_KEYS = 1 << 16
 INDEX_ENTRIES = 1 << 20  # this tier's own uploads it remembers (the rest: by pointer)
 HEADERS_CACHED = 256  # slab headers kept (a load of a slab's entries reads it once)
 FILE_WAIT_S = 120.0  # a load of entries of a disk slab being uploaded waits this long
@@ -202,6 +207,7 @@ class ObjectTier:
         self._pending: dict[bytes, tuple[_Batch, int]] = {}  # queued, not yet uploaded
         self._headers: OrderedDict[bytes, _Header] = OrderedDict()
         self._refused: set[bytes] = set()  # objects whose header was refused
+        self._absent: OrderedDict[bytes, float] = OrderedDict()  # block key -> asked until
         self._gone: list[bytes] = []
         self._closed = False
         self._queued = 0  # uploads queued or running
@@ -451,8 +457,17 @@ class ObjectTier:
         name (uploaded by any node or cluster), up to the first that none names; the
         entries are then in this tier's index, for ``load``."""
         out: list[tuple[bytes, int]] = []
+        now = time.monotonic()
+        with self._lock:
+            if keys and self._absent.get(keys[0], 0.0) > now:
+                return out
         got = self._resolve(keys, leading=True)
         with self._lock:
+            if len(got) < len(keys):  # the first block nothing names
+                self._absent[keys[len(got)]] = now + ABSENT_S
+                self._absent.move_to_end(keys[len(got)])
+                while len(self._absent) > ABSENT_KEYS:
+                    self._absent.popitem(last=False)
             for g in got:
                 entry, sub, loc = g
                 if entry not in self._index and entry not in self._pending:
@@ -768,6 +783,7 @@ class ObjectTier:
         """Index ``key`` (under the lock); the least recently used past the bound leave it."""
         self._index[key] = loc
         self._index.move_to_end(key)
+        self._absent.pop(key, None)
         while len(self._index) > self.index_entries:
             old, _ = self._index.popitem(last=False)
             self._gone.append(old)
