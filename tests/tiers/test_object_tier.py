@@ -290,3 +290,15 @@ def test_a_full_upload_queue_drops_rather_than_grows(endpoint, monkeypatch):
         t._queued -= 1
     assert t.flush(30) and t.load(ks).keys == ks[:1]
     t.close()
+
+
+def test_the_bench_measures_both_side_by_side(endpoint):
+    from raykv.bench import tiers
+
+    r = tiers.run_objects("s3://raykv-test/bench", endpoint, nbytes=8 << 20, rounds=1)
+    assert r["bytes"] == 8 << 20 and set(r["ratio"]) == {"write", "read", "read_other"}
+    assert all(v > 0 for v in r["gbps"].values())
+    text = tiers.format_objects(r)
+    assert "read (another node)" in text and endpoint in text
+    client = s3_client(endpoint)  # each round's objects removed
+    assert "Contents" not in client.list_objects_v2(Bucket="raykv-test", Prefix="bench/")
