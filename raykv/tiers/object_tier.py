@@ -477,13 +477,19 @@ class ObjectTier:
         return out
 
     def _resolve(
-        self, keys: Sequence[bytes], leading: bool = False
+        self,
+        keys: Sequence[bytes],
+        leading: bool = False,
+        bodies: dict[bytes, tuple[bytes, str]] | None = None,
     ) -> list[tuple[bytes, int, _Loc] | None]:
         """(entry key, sub-slot, where) of each block key by its pointer, or None. A pointer
         names an object whose header lists every block its entries carry: read once (and
         cached for the load), it answers for the object's other blocks, so a batch costs a
         pointer GET per object, not per block. ``leading``: the keys up to the first that
-        nothing names (a prompt the bucket lacks costs one GET)."""
+        nothing names (a prompt the bucket lacks costs one GET). ``bodies``: where a load
+        wants about half an object's slots or more (and the object is at most two batches),
+        the whole object is read at once instead of its header (one GET where a header, then
+        rows, took two), its bytes left there by object for ``_read``."""
         out: list[tuple[bytes, int, _Loc] | None] = []
         known: dict[bytes, tuple[bytes, int, _Loc]] = {}
         step = 1 if leading else POINTER_ROUND
@@ -494,7 +500,9 @@ class ObjectTier:
             for k, g in zip(ask, self._pointer_gets(ask), strict=True):
                 if g is not None:
                     known[k] = g
-                    self._listed(g[2], known)
+                    loc = g[2]
+                    whole = 2 * len(keys) >= loc.slots and loc.slots <= 2 * self.per_object
+                    self._listed(loc, known, bodies if whole else None)
             for k in window:
                 if k not in known and leading:
                     return out
@@ -503,9 +511,15 @@ class ObjectTier:
             step = min(8 * step, 512) if leading else step
         return out
 
-    def _listed(self, loc: _Loc, known: dict[bytes, tuple[bytes, int, _Loc]]) -> None:
-        """The blocks the header of ``loc``'s object lists, into ``known``."""
-        head = self._header(loc.digest, loc.slots)
+    def _listed(
+        self,
+        loc: _Loc,
+        known: dict[bytes, tuple[bytes, int, _Loc]],
+        bodies: dict[bytes, tuple[bytes, str]] | None = None,
+    ) -> None:
+        """The blocks the header of ``loc``'s object lists, into ``known`` (``bodies``: the
+        whole object read, see ``_resolve``)."""
+        head = self._header(loc.digest, loc.slots, bodies)
         if head is None:
             return
         for i, r in enumerate(head.records):
@@ -568,7 +582,8 @@ class ObjectTier:
                     located[k] = self._index[k]
                 else:
                     unknown.append(k)
-        for k, got in zip(unknown, self._resolve(unknown), strict=True):
+        bodies: dict[bytes, tuple[bytes, str]] = {}  # objects read whole while resolving
+        for k, got in zip(unknown, self._resolve(unknown, bodies=bodies), strict=True):
             if got is not None and got[0] == k:  # a pointer of the entry's own key
                 located[k] = got[2]
                 with self._lock:
@@ -586,7 +601,8 @@ class ObjectTier:
                     buf[j], rec[j], good[j] = batch.rows[i], batch.records[i], True
         base = len(queued)
         good[:base] &= self.format.verified(buf[:base], rec[:base])
-        torn = self._read(found, buf[base:], rec[base:], good[base:])
+        torn = self._read(found, buf[base:], rec[base:], good[base:], bodies)
+        del bodies
         with self._lock:
             for j, (k, loc) in enumerate(found):
                 if good[base + j]:
@@ -621,7 +637,12 @@ class ObjectTier:
             self._idle.wait_for(waiting, FILE_WAIT_S)
 
     def _read(
-        self, found: list[tuple[bytes, _Loc]], buf: np.ndarray, rec: np.ndarray, good: np.ndarray
+        self,
+        found: list[tuple[bytes, _Loc]],
+        buf: np.ndarray,
+        rec: np.ndarray,
+        good: np.ndarray,
+        bodies: dict[bytes, tuple[bytes, str]] | None = None,
     ) -> np.ndarray:
         """Read and verify ``found`` into ``buf`` (their records into ``rec``, whether each
         is good into ``good``); returns per entry whether it was torn (not there whole)."""
@@ -653,8 +674,9 @@ class ObjectTier:
                        and found[ok[end]][1].slot == found[ok[end - 1]][1].slot + 1):  # fmt: skip
                     end += 1
                 run = ok[start:end]
+                body = (bodies or {}).get(digest)
                 pieces.append((run, self._readers.submit(self._read_run, digest, head, found,
-                                                         run, buf, rec)))  # fmt: skip
+                                                         run, buf, rec, body)))  # fmt: skip
                 start = end
         for run, done in pieces:
             whole, verified = done.result()
@@ -670,9 +692,11 @@ class ObjectTier:
         run: list[int],
         buf: np.ndarray,
         rec: np.ndarray,
+        body: tuple[bytes, str] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """One ranged GET of consecutive slots (``run``: indices into ``found``), sent with
-        the header's ETag: (read whole, verified) per entry."""
+        the header's ETag, or their bytes in ``body`` (the object read whole, with its
+        ETag): (read whole, verified) per entry."""
         first = found[run[0]][1]
         lo = self.format.header_bytes(first.slots) + first.slot * self.stride
         hi = lo + len(run) * self.stride
@@ -686,8 +710,13 @@ class ObjectTier:
         everything = first.slot == 0 and len(run) == len(head.records) == first.slots
         ranged = {} if everything else {"Range": f"bytes={lo}-{hi - 1}"}
         try:
-            got = self._get_into(self.object_name(digest), into.reshape(-1), lo if everything
-                                 else 0, IfMatch=head.etag, **ranged)  # fmt: skip
+            if body is not None and body[1] == head.etag:  # read whole while resolving
+                part = np.frombuffer(body[0], np.uint8)[lo:hi]
+                got = len(part)
+                into.reshape(-1)[:got] = part
+            else:
+                got = self._get_into(self.object_name(digest), into.reshape(-1), lo if everything
+                                     else 0, IfMatch=head.etag, **ranged)  # fmt: skip
         except Exception as e:  # unreachable, refused: a miss, counted as torn
             log.warning("object tier %s: reading %s failed: %r", self.base, digest.hex(), e)
             got = None
@@ -734,9 +763,11 @@ class ObjectTier:
         finally:
             body.close()
 
-    def _header(self, digest: bytes, slots: int) -> _Header | None:
-        """An object's header (cached; else one ranged GET), checked; None: missing or
-        refused (counted)."""
+    def _header(
+        self, digest: bytes, slots: int, bodies: dict[bytes, tuple[bytes, str]] | None = None
+    ) -> _Header | None:
+        """An object's header (cached; else one ranged GET, or with ``bodies`` a GET of the
+        whole object, left there), checked; None: missing or refused (counted)."""
         with self._lock:
             head = self._headers.get(digest)
             if head is not None:
@@ -747,11 +778,11 @@ class ObjectTier:
         from botocore.exceptions import ClientError
 
         hb = self.format.header_bytes(slots)
+        ranged = {} if bodies is not None else {"Range": f"bytes=0-{hb - 1}"}
         try:
-            got = self.client.get_object(
-                Bucket=self.settings.bucket, Key=self.object_name(digest), Range=f"bytes=0-{hb - 1}"
-            )
-            blob, etag = got["Body"].read(), got["ETag"]  # fmt: skip
+            got = self.client.get_object(Bucket=self.settings.bucket,
+                                         Key=self.object_name(digest), **ranged)  # fmt: skip
+            blob, etag = got["Body"].read(), got["ETag"]
         except ClientError:
             return None
         except Exception as e:
@@ -776,6 +807,8 @@ class ObjectTier:
         head = _Header(records, etag)
         with self._lock:
             self._remember_header(digest, head)
+        if bodies is not None:
+            bodies[digest] = (blob, etag)
         return head
 
     # ------------------------------------------------------------------ internals
