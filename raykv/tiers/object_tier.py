@@ -72,6 +72,7 @@ POINTER_ROUND = 8  # a load's pointer GETs in one round (an object's header answ
 # that, a slow or unreachable bucket drops what the tier above lets go (``dropped``) rather
 # than holding memory or disk without bound
 MAX_QUEUED = 16
+SPARE_BUFFERS = 4  # staging buffers of full batches kept for reuse
 # a block no pointer named is not asked for again by ``find`` for this long: a lease of a
 # prompt whose tail is nowhere would otherwise pay a GET each time
 ABSENT_S = 5.0
@@ -211,6 +212,7 @@ class ObjectTier:
         self._gone: list[bytes] = []
         self._closed = False
         self._queued = 0  # uploads queued or running
+        self._spare: list[bytearray] = []  # uploaded full batches' buffers, reused
         self._check_bucket()
         self._uploads = ThreadPoolExecutor(UPLOADERS, thread_name_prefix="raykv-obj-put")
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="raykv-obj-get")
@@ -314,8 +316,12 @@ class ObjectTier:
         n, f, fmt = len(new), self.factor, self.format
         at = np.asarray(new, np.int64)
         hb = fmt.header_bytes(n)
-        # a bytearray: botocore sends it as it is (bytes would be one more copy of the rows)
-        body = bytearray(hb + n * self.stride)
+        # a bytearray: botocore sends it as it is (bytes would be one more copy of the rows);
+        # a full batch's from the spares, as a fresh one costs a page fault per page
+        size = hb + n * self.stride
+        with self._lock:
+            spare = self._spare.pop() if self._spare and len(self._spare[-1]) == size else None
+        body = spare if spare is not None else bytearray(size)
         buffer = np.frombuffer(body, np.uint8)
         rows = buffer[hb:].reshape(n, self.stride)
         dst = rows[:, : self.entry_bytes].reshape(n, self.copies, f, self.slot_bytes)
@@ -367,6 +373,7 @@ class ObjectTier:
                 for k in mine:
                     del self._pending[k]
                 self._gone += mine
+                self._keep_spare(batch)
                 self._idle.notify_all()
             return
         finally:
@@ -383,6 +390,7 @@ class ObjectTier:
             self.stats.uploaded += len(batch.keys)
             self.stats.uploaded_bytes += len(batch.keys) * self.stride
             self.stats.objects += 1
+            self._keep_spare(batch)
             self._idle.notify_all()
 
     def _put_buffer(self, batch: _Batch) -> tuple[bytes, list[_Loc], np.ndarray, str]:
@@ -820,6 +828,15 @@ class ObjectTier:
         while len(self._index) > self.index_entries:
             old, _ = self._index.popitem(last=False)
             self._gone.append(old)
+
+    def _keep_spare(self, batch: _Batch) -> None:
+        """A full batch's buffer back to the spares once its entries left ``_pending``
+        (under the lock): loads read them from the bucket now, and those that read the
+        staging buffer copied it under the lock before."""
+        full = self.format.header_bytes(self.per_object) + self.per_object * self.stride
+        if batch.body is None or len(batch.body) != full or len(self._spare) >= SPARE_BUFFERS:
+            return
+        self._spare.append(batch.body)
 
     def _remember_header(self, digest: bytes, head: _Header) -> None:
         self._headers[digest] = head
