@@ -191,8 +191,20 @@ PRESET_DEFAULTS = dict(cpu_mem="1GiB", gpu_mem_fraction=0.9, pool_mem="0", block
     "TENANT a label as raykv status shows it, a cache salt, 'none' (requests without a "
     "tenant) or 'default' (every tenant not listed), e.g. --tenant-quota default=8GiB",
 )
+@click.option(
+    "--object-url",
+    help="an object-store tier below each node's lowest tier, shared by every node and "
+    "cluster on the bucket: s3://BUCKET/PREFIX (on the head raykv up starts)",
+)
+@click.option(
+    "--object-endpoint",
+    help="the S3-compatible server of --object-url, e.g. http://127.0.0.1:9000 [AWS]",
+)
 @_timeout
-def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, tenant_quota, **sizes) -> None:
+def up(
+    address, preset, num_cpus, timeout_s, disk_path, disk_bytes, tenant_quota, object_url,
+    object_endpoint, **sizes,
+) -> None:  # fmt: skip
     """Start (or join) the raykv service and print where it runs.
 
     With no --preset it serves no model: engines add theirs (vLLM's connector serves its
@@ -225,6 +237,20 @@ def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, tenant_quota
             quotas = parse_tenant_quotas(tenant_quota)
         except RaykvError as e:
             raise click.UsageError(str(e)) from e
+    objects = None
+    if object_url is not None or object_endpoint is not None:
+        from raykv.tiers.object_tier import ObjectSettings
+
+        if object_url is None:
+            raise click.UsageError(
+                "--object-endpoint names the server of an object tier: give its bucket too, "
+                "--object-url s3://BUCKET/PREFIX"
+            )
+        try:
+            ObjectSettings.parse(object_url, object_endpoint)
+        except RaykvError as e:
+            raise click.UsageError(str(e)) from e
+        objects = (object_url, object_endpoint)
 
     given = sorted(k for k, v in sizes.items() if v is not None)
     if preset is None and given:
@@ -254,6 +280,7 @@ def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, tenant_quota
             tp_size=sizes["tp_size"],
             disk=disk,
             tenant_quotas=quotas,
+            objects=objects,
         )
     except RaykvError as e:
         raise click.ClickException(str(e)) from e
@@ -277,6 +304,9 @@ def up(address, preset, num_cpus, timeout_s, disk_path, disk_bytes, tenant_quota
 
         shown = ", ".join(f"{k} {format_bytes(v)}" for k, v in quotas.as_dict().items())
         click.echo(f"  tenant quotas per node and model (by label): {shown}")
+    if objects is not None:
+        click.echo(f"  object tier in {object_url}" + (f" at {object_endpoint}"
+                   if object_endpoint else ""))  # fmt: skip
     click.echo(f"  connect with raykv.connect('{info['address']}')")
     if info.get("token"):
         click.echo(f"  Ray token auth is on; the token is in {info['token']}")
@@ -503,6 +533,12 @@ def bench() -> None:
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
               help="rounds of each (medians)")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+@click.option("--only", type=click.Choice(["disk", "object"]), help="one tier's rows [both]")
+@click.option("--object-url", help="the object tier's bucket, s3://BUCKET/PREFIX [a local "
+              "moto server's, started here]")  # fmt: skip
+@click.option("--object-endpoint", help="the S3-compatible server of --object-url [AWS]")
+@click.option("--object-bytes", default="256MiB", show_default=True,
+              help="bytes moved each way through the object tier")  # fmt: skip
 @click.option("--vs-recompute", is_flag=True,
               help="instead: a prompt's KV loaded from the disk tier vs recomputing its prefill "
               "with the tiny vLLM engine, per prompt length")  # fmt: skip
@@ -515,16 +551,23 @@ def bench() -> None:
     show_default=True,
     help="with --vs-recompute: what recomputes (torch: the model's forward pass)",
 )
-def bench_tiers(path, nbytes, rounds, as_json, vs_recompute, lengths, engine) -> None:
+def bench_tiers(
+    path, nbytes, rounds, as_json, only, object_url, object_endpoint, object_bytes, vs_recompute,
+    lengths, engine,
+) -> None:  # fmt: skip
     """The disk tier's write of demoted entries and read of hits vs a plain sequential
     O_DIRECT write and read of the same bytes in the same folder, and the tier forced to
-    buffered I/O beside it; --vs-recompute: a prompt served from disk vs recomputed."""
+    buffered I/O beside it; the object tier's upload and verified load vs plain boto3
+    put_object / get_object of the same bytes; --vs-recompute: a prompt served from disk vs
+    recomputed."""
     import json
+    from importlib.util import find_spec
 
     from raykv.bench import tiers
     from raykv.errors import RaykvError
     from raykv.layout.report import parse_size
 
+    reports: dict = {}
     try:
         if vs_recompute:
             from raykv.bench import recompute
@@ -542,10 +585,22 @@ def bench_tiers(path, nbytes, rounds, as_json, vs_recompute, lengths, engine) ->
             click.echo(json.dumps(report, indent=2) if as_json else
                        recompute.format_report(report))  # fmt: skip
             return
-        report = tiers.run(path, parse_size(nbytes), rounds)
+        if only != "object":
+            reports["disk"] = tiers.run(path, parse_size(nbytes), rounds)
+        local = object_url is None and any(find_spec(m) is None for m in ("boto3", "moto"))
+        if only is None and local:  # nothing to measure against here: said, not failed
+            click.echo("(no object tier rows: a local S3 server needs pip install "
+                       "'raykv[dev]', or give --object-url)", err=True)  # fmt: skip
+        elif only != "disk":
+            reports["object"] = tiers.run_objects(object_url, object_endpoint,
+                                                  parse_size(object_bytes), rounds)  # fmt: skip
     except RaykvError as e:
         raise click.ClickException(str(e)) from e
-    click.echo(json.dumps(report, indent=2) if as_json else tiers.format_report(report))
+    if as_json:
+        click.echo(json.dumps(reports["disk"] if only == "disk" else reports, indent=2))
+        return
+    text = {"disk": tiers.format_report, "object": tiers.format_objects}
+    click.echo("\n\n".join(text[k](r) for k, r in reports.items()))
 
 
 @bench.command("copy")

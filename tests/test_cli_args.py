@@ -96,6 +96,21 @@ def test_up_passes_tenant_quotas_by_label_and_refuses_bad_ones(launched, monkeyp
                     tenant_quotas=TenantQuotas({}, 1024))  # fmt: skip
 
 
+def test_up_passes_the_object_tier(launched) -> None:
+    """--object-url (with --object-endpoint or not) reaches the launcher as (url, endpoint);
+    an endpoint alone or a URL that is not s3:// is a usage error naming the fix."""
+    seen = launched
+    args = ["up", "--object-url", "s3://kv/p", "--object-endpoint", "http://127.0.0.1:9000"]
+    res = CliRunner().invoke(cli.main, args)
+    assert res.exit_code == 0, res.output
+    assert seen["objects"] == ("s3://kv/p", "http://127.0.0.1:9000")
+    assert "object tier in s3://kv/p at http://127.0.0.1:9000" in res.output
+    bad = CliRunner().invoke(cli.main, ["up", "--object-endpoint", "http://127.0.0.1:9000"])
+    assert bad.exit_code == 2 and "--object-url s3://BUCKET/PREFIX" in bad.output
+    bad = CliRunner().invoke(cli.main, ["up", "--object-url", "kv/p"])
+    assert bad.exit_code == 2 and "s3://BUCKET" in bad.output
+
+
 def _stats(lookups: int) -> dict:
     """What the coordinator's ``stats`` answers, for a service of one node and no members."""
     return {"address": "127.0.0.1:1", "uptime_s": 1.0, "models": {}, "members": [],

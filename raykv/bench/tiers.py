@@ -12,16 +12,30 @@ the tier's writer thread) until everything is on disk (``flush``); its read from
 checksums. The plain loop writes and reads ``chunk_bytes`` at a time from one aligned
 buffer, one file. Both go to the device (O_DIRECT) where the filesystem takes it, both
 through the page cache where it does not (reported).
+
+The object tier's rows (``run_objects``): the same entries demoted into a fresh
+``ObjectTier`` (objects of ``batch_bytes``, uploaded in the background, plus a pointer per
+block) until all are in the bucket, then loaded back and verified, by the node that uploaded
+them and by a fresh tier (another node: through the pointers and the objects' headers);
+next to plain boto3 ``put_object`` / ``get_object`` of the same bytes in objects of the same
+size, one after another, against the same server (a local moto server the bench starts when
+no endpoint is given: a Python server on the same cores, so its numbers are the tier's
+overheads against the same client, not an S3's bandwidth).
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import shutil
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +48,7 @@ from raykv.tiers.checksum import checksums_at
 from raykv.tiers.cpu_tier import KeyRows, KeySums
 
 DEFAULT_BYTES = 1 << 30
+DEFAULT_OBJECT_BYTES = 256 << 20
 BATCH_BYTES = 64 << 20  # a CPU tier's eviction for one large store
 CHUNK_BYTES = 64 << 20  # the plain loop's block size (dd bs=64M)
 
@@ -237,5 +252,193 @@ def format_report(r: dict[str, Any]) -> str:
         f"{r['buffered_read_ratio']:>8.2f}  (page cache dropped first: from the disk)",
         f"{'re-read':8}{g['buffered_warm_read']:>16.2f}{'':>14}{'':>8}  (right after: from "
         "the page cache, a second copy of what the CPU tier above may hold)",
+    ]
+    return "\n".join(lines)
+
+
+# what a local S3 server takes (boto3 reads them from the environment)
+DUMMY_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "raykv", "AWS_SECRET_ACCESS_KEY": "raykv",
+                     "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+
+
+@contextlib.contextmanager
+def local_s3(bucket: str = "raykv") -> Iterator[str]:
+    """An S3-compatible server on 127.0.0.1 for as long as the context lasts (moto's, in a
+    process of its own, so neither side of a comparison shares its GIL), with ``bucket``
+    created: its endpoint URL. It takes any credentials (``DUMMY_CREDENTIALS``)."""
+    try:
+        import boto3
+    except ImportError as e:
+        raise TierError("a local S3 server needs boto3 and moto: pip install 'raykv[dev]'") from e
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from moto.server import main; main()", "-H", "127.0.0.1",
+         "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise TierError(f"moto's S3 server did not start on {endpoint}") from None
+                time.sleep(0.1)
+        creds = {"aws_access_key_id": "raykv", "aws_secret_access_key": "raykv"}
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                     **creds).create_bucket(Bucket=bucket)  # fmt: skip
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def plain_s3(client: Any, bucket: str, prefix: str, nbytes: int,
+             chunk: int = BATCH_BYTES) -> dict[str, Any]:  # fmt: skip
+    """boto3 ``put_object`` of ``nbytes`` in objects of ``chunk`` bytes one after another,
+    then ``get_object`` of each: seconds each."""
+    body = np.random.default_rng(0).integers(0, 256, chunk, dtype=np.uint8).tobytes()
+    names = [f"{prefix}/plain-{i:06d}" for i in range(-(-nbytes // chunk))]
+    t0 = time.perf_counter()
+    for name in names:
+        client.put_object(Bucket=bucket, Key=name, Body=body)
+    write_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for name in names:
+        got = client.get_object(Bucket=bucket, Key=name)["Body"].read()
+        if len(got) != chunk:
+            raise TierError(f"{name}: read {len(got)} of {chunk} bytes")
+    read_s = time.perf_counter() - t0
+    return {"write_s": write_s, "read_s": read_s}
+
+
+def object_tier(
+    settings: Any, plan: Plan, arena: torch.Tensor, valid: KeyRows, sums: KeySums,
+    batch_bytes: int = BATCH_BYTES,
+) -> dict[str, Any]:  # fmt: skip
+    """Demote the ``arena``'s entries into a fresh object tier under ``settings`` (a prefix
+    of its own), until all are uploaded; load them back (verified) on it, then on a fresh
+    tier that knows nothing of them: seconds each."""
+    from raykv.tiers.disk_tier import model_identity
+    from raykv.tiers.object_tier import ObjectTier
+
+    entry, n = plan.gpu_bytes_per_block, arena.shape[1]
+    per = max(1, batch_bytes // entry)
+    keys = [b"\0\0\0\0" + i.to_bytes(32, "little") for i in range(n)]
+    identity = model_identity("bench", plan)
+    tier = ObjectTier(settings, plan, identity, batch_bytes=batch_bytes)
+    other = None
+    try:
+        t0 = time.perf_counter()
+        for i in range(0, n, per):
+            at = np.arange(i, min(n, i + per))
+            part = keys[i : i + per]
+            tier.demote(part, arena, at, KeyRows(valid.values[at], valid.lengths[at]),
+                        KeySums(sums.sums[:, at], sums.lengths[:, at]), [entry] * len(at),
+                        [(k,) for k in part])  # fmt: skip
+        tier.flush()
+        write_s = time.perf_counter() - t0
+        if tier.stats.write_errors:
+            raise TierError(f"the object tier failed {tier.stats.write_errors} uploads")
+        out = tier.buffer(per)
+        reads = []
+        other = ObjectTier(settings, plan, identity, batch_bytes=batch_bytes)
+        for t in (tier, other):  # the uploading node (its index), another (by pointer)
+            t0 = time.perf_counter()
+            got = sum(len(t.load(keys[i : i + per], out).keys) for i in range(0, n, per))
+            reads.append(time.perf_counter() - t0)
+            if got != n:
+                raise TierError(f"the object tier served {got} of {n} entries; see its log")
+        return {"write_s": write_s, "read_s": reads[0], "read_other_s": reads[1]}
+    finally:
+        tier.close()
+        if other is not None:
+            other.close()
+
+
+def _clear(client: Any, bucket: str, prefix: str) -> None:
+    """Remove every object under ``prefix`` (a round's, so the server holds one round)."""
+    while True:
+        got = client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/", MaxKeys=1000)
+        names = [{"Key": o["Key"]} for o in got.get("Contents", [])]
+        if not names:
+            return
+        client.delete_objects(Bucket=bucket, Delete={"Objects": names, "Quiet": True})
+
+
+def run_objects(
+    url: str | None = None, endpoint: str | None = None, nbytes: int = DEFAULT_OBJECT_BYTES,
+    rounds: int = 3,
+) -> dict[str, Any]:  # fmt: skip
+    """The object tier against plain boto3, side by side, ``rounds`` times (alternating
+    which goes first), against ``url``/``endpoint`` or, with neither, a local moto server
+    started here; medians."""
+    from raykv.bench.chaos import environment
+    from raykv.blocks.hashing import build_native
+    from raykv.tiers.object_tier import ObjectSettings, s3_client
+
+    build_native()
+    plan = bench_plan()
+    arena, valid, sums = entries(plan, nbytes)
+    nbytes = arena.numel()
+    with contextlib.ExitStack() as stack:
+        if url is None:
+            if endpoint is not None:
+                raise TierError("--object-endpoint needs --object-url s3://BUCKET/PREFIX")
+            endpoint = stack.enter_context(local_s3("raykv-bench"))
+            stack.enter_context(environment(DUMMY_CREDENTIALS))
+            url = "s3://raykv-bench/bench"
+        base = ObjectSettings.parse(url, endpoint)
+        client = s3_client(base.endpoint)
+        runs: list[dict[str, float]] = []
+        for r in range(rounds):
+            prefix = f"{base.prefix}/round-{os.getpid()}-{r}".strip("/")
+            settings = ObjectSettings(base.bucket, prefix, base.endpoint)
+            steps = [lambda p=prefix: plain_s3(client, base.bucket, p, nbytes),
+                     lambda s=settings: object_tier(s, plan, arena, valid, sums)]  # fmt: skip
+            try:
+                got = [step() for step in (steps if r % 2 == 0 else steps[::-1])]
+            finally:
+                _clear(client, base.bucket, prefix)
+            raw, tier = got if r % 2 == 0 else got[::-1]
+            runs.append({
+                "tier_write": nbytes / tier["write_s"] / 1e9,
+                "tier_read": nbytes / tier["read_s"] / 1e9,
+                "tier_read_other": nbytes / tier["read_other_s"] / 1e9,
+                "plain_write": nbytes / raw["write_s"] / 1e9,
+                "plain_read": nbytes / raw["read_s"] / 1e9,
+            })  # fmt: skip
+    gbs = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    ratio = {
+        w: statistics.median(r[f"tier_{w}"] / r[f"plain_{w.split('_')[0]}"] for r in runs)
+        for w in ("write", "read", "read_other")
+    }
+    return {"url": url, "endpoint": endpoint, "local": url == "s3://raykv-bench/bench",
+            "bytes": nbytes, "entry_bytes": plan.gpu_bytes_per_block,
+            "object_bytes": BATCH_BYTES, "rounds": runs, "gbps": gbs,
+            "ratio": ratio}  # fmt: skip
+
+
+def format_objects(r: dict[str, Any]) -> str:
+    g, q = r["gbps"], r["ratio"]
+    where = "a local moto server" if r["local"] else f"{r['url']} at {r['endpoint'] or 'AWS'}"
+    lines = [
+        f"object tier vs plain boto3 put_object / get_object: {r['bytes'] / 2**20:.0f} MiB in "
+        f"{r['entry_bytes'] / 2**20:.1f} MiB entries, objects of "
+        f"{r['object_bytes'] / 2**20:.0f} MiB, {where}, median of {len(r['rounds'])} rounds",
+        f"{'':20}{'object tier GB/s':>18}{'boto3 GB/s':>12}{'ratio':>8}",
+        f"{'write':20}{g['tier_write']:>18.3f}{g['plain_write']:>12.3f}{q['write']:>8.2f}",
+        f"{'read (its node)':20}{g['tier_read']:>18.3f}{g['plain_read']:>12.3f}{q['read']:>8.2f}",
+        f"{'read (another node)':20}{g['tier_read_other']:>18.3f}{g['plain_read']:>12.3f}"
+        f"{q['read_other']:>8.2f}",
     ]
     return "\n".join(lines)

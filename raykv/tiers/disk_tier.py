@@ -39,10 +39,9 @@ import logging
 import mmap
 import os
 import re
-import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,18 +51,14 @@ import torch
 
 from raykv.blocks.hashing import HASH_VERSION
 from raykv.errors import ConfigError
-from raykv.layout import tp
 from raykv.layout.plan import Plan
 from raykv.tiers.admission import make_admission
-from raykv.tiers.checksum import checksums_at
 from raykv.tiers.cpu_tier import KeyRows, KeySums
+from raykv.tiers.slab import ALIGN, HEAD, MAX_KEY, Entries, Members, SlabFormat, get_key
+from raykv.tiers.slab import up as _up
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096  # direct I/O: buffer addresses, offsets and lengths in multiples of this
-MAGIC = b"RAYKVSLB"
-VERSION = 1
-MAX_KEY = 64  # bytes of a stored key (the service's: 4 + 32)
 DEFAULT_SLAB_BYTES = 256 << 20
 # slots per slab at most: each batch rewrites the header's digest over every filled record,
 # so tiny entries (tests) get smaller slabs instead of a header of megabytes
@@ -72,13 +67,6 @@ SPARE_BUFFERS = 4  # staging buffers kept for reuse
 WRITE_BATCH_BYTES = 64 << 20  # a demotion is staged and queued in batches of this
 READ_PIECE_BYTES = 16 << 20  # a load reads in pieces of this, READERS of them at a time
 READERS = 4
-# magic, version, identity, stride, slot bytes, factor, copies, slots, filled; then the
-# digest of these and of the filled slots' records
-_FIXED = struct.Struct("<8sI32sQQIIII")
-_DIGEST = 32
-_NONE = 0xFFFF  # a member's length: a null sub-slot (no block)
-
-Members = tuple[bytes | None, ...]
 
 
 def model_identity(name: str, plan: Plan) -> bytes:
@@ -98,10 +86,6 @@ def _aligned(n: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, max(_up(n), ALIGN)), np.uint8)
 
 
-def _up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 @dataclass
 class DiskStats:
     demoted: int = 0  # entries queued for writing
@@ -117,19 +101,6 @@ class DiskStats:
     evicted: int = 0  # entries evicted with their slab
     refused_slabs: int = 0  # slabs of another identity or format, or a torn header
     write_errors: int = 0  # batches the writer could not write (their entries dropped)
-
-
-@dataclass(frozen=True)
-class Entries:
-    """Entries read from the tier (``load``): per entry its key, the block keys it carries,
-    rows ``[n, copies, factor, slot_bytes]`` and the CPU tier's valid sub-slots and
-    checksums, ready for ``CpuTier.store_rows``."""
-
-    keys: list[bytes]
-    members: list[Members]
-    rows: np.ndarray
-    valid: KeyRows
-    sums: KeySums
 
 
 @dataclass
@@ -167,20 +138,16 @@ class DiskTier:
         *,
         slab_bytes: int = DEFAULT_SLAB_BYTES,
         direct: bool = True,
+        on_evict: Callable[[Path, list[bytes]], None] | None = None,
     ) -> None:
         self.path = Path(path)
         self.identity = identity
-        self.factor = max(1, plan.block_size_factor)
-        self.copies = tp.plan_copies(plan)
-        self.slot_bytes = plan.gpu_bytes_per_block
-        self.entry_bytes = self.copies * self.factor * self.slot_bytes
-        self.stride = _up(self.entry_bytes)
-        self.dtype = np.dtype([
-            ("klen", "<u2"), ("key", "u1", (MAX_KEY,)), ("width", "<u4"), ("nvalid", "<i4"),
-            ("valid", "u1", (self.factor,)), ("nsums", "<i4", (self.copies,)),
-            ("sums", "<i8", (self.copies, self.factor)), ("mlen", "<u2", (self.factor,)),
-            ("members", "u1", (self.factor, MAX_KEY)),
-        ])  # fmt: skip
+        self.format = fmt = SlabFormat(plan, identity)  # the object tier's format too
+        self.factor, self.copies, self.slot_bytes = fmt.factor, fmt.copies, fmt.slot_bytes
+        self.entry_bytes, self.stride, self.dtype = fmt.entry_bytes, fmt.stride, fmt.dtype
+        # a full tier's evicted slab (its file renamed away, its live keys): handed on
+        # before the file would be reused (the object tier uploads it); None: removed
+        self.on_evict = on_evict
         self.slots = self._slots_for(slab_bytes)
         self.slab_bytes = self._header_bytes(self.slots) + self.slots * self.stride
         self.max_slabs = disk_bytes // self.slab_bytes
@@ -225,17 +192,13 @@ class DiskTier:
 
     # ------------------------------------------------------------------ geometry
     def _header_bytes(self, slots: int) -> int:
-        return _up(_FIXED.size + _DIGEST + slots * self.dtype.itemsize)
+        return self.format.header_bytes(slots)
 
     def _slots_for(self, slab_bytes: int) -> int:
         slots = max(1, min(MAX_SLOTS, (slab_bytes - ALIGN) // (self.stride + self.dtype.itemsize)))
         while slots > 1 and self._header_bytes(slots) + slots * self.stride > slab_bytes:
             slots -= 1
         return slots
-
-    def _fixed(self, slots: int, filled: int) -> bytes:
-        return _FIXED.pack(MAGIC, VERSION, self.identity, self.stride, self.slot_bytes,
-                           self.factor, self.copies, slots, filled)  # fmt: skip
 
     # ------------------------------------------------------------------ queries
     def __contains__(self, key: bytes) -> bool:
@@ -332,21 +295,8 @@ class DiskTier:
         rows = arena.numpy().reshape(self.copies, -1, f, self.slot_bytes)
         for j, b in enumerate(np.asarray(blocks, np.int64)[at].tolist()):
             dst[j] = rows[:, b]  # straight into the buffer (a fancy index copies twice)
-        rec = np.zeros(n, self.dtype)
         new_keys = [keys[i] for i in new]
-        for j, i in enumerate(new):
-            _put_key(rec[j], "klen", "key", new_keys[j])
-            ms = members[i]
-            for s in range(f):
-                m = ms[s] if s < len(ms) else None
-                rec[j]["mlen"][s] = _NONE if m is None else len(m)
-                if m is not None:
-                    rec[j]["members"][s, : len(m)] = np.frombuffer(m, np.uint8)
-        rec["width"] = np.asarray(widths, np.int64)[at]
-        rec["nvalid"] = valid.lengths[at]
-        rec["valid"][:, : valid.values.shape[1]] = valid.values[at]
-        rec["nsums"] = sums.lengths[:, at].T
-        rec["sums"][:, :, : sums.sums.shape[2]] = sums.sums[:, at].transpose(1, 0, 2)
+        rec = self.format.records(new_keys, at, valid, sums, widths, members)
         batch = _Batch(new_keys, rec, staging, buffer)
         with self._lock:
             self._pending.update(zip(new_keys, ((batch, j) for j in range(n)), strict=True))
@@ -459,17 +409,10 @@ class DiskTier:
             sorted(np.flatnonzero(good).tolist(), key=lambda j: rank[order[j]]), np.int64
         )
         if len(pick) == n and (pick == np.arange(n)).all():  # the rule: all, in order
-            rows, r = buf[:, : self.entry_bytes], rec
+            rows, r = buf, rec
         else:
-            rows, r = buf[pick, : self.entry_bytes], rec[pick]
-        rows = rows.reshape(-1, self.copies, self.factor, self.slot_bytes)
-        return Entries(
-            [order[j] for j in pick.tolist()],
-            [self._members(x) for x in r],
-            rows,
-            KeyRows(r["valid"].astype(bool), r["nvalid"].astype(np.int64)),
-            KeySums(r["sums"].transpose(1, 0, 2).copy(), r["nsums"].T.astype(np.int64)),
-        )
+            rows, r = buf[pick], rec[pick]
+        return self.format.entries([order[j] for j in pick.tolist()], rows, r)
 
     def _read(self, found: list[tuple[bytes, int, int, np.ndarray]], out: np.ndarray) -> np.ndarray:
         """Read each found (key, slab, slot, record) into its row of ``out`` (one read per
@@ -514,24 +457,7 @@ class DiskTier:
 
     def _verified(self, buf: np.ndarray, rec: np.ndarray) -> np.ndarray:
         """Per entry, whether every row that carries a block matches its stored checksum."""
-        n, f = len(rec), self.factor
-        good = np.ones(n, bool)
-        if not n:
-            return good
-        for width in np.unique(rec["width"]).tolist():
-            of = np.flatnonzero(rec["width"] == width)
-            for c in range(self.copies):
-                for s in range(f):
-                    off = (c * f + s) * self.slot_bytes
-                    r = rec[of]
-                    check = (s < r["nsums"][:, c]) & (s < r["nvalid"]) & (r["valid"][:, s] > 0)
-                    if not check.any():
-                        continue
-                    table = buf[:, off : off + self.slot_bytes]
-                    at = of[check]
-                    got = np.asarray(checksums_at(table, at, int(width)), np.int64)
-                    good[at] &= got == r["sums"][check, c, s]
-        return good
+        return self.format.verified(buf, rec)
 
     # ------------------------------------------------------------------ the writer
     def _write_loop(self) -> None:
@@ -681,11 +607,12 @@ class DiskTier:
             victim = min(self._slabs, key=lambda s: (self._slabs[s].live > 0,
                                                      self._slabs[s].used))  # fmt: skip
             slab = self._slabs.pop(victim)
-            for k in [k for k, (s, _) in self._index.items() if s == victim]:
+            live = [k for k, (s, _) in self._index.items() if s == victim]
+            path = self._hand_on(victim, slab, live)
+            for k in live:
                 del self._index[k]
                 self._gone.append(k)
                 self.stats.evicted += 1
-            path = slab.path
         else:
             path = self.path / f"slab-{self._next_id:08d}.kv"
         sid, self._next_id = self._next_id, self._next_id + 1
@@ -705,17 +632,27 @@ class DiskTier:
             os.close(fd)
         return sid
 
+    def _hand_on(self, sid: int, slab: _Slab, live: list[bytes]) -> Path:
+        """An evicted slab goes to ``on_evict`` (renamed, so that its file is not reused
+        while the tier below reads it: the keys its header on disk lists); returns the file
+        the next slab is written to. Under the lock."""
+        if self.on_evict is None or not live:
+            return slab.path
+        listed = {k for k in live if self._index[k][1] < slab.synced}
+        away = self.path / f"evicted-{sid:08d}.kv"
+        try:
+            os.rename(slab.path, away)
+        except OSError as e:
+            log.warning("disk tier %s: handing on %s failed: %r", self.path, slab.path, e)
+            return slab.path
+        self.on_evict(away, [k for k in live if k in listed])
+        return self.path / f"slab-{self._next_id:08d}.kv"
+
     def _write_header(self, fd: int, slab: _Slab, first: int, filled: int) -> None:
         """Record slots ``first:filled`` in the slab's header: its fixed part and digest (the
         first page) and the pages of the new records, not the whole header each batch."""
-        fixed = self._fixed(slab.slots, filled)
-        recs = slab.records[:filled].view(np.uint8).reshape(-1)
-        digest = hashlib.sha256(fixed + recs.tobytes()).digest()
-        top = len(fixed) + _DIGEST
         head = slab.header
-        head[:top] = np.frombuffer(fixed + digest, np.uint8)
-        lo, hi = top + first * self.dtype.itemsize, top + len(recs)
-        head[lo:hi] = recs[first * self.dtype.itemsize :]
+        lo, hi = self.format.fill_header(head, slab.slots, slab.records[:filled], first)
         _pwrite(fd, head[:ALIGN], 0)
         if hi > ALIGN:
             start = max(ALIGN, lo // ALIGN * ALIGN)
@@ -726,6 +663,8 @@ class DiskTier:
         """The index from the slab files' headers; refused slabs are removed."""
         refused: list[str] = []
         paths = []
+        for path in self.path.glob("evicted-*.kv"):  # handed on before a restart: gone
+            path.unlink(missing_ok=True)
         for path in self.path.glob("slab-*.kv"):
             try:
                 paths.append((path.stat().st_mtime_ns, int(path.stem.split("-")[1]), path))
@@ -756,29 +695,20 @@ class DiskTier:
         or None."""
         try:
             with open(path, "rb") as fh:
-                head = fh.read(_FIXED.size + _DIGEST)
-                if len(head) < _FIXED.size + _DIGEST:
-                    return "no header"
-                magic, version, ident, stride, slot, factor, copies, slots, filled = _FIXED.unpack(
-                    head[: _FIXED.size]
-                )
-                if magic != MAGIC or version != VERSION:
-                    return f"not a raykv slab of format {VERSION}"
-                if ident != self.identity:
-                    return "another model, plan or hash definition"
-                if (stride, slot, factor, copies) != (self.stride, self.slot_bytes,
-                                                      self.factor, self.copies):  # fmt: skip
-                    return "another entry geometry"
-                if filled > slots:
-                    return "torn header"
+                head = fh.read(HEAD)
+                fixed = self.format.check_fixed(head)
+                if isinstance(fixed, str):
+                    return fixed
+                slots, filled = fixed
                 recs = fh.read(filled * self.dtype.itemsize)
                 size = os.fstat(fh.fileno()).st_size
         except OSError as e:
             return f"unreadable: {e.strerror}"
-        if hashlib.sha256(head[: _FIXED.size] + recs).digest() != head[_FIXED.size :]:
-            return "torn header"
+        got = self.format.check_records(head, recs)
+        if isinstance(got, str):
+            return got
         records = np.zeros(slots, self.dtype)
-        records[:filled] = np.frombuffer(recs, self.dtype)
+        records[:filled] = got
         hb = self._header_bytes(slots)
         header = _aligned(hb)
         blob = head + recs
@@ -787,7 +717,7 @@ class DiskTier:
         whole = max(0, min(filled, (size - hb) // self.stride))  # a truncated file: torn
         self.stats.torn += filled - whole
         for i in range(whole):
-            key = _get_key(records[i], "klen", "key")
+            key = get_key(records[i], "klen", "key")
             if key in self._index:  # written twice (not the rule): the newer copy serves
                 self._slabs[self._index[key][0]].live -= 1
             self._index[key] = (sid, i)
@@ -802,10 +732,7 @@ class DiskTier:
         self._gone.append(key)
 
     def _members(self, rec: np.ndarray) -> Members:
-        return tuple(
-            None if int(rec["mlen"][s]) == _NONE else bytes(rec["members"][s, : rec["mlen"][s]])
-            for s in range(self.factor)
-        )
+        return self.format.members(rec)
 
     def _open(self, path: Path, flags: int) -> int:
         """``path`` opened for direct I/O, or buffered where the filesystem refuses it
@@ -881,15 +808,6 @@ def _lock_folder(path: Path) -> int:
     return fd
 
 
-def _put_key(rec: np.void, length: str, field: str, key: bytes) -> None:
-    rec[length] = len(key)
-    rec[field][: len(key)] = np.frombuffer(key, np.uint8)
-
-
-def _get_key(rec: np.void, length: str, field: str) -> bytes:
-    return bytes(rec[field][: int(rec[length])])
-
-
 def _pwrite(fd: int, buf: np.ndarray, offset: int) -> None:
     """Write all of ``buf`` at ``offset`` (a short write goes on from where it stopped)."""
     view = memoryview(buf).cast("B")
@@ -955,16 +873,23 @@ class NodeDisk:
         return sum(t.used_bytes for t in list(self._tiers.values()))
 
     def open(
-        self, name: str, plan: Plan, identity: bytes, *, slab_bytes: int = DEFAULT_SLAB_BYTES
+        self,
+        name: str,
+        plan: Plan,
+        identity: bytes,
+        *,
+        slab_bytes: int = DEFAULT_SLAB_BYTES,
+        on_evict: Callable[[Path, list[bytes]], None] | None = None,
     ) -> DiskTier:
-        """The disk tier of a model (in ``path/name``), its share taken from the others."""
+        """The disk tier of a model (in ``path/name``), its share taken from the others;
+        ``on_evict``: ``DiskTier``'s (the object tier below takes its evicted slabs)."""
         with self._lock:
             if name in self._tiers:
                 raise ConfigError(f"the disk tier {self.path / name} is open already")
             # opened on the whole budget, shrunk below: it writes nothing before it is
             # returned, and the slabs it finds (a restart) are on disk already
             tier = DiskTier(self.path / name, plan, identity, self.disk_bytes,
-                            slab_bytes=slab_bytes)  # fmt: skip
+                            slab_bytes=slab_bytes, on_evict=on_evict)  # fmt: skip
             tiers = {**self._tiers, name: tier}
             share = self.disk_bytes // len(tiers)
             small = [(n, t.slab_bytes) for n, t in tiers.items() if t.slab_bytes > share]

@@ -133,14 +133,21 @@ def up(
     tp_size: int = 1,
     disk: tuple[str, int] | None = None,
     tenant_quotas: TenantQuotas | None = None,
+    objects: tuple[str, str | None] | None = None,
 ) -> dict[str, Any]:
     """Start or join the service and serve ``preset`` (``tp_size`` GPUs per pool group, one
     TP rank each; None: no model, e.g. for engines that add their own, as ``raykv serve``'s
     do); returns where it runs. ``disk``: (folder, bytes for all its models) of the node's
     disk tier, in the environment of the head started here (a running cluster's nodes keep
-    theirs); so are ``tenant_quotas`` (``RAYKV_TENANT_QUOTAS``, labels only: invariant 13)."""
+    theirs); so are ``tenant_quotas`` (``RAYKV_TENANT_QUOTAS``, labels only: invariant 13)
+    and ``objects`` (``s3://`` URL, endpoint or None) of the object tier."""
     from raykv.layout.presets import get_preset
-    from raykv.service.tier.actor import DISK_BYTES_ENV, DISK_PATH_ENV
+    from raykv.service.tier.actor import (
+        DISK_BYTES_ENV,
+        DISK_PATH_ENV,
+        OBJECT_ENDPOINT_ENV,
+        OBJECT_URL_ENV,
+    )
     from raykv.tiers.quotas import QUOTAS_ENV
 
     p = get_preset(preset) if preset is not None else None
@@ -158,12 +165,22 @@ def up(
             f"{address}; run raykv down first, or start each node with {QUOTAS_ENV}="
             f"{tenant_quotas.to_env()} in the environment of its `ray start`"
         )
+    if address is not None and objects is not None:
+        raise ConfigError(
+            f"--object-url and --object-endpoint configure the Ray head raykv up starts, and "
+            f"Ray runs already at {address}; run raykv down first, or start each node with "
+            f"{OBJECT_URL_ENV} (and {OBJECT_ENDPOINT_ENV}) in the environment of its `ray start`"
+        )
     if address is None:
         _stop_stale_head()
-        env = {DISK_PATH_ENV: disk[0], DISK_BYTES_ENV: str(disk[1])} if disk else None
+        env = {DISK_PATH_ENV: disk[0], DISK_BYTES_ENV: str(disk[1])} if disk else {}
         if tenant_quotas is not None:
-            env = (env or {}) | {QUOTAS_ENV: tenant_quotas.to_env()}
-        started = start_head(num_cpus, env=env)
+            env[QUOTAS_ENV] = tenant_quotas.to_env()
+        if objects is not None:
+            env[OBJECT_URL_ENV] = objects[0]
+            if objects[1]:
+                env[OBJECT_ENDPOINT_ENV] = objects[1]
+        started = start_head(num_cpus, env=env or None)
         address = started["address"]
     try:
         import ray

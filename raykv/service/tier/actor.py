@@ -46,6 +46,14 @@ model's arena bounds the bytes each tenant's entries hold: an engine's reserve, 
 promotion carry the request's tenant, and a store over its quota evicts only that tenant's
 entries (invariant 13); bytes held per tenant are in ``stats`` and the
 ``raykv_tenant_bytes_held`` gauge (set every sweep).
+
+With ``RAYKV_OBJECT_URL`` (``s3://bucket/prefix``; ``RAYKV_OBJECT_ENDPOINT`` for a server
+other than AWS; ``raykv up --object-url --object-endpoint``) each model also has an object
+tier (``raykv.tiers.object_tier``) below its lowest tier: the disk tier's evicted slabs are
+uploaded as they are, or, without a disk tier, the arena's evictions are. Its entries stay
+published like the disk's and are promoted the same way on a lease; a lease of blocks past
+what the node holds also looks for pointers in the bucket (another node's or cluster's
+uploads) and promotes what it finds.
 """
 
 from __future__ import annotations
@@ -81,12 +89,15 @@ from raykv.transport import Lent, export_rows
 
 if TYPE_CHECKING:
     from raykv.tiers.disk_tier import NodeDisk
+    from raykv.tiers.object_tier import ObjectSettings
 
 Members = tuple[bytes | None, ...]
 log = logging.getLogger(__name__)
 LEASE_TIMEOUT_ENV = "RAYKV_LEASE_TIMEOUT_S"
 DISK_PATH_ENV, DISK_BYTES_ENV = "RAYKV_DISK_PATH", "RAYKV_DISK_BYTES"
 DISK = "disk"  # the metrics' tier label of disk-tier promotions and checksum errors
+OBJECT_URL_ENV, OBJECT_ENDPOINT_ENV = "RAYKV_OBJECT_URL", "RAYKV_OBJECT_ENDPOINT"
+OBJECT = "object"  # the metrics' tier label of object-tier promotions and checksum errors
 SWEEP_S = 1.0  # how often overdue holds and exited holders are looked for
 FEED_S = 0.05  # how often the node's replicas ask the coordinator what changed
 SWEEP_LIMIT = 4096  # holds reclaimed per model and sweep at most (bounded work)
@@ -125,6 +136,22 @@ def disk_settings() -> DiskSettings | None:
     return DiskSettings(path, parse_size(nbytes))
 
 
+def object_settings() -> ObjectSettings | None:
+    """The node's object tier from ``RAYKV_OBJECT_URL`` (and ``RAYKV_OBJECT_ENDPOINT``, an
+    S3-compatible server's URL; unset: AWS); None: no object tier."""
+    from raykv.tiers.object_tier import ObjectSettings
+
+    url, endpoint = os.environ.get(OBJECT_URL_ENV, ""), os.environ.get(OBJECT_ENDPOINT_ENV, "")
+    if not url:
+        if endpoint:
+            raise ConfigError(
+                f"{OBJECT_ENDPOINT_ENV}={endpoint!r} without {OBJECT_URL_ENV}: set "
+                f"{OBJECT_URL_ENV}=s3://BUCKET/PREFIX too (raykv up --object-url), or neither"
+            )
+        return None
+    return ObjectSettings.parse(url, endpoint or None)
+
+
 def _model_dir(model: str) -> str:
     """A model's folder under the disk path: its name made safe, and a digest of it (two
     names that read the same once made safe stay apart)."""
@@ -157,19 +184,28 @@ class _ModelTier:
         model: str = "",
         disk: NodeDisk | None = None,
         quotas: TenantQuotas | None = None,
+        objects: ObjectSettings | None = None,
     ) -> None:
         from raykv.tiers.cpu_tier import CpuTier
         from raykv.tiers.disk_tier import model_identity
+        from raykv.tiers.object_tier import ObjectTier
 
         check_servable(plan)
         self.plan = plan
         self.disk = None
+        self.objects = None
         self.read_buffer = np.empty(0, np.uint8)  # promotions read into it (``_promote``)
         self.promoting = asyncio.Lock()
+        identity = model_identity(model, plan)
+        if objects is not None:  # below the disk tier: what it evicts is uploaded
+            self.objects = ObjectTier(objects, plan, identity)
         if disk is not None:
-            self.disk = disk.open(_model_dir(model), plan, model_identity(model, plan))
+            evict = self.objects.upload_file if self.objects is not None else None
+            self.disk = disk.open(_model_dir(model), plan, identity, on_evict=evict)
+        # the tier right below the arena: what it evicts is demoted to it
+        self.below = self.disk if self.disk is not None else self.objects
         self.tier = CpuTier(plan, "lru", shared=True, lease_timeout_s=timeout_s,
-                            demote=self._demote if self.disk is not None else None,
+                            demote=self._demote if self.below is not None else None,
                             quotas=quotas)  # fmt: skip
         spec = ReplicaSpec("", replica_slots())
         buf, shared = shm.create((spec.nbytes,), "replica")
@@ -203,16 +239,27 @@ class _ModelTier:
             members = [(e,) if m is OWN else m for e, m in zip(entries, map(self.entries.get,
                        entries), strict=True)]  # fmt: skip
             widths = [self.widths[key_group(e)] for e in entries]
-            self.disk.demote(entries, self.tier.arena, blocks, valid, sums, widths, members)
+            self.below.demote(entries, self.tier.arena, blocks, valid, sums, widths, members)
         except Exception as e:
-            log.warning("disk tier: demoting %d entries failed: %r", len(entries), e)
+            log.warning("tier below the CPU tier: demoting %d entries failed: %r", len(entries), e)
+
+    def held_below(self, entry: bytes) -> bool:
+        """Whether the disk or object tier holds ``entry``."""
+        return (self.disk is not None and entry in self.disk) or (
+            self.objects is not None and entry in self.objects
+        )
 
     def evicted(self, entries: Sequence[bytes]) -> list[bytes]:
-        """The arena evicted ``entries``: those the disk tier did not take are forgotten;
+        """The arena evicted ``entries``: those the tiers below did not take are forgotten;
         returns the block keys no entry holds any more."""
-        if self.disk is not None:
-            entries = [e for e in entries if e not in self.disk]
+        if self.below is not None:
+            entries = [e for e in entries if not self.held_below(e)]
         return self.forget_all(entries)
+
+    def object_stats(self) -> dict[str, Any]:
+        """The object tier's counts and the entries it knows it holds."""
+        o = self.objects
+        return dataclasses.asdict(o.stats) | {"entries": len(o), "bucket": o.settings.bucket}
 
     def disk_stats(self) -> dict[str, Any]:
         """The disk tier's counts, entries, slabs, bytes and whether it writes O_DIRECT."""
@@ -221,11 +268,14 @@ class _ModelTier:
         return dataclasses.asdict(d.stats) | held | {"direct": d.direct}
 
     def lost_below(self) -> list[bytes]:
-        """Entries the disk tier lost (evicted with a slab, corrupt, torn) and the arena does
-        not hold are forgotten; returns the block keys no entry holds any more."""
-        if self.disk is None:
+        """Entries the tiers below lost (evicted with a slab and not uploaded, corrupt, torn)
+        and the arena does not hold are forgotten; returns the block keys no entry holds any
+        more."""
+        if self.below is None:
             return []
-        gone = [e for e in self.disk.take_gone() if e not in self.pending]
+        gone = [*(self.disk.take_gone() if self.disk is not None else ()),
+                *(self.objects.take_gone() if self.objects is not None else ())]  # fmt: skip
+        gone = [e for e in dict.fromkeys(gone) if e not in self.pending and not self.held_below(e)]
         states = self.tier.states(gone)
         return self.forget_all([e for e, s in zip(gone, states, strict=True) if s is None])
 
@@ -360,12 +410,14 @@ class CpuTierActor:
 
         self.disk = disk_settings()
         self.quotas = tenant_quotas()  # RAYKV_TENANT_QUOTAS (raykv up --tenant-quota)
+        self.objects = object_settings()
         # one budget for the node's disk, shared by its models' disk tiers (``NodeDisk``)
         self.node_disk = NodeDisk(self.disk.path, self.disk.nbytes) if self.disk else None
         # the served models' arenas from the start: a tier placed again after it died must
         # take its node's offloads before it registers (its pools added them to the old one),
         # and registers with what its disk tier holds
-        self.tiers = {m: _ModelTier(p, self.timeout_s, m, self.node_disk, self.quotas)
+        self.tiers = {m: _ModelTier(p, self.timeout_s, m, self.node_disk, self.quotas,
+                                    self.objects)
                       for m, p in (plans or {}).items()}  # fmt: skip
         self.metrics = ServiceMetrics("tier")
         # its UCX server sends from the arena where it can (``export_blocks``: lends rows)
@@ -445,7 +497,7 @@ class CpuTierActor:
         """Make room for ``model`` (idempotent); returns its CPU-tier block count."""
         if model not in self.tiers:
             mt = self.tiers[model] = _ModelTier(plan, self.timeout_s, model, self.node_disk,
-                                                self.quotas)  # fmt: skip
+                                                self.quotas, self.objects)  # fmt: skip
             if mt.where:  # its disk tier's entries (a model added after the tier started)
                 await self.publish(model, list(zip(mt.where, repeat(-1))), [])
         return self.tiers[model].tier.num_blocks
@@ -457,6 +509,8 @@ class CpuTierActor:
         if mt is not None:
             if self.node_disk is not None:  # its slabs go: the other models take its share
                 self.node_disk.close(_model_dir(model))
+            if mt.objects is not None:
+                mt.objects.close()  # uploads what is queued; the objects stay
             mt.tier.release()
             shm.release(mt.replica_shm)
         return mt is not None
@@ -588,7 +642,7 @@ class CpuTierActor:
         ``holder``'s until released or their deadline: (the arena's ``SharedSpec``,
         ``LoadLease`` or None, per block (entry index in the lease, sub-slot))."""
         mt = self.tiers.get(model)
-        if mt is not None and mt.disk is not None:
+        if mt is not None and mt.below is not None:
             await self._promote(model, mt, [keys], tenant)
         lease, chosen = self._lease(model, mt, keys, holder)
         spec = mt.tier.arena_spec if mt is not None else None
@@ -605,7 +659,7 @@ class CpuTierActor:
         n = len(chosen)
         if entries and mt.disk is not None:
             mt.disk.record(entries)
-        if entries and mt.disk is not None:  # after ``_promote``: up to the first not readable
+        if entries and mt.below is not None:  # after ``_promote``: up to the first not readable
             ok = [st in READABLE for st in mt.tier.states(entries)]
             if not all(ok):
                 entries = entries[: ok.index(False)]
@@ -635,33 +689,79 @@ class CpuTierActor:
         self, model: str, mt: _ModelTier, groups: list[list[bytes]], tenant: bytes | None = None
     ) -> None:
         """Bring the entries a lease of ``groups`` (each one group's leading block keys)
-        needs that only the disk tier holds into the arena: read and verified in a worker
-        thread (the actor answers other calls meanwhile; one promotion of a model at a time,
-        they share its read buffer), then stored as a normal store. What is lost or
-        unreadable stays out: the lease stops before it. ``tenant``: whose entries they
-        become (its quota, invariant 13)."""
+        needs that only the disk or object tier holds into the arena: read and verified in a
+        worker thread (the actor answers other calls meanwhile; one promotion of a model at a
+        time, they share its read buffer), then stored as a normal store. What is lost or
+        unreadable stays out: the lease stops before it. With an object tier, blocks past
+        those the node holds are looked for in the bucket first (``_discover``). ``tenant``:
+        whose entries they become (its quota, invariant 13)."""
         async with mt.promoting:
             for keys in groups:
+                if mt.objects is not None:
+                    await self._discover(model, mt, keys, tenant)
                 entries = _entries_of(mt, keys)[2]
                 states = mt.tier.states(entries)
                 missing = [e for e, st in zip(entries, states, strict=True) if st is None]
-                if not missing:
-                    continue
-                errors = mt.disk.stats.checksum_errors
-                if mt.read_buffer.nbytes < len(missing) * mt.disk.stride:
-                    mt.read_buffer = mt.disk.buffer(len(missing))  # kept: the next reuse it
-                got = await asyncio.to_thread(mt.disk.load, missing, mt.read_buffer)
-                self.metrics.checksum_errors(model, DISK, mt.disk.stats.checksum_errors - errors)
-                if not got.keys:
-                    continue
-                states = mt.tier.states(entries)  # stores and evictions ran meanwhile
-                here = [e for e, st in zip(entries, states, strict=True) if st is not None]
-                res = mt.tier.store_rows(got.keys, got.rows, got.valid, got.sums, beside=here,
-                                         tenant=tenant)  # fmt: skip
-                if res is not None:
-                    self.metrics.hit(model, DISK, len(res.keys))
-                    self.metrics.evicted(model, CPU, len(res.evicted))
-                    mt.unpublished += mt.evicted(res.evicted)
+                for below, label in ((mt.disk, DISK), (mt.objects, OBJECT)):
+                    if below is None or not missing:
+                        continue
+                    # the disk's own, the rest from the bucket (by pointer if not indexed)
+                    want = [e for e in missing if e in below] if below is mt.disk else missing
+                    got = await self._read_below(model, mt, below, label, want)
+                    if got is None:
+                        continue
+                    states = mt.tier.states(entries)  # stores and evictions ran meanwhile
+                    here = [e for e, st in zip(entries, states, strict=True) if st is not None]
+                    res = mt.tier.store_rows(got.keys, got.rows, got.valid, got.sums,
+                                             beside=here, tenant=tenant)  # fmt: skip
+                    if res is not None:
+                        self.metrics.hit(model, label, len(res.keys))
+                        self.metrics.evicted(model, CPU, len(res.evicted))
+                        mt.unpublished += mt.evicted(res.evicted)
+                    done = set(got.keys)
+                    missing = [e for e in missing if e not in done]
+
+    async def _read_below(
+        self, model: str, mt: _ModelTier, below: Any, label: str, entries: list[bytes]
+    ) -> Any:
+        """``below.load`` of ``entries`` in a worker thread into the model's read buffer,
+        its checksum errors counted; None: nothing read."""
+        if not entries:
+            return None
+        errors = below.stats.checksum_errors
+        if mt.read_buffer.nbytes < len(entries) * below.stride:
+            mt.read_buffer = below.buffer(len(entries))  # kept: the next reuse it
+        got = await asyncio.to_thread(below.load, entries, mt.read_buffer)
+        self.metrics.checksum_errors(model, label, below.stats.checksum_errors - errors)
+        return got if got.keys else None
+
+    async def _discover(
+        self, model: str, mt: _ModelTier, keys: list[bytes], tenant: bytes | None = None
+    ) -> None:
+        """The blocks of ``keys`` past those this node holds that pointers in the bucket name
+        (another node's or cluster's uploads): read, verified, stored in the arena, noted
+        and published as this node's, so the lease goes on through them."""
+        held = len(mt.holding(keys))
+        if held == len(keys) or mt.objects is None:
+            return
+        found = await asyncio.to_thread(mt.objects.find, keys[held:])
+        entries = [e for e in dict.fromkeys(e for e, _ in found) if e not in mt.entries]
+        got = await self._read_below(model, mt, mt.objects, OBJECT, entries)
+        if got is None:
+            return
+        here = [e for e in _entries_of(mt, keys)[2] if mt.tier.state(e) is not None]
+        res = mt.tier.store_rows(got.keys, got.rows, got.valid, got.sums, beside=here,
+                                 tenant=tenant)  # fmt: skip
+        if res is None:
+            return
+        self.metrics.hit(model, OBJECT, len(res.keys))
+        self.metrics.evicted(model, CPU, len(res.evicted))
+        mt.unpublished += mt.evicted(res.evicted)
+        stored = set(res.keys)
+        new = [(k, m) for k, m in zip(got.keys, got.members, strict=True) if k in stored]
+        added = mt.note_all([k for k, _ in new], [OWN if m == (k,) else m for k, m in new])
+        if added:
+            await self.publish(model, list(zip(added, repeat(-1))), [])
 
     async def lease_groups(
         self,
@@ -676,7 +776,7 @@ class CpuTierActor:
         the node agent."""
         mt = self.tiers.get(model)
         spec = mt.tier.arena_spec if mt is not None else None
-        if mt is not None and mt.disk is not None:
+        if mt is not None and mt.below is not None:
             await self._promote(model, mt, keys, tenant)
         return spec, [self._lease(model, mt, gk, holder) for gk in keys]
 
@@ -844,6 +944,7 @@ class CpuTierActor:
                     "quota_refused": mt.tier.stats.quota_refused,
                     "quota_evicted": mt.tier.stats.quota_evicted,
                     **({"disk": mt.disk_stats()} if mt.disk is not None else {}),
+                    **({"object": mt.object_stats()} if mt.objects is not None else {}),
                 }
                 for m, mt in self.tiers.items()
             },
