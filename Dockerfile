@@ -21,8 +21,9 @@ FROM ${RAY_IMAGE}:${RAY_IMAGE_TAG}
 # The torch build to install (the default index's Linux wheels are CUDA builds); ray is pinned
 # to the image's own version so installing raykv never moves it.
 ARG TORCH_SPEC="torch==2.13.0"
-# the UCX transport between hosts (ucxx for CUDA 12; it also runs on hosts without a GPU)
-ARG RAYKV_EXTRAS="ucx"
+# the UCX transport between hosts (ucxx for CUDA 12; it also runs on hosts without a GPU) and
+# the object-store tier's S3 client (boto3)
+ARG RAYKV_EXTRAS="ucx,s3"
 RUN --mount=type=bind,from=wheel,source=/home/ray/dist,target=/tmp/raykv-dist \
     RAY_VERSION="$(python -c 'import ray; print(ray.__version__)')" \
     && python -m pip install --no-cache-dir "ray[default]==${RAY_VERSION}" "${TORCH_SPEC}" \

@@ -229,6 +229,8 @@ def test_crd_check_is_strict_about_unknown_rayservice_fields(render, crd_validat
         ({"transport": {"ucxStripes": -1}}, ["transport/ucxStripes"]),
         ({"tenantQuotas": {"a,b": "1GiB"}}, ["tenantQuotas"]),
         ({"tenantQuotas": {"acme": "lots of"}}, ["tenantQuotas/acme"]),
+        ({"objectStore": {"url": "kv/prefix"}}, ["objectStore/url"]),
+        ({"objectStore": {"endpoint": "http://127.0.0.1:9000"}}, ["objectStore/endpoint"]),
         ({"serve": {"enabled": True}}, ["serve/model"]),
         ({"serve": {"replicas": 0}}, ["serve/replicas"]),
         ({"serve": {"tp": 0}}, ["serve/tp"]),
@@ -272,6 +274,8 @@ def test_crd_check_is_strict_about_unknown_rayservice_fields(render, crd_validat
         "negative-stripes",
         "tenant-quota-name-with-a-comma",
         "tenant-quota-size-that-does-not-read",
+        "object-store-url-not-s3",
+        "object-store-endpoint-without-url",
         "serve-without-model",
         "serve-zero-replicas",
         "serve-zero-tp",
@@ -871,3 +875,29 @@ def test_tenant_quotas_reach_every_ray_node_as_the_tier_reads_them(render):
         assert tenant_quotas(plain_env(container)) == want
     for container in ray_node_containers(render(values={"cpuWorkers": {"enabled": True}})):
         assert "RAYKV_TENANT_QUOTAS" not in plain_env(container)
+
+
+def test_the_object_store_reaches_every_ray_node_as_the_tier_reads_it(render, monkeypatch):
+    """``objectStore`` becomes ``RAYKV_OBJECT_URL`` / ``RAYKV_OBJECT_ENDPOINT`` on every Ray
+    node, as the tier actor reads them (``object_settings``), and the credentials Secret's
+    two keys boto3's variables; no url: nothing."""
+    from raykv.service.tier.actor import object_settings
+    from raykv.tiers.object_tier import ObjectSettings
+
+    values = {"objectStore": {"url": "s3://kv-cache/prod", "endpoint": "http://minio:9000",
+                              "credentialsSecret": "s3-keys"},
+              "cpuWorkers": {"enabled": True}}  # fmt: skip
+    nodes = ray_node_containers(render(values=values))
+    assert len(nodes) == 3
+    for container in nodes:
+        env = plain_env(container)
+        monkeypatch.setattr("os.environ", env)
+        assert object_settings() == ObjectSettings.parse("s3://kv-cache/prod", "http://minio:9000")
+        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]
+                if e["name"].startswith("AWS_")}  # fmt: skip
+        assert refs == {k: {"name": "s3-keys", "key": k}
+                        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}  # fmt: skip
+    for container in ray_node_containers(render(values={"cpuWorkers": {"enabled": True}})):
+        assert not {"RAYKV_OBJECT_URL", "AWS_ACCESS_KEY_ID"} & {
+            e["name"] for e in container.get("env", [])
+        }

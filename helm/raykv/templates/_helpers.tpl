@@ -191,6 +191,22 @@ transport settings of `transport` (only those that differ from raykv's defaults)
 - name: RAYKV_TENANT_QUOTAS
   value: {{ join "," $quotas | quote }}
 {{- end }}
+{{- with .Values.objectStore }}
+{{- if .url }}
+- name: RAYKV_OBJECT_URL
+  value: {{ .url | quote }}
+{{- if .endpoint }}
+- name: RAYKV_OBJECT_ENDPOINT
+  value: {{ .endpoint | quote }}
+{{- end }}
+{{- with .credentialsSecret }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom: {secretKeyRef: {name: {{ . | quote }}, key: AWS_ACCESS_KEY_ID}}
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom: {secretKeyRef: {name: {{ . | quote }}, key: AWS_SECRET_ACCESS_KEY}}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{- define "raykv.podSecurityContext" -}}
