@@ -54,7 +54,7 @@ from raykv.errors import ConfigError
 from raykv.layout.plan import Plan
 from raykv.tiers.admission import make_admission
 from raykv.tiers.cpu_tier import KeyRows, KeySums
-from raykv.tiers.slab import ALIGN, HEAD, MAX_KEY, Entries, Members, SlabFormat, get_key
+from raykv.tiers.slab import ALIGN, HEAD, Entries, Members, SlabFormat, get_key, to_write
 from raykv.tiers.slab import up as _up
 
 log = logging.getLogger(__name__)
@@ -255,12 +255,9 @@ class DiskTier:
         carries. The rows are copied before this returns (the caller reuses the blocks).
         Returns the keys now held (queued, or on disk already); the others were refused (a
         key longer than ``MAX_KEY``)."""
-        keep = [i for i, k in enumerate(keys) if len(k) <= MAX_KEY]
         with self._lock:
-            held = [keys[i] for i in keep if keys[i] in self._index or keys[i] in self._pending]
+            held, new = to_write(keys, lambda k: k in self._index or k in self._pending)
             self.stats.skipped += len(held)
-            seen = set(held)
-            new = [i for i in keep if keys[i] not in seen and not seen.add(keys[i])]
             victim = self._admission_victim()
             if victim is not None:
                 admitted = [i for i in new if self.admission.admit(keys[i], victim)]
@@ -288,13 +285,10 @@ class DiskTier:
     ) -> None:
         """Copy the entries ``new`` (indices into ``demote``'s arguments) into a staging
         buffer with their records, and queue them for the writer."""
-        n, f = len(new), self.factor
+        n = len(new)
         at = np.asarray(new, np.int64)
         buffer, staging = self._staging(n)
-        dst = staging[:, : self.entry_bytes].reshape(n, self.copies, f, self.slot_bytes)
-        rows = arena.numpy().reshape(self.copies, -1, f, self.slot_bytes)
-        for j, b in enumerate(np.asarray(blocks, np.int64)[at].tolist()):
-            dst[j] = rows[:, b]  # straight into the buffer (a fancy index copies twice)
+        self.format.stage(staging, arena, blocks, at)
         new_keys = [keys[i] for i in new]
         rec = self.format.records(new_keys, at, valid, sums, widths, members)
         batch = _Batch(new_keys, rec, staging, buffer)

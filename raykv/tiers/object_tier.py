@@ -55,7 +55,7 @@ import torch
 from raykv.errors import ConfigError, TierError
 from raykv.layout.plan import Plan
 from raykv.tiers.cpu_tier import KeyRows, KeySums
-from raykv.tiers.slab import ALIGN, HEAD, MAX_KEY, Entries, Members, SlabFormat, get_key
+from raykv.tiers.slab import ALIGN, HEAD, Entries, Members, SlabFormat, get_key, to_write
 
 log = logging.getLogger(__name__)
 
@@ -286,12 +286,9 @@ class ObjectTier:
         """``DiskTier.demote`` for the object tier: the rows are copied into staging buffers
         laid out as the objects before this returns, then uploaded in the background.
         Returns the keys now held (queued, or uploaded already)."""
-        keep = [i for i, k in enumerate(keys) if len(k) <= MAX_KEY]
         with self._lock:
-            held = [keys[i] for i in keep if keys[i] in self._index or keys[i] in self._pending]
+            held, new = to_write(keys, lambda k: k in self._index or k in self._pending)
             self.stats.skipped += len(held)
-            seen = set(held)
-            new = [i for i in keep if keys[i] not in seen and not seen.add(keys[i])]
             room = max(0, MAX_QUEUED - self._queued) * self.per_object
             self.stats.dropped += max(0, len(new) - room)
             new = new[:room]
@@ -313,7 +310,7 @@ class ObjectTier:
         widths: Sequence[int],
         members: Sequence[Members],
     ) -> None:
-        n, f, fmt = len(new), self.factor, self.format
+        n, fmt = len(new), self.format
         at = np.asarray(new, np.int64)
         hb = fmt.header_bytes(n)
         # a bytearray: botocore sends it as it is (bytes would be one more copy of the rows);
@@ -324,10 +321,7 @@ class ObjectTier:
         body = spare if spare is not None else bytearray(size)
         buffer = np.frombuffer(body, np.uint8)
         rows = buffer[hb:].reshape(n, self.stride)
-        dst = rows[:, : self.entry_bytes].reshape(n, self.copies, f, self.slot_bytes)
-        src = arena.numpy().reshape(self.copies, -1, f, self.slot_bytes)
-        for j, b in enumerate(np.asarray(blocks, np.int64)[at].tolist()):
-            dst[j] = src[:, b]
+        fmt.stage(rows, arena, blocks, at)
         new_keys = [keys[i] for i in new]
         rec = fmt.records(new_keys, at, valid, sums, widths, members)
         fmt.fill_header(buffer, n, rec)

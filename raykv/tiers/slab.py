@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from raykv.layout import tp
 from raykv.layout.plan import Plan
@@ -37,6 +38,18 @@ HEAD = FIXED.size + DIGEST  # the fixed part and its digest: where the records s
 _NONE = 0xFFFF  # a member's length: a null sub-slot (no block)
 
 Members = tuple[bytes | None, ...]
+
+
+def to_write(
+    keys: Sequence[bytes], holds: Callable[[bytes], bool]
+) -> tuple[list[bytes], list[int]]:
+    """A demotion's keys split: (those the tier ``holds`` already, the indices of the rest to
+    write: each key once, none longer than ``MAX_KEY``, which are refused). Called under the
+    tier's lock."""
+    keep = [i for i, k in enumerate(keys) if len(k) <= MAX_KEY]
+    held = [keys[i] for i in keep if holds(keys[i])]
+    seen = set(held)
+    return held, [i for i in keep if keys[i] not in seen and not seen.add(keys[i])]
 
 
 def up(n: int) -> int:
@@ -95,6 +108,17 @@ class SlabFormat:
         lo, hi = HEAD + first * self.dtype.itemsize, HEAD + len(recs)
         head[lo:hi] = recs[first * self.dtype.itemsize :]
         return lo, hi
+
+    def stage(
+        self, rows: np.ndarray, arena: torch.Tensor, blocks: np.ndarray, at: np.ndarray
+    ) -> None:
+        """Copy the CPU tier's entries in ``blocks[at]`` of ``arena`` (``[copies, blocks *
+        factor, slot_bytes]``) into ``rows``, one slot of ``stride`` bytes each."""
+        dst = rows[:, : self.entry_bytes].reshape(len(at), self.copies, self.factor,
+                                                  self.slot_bytes)  # fmt: skip
+        src = arena.numpy().reshape(self.copies, -1, self.factor, self.slot_bytes)
+        for j, b in enumerate(np.asarray(blocks, np.int64)[at].tolist()):
+            dst[j] = src[:, b]  # straight into the rows (a fancy index copies twice)
 
     def records(
         self,
