@@ -7,6 +7,7 @@ import time
 import pytest
 import ray
 import torch
+from kvdata import ROW, rows, tokens
 
 from raykv import ops
 from raykv.bench.chaos import environment
@@ -17,7 +18,6 @@ from raykv.service.tier.actor import DISK_BYTES_ENV, DISK_PATH_ENV
 RAY_WORKERS = 0
 BS = 16
 LAYERS = {f"l{i}": FullAttention(dtype="float32", num_kv_heads=1, head_dim=16) for i in range(2)}
-ROW = 2 * 2 * BS * 1 * 16 * 4
 MODEL = "disk-m"
 
 
@@ -27,15 +27,6 @@ def svc(request, tmp_path_factory):
     env = {DISK_PATH_ENV: str(tmp_path_factory.mktemp("disk")), DISK_BYTES_ENV: "64MiB"}
     with environment(env):  # the raylet, and so the tier, inherit them
         yield request.getfixturevalue("ray_cluster")
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def rows(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, ROW), generator=g, dtype=torch.uint8)
 
 
 def disk_stats(svc) -> dict:

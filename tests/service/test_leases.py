@@ -8,8 +8,10 @@ import time
 import pytest
 import ray
 import torch
+from kvdata import ROW, rows, tokens
 
 from raykv import ops
+from raykv.bench.chaos import environment
 from raykv.layout import FullAttention
 from raykv.service.served import NAMESPACE, tier_name
 from raykv.service.tier.actor import LEASE_TIMEOUT_ENV
@@ -19,30 +21,13 @@ RAY_WORKERS = 0
 TIMEOUT_S = 6
 BS = 16
 LAYERS = {f"l{i}": FullAttention(dtype="float32", num_kv_heads=1, head_dim=16) for i in range(2)}
-ROW = 2 * 2 * BS * 1 * 16 * 4
 
 
 @pytest.fixture(scope="module")
 def svc(request):
     """The module's cluster, its tier started with a short lease timeout."""
-    old = os.environ.get(LEASE_TIMEOUT_ENV)
-    os.environ[LEASE_TIMEOUT_ENV] = str(TIMEOUT_S)  # the raylet, and so the tier, inherit it
-    try:
+    with environment({LEASE_TIMEOUT_ENV: str(TIMEOUT_S)}):  # the raylet, so the tier, inherit it
         yield request.getfixturevalue("ray_cluster")
-    finally:
-        if old is None:
-            os.environ.pop(LEASE_TIMEOUT_ENV, None)
-        else:
-            os.environ[LEASE_TIMEOUT_ENV] = old
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def rows(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, ROW), generator=g, dtype=torch.uint8)
 
 
 def tier_stats(svc) -> dict:

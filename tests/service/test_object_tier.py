@@ -7,8 +7,8 @@ their pointers on a lease, promotes and publishes them."""
 import pytest
 import ray
 import torch
-from kvdata import rows, tokens
-from test_disk_tier import BS, LAYERS, ROW, loaded, store, wait_for
+from kvdata import ROW, rows, tokens
+from test_disk_tier import BS, LAYERS, loaded, store, wait_for
 
 from raykv.bench.chaos import environment
 from raykv.service.served import NAMESPACE, tier_name

@@ -2,12 +2,13 @@
 are charged to their tenant; a tenant over its quota stores a prefix and evicts only its own
 entries, never another tenant's. One Ray node, the quota in the environment the tier reads."""
 
-import os
 import time
 
 import pytest
 import ray
+from kvdata import ROW  # one CPU-tier entry's bytes
 
+from raykv.bench.chaos import environment
 from raykv.blocks.hashing import tenant_key, tenant_label
 from raykv.layout import FullAttention
 from raykv.service.served import NAMESPACE, tier_name
@@ -16,22 +17,15 @@ from raykv.tiers.quotas import QUOTAS_ENV, parse_tenant_quotas
 RAY_WORKERS = 0
 BS = 16
 LAYERS = {f"l{i}": FullAttention(dtype="float32", num_kv_heads=1, head_dim=16) for i in range(2)}
-ROW = 2 * 2 * BS * 1 * 16 * 4  # one CPU-tier entry's bytes
 A, B = tenant_key("tenant-a"), tenant_key("tenant-b")
 
 
 @pytest.fixture(scope="module")
 def svc(request):
     """The module's cluster, its tier started with tenant a's quota of 3 entries."""
-    old = os.environ.get(QUOTAS_ENV)
-    os.environ[QUOTAS_ENV] = parse_tenant_quotas([f"tenant-a={3 * ROW}"]).to_env()
-    try:
+    quotas = parse_tenant_quotas([f"tenant-a={3 * ROW}"]).to_env()
+    with environment({QUOTAS_ENV: quotas}):  # the raylet, and so the tier, inherit it
         yield request.getfixturevalue("ray_cluster")
-    finally:
-        if old is None:
-            os.environ.pop(QUOTAS_ENV, None)
-        else:
-            os.environ[QUOTAS_ENV] = old
 
 
 def tier_stats(svc) -> dict:
