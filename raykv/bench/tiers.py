@@ -118,6 +118,23 @@ def drop_cache(path: Path) -> None:
             os.close(fd)
 
 
+def _demote_all(
+    tier: Any, keys: list[bytes], per: int, arena: torch.Tensor, valid: KeyRows, sums: KeySums,
+    entry: int,
+) -> float:  # fmt: skip
+    """Seconds to demote the ``arena``'s entries (``keys``) into ``tier`` (a disk or an object
+    tier), ``per`` a call, as the CPU tier's evictions do, and to see them all written."""
+    t0 = time.perf_counter()
+    for i in range(0, len(keys), per):
+        at = np.arange(i, min(len(keys), i + per))
+        part = keys[i : i + per]
+        tier.demote(part, arena, at, KeyRows(valid.values[at], valid.lengths[at]),
+                    KeySums(sums.sums[:, at], sums.lengths[:, at]), [entry] * len(at),
+                    [(k,) for k in part])  # fmt: skip
+    tier.flush()
+    return time.perf_counter() - t0
+
+
 def disk_tier(
     path: Path, plan: Plan, arena: torch.Tensor, valid: KeyRows, sums: KeySums,
     batch_bytes: int = BATCH_BYTES, direct: bool = True,
@@ -135,15 +152,7 @@ def disk_tier(
     tier = DiskTier(path / "tier", plan, model_identity("bench", plan), 2 * n * entry + (1 << 30),
                     direct=direct)  # fmt: skip
     try:
-        t0 = time.perf_counter()
-        for i in range(0, n, per):
-            at = np.arange(i, min(n, i + per))
-            part = keys[i : i + per]
-            tier.demote(part, arena, at, KeyRows(valid.values[at], valid.lengths[at]),
-                        KeySums(sums.sums[:, at], sums.lengths[:, at]), [entry] * len(at),
-                        [(k,) for k in part])  # fmt: skip
-        tier.flush()
-        write_s = time.perf_counter() - t0
+        write_s = _demote_all(tier, keys, per, arena, valid, sums, entry)
         out = tier.buffer(per)  # reused, as the node's tier reuses its own
 
         def read() -> float:
@@ -338,15 +347,7 @@ def object_tier(
     tier = ObjectTier(settings, plan, identity, batch_bytes=batch_bytes)
     other = None
     try:
-        t0 = time.perf_counter()
-        for i in range(0, n, per):
-            at = np.arange(i, min(n, i + per))
-            part = keys[i : i + per]
-            tier.demote(part, arena, at, KeyRows(valid.values[at], valid.lengths[at]),
-                        KeySums(sums.sums[:, at], sums.lengths[:, at]), [entry] * len(at),
-                        [(k,) for k in part])  # fmt: skip
-        tier.flush()
-        write_s = time.perf_counter() - t0
+        write_s = _demote_all(tier, keys, per, arena, valid, sums, entry)
         if tier.stats.write_errors:
             raise TierError(f"the object tier failed {tier.stats.write_errors} uploads")
         out = tier.buffer(per)
