@@ -59,6 +59,22 @@ def test_the_status_counts_nodes_members_models_and_lookups() -> None:
     assert s["failures"] == {"watch": 1} and 4 < s["uptime_s"] < 60
 
 
+def tier_members_status(members: list[Member]) -> dict:
+    """The cluster's status with ``members`` (tiers) and one small model served."""
+    layers = {"l0": FullAttention("float32", 1, 8)}
+    p = plan(layers, num_gpu_blocks=9, max_model_len=64, max_num_batched_tokens=64)
+    return status.cluster(
+        ray_nodes=[],
+        members_=members,
+        index=PrefixIndex(),
+        served={"m": ServedModel("m", layers, max_model_len=64, cpu_bytes=1 << 16)},
+        plans={"m": p},
+        tally=Counter(),
+        started=time.time(),
+        restarted=False,
+    )
+
+
 def test_engines_counts_per_tenant_are_bounded_and_summed_over_the_nodes() -> None:
     """A node's metrics count engines' lookups and stores per tenant label: at most
     ``MAX_TENANTS`` tenants apart (requests without one always apart), the rest, and
@@ -83,24 +99,13 @@ def test_engines_counts_per_tenant_are_bounded_and_summed_over_the_nodes() -> No
     assert m.tenants["none"] == {"lookups": 1, "miss_blocks": 5}
     assert m.tally["engine_lookups"] == MAX_TENANTS + 5 + 3
 
-    layers = {"l0": FullAttention("float32", 1, 8)}
-    p = plan(layers, num_gpu_blocks=9, max_model_len=64, max_num_batched_tokens=64)
     a, b = labels[0], labels[1]
     members = [
         Member("tier-1", "tier", "n1", None, stats={"tenants": {a: {"lookups": 2}}}),
         Member("tier-2", "tier", "n2", None,
                stats={"tenants": {a: {"lookups": 1, "hit_blocks": 4}, b: {"lookups": 1}}}),
     ]  # fmt: skip
-    s = status.cluster(
-        ray_nodes=[],
-        members_=members,
-        index=PrefixIndex(),
-        served={"m": ServedModel("m", layers, max_model_len=64, cpu_bytes=1 << 16)},
-        plans={"m": p},
-        tally=Counter(),
-        started=time.time(),
-        restarted=False,
-    )
+    s = tier_members_status(members)
     assert s["tenants"] == {a: {"lookups": 3, "hit_blocks": 4}, b: {"lookups": 1}}
     from raykv.service.control.launcher import status_table
 
@@ -123,8 +128,6 @@ def test_tenants_bytes_held_and_quotas_reach_the_metrics_and_the_status_table() 
     m.tenant_bytes({"m1": {"none": 512}})  # a holds nothing now: its gauge back to 0
     assert m.tenants[a]["bytes_held"] == 0 and m._gauged == {"m1": {"none"}, "m2": set()}
 
-    layers = {"l0": FullAttention("float32", 1, 8)}
-    p = plan(layers, num_gpu_blocks=9, max_model_len=64, max_num_batched_tokens=64)
     quotas = {"default": 1 << 30, a: 2 << 20}
     members = [
         Member("tier-1", "tier", "n1", None, stats={
@@ -134,16 +137,7 @@ def test_tenants_bytes_held_and_quotas_reach_the_metrics_and_the_status_table() 
             "tenants": {a: {"bytes_held": 1 << 20}, "none": {"bytes_held": 5}},
             "tenant_quotas": quotas}),
     ]  # fmt: skip
-    s = status.cluster(
-        ray_nodes=[],
-        members_=members,
-        index=PrefixIndex(),
-        served={"m": ServedModel("m", layers, max_model_len=64, cpu_bytes=1 << 16)},
-        plans={"m": p},
-        tally=Counter(),
-        started=time.time(),
-        restarted=False,
-    )
+    s = tier_members_status(members)
     assert s["tenants"][a] == {"bytes_held": 2 << 20, "quota_refused": 1}
     assert s["tenant_quotas"] == quotas
     table = status_table({**s, "address": "-"})
