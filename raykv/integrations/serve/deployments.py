@@ -77,13 +77,14 @@ def key_digest(api_key: str) -> str:
 def bind_tenant(
     tenants: Mapping[str, str] | None, authorization: str | None, body: dict[str, Any]
 ) -> Refused | None:
-    """Bind a request to its client's tenant (invariant 13): with ``tenants`` configured
-    (SHA-256 hex of an API key -> tenant name), the request's ``Authorization: Bearer KEY``
-    names its tenant, and ``body["cache_salt"]`` (vLLM's, the tenant its KV is keyed and
-    counted under, by the router and the connector alike) is set to it. A request without a
-    known key is refused (401); one that sends a ``cache_salt`` other than its own tenant's
-    is refused (403), not silently overridden, so a client that means another tenant's
-    cache learns it cannot have it. Without ``tenants``: nothing changes (None)."""
+    """Bind a request to its client's tenant (whose quota it counts against: invariant 13):
+    with ``tenants`` configured (SHA-256 hex of an API key -> tenant name), the request's
+    ``Authorization: Bearer KEY`` names its tenant, and ``body["cache_salt"]`` (vLLM's, the
+    tenant its KV is keyed and counted under, by the router and the connector alike) is set
+    to it. A request without a known key is refused (401); one that sends a ``cache_salt``
+    other than its own tenant's is refused (403), not silently overridden, so a client that
+    means another tenant's cache learns it cannot have it. Without ``tenants``: nothing
+    changes (None)."""
     if not tenants:
         return None
     scheme, _, key = (authorization or "").strip().partition(" ")
