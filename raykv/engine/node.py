@@ -34,7 +34,7 @@ from raykv.engine.attached import AttachedKV
 from raykv.errors import RaykvError
 from raykv.service.groups import common_hit, managers, needed_slots
 from raykv.service.node import agent_protocol as p
-from raykv.service.node.replica import LOCAL_TIER, ReplicaReader, key_lanes
+from raykv.service.node.replica import LOCAL_TIER, ReplicaReader
 from raykv.service.served import NAMESPACE, ServedModel, served_model
 
 log = logging.getLogger(__name__)
@@ -177,12 +177,10 @@ class NodeKV:
             return EngineLookup(0, 0, n)
         # the hasher reads and checks the ids as it hashes them (one native pass)
         blob = self._hasher.hash_blocks_joined(token_ids, end_block=limit // hbs, tenant=tenant)
-        hashes = np.frombuffer(blob, np.uint64).reshape(-1, 4)
         mgrs = self._managers
         flags, probes = [], []
         for g, m in zip(plan.groups, mgrs, strict=True):
-            k = g.block_size // hbs
-            f = reader.flags(key_lanes(hashes[k - 1 :: k], g.group_id))
+            f = reader.hash_flags(blob, g.group_id, g.block_size // hbs)
             held = f != 0
             held[: held_tokens // g.block_size] = True  # the engine's own blocks
             flags.append(f)

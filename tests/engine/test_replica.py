@@ -10,11 +10,14 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from raykv.blocks import hashing
 from raykv.blocks.events import PrefixIndex
 from raykv.service.control.index import IndexFeed, group_key
+from raykv.service.node import replica as replica_module
 from raykv.service.node.replica import (
     ELSEWHERE,
     LOCAL_POOL,
@@ -39,6 +42,22 @@ def block_hash(i: int) -> bytes:
     return hashlib.sha256(i.to_bytes(8, "little")).digest()
 
 
+@pytest.fixture(scope="module")
+def native() -> None:
+    """raykv's extension loaded: ``hash_flags`` then probes in one native pass."""
+    if "Python path" in hashing.build_native():
+        pytest.skip(f"raykv's extension is not built here: {hashing.native_status()}")
+
+
+def both_probes(reader: ReplicaReader, hashes: list[bytes], group: int, step: int) -> np.ndarray:
+    """A lookup's probe (``hash_flags``, native) of every ``step``-th hash, checked against
+    the reference (``flags`` of the same keys' lanes); the flags."""
+    got = reader.hash_flags(b"".join(hashes), group, step)
+    want = reader.flags(key_lanes(hashes[step - 1 :: step], group))
+    assert got.tolist() == want.tolist()
+    return got
+
+
 ops = st.lists(
     st.tuples(
         st.sampled_from(["tier+", "tier-", "holders", "clear"]),
@@ -51,7 +70,7 @@ ops = st.lists(
 
 @settings(max_examples=60, deadline=None)
 @given(ops=ops, slots=st.sampled_from([1024, 4096]))
-def test_a_reader_sees_the_truth_or_a_miss_never_a_false_hit(tmp_path_factory, ops, slots):
+def test_a_reader_sees_the_truth_or_a_miss_never_a_false_hit(tmp_path_factory, native, ops, slots):
     writer, reader = replica(tmp_path_factory.mktemp("r"), slots)
     truth: dict[tuple[int, int], int] = {}  # (group, block) -> flags
     for kind, keys, bits in ops:
@@ -74,7 +93,7 @@ def test_a_reader_sees_the_truth_or_a_miss_never_a_false_hit(tmp_path_factory, o
     probe = sorted(set(truth) | {(0, 1000), (1, 1001)})
     for g in range(3):
         mine = [b for gg, b in probe if gg == g]
-        got = reader.flags(key_lanes([block_hash(b) for b in mine], g))
+        got = both_probes(reader, [block_hash(b) for b in mine], g, 1)
         for b, f in zip(mine, got.tolist(), strict=True):
             want = truth.get((g, b), 0)
             assert f in (want, 0), (g, b, f, want)
@@ -135,6 +154,53 @@ def test_keys_crowding_a_few_homes_are_each_found_where_a_reader_probes(tmp_path
     gone[[d for d in drop if d < len(lanes)]] = True
     writer._update(lanes[gone], lambda old: old & ~np.uint64(LOCAL_TIER))
     assert (reader.flags(lanes) == np.where(gone, 0, first)).all()  # dead slots read 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    homes=st.lists(st.integers(0, 40), min_size=1, max_size=300),
+    drop=st.lists(st.integers(0, 299), max_size=100),
+    group=st.integers(0, 3),
+    step=st.integers(1, 4),
+)
+def test_a_lookups_native_probe_answers_as_the_reference(tmp_path_factory, native, homes, drop,
+                                                         group, step):  # fmt: skip
+    """The lookup's one native pass (fold, home slot, linear probe to the print or an unused
+    slot) reads what ``flags`` reads, key for key: keys crowding a few homes (long probe
+    runs, keys past the probe limit), dead slots, other groups' keys, every ``step``-th
+    hash. Hashes are made to fold onto the chosen homes."""
+    writer, reader = replica(tmp_path_factory.mktemp("r"), 1024)
+    g = np.uint64(group + 1)
+    with np.errstate(over="ignore"):
+        fold_fp, fold_home = g * np.uint64(0x9E3779B97F4A7C15), g * np.uint64(0xC2B2AE3D27D4EB4F)
+    fps = np.array([(i + 1) << 8 for i in range(len(homes))], np.uint64)
+    raw = np.zeros((len(homes), 4), np.uint64)
+    raw[:, 0] = fps ^ fold_fp
+    raw[:, 1] = np.array(homes, np.uint64) ^ fold_home
+    hashes = [r.tobytes() for r in raw]
+    lanes = key_lanes(hashes, group)
+    assert (lanes[:, 0] == fps).all() and (lanes[:, 1] == np.array(homes, np.uint64)).all()
+    writer._update(lanes[::2], lambda old: old | np.uint64(LOCAL_TIER))
+    writer._update(key_lanes(hashes[1::2], group + 1), lambda old: old | np.uint64(ELSEWHERE))
+    gone = np.zeros(len(lanes), bool)
+    gone[[d for d in drop if d < len(lanes)]] = True
+    writer._update(lanes[gone], lambda old: old & ~np.uint64(LOCAL_TIER))
+    got = both_probes(reader, hashes, group, step)
+    assert set(got.tolist()) <= {0, LOCAL_TIER}  # another group's keys are never this one's
+
+
+def test_a_native_probe_during_a_rebuild_is_a_miss(tmp_path, native, monkeypatch) -> None:
+    writer, reader = replica(tmp_path, 1024)
+    hashes = [block_hash(i) for i in range(10)]
+    writer.set_local([group_key(0, h) for h in hashes[:7]], True)
+    assert both_probes(reader, hashes, 0, 1).tolist() == [LOCAL_TIER] * 7 + [0] * 3
+    with monkeypatch.context() as m:  # no extension: the reference answers the lookup's form
+        m.setattr(replica_module, "native_module", lambda: None)
+        assert reader.hash_flags(b"".join(hashes), 0, 3).tolist() == [LOCAL_TIER] * 2 + [0]
+    writer.t.header[2] += 1  # a writer mid-rebuild: odd generation
+    assert (reader.hash_flags(b"".join(hashes), 0) == 0).all()
+    writer.t.header[2] += 1
+    assert reader.hash_flags(b"".join(hashes), 0, 2).tolist() == [LOCAL_TIER] * 3 + [0] * 2
 
 
 def test_a_group_key_and_a_hash_of_that_group_are_the_same_replica_key() -> None:

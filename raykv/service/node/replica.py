@@ -6,8 +6,8 @@ this node: per block key, whether this node's CPU tier holds it (``LOCAL_TIER``)
 member of this node does (``LOCAL_POOL``), or a member of another node (``ELSEWHERE``). The
 tier sets its own bit as it publishes; the rest follows the coordinator's change feed
 (``Coordinator.index_changes``), a fraction of a second behind. An engine maps the replica
-and answers a lookup from it without a round trip: vectorized probes of an open-addressing
-table, no lock.
+and answers a lookup from it without a round trip: probes of an open-addressing table (one
+native pass, else vectorized), no lock.
 
 Why no lock is needed: a replica's answer only decides how many tokens an engine asks to
 load. The load itself leases the blocks at the tier by their full keys and verifies every
@@ -22,7 +22,8 @@ keys, 0, keys dropped for want of room, 2 spare), then ``slots`` words (0: never
 key's slot starts at the block hash's second 8 bytes (masked) and its fingerprint is the top
 56 bits of its first 8 bytes, the group id folded into both: two blocks agree
 on both with probability ~2**-56 per probe (then a miss at load time, as any stale answer).
-One random memory read per key: a 32k-token prompt's 2048 keys in ~0.1 ms.
+One random memory read per key: a 32k-token prompt's 2048 keys in ~0.02 ms natively
+(~0.08 ms in numpy's vector steps).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from dataclasses import dataclass
 from itertools import repeat
 
 import numpy as np
+
+from raykv.blocks.hashing import native_module
 
 LOCAL_TIER, LOCAL_POOL, ELSEWHERE = 1, 2, 4
 _MAGIC = 0x7261796B76726570  # "raykvrep"
@@ -296,8 +299,28 @@ class ReplicaReader:
         if int(self.t.header[0]) != _MAGIC or int(self.t.header[1]) != spec.slots:
             raise ValueError(f"{spec.path} is not a raykv index replica of {spec.slots} slots")
 
+    def hash_flags(self, hashes: bytes, group_id: int, step: int = 1) -> np.ndarray:
+        """uint8 flags of the keys of hashes ``step - 1``, ``2 * step - 1``, ... of
+        ``hashes`` (32-byte block hashes, joined: a lookup's form; a group whose block is
+        ``step`` hash blocks names each by the last) in group ``group_id``. One native pass
+        (``kernels/block_hash.cpp``'s ``replica_flags``) where raykv's extension is loaded,
+        else ``flags`` of their ``key_lanes``: the same answer (tests hold them to it)."""
+        n = len(hashes) // 32 // step
+        native = native_module()
+        if native is None:
+            lanes = np.frombuffer(hashes, np.uint64).reshape(-1, 4)[step - 1 :: step][:n]
+            return self.flags(key_lanes(lanes, group_id))
+        t, out = self.t, np.zeros(n, np.uint8)
+        gen = int(t.header[2])
+        if gen & 1 or not n:
+            return out
+        native.replica_flags(t.slots, hashes, step - 1, step, group_id + 1, _PROBES, out)
+        if int(t.header[2]) != gen:
+            out[:] = 0  # rebuilt meanwhile: a miss this time
+        return out
+
     def flags(self, lanes: np.ndarray) -> np.ndarray:
-        """uint8 flags of each key (0: not held anywhere, or unknown now)."""
+        """uint8 flags of each key (``key_lanes``; 0: not held anywhere, or unknown now)."""
         t, n = self.t, len(lanes)
         out = np.zeros(n, np.uint8)
         gen = int(t.header[2])
