@@ -280,6 +280,25 @@ def block_hashes(token_ids: Sequence[int], block: int = BLOCK) -> list[bytes]:
     return out
 
 
+def ceiling_hit_rate(scenario: Scenario, block: int = BLOCK) -> float:
+    """The hit rate no router can pass on ``scenario``: a cache that never forgets, shared
+    by every replica, each request hitting every leading block of any request that arrived
+    before it (at most all but its last token, as a replica computes). What stays a miss
+    is the workload's own: a system prompt's first use and each turn's new tokens."""
+    seen: set[bytes] = set()
+    hit = total = 0
+    for r in scenario.requests:
+        hashes = block_hashes(r.token_ids, block)
+        n = 0
+        for h in hashes:
+            if h not in seen:
+                break
+            n += 1
+        hit, total = hit + min(n * block, len(r.token_ids) - 1), total + len(r.token_ids)
+        seen.update(hashes)
+    return hit / total if total else 0.0
+
+
 class GpuPrefixCache:
     """A replica's own prefix cache: block hashes, least recently used evicted first."""
 
@@ -832,6 +851,7 @@ def run(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict[str, Any]:
                 "timed": sum(r.request_id.startswith(s.timed) for r in s.requests)
                 if s.timed
                 else 0,
+                "hit_ceiling": ceiling_hit_rate(s),
             }
             for s in scenarios
         },
@@ -955,8 +975,9 @@ def format_report(r: dict[str, Any]) -> str:
         s = r["scenarios"][scenario]
         lines += [
             "",
-            f"{scenario}: {s['requests']} requests, {s['prompt_tokens']} prompt tokens"
-            + (f"; TTFT of the {s['timed']} burst clients only" if s.get("timed") else ""),
+            f"{scenario}: {s['requests']} requests, {s['prompt_tokens']} prompt tokens; no "
+            f"router passes a {s['hit_ceiling']:.1%} hit rate (every earlier request's blocks "
+            "kept)" + (f"; TTFT of the {s['timed']} burst clients only" if s.get("timed") else ""),
             f"{'router':<30}{'hit':>7}{'gpu':>7}{'tier':>7}{'remote':>8}{'p50 s':>9}"
             f"{'p99 s':>9}{'req/s':>8}{'imbal':>7}{'wall p50':>10}{'p99':>9}  per replica",
         ]

@@ -127,6 +127,28 @@ def test_gpu_prefix_cache_is_an_lru_of_leading_blocks() -> None:
     assert cache.hit_blocks(two) == 2
 
 
+def test_the_ceiling_counts_what_no_cache_can_hit() -> None:
+    first = tuple(range(100, 200))  # 3 full blocks and 4 tokens
+    again = first + (7,) * 28  # 4 full blocks: the first 3 seen before
+    same = tuple(range(100, 196))  # exactly 3 blocks: at most all but its last token
+    reqs = [rt.Request(f"r{i}", float(i), t, 0, -1, 0) for i, t in enumerate((first, again, same))]
+    assert rt.ceiling_hit_rate(rt.Scenario("x", tuple(reqs)), 32) == (96 + 95) / (100 + 128 + 96)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10**6))
+def test_no_replicas_own_cache_passes_the_ceiling(seed: int) -> None:
+    """Every request through one never-forgetting replica cache: the ceiling exactly."""
+    scenario = rt.multi_tenant(replace(SMALL, seed=seed))
+    cache, hit, total = rt.GpuPrefixCache(capacity_blocks=10**9), 0, 0
+    for r in scenario.requests:
+        hashes = rt.block_hashes(r.token_ids, 32)
+        hit += min(cache.hit_blocks(hashes) * 32, len(r.token_ids) - 1)
+        total += len(r.token_ids)
+        cache.add(hashes)
+    assert rt.ceiling_hit_rate(scenario, 32) == hit / total
+
+
 def test_load_costs_follow_the_bandwidths() -> None:
     c = rt.SimCosts(prefill_us_per_token=400.0, kv_kib_per_token=128.0, tier_gbps=25.0,
                     pull_gbps=12.5)  # fmt: skip
