@@ -33,6 +33,9 @@ class Row:
     prefix_tokens: int
     ttft_s: dict[str, float]  # connector (or DOWN) -> B's median TTFT; absent: did not run
     hit_tokens: int  # raykv's external tokens for B
+    # each request with the service down less its partner with the connector off (sent right
+    # after it, the same size): a slow spell of the box lands on both of a pair
+    outage_pairs_s: tuple[float, ...] = ()
 
     @property
     def speedup_vs_none(self) -> float:
@@ -45,7 +48,11 @@ class Row:
     @property
     def outage_added_s(self) -> float:
         """What a request costs more with the service down than the same engine's requests
-        with the connector off, interleaved with them."""
+        with the connector off, interleaved with them: the median of the pairs' differences
+        (a prefill's own noise, seconds at 8k tokens on a 2-core box, cancels within a
+        pair where it would not between two medians)."""
+        if self.outage_pairs_s:
+            return statistics.median(self.outage_pairs_s)
         return self.ttft_s[DOWN] - self.ttft_s[OFF]
 
     def as_dict(self) -> dict[str, Any]:
@@ -144,6 +151,7 @@ def run(
             n,
             {c: statistics.median(ttft[c][n]) for c in (*CONNECTORS, DOWN, OFF) if ttft[c][n]},
             hits.get(n, 0),
+            tuple(d - o for d, o in zip(ttft[DOWN][n], ttft[OFF][n], strict=True)),
         )
         for n in sizes
     ], notes

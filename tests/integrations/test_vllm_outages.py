@@ -151,3 +151,15 @@ def test_the_engine_hits_then_survives_every_outage_with_its_own_answers(setup) 
     finally:
         ray.shutdown()
         again.shutdown()
+
+
+def test_the_benchmarks_outage_figure_is_the_median_of_its_pairs() -> None:
+    """``raykv bench vllm``'s "added": each request with the service down less its partner
+    with the connector off, the median of those; not the difference of two medians, which a
+    slow spell of the box under one request of a pair moves by seconds at 8k tokens."""
+    from raykv.bench.vllm import DOWN, OFF, Row
+
+    row = Row(8192, {"none": 8.0, "raykv": 1.0, "example": 2.0, DOWN: 6.0, OFF: 8.0}, 8192,
+              (0.02, 0.01, 3.0, -0.01, 0.03))  # fmt: skip
+    assert row.outage_added_s == pytest.approx(0.02)
+    assert Row(8192, {"none": 8.0, "raykv": 1.0, DOWN: 6.5, OFF: 6.0}, 0).outage_added_s == 0.5
