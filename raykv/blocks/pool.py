@@ -9,7 +9,8 @@
   included (invariant 8): ``cached`` maps a prefix to the block that serves it, and the
   other blocks holding the same prefix wait in ``_copies``; when the serving block is
   evicted a copy takes its place. ``lookup`` prefers a copy that is in use, so a hit never
-  revives a free block while an identical one is held.
+  revives a free block while an identical one is held; where every copy is free it revives
+  the one freed last, so the copies left in the free queue are the first to be evicted.
 - ``uncache`` takes blocks whose bytes are not their prefix's (a load that failed its checks
   wrote part of them) out of the map: the one exception to findability; a pool that later
   writes them whole caches them again (``cache``).
@@ -45,7 +46,9 @@ class BlockPool:
         self._copies: dict[CacheKey, tuple[BlockHash | None, list[int]]] = {}
         self._block_sizes: dict[int, int] = {}  # group id -> block size, for copies' events
         self._free_uncached: deque[int] = deque(range(1, num_blocks))
-        self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
+        # LRU order, oldest first: block -> when it was freed (``_num_freed`` then)
+        self._free_cached: OrderedDict[int, int] = OrderedDict()
+        self._num_freed = 0  # cached blocks that ever joined the free queue
         self._events: list[KVEvent] = []
         self.num_taken = 0  # blocks that ever left the free queues (allocated or revived)
         self.num_evicted = 0
@@ -78,15 +81,28 @@ class BlockPool:
     # --- prefix-hash map --------------------------------------------------------------
 
     def lookup(self, key: CacheKey) -> int | None:
-        """A block holding prefix ``key``: one in use if any copy is, else the serving one."""
+        """A block holding prefix ``key``: one in use if any copy is, else the copy freed
+        last.
+
+        Reviving the copy freed last leaves the other copies (spares while the hit holds
+        the prefix) at their older places in the free queue, so they are evicted before
+        anything freed after them. vLLM revives the copy cached first, here the serving
+        block; after a hit that took a held copy (where vLLM revived the free one) that can
+        be the older free copy, and reviving it would leave the newer one as the spare,
+        behind blocks that vLLM's spare goes before: a later prompt would hit less than in
+        vLLM."""
         b = self.cached.get(key)
         if b is not None and self._copies and not self.ref_counts[b]:
             entry = self._copies.get(key)
             if entry is not None:
-                rc = self.ref_counts
+                rc, freed = self.ref_counts, self._free_cached
+                last = b
                 for c in entry[1]:
                     if rc[c]:
                         return c
+                    if freed.get(c, 0) > freed.get(last, 0):
+                        last = c
+                return last
         return b
 
     def cache(
@@ -225,7 +241,8 @@ class BlockPool:
             rc[b] -= 1
             if rc[b] == 0:
                 if self.block_keys[b] is not None:
-                    self._free_cached[b] = None
+                    self._num_freed += 1
+                    self._free_cached[b] = self._num_freed
                 else:
                     self._free_uncached.append(b)
 
@@ -240,7 +257,8 @@ class BlockPool:
                 rc[b] = n
                 if not n:
                     if keys[b] is not None:
-                        self._free_cached[b] = None
+                        self._num_freed += 1
+                        self._free_cached[b] = self._num_freed
                     else:
                         self._free_uncached.append(b)
 

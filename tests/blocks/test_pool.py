@@ -59,7 +59,7 @@ def test_duplicate_prefix_is_a_findable_copy():
     pool.free([a])
     assert pool.lookup((0, b"h")) == b  # a held copy beats a free one
     pool.free([b])
-    assert pool.lookup((0, b"h")) == a
+    assert pool.lookup((0, b"h")) == b  # every copy free: the one freed last
     assert pool.allocate(1) == [4]  # the uncached block goes first
     assert pool.allocate(1) == [a]  # then LRU: a, the serving block, is evicted ...
     assert pool.cached == {(0, b"h"): b, (1, b"h"): c}  # ... and its copy takes over
@@ -67,6 +67,35 @@ def test_duplicate_prefix_is_a_findable_copy():
     assert pool.allocate(1) == [b]
     assert pool.cached == {(1, b"h"): c}
     assert pool.drain_events() == [BlockRemoved(0, (b"h",))]
+
+
+def test_a_hit_on_free_copies_revives_the_one_freed_last():
+    """Where every copy of a prefix is free, a hit revives the copy freed last, so the
+    spares it leaves keep their older places in the free queue and go before anything freed
+    after them (vLLM revives the copy cached first; a held-copy hit here can make that the
+    older one, and reviving it would leave the newer spare behind blocks vLLM evicts first)."""
+    pool = BlockPool(5)
+    a, b, c, d = pool.allocate(4)
+    for x in (a, b, c):
+        pool.cache(0, [b"h"], [x], None, 4)
+    assert pool.cached == {(0, b"h"): a}
+    pool.free([b])
+    pool.free([d])  # uncached: not a copy
+    pool.free([a])
+    assert pool.lookup((0, b"h")) == c  # c is held: no free copy is revived
+    pool.free([c])
+    assert pool.lookup((0, b"h")) == c
+    pool.touch([c])
+    assert pool.lookup((0, b"h")) == c
+    assert pool.allocate(1) == [d]  # the uncached block first
+    assert pool.allocate(1) == [b]  # then the spares, oldest first: b, then a
+    assert pool.lookup((0, b"h")) == c
+    pool.free([c])
+    pool.touch([a])  # a held copy again
+    assert pool.lookup((0, b"h")) == a
+    pool.free([a])  # a joins the queue after c: a is the one freed last now
+    assert pool.lookup((0, b"h")) == a
+    assert pool.free_block_ids() == [c, a]
 
 
 def test_double_free_is_an_error():
