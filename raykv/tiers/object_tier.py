@@ -15,15 +15,18 @@ writers:
 
 The pointers are PUT while their object is (``POINTERS`` in flight beside the object's PUT),
 not after it: S3 has no batched PUT, so each is a request of its own, and after the object
-they were the upload's tail (on a local moto server, about a third of its time; PUT beside
-it, most of their latency hides behind the object's). So a pointer may name an object not
-whole in the bucket yet: a node that reads it then finds no object (or, replacing one of
-the same name, another ETag) and misses, counted as torn, as it would for an object expired
-since; never wrong rows, as every row is verified against the header of the object read. An
-upload that fails deletes the pointers it wrote (one DeleteObjects; best effort: one left
-behind is the same counted miss). Not fewer pointers: a lookup may start at any block (a
-lease looks past the blocks its node holds, a load asks for entries by key), so each block
-needs its own name; one PUT per block also needs no read-modify-write between writers.
+they were the upload's tail (on a local moto server, about a third of its time). Beside it,
+their latency hides behind the object's; what is left is their cost to the client and the
+server (on a 2-core box running moto too, about half of what they cost after). So a pointer
+may name an object not whole in the bucket yet: a node that reads it then finds no object
+(or, replacing one of the same name, another ETag) and misses, counted as torn, as it would
+for an object expired since; never wrong rows, as every row is verified against the header
+of the object read. An upload that fails deletes the pointers it wrote (one DeleteObjects;
+best effort: one left behind is the same counted miss). Not fewer pointers (one per run of a
+prompt's blocks, say): a lookup may start at any block (a lease looks from the first block
+its node lacks, a load asks for entries by key), and a writer does not know which of its
+blocks follow which in a prompt; nor one pointer object for many blocks, which writers
+sharing no state would have to read, merge and write back.
 
 Any node, or another cluster, that computes the same block key finds the block through its
 pointer; this tier's own uploads are also kept in a local index (``index_entries`` at most,
