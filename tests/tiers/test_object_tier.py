@@ -362,3 +362,25 @@ def test_a_failed_upload_takes_its_pointers_back(endpoint):
     assert other.find(ks) == [] and other.load(ks).keys == [] and other.stats.torn == 0
     t.close()
     other.close()
+
+
+def test_small_puts_go_without_waiting_for_the_servers_go_ahead(endpoint, tmp_path):
+    """A pointer's PUT (a body smaller than its headers) is sent with its headers, not after
+    an ``Expect: 100-continue`` round trip; a large one still asks first."""
+    from raykv.tiers.object_tier import CONTINUE_BYTES
+
+    client = s3_client(endpoint)
+    sent: list[str | None] = []
+    client.meta.events.register(
+        "before-send.s3.PutObject", lambda request, **_: sent.append(request.headers.get("Expect"))
+    )
+    client.put_object(Bucket="raykv-test", Key="expect/small", Body=b"x" * 114)
+    big = tmp_path / "big"
+    big.write_bytes(b"\0" * CONTINUE_BYTES)
+    with open(big, "rb") as fh:
+        client.put_object(Bucket="raykv-test", Key="expect/big", Body=fh)
+    assert sent == [None, b"100-continue"]
+    got = client.get_object(Bucket="raykv-test", Key="expect/small")["Body"].read()
+    assert got == b"x" * 114
+    client.delete_objects(Bucket="raykv-test", Delete={"Objects": [
+        {"Key": "expect/small"}, {"Key": "expect/big"}]})  # fmt: skip
