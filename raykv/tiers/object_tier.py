@@ -11,8 +11,23 @@ writers:
 
 - ``<prefix>/<identity hex>/o/<sha256 of the slab's keys>.slab``: the slab;
 - ``<prefix>/<identity hex>/k/<block key hex>``: a pointer per block an entry carries (its
-  entry's key, the sub-slot, the object and the slot), written after the object, so a
-  pointer never names an object not yet written.
+  entry's key, the sub-slot, the object and the slot).
+
+The pointers are PUT while their object is (``POINTERS`` in flight beside the object's PUT),
+not after it: S3 has no batched PUT, so each is a request of its own, and after the object
+they were the upload's tail (on a local moto server, about a third of its time). Beside it,
+their latency hides behind the object's; what is left is their cost to the client and the
+server (on a 2-core box running moto too, about half of what they cost after). So a pointer
+may name an object not whole in the bucket yet: a node that reads it then finds no object
+(or, replacing one of the same name, another ETag) and misses, counted as torn, as it would
+for an object expired since; never wrong rows, as every row is verified against the header
+of the object read. An upload that fails deletes the pointers it wrote (one DeleteObjects;
+best effort: one left behind is the same counted miss). A pointer's PUT goes without
+``Expect: 100-continue`` (``s3_client``: below ``CONTINUE_BYTES``), a round trip less each.
+Not fewer pointers (one per run of a prompt's blocks, say): a lookup may start at any block
+(a lease looks from the first block its node lacks, a load asks for entries by key), and a
+writer does not know which of its blocks follow which in a prompt; nor one pointer object
+for many blocks, which writers sharing no state would have to read, merge and write back.
 
 Any node, or another cluster, that computes the same block key finds the block through its
 pointer; this tier's own uploads are also kept in a local index (``index_entries`` at most,
@@ -83,6 +98,8 @@ FILE_WAIT_S = 120.0  # a load of entries of a disk slab being uploaded waits thi
 # magic, object digest, slot, the object's slots, sub-slot; then the entry's key
 _POINTER = struct.Struct("<8s32sIIH")
 _POINTER_MAGIC = b"RAYKVPTR"
+# PUTs of fewer bytes go without ``Expect: 100-continue`` (as aws-sdk-go-v2's default)
+CONTINUE_BYTES = 2 << 20
 INSTALL = "pip install 'raykv[s3]'"
 # error codes of a GET that mean "not there": gone, replaced (IfMatch), cut short
 _ABSENT = ("NoSuchKey", "404", "PreconditionFailed", "412", "InvalidRange", "416")
@@ -132,7 +149,24 @@ def s3_client(endpoint: str | None = None, connections: int = 32) -> Any:
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
-    return boto3.client("s3", endpoint_url=endpoint, config=config)
+    client = boto3.client("s3", endpoint_url=endpoint, config=config)
+    # last of the S3 calls' handlers: after botocore's own, which asks every PUT of a
+    # file-like body (bytes become one) for ``Expect: 100-continue``
+    client.meta.events.register_last("before-call.s3", _continue_if_large)
+    return client
+
+
+def _continue_if_large(params: dict[str, Any], model: Any = None, **_: Any) -> None:
+    """No ``Expect: 100-continue`` on a PUT of less than ``CONTINUE_BYTES`` (a pointer): the
+    server's go-ahead is a round trip more per request, to spare sending a body smaller than
+    the request's headers, rather than one that is worth not sending if refused."""
+    from botocore.utils import determine_content_length
+
+    if getattr(model, "name", None) != "PutObject" or "Expect" not in params["headers"]:
+        return
+    size = determine_content_length(params.get("body"))
+    if size is not None and size < CONTINUE_BYTES:
+        del params["headers"]["Expect"]
 
 
 @dataclass
@@ -352,15 +386,23 @@ class ObjectTier:
         self._uploads.submit(self._upload, batch)
 
     def _upload(self, batch: _Batch) -> None:
+        pointers: list[tuple[str, Future]] = []
         try:
             if batch.path is None:
-                digest, locs, records, etag = self._put_buffer(batch)
+                digest, locs, records = self._layout_buffer(batch)
+                pointers = self._put_pointers(digest, batch.keys, locs, records)
+                etag = self._put_object(digest, batch.body)
             else:
-                digest, locs, records, etag = self._put_file(batch)
-            self._put_pointers(digest, batch.keys, locs, records)
+                with open(batch.path, "r+b") as fh:
+                    digest, locs, records, size = self._layout_file(batch, fh)
+                    pointers = self._put_pointers(digest, batch.keys, locs, records)
+                    etag = self._put_object(digest, fh, ContentLength=size)
+            for _, p in pointers:
+                p.result()
         except Exception as e:  # S3 errors, a torn slab file: the entries are dropped
             log.warning("object tier %s: uploading %d entries failed: %r", self.base,
                         len(batch.keys), e)  # fmt: skip
+            self._unpoint(pointers)
             with self._idle:
                 self.stats.write_errors += 1
                 mine = [k for k in batch.keys if self._pending.get(k, (None,))[0] is batch]
@@ -387,57 +429,79 @@ class ObjectTier:
             self._keep_spare(batch)
             self._idle.notify_all()
 
-    def _put_buffer(self, batch: _Batch) -> tuple[bytes, list[_Loc], np.ndarray, str]:
+    def _put_object(self, digest: bytes, body: Any, **kw: Any) -> str:
+        """PUT the object ``digest`` names: its ETag."""
+        got = self.client.put_object(Bucket=self.settings.bucket, Key=self.object_name(digest),
+                                     Body=body, **kw)  # fmt: skip
+        return got["ETag"]
+
+    def _layout_buffer(self, batch: _Batch) -> tuple[bytes, list[_Loc], np.ndarray]:
+        """A staged batch's object name, its entries' slots and records."""
         n = len(batch.keys)
         digest = self.digest_of(batch.keys)
-        got = self.client.put_object(
-            Bucket=self.settings.bucket, Key=self.object_name(digest),
-            Body=batch.body,
-        )  # fmt: skip
-        return digest, [_Loc(digest, j, n) for j in range(n)], batch.records, got["ETag"]
+        return digest, [_Loc(digest, j, n) for j in range(n)], batch.records
 
-    def _put_file(self, batch: _Batch) -> tuple[bytes, list[_Loc], np.ndarray, str]:
-        """The slab file as one object (cut after its last filled slot), its keys' slots
-        from its header."""
+    def _layout_file(self, batch: _Batch, fh: Any) -> tuple[bytes, list[_Loc], np.ndarray, int]:
+        """A disk tier's slab file (``fh``, open for update) checked and cut after its last
+        filled slot, left at its start for the PUT: its object name, ``batch``'s keys' slots,
+        its records and the object's size."""
         path, fmt = batch.path, self.format
-        with open(path, "r+b") as fh:
-            head = fh.read(HEAD)
-            fixed = fmt.check_fixed(head)
-            if isinstance(fixed, str):
-                raise TierError(f"{path.name}: {fixed}")
-            slots, filled = fixed
-            records = fmt.check_records(head, fh.read(filled * fmt.dtype.itemsize))
-            if isinstance(records, str):
-                raise TierError(f"{path.name}: {records}")
-            size = fmt.header_bytes(slots) + filled * self.stride
-            if os.fstat(fh.fileno()).st_size < size:
-                raise TierError(f"{path.name}: truncated")
-            fh.truncate(size)
-            keys = [get_key(r, "klen", "key") for r in records]
-            slot_of = {k: i for i, k in enumerate(keys)}
-            digest = self.digest_of(keys)
-            fh.seek(0)
-            got = self.client.put_object(Bucket=self.settings.bucket,
-                                         Key=self.object_name(digest), Body=fh,
-                                         ContentLength=size)  # fmt: skip
-        locs = [_Loc(digest, slot_of[k], slots) for k in batch.keys]
-        return digest, locs, records, got["ETag"]
+        head = fh.read(HEAD)
+        fixed = fmt.check_fixed(head)
+        if isinstance(fixed, str):
+            raise TierError(f"{path.name}: {fixed}")
+        slots, filled = fixed
+        records = fmt.check_records(head, fh.read(filled * fmt.dtype.itemsize))
+        if isinstance(records, str):
+            raise TierError(f"{path.name}: {records}")
+        size = fmt.header_bytes(slots) + filled * self.stride
+        if os.fstat(fh.fileno()).st_size < size:
+            raise TierError(f"{path.name}: truncated")
+        fh.truncate(size)
+        keys = [get_key(r, "klen", "key") for r in records]
+        slot_of = {k: i for i, k in enumerate(keys)}
+        digest = self.digest_of(keys)
+        fh.seek(0)
+        return digest, [_Loc(digest, slot_of[k], slots) for k in batch.keys], records, size
 
     def _put_pointers(
         self, digest: bytes, keys: list[bytes], locs: list[_Loc], records: np.ndarray
-    ) -> None:
-        """A pointer for every block the entries carry, several PUTs in flight."""
-        puts: list[Future] = []
+    ) -> list[tuple[str, Future]]:
+        """A pointer PUT for every block the entries carry, submitted (``POINTERS`` in
+        flight) while the object itself is PUT: (name, its future) each."""
+        puts: list[tuple[str, Future]] = []
         for k, loc in zip(keys, locs, strict=True):
             for s, m in enumerate(self.format.members(records[loc.slot])):
                 if m is None:
                     continue
+                name = self.pointer_name(m)
                 body = _POINTER.pack(_POINTER_MAGIC, digest, loc.slot, loc.slots, s) + k
-                puts.append(self._pointers.submit(self.client.put_object,
-                                                  Bucket=self.settings.bucket,
-                                                  Key=self.pointer_name(m), Body=body))  # fmt: skip
-        for p in puts:
-            p.result()
+                puts.append((name, self._pointers.submit(
+                    self.client.put_object, Bucket=self.settings.bucket, Key=name,
+                    Body=body)))  # fmt: skip
+        return puts
+
+    def _unpoint(self, pointers: list[tuple[str, Future]]) -> None:
+        """An upload failed: its pointers not yet sent are not sent, and those sent are
+        deleted (DeleteObjects, best effort), so they do not name an object never written."""
+        sent = []
+        for name, p in pointers:
+            if p.cancel():
+                continue
+            try:
+                p.result()
+                sent.append(name)
+            except Exception:  # not written
+                pass
+        for a in range(0, len(sent), 1000):  # DeleteObjects takes up to 1000 names
+            try:
+                self.client.delete_objects(
+                    Bucket=self.settings.bucket,
+                    Delete={"Objects": [{"Key": n} for n in sent[a : a + 1000]], "Quiet": True},
+                )
+            except Exception as e:
+                log.warning("object tier %s: deleting %d pointers of a failed upload failed: "
+                            "%r", self.base, len(sent[a : a + 1000]), e)  # fmt: skip
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued entry is uploaded (or dropped); False on timeout."""

@@ -6,6 +6,7 @@ evicted slabs uploaded as they are."""
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -302,3 +303,84 @@ def test_the_bench_measures_both_side_by_side(endpoint):
     assert "read (another node)" in text and endpoint in text
     client = s3_client(endpoint)  # each round's objects removed
     assert "Contents" not in client.list_objects_v2(Bucket="raykv-test", Prefix="bench/")
+
+
+def listed(t: ObjectTier, kind: str) -> list[str]:
+    """The names under ``<base>/<kind>/`` (``o``: objects, ``k``: pointers)."""
+    got = t.client.list_objects_v2(Bucket=t.settings.bucket, Prefix=f"{t.base}/{kind}/")
+    return sorted(o["Key"] for o in got.get("Contents", []))
+
+
+def test_a_pointer_ahead_of_its_object_is_a_counted_miss_until_it_is_there(endpoint):
+    """Pointers are PUT while their object is: a node may read one before the object is
+    whole in the bucket. It misses (torn) until then, and finds the rows after."""
+    where = fresh(endpoint)
+    t = tier(where, batch_bytes=1 << 30)  # one object
+    ks = keys_(4)
+    demote(t, ks)
+    assert t.flush(30) and len(listed(t, "k")) == 4
+    (name,) = objects(t)
+    body = t.client.get_object(Bucket=where.bucket, Key=name)["Body"].read()
+    t.client.delete_object(Bucket=where.bucket, Key=name)  # as before its PUT ends
+    other = tier(where)
+    assert [e for e, _ in other.find(ks)] == ks  # the pointers name it already
+    assert other.load(ks).keys == [] and other.stats.torn == 4 and other.stats.hits == 0
+    assert sorted(other.take_gone()) == sorted(ks) and not other.keys()
+    t.client.put_object(Bucket=where.bucket, Key=name, Body=body)  # its PUT ends
+    assert [e for e, _ in other.find(ks)] == ks
+    got = other.load(ks)
+    assert got.keys == ks and other.stats.checksum_errors == 0
+    assert all(np.array_equal(got.rows[i], expect(other, k)) for i, k in enumerate(ks))
+    t.close()
+    other.close()
+
+
+class _RefusedObjects(ObjectTier):
+    """Its object PUTs are refused by the server (a bucket that does not exist), sent once
+    its pointers are in the bucket: an upload that fails after its pointers were written."""
+
+    def _put_object(self, digest: bytes, body, **kw) -> str:
+        deadline = time.monotonic() + 30
+        while len(listed(self, "k")) < self.expect_pointers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got = self.client.put_object(Bucket="raykv-no-such-bucket",
+                                     Key=self.object_name(digest), Body=body, **kw)  # fmt: skip
+        return got["ETag"]
+
+
+def test_a_failed_upload_takes_its_pointers_back(endpoint):
+    where = fresh(endpoint)
+    t = _RefusedObjects(where, PLAN, ID, batch_bytes=1 << 30)
+    ks = keys_(3)
+    t.expect_pointers = len(ks)
+    demote(t, ks)
+    assert t.flush(30)
+    assert t.stats.write_errors == 1 and t.stats.uploaded == 0
+    assert sorted(t.take_gone()) == sorted(ks) and not t.keys()
+    assert listed(t, "o") == [] and listed(t, "k") == []  # no pointer names a missing object
+    other = tier(where)
+    assert other.find(ks) == [] and other.load(ks).keys == [] and other.stats.torn == 0
+    t.close()
+    other.close()
+
+
+def test_small_puts_go_without_waiting_for_the_servers_go_ahead(endpoint, tmp_path):
+    """A pointer's PUT (a body smaller than its headers) is sent with its headers, not after
+    an ``Expect: 100-continue`` round trip; a large one still asks first."""
+    from raykv.tiers.object_tier import CONTINUE_BYTES
+
+    client = s3_client(endpoint)
+    sent: list[str | None] = []
+    client.meta.events.register(
+        "before-send.s3.PutObject", lambda request, **_: sent.append(request.headers.get("Expect"))
+    )
+    client.put_object(Bucket="raykv-test", Key="expect/small", Body=b"x" * 114)
+    big = tmp_path / "big"
+    big.write_bytes(b"\0" * CONTINUE_BYTES)
+    with open(big, "rb") as fh:
+        client.put_object(Bucket="raykv-test", Key="expect/big", Body=fh)
+    assert sent == [None, b"100-continue"]
+    got = client.get_object(Bucket="raykv-test", Key="expect/small")["Body"].read()
+    assert got == b"x" * 114
+    client.delete_objects(Bucket="raykv-test", Delete={"Objects": [
+        {"Key": "expect/small"}, {"Key": "expect/big"}]})  # fmt: skip
