@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from raykv.blocks.hashing import tenant_label
+from raykv.blocks.hashing import Tenant, tenant_label
 from raykv.errors import ConfigError, InvalidInput, RaykvError
 from raykv.service.control.index import CPU
 from raykv.service.control.metrics import ServiceMetrics
@@ -225,21 +225,29 @@ class _ModelTier:
             self.note_all([k for k, _ in kept], [OWN if m == (k,) else m for k, m in kept])
 
     def _demote(
-        self, entries: list[bytes], blocks: np.ndarray, valid: KeyRows, sums: KeySums
+        self,
+        entries: list[bytes],
+        blocks: np.ndarray,
+        valid: KeyRows,
+        sums: KeySums,
+        tenants: list[Tenant],
     ) -> None:
-        """The arena evicts ``entries``: their rows go to the disk tier (``CpuTier``'s
-        ``demote``). A failure here must not fail the store that evicted them: logged, and
-        those entries leave the index as plain evictions."""
+        """The arena evicts ``entries`` (of ``tenants``, whose disk quotas they count
+        against): their rows go to the disk tier (``CpuTier``'s ``demote``). A failure here
+        must not fail the store that evicted them: logged, and those entries leave the index
+        as plain evictions."""
         try:
             known = [i for i, e in enumerate(entries) if e in self.entries]
             if len(known) < len(entries):  # not noted (never the rule): plain evictions
                 entries, blocks = [entries[i] for i in known], blocks[known]
                 valid = KeyRows(valid.values[known], valid.lengths[known])
                 sums = KeySums(sums.sums[:, known], sums.lengths[:, known])
+                tenants = [tenants[i] for i in known]
             members = [(e,) if m is OWN else m for e, m in zip(entries, map(self.entries.get,
                        entries), strict=True)]  # fmt: skip
             widths = [self.widths[key_group(e)] for e in entries]
-            self.below.demote(entries, self.tier.arena, blocks, valid, sums, widths, members)
+            self.below.demote(entries, self.tier.arena, blocks, valid, sums, widths, members,
+                              tenants=tenants)  # fmt: skip
         except Exception as e:
             log.warning("tier below the CPU tier: demoting %d entries failed: %r", len(entries), e)
 
