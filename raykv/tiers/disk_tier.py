@@ -265,6 +265,11 @@ class DiskTier:
                 out[label] = out.get(label, 0) + len(keys) * self.stride
             return out
 
+    def over_quota(self) -> dict[str, list[int]]:
+        """Per tenant label: [entries refused over its quota, own entries dropped]."""
+        with self._lock:
+            return {label: list(n) for label, n in self.quota_counts.items()}
+
     def held_bytes(self, tenant: Tenant) -> int:
         """Bytes ``tenant``'s entries hold here (written or queued)."""
         with self._lock:

@@ -205,3 +205,19 @@ def test_a_slab_of_the_format_before_tenants_is_refused(tmp_path):
     again = open_disk(tmp_path, TenantQuotas(), slabs=2, slab_entries=3)
     assert again.stats.refused_slabs == 1 and len(again) == 0 and not slab.exists()
     again.close()
+
+
+def test_the_disk_quotas_read_their_own_variable_with_the_one_parser():
+    """``RAYKV_DISK_TENANT_QUOTAS`` has ``RAYKV_TENANT_QUOTAS``' syntax and parser; a bad
+    item's error names the variable it came from."""
+    import pytest
+
+    from raykv.errors import ConfigError
+    from raykv.tiers.quotas import DISK_QUOTAS_ENV, QUOTAS_ENV, tenant_quotas
+
+    env = {DISK_QUOTAS_ENV: f"default=50GiB,{tenant_label(A)}=1GiB", QUOTAS_ENV: "none=1MiB"}
+    assert tenant_quotas(env, DISK_QUOTAS_ENV) == TenantQuotas({tenant_label(A): 1 << 30},
+                                                               50 << 30)  # fmt: skip
+    assert tenant_quotas(env) == TenantQuotas({"none": 1 << 20})
+    with pytest.raises(ConfigError, match=f"{DISK_QUOTAS_ENV} 'acme:1GiB'"):
+        tenant_quotas({DISK_QUOTAS_ENV: "acme:1GiB"}, DISK_QUOTAS_ENV)

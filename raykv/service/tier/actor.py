@@ -45,7 +45,11 @@ With ``RAYKV_TENANT_QUOTAS`` (``raykv up --tenant-quota``, ``raykv.tiers.quotas`
 model's arena bounds the bytes each tenant's entries hold: an engine's reserve, pull and
 promotion carry the request's tenant, and a store over its quota evicts only that tenant's
 entries (invariant 13); bytes held per tenant are in ``stats`` and the
-``raykv_tenant_bytes_held`` gauge (set every sweep).
+``raykv_tenant_bytes_held`` gauge (set every sweep). With ``RAYKV_DISK_TENANT_QUOTAS`` (``raykv
+up --disk-tenant-quota``, the same syntax) each model's disk tier bounds them too: the arena
+hands each demoted entry's tenant down, and a demotion over its quota drops only that
+tenant's disk entries (``raykv.tiers.disk_tier``); the disk tier's bytes and counts per
+tenant are in its ``stats`` (``per_model``'s ``disk``).
 
 With ``RAYKV_OBJECT_URL`` (``s3://bucket/prefix``; ``RAYKV_OBJECT_ENDPOINT`` for a server
 other than AWS; ``raykv up --object-url --object-endpoint``) each model also has an object
@@ -84,7 +88,7 @@ from raykv.service.served import NAMESPACE, tier_name
 from raykv.service.transports import reader_transports
 from raykv.tiers import holds, shm
 from raykv.tiers.cpu_tier import READABLE, KeyRows, KeySums
-from raykv.tiers.quotas import TenantQuotas, tenant_quotas
+from raykv.tiers.quotas import DISK_QUOTAS_ENV, TenantQuotas, tenant_quotas
 from raykv.transport import Lent, export_rows
 
 if TYPE_CHECKING:
@@ -270,9 +274,13 @@ class _ModelTier:
         return dataclasses.asdict(o.stats) | {"entries": len(o), "bucket": o.settings.bucket}
 
     def disk_stats(self) -> dict[str, Any]:
-        """The disk tier's counts, entries, slabs, bytes and whether it writes O_DIRECT."""
+        """The disk tier's counts (``quota_refused`` / ``quota_evicted``: over a tenant's
+        disk quota), entries, slabs, bytes, bytes per tenant label, the counts over quota per
+        label ([refused, own evicted]) and whether it writes O_DIRECT."""
         d = self.disk
-        held = {"entries": len(d), "slabs": d.num_slabs, "bytes_used": d.used_bytes}
+        held = {"entries": len(d), "slabs": d.num_slabs, "bytes_used": d.used_bytes,
+                "tenant_bytes": d.tenant_bytes(),
+                "quota_counts": d.over_quota()}  # fmt: skip
         return dataclasses.asdict(d.stats) | held | {"direct": d.direct}
 
     def lost_below(self) -> list[bytes]:
@@ -418,9 +426,13 @@ class CpuTierActor:
 
         self.disk = disk_settings()
         self.quotas = tenant_quotas()  # RAYKV_TENANT_QUOTAS (raykv up --tenant-quota)
+        # RAYKV_DISK_TENANT_QUOTAS (raykv up --disk-tenant-quota): the disk tier's own
+        self.disk_quotas = tenant_quotas(name=DISK_QUOTAS_ENV) if self.disk else None
         self.objects = object_settings()
         # one budget for the node's disk, shared by its models' disk tiers (``NodeDisk``)
-        self.node_disk = NodeDisk(self.disk.path, self.disk.nbytes) if self.disk else None
+        self.node_disk = (
+            NodeDisk(self.disk.path, self.disk.nbytes, self.disk_quotas) if self.disk else None
+        )
         # the served models' arenas from the start: a tier placed again after it died must
         # take its node's offloads before it registers (its pools added them to the old one),
         # and registers with what its disk tier holds
@@ -964,5 +976,9 @@ class CpuTierActor:
             "tenants": {t: dict(c) for t, c in self.metrics.tenants.items()},
             # the quota of each tenant label (and "default") in each model's arena here
             "tenant_quotas": self.quotas.as_dict() if self.quotas is not None else {},
+            # and in each model's disk tier here (RAYKV_DISK_TENANT_QUOTAS)
+            "disk_tenant_quotas": (
+                self.disk_quotas.as_dict() if self.disk_quotas is not None else {}
+            ),
             "replica_dropped": sum(mt.replica.dropped for mt in self.tiers.values()),
         } | dict(self.metrics.tally)
