@@ -61,7 +61,8 @@ def test_the_tier_actor_hands_tenants_to_the_disk_tier_and_applies_its_quotas(
 ) -> None:
     """With ``RAYKV_DISK_TENANT_QUOTAS`` the arena's evictions reach the disk tier with
     their tenant: over its disk quota a tenant's own oldest disk entries go, never another
-    tenant's; bytes and counts per tenant are in the disk tier's stats."""
+    tenant's; bytes and counts per tenant are in the disk tier's stats and, each sweep, in
+    the metrics' per-tenant counts."""
     from raykv.service.tier.actor import DISK_BYTES_ENV, DISK_PATH_ENV
     from raykv.tiers.quotas import DISK_QUOTAS_ENV
 
@@ -105,6 +106,11 @@ def test_the_tier_actor_hands_tenants_to_the_disk_tier_and_applies_its_quotas(
         assert d["tenant_bytes"] == {la: 2 * stride, lb: 4 * stride}
         assert d["quota_counts"] == {la: [0, 2]}
         assert (d["quota_refused"], d["quota_evicted"]) == (0, 2)
+        assert s["tenants"][la] == {"bytes_held": 4 * ROW, "disk_bytes_held": 2 * stride,
+                                    "disk_quota_evicted": 2}  # fmt: skip
+        assert s["tenants"][lb] == {"disk_bytes_held": 4 * stride}
+        t.sweep()  # counted once: a sweep adds what changed since the last
+        assert t.stats()["tenants"][la]["disk_quota_evicted"] == 2
         run(asyncio.sleep(0))
     finally:
         for mt in t.tiers.values():

@@ -414,20 +414,33 @@ def status_table(s: dict[str, Any]) -> str:
     )
     tenants = s.get("tenants") or {}
     quotas = s.get("tenant_quotas") or {}
-    if tenants.keys() - {"none"} or quotas:  # engines serve tenants (salted or LoRA requests)
+    disk_quotas = s.get("disk_tenant_quotas") or {}
+    # a disk tier holds tenants' entries: their disk bytes and quotas too
+    disk = bool(disk_quotas) or any("disk_bytes_held" in c for c in tenants.values())
+    if tenants.keys() - {"none"} or quotas or disk_quotas:  # engines serve tenants
         from raykv.layout.report import format_bytes
+
+        def limit(label: str, of: dict[str, int]) -> str:
+            quota = of.get(label, of.get("default"))
+            return "no quota" if quota is None or label == "other" else format_bytes(quota)
 
         lines.append(
             "engine lookups per tenant (hit / missed blocks, stored entries; CPU-tier bytes "
-            "held on all nodes / quota per node and model, over quota: refused / own evicted)"
+            "held on all nodes / quota per node and model, over quota: refused / own evicted"
+            + ("; the same for the disk tier)" if disk else ")")
         )
         for label, c in tenants.items():
-            quota = quotas.get(label, quotas.get("default"))
-            limit = "no quota" if quota is None or label == "other" else format_bytes(quota)
             lines.append(
                 f"  {label:<10}{c.get('lookups', 0):>8} lookups  {c.get('hit_blocks', 0)} / "
                 f"{c.get('miss_blocks', 0)} blocks  {c.get('stored_entries', 0)} stored  "
-                f"{format_bytes(c.get('bytes_held', 0))} / {limit}  "
+                f"{format_bytes(c.get('bytes_held', 0))} / {limit(label, quotas)}  "
                 f"{c.get('quota_refused', 0)} / {c.get('quota_evicted', 0)}"
+                + (
+                    f"  disk {format_bytes(c.get('disk_bytes_held', 0))} / "
+                    f"{limit(label, disk_quotas)}  {c.get('disk_quota_refused', 0)} / "
+                    f"{c.get('disk_quota_evicted', 0)}"
+                    if disk
+                    else ""
+                )
             )
     return "\n".join(lines)

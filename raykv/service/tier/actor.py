@@ -49,7 +49,8 @@ entries (invariant 13); bytes held per tenant are in ``stats`` and the
 up --disk-tenant-quota``, the same syntax) each model's disk tier bounds them too: the arena
 hands each demoted entry's tenant down, and a demotion over its quota drops only that
 tenant's disk entries (``raykv.tiers.disk_tier``); the disk tier's bytes and counts per
-tenant are in its ``stats`` (``per_model``'s ``disk``).
+tenant are in its ``stats`` (``per_model``'s ``disk``) and, each sweep, in the metrics
+(``raykv_tenant_disk_bytes_held``, ``raykv_tenant_disk_quota_*``).
 
 With ``RAYKV_OBJECT_URL`` (``s3://bucket/prefix``; ``RAYKV_OBJECT_ENDPOINT`` for a server
 other than AWS; ``raykv up --object-url --object-endpoint``) each model also has an object
@@ -217,6 +218,8 @@ class _ModelTier:
         self.replica = ReplicaWriter(buf.numpy(), ReplicaSpec(shared.path, spec.slots))
         self.replica_shm = shared
         self.reclaimed = (0, 0)  # (expired, released) holds already counted in the metrics
+        # the disk tier's counts over quota per tenant label already in the metrics
+        self.disk_over_quota: dict[str, list[int]] = {}
         self.widths = {g.group_id: w for g, w in zip(plan.groups, row_widths(plan), strict=True)}
         # entry key -> its members; block key -> {entry key: sub-slot}; entries being
         # written -> their members (``OWN`` for ``(entry,)`` and ``{key: 0}`` alike)
@@ -559,7 +562,18 @@ class CpuTierActor:
                                 self.name, h, got, model)  # fmt: skip
                     n += got
             self._reclaimed(model, mt)
+            if mt.disk is not None:  # the disk tier's demotions over quota since the last sweep
+                now = mt.disk.over_quota()
+                for label, (refused, evicted) in now.items():
+                    was = mt.disk_over_quota.get(label, [0, 0])
+                    if [refused, evicted] != was:
+                        self.metrics.tenant_quota(model, label, refused - was[0],
+                                                  evicted - was[1], disk=True)  # fmt: skip
+                mt.disk_over_quota = now
         self.metrics.tenant_bytes({m: mt.tier.tenant_bytes() for m, mt in self.tiers.items()})
+        if self.node_disk is not None:
+            self.metrics.tenant_bytes({m: mt.disk.tenant_bytes() for m, mt in self.tiers.items()
+                                       if mt.disk is not None}, disk=True)  # fmt: skip
         return n
 
     async def release_holder(self, holder: Any) -> int:
