@@ -37,9 +37,9 @@ tenant's usage from the headers. A tenant's usage is ``stride`` bytes per entry 
 returns only with its slab. A demotion that would take a tenant over its quota first drops
 that tenant's own least recently used entries (misses from then on; their header records
 become tombstones, so a restart does not bring them back), then leaves out those of its new
-entries that still do not fit; never another tenant's entry (invariant 13, on disk). Slab
-eviction (the least recently used slab once ``disk_bytes`` is full) is every tenant's, as
-before.
+entries that still do not fit; never another tenant's entry (invariant 13, on disk). A tier
+reopened under lower quotas trims each tenant to its quota the same way. Slab eviction (the
+least recently used slab once ``disk_bytes`` is full) is every tenant's, as before.
 """
 
 from __future__ import annotations
@@ -214,6 +214,8 @@ class DiskTier:
         except BaseException:
             os.close(self._lock_fd)
             raise
+        with self._lock:
+            self._trim_to_quotas()
         self._writer = threading.Thread(target=self._write_loop, name="raykv-disk", daemon=True)
         self._writer.start()
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="raykv-disk-read")
@@ -367,6 +369,24 @@ class DiskTier:
                 mine = mine[refused:]
             keep.update(mine)
         return [i for i in new if i in keep]
+
+    def _trim_to_quotas(self) -> None:
+        """A tier reopened under lower quotas than its slabs were written with: each tenant
+        over its quota drops its least recently used entries now, as its next demotion would
+        (counted as such; the writer tombstones them once it starts). Nobody was told of
+        those keys yet: they are not reported gone. Under the lock."""
+        if self.quotas is None:
+            return
+        for tenant, own in list(self._by_tenant.items()):
+            quota = self.quotas.of(tenant)
+            over = len(own) - quota // self.stride if quota is not None else 0
+            if over <= 0:
+                continue
+            for k in list(own)[:over]:
+                self._drop_over_quota(k)
+            self.quota_counts.setdefault(tenant_label(tenant), [0, 0])[1] += over
+            self.stats.quota_evicted += over
+        self._gone = []
 
     def _drop_over_quota(self, key: bytes) -> None:
         """Drop ``key`` (written or queued) for its tenant's quota: a miss from now on, and

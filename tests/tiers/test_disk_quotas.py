@@ -82,6 +82,17 @@ def test_over_quota_a_tenant_drops_its_own_least_recently_used_then_refuses(tmp_
     assert sorted(again.keys()) == sorted([key(2), key(4), key(5), key(7), key(8)])
     assert again.tenant_bytes() == {a: 2 * stride, tenant_label(B): 3 * stride}
     again.close()
+    lower = TenantQuotas({tenant_label(A): stride, tenant_label(B): 3 * stride})
+    trimmed = open_disk(tmp_path, lower, slabs=8, slab_entries=3)  # A keeps its newest one
+    assert trimmed.held_bytes(A) == stride and key(7) in trimmed and key(4) not in trimmed
+    assert trimmed.quota_counts == {a: [0, 1]} and trimmed.take_gone() == []
+    assert trimmed.load([key(4), key(7)]).keys == [key(7)]
+    trimmed.close()
+    trimmed = open_disk(tmp_path, lower, slabs=8, slab_entries=3)  # tombstoned on disk
+    assert trimmed.quota_counts == {} and sorted(trimmed.keys()) == sorted(
+        [key(2), key(5), key(7), key(8)]
+    )
+    trimmed.close()
 
 
 class DiskQuotaMachine(RuleBasedStateMachine):
