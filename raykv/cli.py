@@ -192,6 +192,14 @@ PRESET_DEFAULTS = dict(cpu_mem="1GiB", gpu_mem_fraction=0.9, pool_mem="0", block
     "tenant) or 'default' (every tenant not listed), e.g. --tenant-quota default=8GiB",
 )
 @click.option(
+    "--disk-tenant-quota",
+    "disk_tenant_quota",
+    multiple=True,
+    metavar="TENANT=SIZE",
+    help="the disk-tier bytes a tenant's entries may hold per node and model (repeatable; "
+    "with --disk-path): TENANT as for --tenant-quota, e.g. --disk-tenant-quota default=50GiB",
+)
+@click.option(
     "--object-url",
     help="an object-store tier below each node's lowest tier, shared by every node and "
     "cluster on the bucket: s3://BUCKET/PREFIX (on the head raykv up starts)",
@@ -202,8 +210,8 @@ PRESET_DEFAULTS = dict(cpu_mem="1GiB", gpu_mem_fraction=0.9, pool_mem="0", block
 )
 @_timeout
 def up(
-    address, preset, num_cpus, timeout_s, disk_path, disk_bytes, tenant_quota, object_url,
-    object_endpoint, **sizes,
+    address, preset, num_cpus, timeout_s, disk_path, disk_bytes, tenant_quota,
+    disk_tenant_quota, object_url, object_endpoint, **sizes,
 ) -> None:  # fmt: skip
     """Start (or join) the raykv service and print where it runs.
 
@@ -229,12 +237,22 @@ def up(
                 f"--disk-path {disk_path} --disk-bytes {disk_bytes}: {e}"
             ) from e
 
-    quotas = None
-    if tenant_quota:
+    quotas = disk_quotas = None
+    if tenant_quota or disk_tenant_quota:
         from raykv.tiers.quotas import parse_tenant_quotas
 
+        if disk_tenant_quota and disk is None:
+            raise click.UsageError(
+                "--disk-tenant-quota bounds each tenant's bytes in the disk tier: give the "
+                "tier too, --disk-path FOLDER --disk-bytes SIZE"
+            )
         try:
-            quotas = parse_tenant_quotas(tenant_quota)
+            quotas = parse_tenant_quotas(tenant_quota) if tenant_quota else None
+            disk_quotas = (
+                parse_tenant_quotas(disk_tenant_quota, "--disk-tenant-quota")
+                if disk_tenant_quota
+                else None
+            )
         except RaykvError as e:
             raise click.UsageError(str(e)) from e
     objects = None
@@ -281,6 +299,7 @@ def up(
             disk=disk,
             tenant_quotas=quotas,
             objects=objects,
+            disk_tenant_quotas=disk_quotas,
         )
     except RaykvError as e:
         raise click.ClickException(str(e)) from e
@@ -304,6 +323,11 @@ def up(
 
         shown = ", ".join(f"{k} {format_bytes(v)}" for k, v in quotas.as_dict().items())
         click.echo(f"  tenant quotas per node and model (by label): {shown}")
+    if disk_quotas is not None:
+        from raykv.layout.report import format_bytes
+
+        shown = ", ".join(f"{k} {format_bytes(v)}" for k, v in disk_quotas.as_dict().items())
+        click.echo(f"  disk-tier tenant quotas per node and model (by label): {shown}")
     if objects is not None:
         click.echo(f"  object tier in {object_url}" + (f" at {object_endpoint}"
                    if object_endpoint else ""))  # fmt: skip

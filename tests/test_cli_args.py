@@ -96,6 +96,60 @@ def test_up_passes_tenant_quotas_by_label_and_refuses_bad_ones(launched, monkeyp
                     tenant_quotas=TenantQuotas({}, 1024))  # fmt: skip
 
 
+def test_up_passes_disk_tenant_quotas_into_the_heads_environment(
+    launched, monkeypatch, tmp_path
+) -> None:
+    """--disk-tenant-quota NAME=SIZE (repeatable, with --disk-path) reaches the launcher as
+    the disk tier's own ``TenantQuotas`` (the CPU tier's stay apart), and the head raykv up
+    starts gets it as ``RAYKV_DISK_TENANT_QUOTAS`` (labels only), beside the disk settings;
+    without a disk tier, or for a cluster that runs already, it is refused."""
+    from raykv.blocks.hashing import tenant_key, tenant_label
+    from raykv.errors import ConfigError, ServiceError
+    from raykv.service.control import launcher
+    from raykv.tiers.quotas import TenantQuotas
+
+    seen = launched
+    where = str(tmp_path / "slabs")
+    disk = ["--disk-path", where, "--disk-bytes", "100GiB"]
+    args = ["up", *disk, "--disk-tenant-quota", "default=50GiB", "--disk-tenant-quota",
+            "acme=10GiB", "--tenant-quota", "acme=1GiB"]  # fmt: skip
+    res = CliRunner().invoke(cli.main, args)
+    assert res.exit_code == 0, res.output
+    label = tenant_label(tenant_key("acme"))
+    quotas = TenantQuotas({label: 10 << 30}, 50 << 30)
+    assert seen["disk_tenant_quotas"] == quotas
+    assert seen["tenant_quotas"] == TenantQuotas({label: 1 << 30})
+    assert f"disk-tier tenant quotas per node and model (by label): default 50.00 GiB, {label} " \
+        "10.00 GiB" in res.output  # fmt: skip
+    bad = CliRunner().invoke(cli.main, ["up", "--disk-tenant-quota", "default=1GiB"])
+    assert bad.exit_code == 2 and "--disk-path FOLDER --disk-bytes SIZE" in bad.output
+    bad = CliRunner().invoke(cli.main, ["up", *disk, "--disk-tenant-quota", "acme:1GiB"])
+    assert bad.exit_code == 2 and "--disk-tenant-quota 'acme:1GiB'" in bad.output
+    monkeypatch.undo()  # the launcher itself: the head's environment
+    head_env: dict[str, str] = {}
+
+    def start_head(num_cpus, env=None):
+        head_env.update(env or {})
+        raise ServiceError("stop here: the head's environment is all this test needs")
+
+    monkeypatch.setattr(launcher, "local_address", lambda: None)
+    monkeypatch.setattr(launcher, "_stop_stale_head", lambda: None)
+    monkeypatch.setattr(launcher, "start_head", start_head)
+    with pytest.raises(ServiceError, match="stop here"):
+        launcher.up(None, preset=None, cpu_bytes=1, gpu_mem_fraction=0.9, block_size=16,
+                    max_model_len=None, pool_bytes=0, disk=(where, 100 << 30),
+                    disk_tenant_quotas=quotas)  # fmt: skip
+    assert head_env == {
+        "RAYKV_DISK_PATH": where,
+        "RAYKV_DISK_BYTES": str(100 << 30),
+        "RAYKV_DISK_TENANT_QUOTAS": f"default={50 << 30},{label}={10 << 30}",
+    }
+    with pytest.raises(ConfigError, match=f"RAYKV_DISK_TENANT_QUOTAS=default={50 << 30}"):
+        launcher.up("127.0.0.1:1", preset=None, cpu_bytes=1, gpu_mem_fraction=0.9,
+                    block_size=16, max_model_len=None, pool_bytes=0,
+                    disk_tenant_quotas=quotas)  # fmt: skip
+
+
 def test_up_passes_the_object_tier(launched) -> None:
     """--object-url (with --object-endpoint or not) reaches the launcher as (url, endpoint);
     an endpoint alone or a URL that is not s3:// is a usage error naming the fix."""

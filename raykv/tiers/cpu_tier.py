@@ -71,9 +71,10 @@ from raykv.tiers.shm import SharedSpec
 
 Key = bytes
 # the CPU tier's eviction hands its victims to the tier below (``raykv.tiers.disk_tier``):
-# (keys, their blocks, valid sub-slots, checksums), under the tier's lock, before the blocks
-# are freed; it must copy the rows out of ``arena`` before it returns and never call the tier
-Demote = Callable[[list[Key], np.ndarray, "KeyRows", "KeySums"], None]
+# (keys, their blocks, valid sub-slots, checksums, each key's tenant: the disk tier's quotas
+# count them), under the tier's lock, before the blocks are freed; it must copy the rows out
+# of ``arena`` before it returns and never call the tier
+Demote = Callable[[list[Key], np.ndarray, "KeyRows", "KeySums", list[Tenant]], None]
 
 
 class BlockState(enum.Enum):
@@ -607,6 +608,7 @@ class CpuTier(ArenaRows):
                         gone,
                         KeyRows(self._valid[gone], self._nvalid[gone]),
                         KeySums(self._sums[:, gone], self._nsums[:, gone]),
+                        [self._tenant_of[t] for t in self._tenant[gone].tolist()],
                     )
                 self._release(gone)
                 self.stats.evicted += len(victims)

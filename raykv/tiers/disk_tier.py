@@ -27,6 +27,19 @@ on a directory that has slabs (a restarted service) rebuilds its index from thei
 slab of another identity, another format or with a header that does not match its digest is
 refused (counted, logged once, its file removed): its keys were hashed for another plan,
 model or hash definition, or its header is torn.
+
+Per-tenant quotas (``quotas``: ``RAYKV_DISK_TENANT_QUOTAS``, ``raykv up --disk-tenant-quota``;
+the same ``TenantQuotas`` as the CPU tier's, configured apart: a disk is usually far larger
+than RAM). Each entry records its tenant (``tenant_key``, as the CPU tier handed it over with
+the demotion) in the tier and in its slab's header record, so a restarted tier rebuilds each
+tenant's usage from the headers. A tenant's usage is ``stride`` bytes per entry it holds
+(written or queued): an entry dropped stops counting at once, though its slot's space
+returns only with its slab. A demotion that would take a tenant over its quota first drops
+that tenant's own least recently used entries (misses from then on; their header records
+become tombstones, so a restart does not bring them back), then leaves out those of its new
+entries that still do not fit; never another tenant's entry (invariant 13, on disk). A tier
+reopened under lower quotas trims each tenant to its quota the same way. Slab eviction (the
+least recently used slab once ``disk_bytes`` is full) is every tenant's, as before.
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ import os
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,11 +63,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from raykv.blocks.hashing import HASH_VERSION
+from raykv.blocks.hashing import HASH_VERSION, Tenant, tenant_label
 from raykv.errors import ConfigError
 from raykv.layout.plan import Plan
 from raykv.tiers.admission import make_admission
 from raykv.tiers.cpu_tier import KeyRows, KeySums
+from raykv.tiers.quotas import TenantQuotas
 from raykv.tiers.slab import ALIGN, HEAD, Entries, Members, SlabFormat, get_key, to_write
 from raykv.tiers.slab import up as _up
 
@@ -101,6 +116,8 @@ class DiskStats:
     evicted: int = 0  # entries evicted with their slab
     refused_slabs: int = 0  # slabs of another identity or format, or a torn header
     write_errors: int = 0  # batches the writer could not write (their entries dropped)
+    quota_refused: int = 0  # demoted entries left out: over their tenant's disk quota
+    quota_evicted: int = 0  # a tenant's own entries dropped for its demotion, over quota
 
 
 @dataclass
@@ -139,8 +156,10 @@ class DiskTier:
         slab_bytes: int = DEFAULT_SLAB_BYTES,
         direct: bool = True,
         on_evict: Callable[[Path, list[bytes]], None] | None = None,
+        quotas: TenantQuotas | None = None,
     ) -> None:
         self.path = Path(path)
+        self.quotas = quotas  # bytes per tenant here (module docstring); None: no quotas
         self.identity = identity
         self.format = fmt = SlabFormat(plan, identity)  # the object tier's format too
         self.factor, self.copies, self.slot_bytes = fmt.factor, fmt.copies, fmt.slot_bytes
@@ -171,6 +190,15 @@ class DiskTier:
         self._pending: dict[bytes, tuple[_Batch, int]] = {}  # queued, not yet written
         self._queue: list[_Batch] = []
         self._gone: list[bytes] = []  # keys that left the tier since ``take_gone``
+        # each held key's tenant (written or queued), and each tenant's keys least recently
+        # used first: its usage, and the order its own entries go in over its quota
+        self._owner: dict[bytes, Tenant] = {}
+        self._by_tenant: dict[Tenant, OrderedDict[bytes, None]] = {}
+        # per tenant label: [entries refused over quota, own entries dropped over quota]
+        self.quota_counts: dict[str, list[int]] = {}
+        # (slab id, slot) of written entries dropped over quota: the writer makes their
+        # header records tombstones (it alone writes headers)
+        self._dead: list[tuple[int, int]] = []
         # written batches' staging buffers, reused: a fresh one costs a page fault per page
         # (the kernel zeroes it), about as long as its write on a busy host
         self._spare: list[np.ndarray] = []
@@ -186,6 +214,8 @@ class DiskTier:
         except BaseException:
             os.close(self._lock_fd)
             raise
+        with self._lock:
+            self._trim_to_quotas()
         self._writer = threading.Thread(target=self._write_loop, name="raykv-disk", daemon=True)
         self._writer.start()
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="raykv-disk-read")
@@ -228,6 +258,25 @@ class DiskTier:
             out, self._gone = self._gone, []
             return out
 
+    def tenant_bytes(self) -> dict[str, int]:
+        """Bytes held (entries written or queued, ``stride`` each) per tenant label."""
+        with self._lock:
+            out: dict[str, int] = {}
+            for tenant, keys in self._by_tenant.items():
+                label = tenant_label(tenant)
+                out[label] = out.get(label, 0) + len(keys) * self.stride
+            return out
+
+    def over_quota(self) -> dict[str, list[int]]:
+        """Per tenant label: [entries refused over its quota, own entries dropped]."""
+        with self._lock:
+            return {label: list(n) for label, n in self.quota_counts.items()}
+
+    def held_bytes(self, tenant: Tenant) -> int:
+        """Bytes ``tenant``'s entries hold here (written or queued)."""
+        with self._lock:
+            return len(self._by_tenant.get(tenant, ())) * self.stride
+
     @property
     def num_slabs(self) -> int:
         with self._lock:
@@ -248,13 +297,16 @@ class DiskTier:
         sums: KeySums,
         widths: Sequence[int],
         members: Sequence[Members],
+        *,
+        tenants: Sequence[Tenant] | None = None,
     ) -> list[bytes]:
         """Queue CPU entries for writing: ``keys`` held in ``blocks`` of ``arena`` (the CPU
         tier's ``[copies, blocks * factor, slot_bytes]``), with their valid sub-slots and
-        checksums as stored, the row width the checksums cover and the block keys each
-        carries. The rows are copied before this returns (the caller reuses the blocks).
-        Returns the keys now held (queued, or on disk already); the others were refused (a
-        key longer than ``MAX_KEY``)."""
+        checksums as stored, the row width the checksums cover, the block keys each carries
+        and its tenant (``tenants``; None: every entry untenanted). The rows are copied
+        before this returns (the caller reuses the blocks). Returns the keys now held
+        (queued, or on disk already); the others were refused (a key longer than
+        ``MAX_KEY``, not admitted to a full tier, or over its tenant's quota)."""
         with self._lock:
             held, new = to_write(keys, lambda k: k in self._index or k in self._pending)
             self.stats.skipped += len(held)
@@ -263,14 +315,91 @@ class DiskTier:
                 admitted = [i for i in new if self.admission.admit(keys[i], victim)]
                 self.stats.not_admitted += len(new) - len(admitted)
                 new = admitted
+            if self.quotas is not None and new and not self._closed:
+                new = self._within_quotas(keys, new, tenants, set(held))
             if not new or self._closed:
                 return held
         # in batches of WRITE_BATCH_BYTES, each queued once copied: the writer starts on the
         # first while the rest are copied out of the arena
         per = max(1, WRITE_BATCH_BYTES // self.stride)
         for a in range(0, len(new), per):
-            self._queue_batch(new[a : a + per], keys, arena, blocks, valid, sums, widths, members)
+            self._queue_batch(new[a : a + per], keys, arena, blocks, valid, sums, widths, members,
+                              tenants)  # fmt: skip
         return held + [keys[i] for i in new]
+
+    def _within_quotas(
+        self,
+        keys: Sequence[bytes],
+        new: list[int],
+        tenants: Sequence[Tenant] | None,
+        held: set[bytes],
+    ) -> list[int]:
+        """Of a demotion's ``new`` entries (indices into ``keys`` and ``tenants``), those
+        that fit their tenant's quota, after the tenant's own least recently used entries
+        (not ``held``: this demotion's keys held already) went to make room; the first of
+        them (the least recently used in the CPU tier) are left out where that is not
+        enough. Only the tenant's own entries go (invariant 13). Under the lock."""
+        assert self.quotas is not None
+        of_tenant: dict[Tenant, list[int]] = {}
+        for i in new:
+            of_tenant.setdefault(tenants[i] if tenants is not None else None, []).append(i)
+        keep: set[int] = set()
+        for tenant, mine in of_tenant.items():
+            quota = self.quotas.of(tenant)
+            if quota is None:
+                keep.update(mine)
+                continue
+            own = self._by_tenant.get(tenant, OrderedDict())
+            over = len(own) + len(mine) - quota // self.stride
+            if over > 0:
+                victims: list[bytes] = []
+                for k in own:  # least recently used first; stops at ``over``
+                    if len(victims) == over:
+                        break
+                    if k not in held:
+                        victims.append(k)
+                for k in victims:
+                    self._drop_over_quota(k)
+                refused = over - len(victims)
+                counts = self.quota_counts.setdefault(tenant_label(tenant), [0, 0])
+                counts[0] += refused
+                counts[1] += len(victims)
+                self.stats.quota_refused += refused
+                self.stats.quota_evicted += len(victims)
+                mine = mine[refused:]
+            keep.update(mine)
+        return [i for i in new if i in keep]
+
+    def _trim_to_quotas(self) -> None:
+        """A tier reopened under lower quotas than its slabs were written with: each tenant
+        over its quota drops its least recently used entries now, as its next demotion would
+        (counted as such; the writer tombstones them once it starts). Nobody was told of
+        those keys yet: they are not reported gone. Under the lock."""
+        if self.quotas is None:
+            return
+        for tenant, own in list(self._by_tenant.items()):
+            quota = self.quotas.of(tenant)
+            over = len(own) - quota // self.stride if quota is not None else 0
+            if over <= 0:
+                continue
+            for k in list(own)[:over]:
+                self._drop_over_quota(k)
+            self.quota_counts.setdefault(tenant_label(tenant), [0, 0])[1] += over
+            self.stats.quota_evicted += over
+        self._gone = []
+
+    def _drop_over_quota(self, key: bytes) -> None:
+        """Drop ``key`` (written or queued) for its tenant's quota: a miss from now on, and
+        its header record a tombstone (the writer makes it one, or writes a queued entry's
+        slot without indexing it). Under the lock."""
+        if key in self._pending:
+            del self._pending[key]
+            self._disown(key)
+            self._gone.append(key)
+            return
+        self._dead.append(self._index[key])
+        self._drop(key)
+        self._idle.notify_all()
 
     def _queue_batch(
         self,
@@ -282,6 +411,7 @@ class DiskTier:
         sums: KeySums,
         widths: Sequence[int],
         members: Sequence[Members],
+        tenants: Sequence[Tenant] | None,
     ) -> None:
         """Copy the entries ``new`` (indices into ``demote``'s arguments) into a staging
         buffer with their records, and queue them for the writer."""
@@ -290,10 +420,12 @@ class DiskTier:
         buffer, staging = self._staging(n)
         self.format.stage(staging, arena, blocks, at)
         new_keys = [keys[i] for i in new]
-        rec = self.format.records(new_keys, at, valid, sums, widths, members)
+        rec = self.format.records(new_keys, at, valid, sums, widths, members, tenants)
         batch = _Batch(new_keys, rec, staging, buffer)
         with self._lock:
             self._pending.update(zip(new_keys, ((batch, j) for j in range(n)), strict=True))
+            for i, k in zip(new, new_keys, strict=True):
+                self._own(k, tenants[i] if tenants is not None else None)
             self._queue.append(batch)
             self.stats.demoted += n
             self._idle.notify_all()
@@ -315,7 +447,7 @@ class DiskTier:
         header; False on timeout."""
         with self._idle:
             return self._idle.wait_for(
-                lambda: not (self._pending or self._busy) or self._closed, timeout_s
+                lambda: not (self._pending or self._busy or self._dead) or self._closed, timeout_s
             )
 
     def close(self) -> None:
@@ -351,6 +483,9 @@ class DiskTier:
                     slab = self._slabs[s]
                     slab.used = self._clock
                     found.append((k, s, i, slab.records[i].copy()))
+                else:
+                    continue
+                self._by_tenant[self._owner[k]].move_to_end(k)  # used: its tenant's last to go
             self.stats.misses += len(keys) - len(found) - len(queued)
             n = len(found) + len(queued)
             if out is None or out.nbytes < n * self.stride or out.ctypes.data % ALIGN:
@@ -457,16 +592,20 @@ class DiskTier:
     def _write_loop(self) -> None:
         while True:
             with self._idle:
-                self._idle.wait_for(lambda: self._queue or self._closed)
-                if not self._queue:
+                self._idle.wait_for(lambda: self._queue or self._dead or self._closed)
+                if not (self._queue or self._dead):
                     return
                 batches, self._queue, self._busy = self._queue, [], True
             for batch in batches:
                 self._write(batch)
             with self._lock:
                 cur = self._slabs.get(self._open_slab) if not self._queue else None
+                buried = self._bury()
             if cur is not None:  # idle: the open slab's header catches up (one write)
                 self._sync(cur)
+            for slab in buried:  # their recency stays what it was (a restart reads it)
+                if slab is not cur:
+                    self._sync(slab, keep_mtime=True)
             with self._idle:
                 self._busy = bool(self._queue)
                 for batch in batches:  # served from disk now: its buffer can take the next
@@ -501,42 +640,54 @@ class DiskTier:
                 with self._lock:
                     self.stats.write_errors += 1
                     for k in keys:
-                        self._pending.pop(k, None)
+                        if self._pending.get(k, (None,))[0] is batch:
+                            del self._pending[k]
+                            self._disown(k)
                     self._gone += keys
                 done += take
                 continue
             with self._lock:
                 slab.records[first : first + take] = batch.records[done : done + take]
                 slab.filled = first + take
-                slab.live += take
                 slab.used = self._clock
                 for j, k in zip(part, keys, strict=True):
+                    slot = j - done + first
                     if self._pending.get(k, (None,))[0] is batch:
                         del self._pending[k]
-                    self._index[k] = (slab_id, j - done + first)
+                        self._index[k] = (slab_id, slot)
+                        slab.live += 1
+                    else:  # dropped while queued (over its tenant's quota): never indexed
+                        self.format.tombstone(slab.records[slot])
                 self.stats.written += take
                 self.stats.written_bytes += take * self.stride
             if slab.filled == slab.slots:  # full: its header is final
                 self._sync(slab)
             done += take
 
-    def _sync(self, slab: _Slab) -> None:
+    def _sync(self, slab: _Slab, keep_mtime: bool = False) -> None:
         """Write the slab's header for the slots filled since the last sync (and, buffered,
         sync the file). Deferred to a full slab or an idle writer: a header write per batch
         cost a small synchronous I/O between large ones. A crash before it loses those
-        entries on restart (misses), never serves them wrong: the data is checksummed."""
+        entries on restart (misses), never serves them wrong: the data is checksummed.
+        ``keep_mtime``: the file keeps its modification time (a restart orders slabs by it:
+        a tombstone written into an old slab's header does not make it recent)."""
         with self._lock:
             first, filled = slab.synced, slab.filled
-        if first == filled:
-            return
+            if first == filled or not any(x is slab for x in self._slabs.values()):
+                return  # nothing new, or evicted meanwhile
         try:
             fd = self._open(slab.path, os.O_WRONLY)
             try:
+                was = os.fstat(fd)
                 self._write_header(fd, slab, first, filled)
                 if not self.direct:
                     os.fdatasync(fd)
+                if keep_mtime:
+                    os.utime(fd, ns=(was.st_atime_ns, was.st_mtime_ns))
             finally:
                 os.close(fd)
+        except FileNotFoundError:
+            return  # evicted (``resize``) since it was looked at: nothing to write
         except OSError as e:
             log.warning("disk tier %s: writing the header of %s failed: %r", self.path,
                         slab.path, e)  # fmt: skip
@@ -544,6 +695,22 @@ class DiskTier:
                 self.stats.write_errors += 1
             return
         slab.synced = filled
+
+    def _bury(self) -> list[_Slab]:
+        """Make the records of the slots dropped over quota (``_dead``) tombstones; returns
+        the slabs whose headers now need writing from those slots on. Under the lock, on the
+        writer (which alone writes headers: a record changed while one is written would not
+        match its digest)."""
+        dirty: dict[int, _Slab] = {}
+        for sid, slot in self._dead:
+            slab = self._slabs.get(sid)
+            if slab is None:  # evicted since: its file is gone or reused
+                continue
+            self.format.tombstone(slab.records[slot])
+            slab.synced = min(slab.synced, slot)
+            dirty[sid] = slab
+        self._dead = []
+        return list(dirty.values())
 
     def record(self, keys: Sequence[bytes]) -> None:
         """Accesses of ``keys`` in the CPU tier above (stores and loads): admission's counts."""
@@ -586,6 +753,7 @@ class DiskTier:
                 drop.append(self._slabs.pop(victim).path)
                 for k in [k for k, (s, _) in self._index.items() if s == victim]:
                     del self._index[k]
+                    self._disown(k)
                     self._gone.append(k)
                     self.stats.evicted += 1
         for path in drop:  # a reader of it holds its fd: it reads, then finds the slab gone
@@ -605,6 +773,7 @@ class DiskTier:
             path = self._hand_on(victim, slab, live)
             for k in live:
                 del self._index[k]
+                self._disown(k)
                 self._gone.append(k)
                 self.stats.evicted += 1
         else:
@@ -681,6 +850,7 @@ class DiskTier:
             slab = self._slabs.pop(victim)
             for k in [k for k, (s, _) in self._index.items() if s == victim]:
                 del self._index[k]
+                self._disown(k)
                 self.stats.evicted += 1
             slab.path.unlink(missing_ok=True)
 
@@ -712,9 +882,12 @@ class DiskTier:
         self.stats.torn += filled - whole
         for i in range(whole):
             key = get_key(records[i], "klen", "key")
+            if not key:  # a tombstone: dropped over its tenant's quota
+                continue
             if key in self._index:  # written twice (not the rule): the newer copy serves
                 self._slabs[self._index[key][0]].live -= 1
             self._index[key] = (sid, i)
+            self._own(key, self.format.tenant(records[i]))
             slab.live += 1
         self._slabs[sid] = slab
         return None
@@ -723,7 +896,26 @@ class DiskTier:
     def _drop(self, key: bytes) -> None:
         s, _ = self._index.pop(key)
         self._slabs[s].live -= 1
+        self._disown(key)
         self._gone.append(key)
+
+    def _own(self, key: bytes, tenant: Tenant) -> None:
+        """``key`` (written or queued) is ``tenant``'s, its most recently used entry."""
+        if self._owner.get(key, tenant) != tenant:  # never the rule: a key names its tenant
+            self._disown(key)
+        self._owner[key] = tenant
+        own = self._by_tenant.setdefault(tenant, OrderedDict())
+        own[key] = None
+        own.move_to_end(key)
+
+    def _disown(self, key: bytes) -> None:
+        """``key`` left the tier: its tenant holds that much less (one holding nothing is
+        forgotten: rotating salts grow nothing)."""
+        tenant = self._owner.pop(key)
+        own = self._by_tenant[tenant]
+        del own[key]
+        if not own:
+            del self._by_tenant[tenant]
 
     def _members(self, rec: np.ndarray) -> Members:
         return self.format.members(rec)
@@ -847,12 +1039,18 @@ class NodeDisk:
     ``path/.lane-<k>`` where another live tier holds it. Two Ray nodes of one host given one
     folder (two pods of a Helm worker group on one Kubernetes node, with one hostPath) each
     get their own lane and their own ``disk_bytes``, and a tier placed again takes a lane
-    that holds slabs, its predecessor's once that one has let go."""
+    that holds slabs, its predecessor's once that one has let go.
 
-    def __init__(self, path: str | os.PathLike, disk_bytes: int) -> None:
+    ``quotas``: each tenant's bytes in each model's tier (``DiskTier``'s), not its share of
+    the node's."""
+
+    def __init__(
+        self, path: str | os.PathLike, disk_bytes: int, quotas: TenantQuotas | None = None
+    ) -> None:
         self.root = Path(path)
         self.path, self._lane_fd = take_lane(self.root)
         self.disk_bytes = disk_bytes
+        self.quotas = quotas
         self._tiers: dict[str, DiskTier] = {}
         self._lock = threading.Lock()
 
@@ -883,7 +1081,8 @@ class NodeDisk:
             # opened on the whole budget, shrunk below: it writes nothing before it is
             # returned, and the slabs it finds (a restart) are on disk already
             tier = DiskTier(self.path / name, plan, identity, self.disk_bytes,
-                            slab_bytes=slab_bytes, on_evict=on_evict)  # fmt: skip
+                            slab_bytes=slab_bytes, on_evict=on_evict,
+                            quotas=self.quotas)  # fmt: skip
             tiers = {**self._tiers, name: tier}
             share = self.disk_bytes // len(tiers)
             small = [(n, t.slab_bytes) for n, t in tiers.items() if t.slab_bytes > share]

@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from raykv.blocks.hashing import Tenant
 from raykv.errors import ConfigError, TierError
 from raykv.layout.plan import Plan
 from raykv.tiers.cpu_tier import KeyRows, KeySums
@@ -316,9 +317,12 @@ class ObjectTier:
         sums: KeySums,
         widths: Sequence[int],
         members: Sequence[Members],
+        *,
+        tenants: Sequence[Tenant] | None = None,
     ) -> list[bytes]:
         """``DiskTier.demote`` for the object tier: the rows are copied into staging buffers
         laid out as the objects before this returns, then uploaded in the background.
+        ``tenants`` are recorded in the objects' headers (the object tier has no quotas).
         Returns the keys now held (queued, or uploaded already)."""
         with self._lock:
             held, new = to_write(keys, lambda k: k in self._index or k in self._pending)
@@ -330,7 +334,7 @@ class ObjectTier:
                 return held
         for a in range(0, len(new), self.per_object):
             self._queue_batch(new[a : a + self.per_object], keys, arena, blocks, valid, sums,
-                              widths, members)  # fmt: skip
+                              widths, members, tenants)  # fmt: skip
         return held + [keys[i] for i in new]
 
     def _queue_batch(
@@ -343,6 +347,7 @@ class ObjectTier:
         sums: KeySums,
         widths: Sequence[int],
         members: Sequence[Members],
+        tenants: Sequence[Tenant] | None,
     ) -> None:
         n, fmt = len(new), self.format
         at = np.asarray(new, np.int64)
@@ -357,7 +362,7 @@ class ObjectTier:
         rows = buffer[hb:].reshape(n, self.stride)
         fmt.stage(rows, arena, blocks, at)
         new_keys = [keys[i] for i in new]
-        rec = fmt.records(new_keys, at, valid, sums, widths, members)
+        rec = fmt.records(new_keys, at, valid, sums, widths, members, tenants)
         fmt.fill_header(buffer, n, rec)
         self._queue(_Batch(new_keys, rec, buffer, rows, body=body))
         with self._lock:

@@ -1,4 +1,4 @@
-"""Per-tenant byte quotas of the CPU tier (issue 48, point 4; invariant 13).
+"""Per-tenant byte quotas of the CPU and disk tiers (issue 48, point 4; invariant 13).
 
 A tenant is the key a request's blocks hash under (``raykv.blocks.hashing.tenant_key``: its
 cache salt and LoRA adapter); the tier records it per entry from the store that created it.
@@ -15,6 +15,11 @@ The configuration travels as ``RAYKV_TENANT_QUOTAS`` in the node's environment (
 --tenant-quota NAME=SIZE``, the Helm chart's ``tenantQuotas``), read by the tier actor as
 the disk tier's settings are: ``default=2147483648,none=1073741824,3f2a9c1d=536870912``
 (sizes in bytes or as ``raykv up`` reads them: 2GiB).
+
+The disk tier's quotas (``raykv.tiers.disk_tier``) are configured apart, in the same syntax:
+``RAYKV_DISK_TENANT_QUOTAS`` (``raykv up --disk-tenant-quota NAME=SIZE``), each tenant's
+bytes in one model's disk tier on one node; a disk is usually far larger than RAM, so the CPU
+tier's quotas are not reused there.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from raykv.blocks.hashing import TENANT_LABEL_CHARS, Tenant, tenant_key, tenant_
 from raykv.errors import ConfigError
 
 QUOTAS_ENV = "RAYKV_TENANT_QUOTAS"
+DISK_QUOTAS_ENV = "RAYKV_DISK_TENANT_QUOTAS"  # the disk tier's, in the same syntax
 DEFAULT = "default"  # the quota of every tenant not listed
 NONE = tenant_label(None)  # untenanted traffic: "none"
 SALT_PREFIX = "salt:"  # forces a name to be read as a salt (one that looks like a label)
@@ -109,10 +115,13 @@ def parse_tenant_quotas(items: Iterable[str], source: str = "--tenant-quota") ->
     return TenantQuotas(quotas, default)
 
 
-def tenant_quotas(environ: Mapping[str, str] | None = None) -> TenantQuotas | None:
-    """The node's quotas from ``RAYKV_TENANT_QUOTAS`` (comma-separated ``NAME=SIZE``);
-    None where it is unset or empty (no quotas)."""
-    text = (os.environ if environ is None else environ).get(QUOTAS_ENV, "").strip()
+def tenant_quotas(
+    environ: Mapping[str, str] | None = None, name: str = QUOTAS_ENV
+) -> TenantQuotas | None:
+    """The node's quotas from the variable ``name`` (comma-separated ``NAME=SIZE``): the
+    CPU tier's ``RAYKV_TENANT_QUOTAS`` or the disk tier's ``RAYKV_DISK_TENANT_QUOTAS``; None
+    where it is unset or empty (no quotas)."""
+    text = (os.environ if environ is None else environ).get(name, "").strip()
     if not text:
         return None
-    return parse_tenant_quotas([t for t in text.split(",") if t.strip()], QUOTAS_ENV)
+    return parse_tenant_quotas([t for t in text.split(",") if t.strip()], name)

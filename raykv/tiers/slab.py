@@ -7,7 +7,9 @@ a multiple of 4 KiB, so every offset and length is direct-I/O aligned). The head
 magic, the format version, the model identity (``disk_tier.model_identity``), the entry
 geometry, how many slots are filled, one record per filled slot (the key, the block keys it
 carries, the row width its checksums cover, the valid sub-slots and every copy's checksums:
-the CPU tier's entry, as it was stored) and a sha256 of all of that. An entry is the CPU
+the CPU tier's entry, as it was stored; and its tenant, ``tenant_key``, whose disk quota it
+counts against) and a sha256 of all of that. A record whose key is empty is a tombstone: a
+slot dropped after it was written (``tombstone``), never indexed again. An entry is the CPU
 entry's rows, copy-major ``[copies, factor, slot_bytes]``, zero-padded to ``stride``.
 """
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from raykv.blocks.hashing import Tenant
 from raykv.layout import tp
 from raykv.layout.plan import Plan
 from raykv.tiers.checksum import checksums_at
@@ -28,8 +31,9 @@ from raykv.tiers.cpu_tier import KeyRows, KeySums
 
 ALIGN = 4096  # direct I/O: buffer addresses, offsets and lengths in multiples of this
 MAGIC = b"RAYKVSLB"
-VERSION = 1
+VERSION = 2  # 2: each record names its entry's tenant (format 1 slabs are refused)
 MAX_KEY = 64  # bytes of a stored key (the service's: 4 + 32)
+TENANT_BYTES = 32  # a ``tenant_key`` (a sha256 digest); length 0 in a record: no tenant
 # magic, version, identity, stride, slot bytes, factor, copies, slots, filled; then the
 # digest of these and of the filled slots' records
 FIXED = struct.Struct("<8sI32sQQIIII")
@@ -84,7 +88,8 @@ class SlabFormat:
             ("klen", "<u2"), ("key", "u1", (MAX_KEY,)), ("width", "<u4"), ("nvalid", "<i4"),
             ("valid", "u1", (self.factor,)), ("nsums", "<i4", (self.copies,)),
             ("sums", "<i8", (self.copies, self.factor)), ("mlen", "<u2", (self.factor,)),
-            ("members", "u1", (self.factor, MAX_KEY)),
+            ("members", "u1", (self.factor, MAX_KEY)), ("tlen", "u1"),
+            ("tenant", "u1", (TENANT_BYTES,)),
         ])  # fmt: skip
 
     # ------------------------------------------------------------------ writing
@@ -128,13 +133,18 @@ class SlabFormat:
         sums: KeySums,
         widths: Sequence[int],
         members: Sequence[Members],
+        tenants: Sequence[Tenant] | None = None,
     ) -> np.ndarray:
-        """The records of entries ``at`` (indices into ``valid``, ``sums``, ``widths`` and
-        ``members``, as the CPU tier's ``demote`` hands them over) whose keys are ``keys``."""
+        """The records of entries ``at`` (indices into ``valid``, ``sums``, ``widths``,
+        ``members`` and ``tenants``, as the CPU tier's ``demote`` hands them over; no
+        ``tenants``: every entry untenanted) whose keys are ``keys``."""
         n, f = len(keys), self.factor
         rec = np.zeros(n, self.dtype)
         for j, i in enumerate(at.tolist()):
             put_key(rec[j], "klen", "key", keys[j])
+            tenant = tenants[i] if tenants is not None else None
+            if tenant is not None:
+                put_key(rec[j], "tlen", "tenant", tenant)
             ms = members[i]
             for s in range(f):
                 m = ms[s] if s < len(ms) else None
@@ -175,6 +185,16 @@ class SlabFormat:
         if hashlib.sha256(head[: FIXED.size] + recs).digest() != head[FIXED.size : HEAD]:
             return "torn header"
         return np.frombuffer(recs, self.dtype).copy()
+
+    def tenant(self, rec: np.void) -> Tenant:
+        """The tenant (``tenant_key``) of a record's entry; None: untenanted."""
+        return get_key(rec, "tlen", "tenant") if int(rec["tlen"]) else None
+
+    def tombstone(self, rec: np.void) -> None:
+        """Mark a record's slot dropped: no key, no members (a header read again, by a
+        restarted disk tier or the object tier, lists nothing for it)."""
+        rec["klen"] = 0
+        rec["mlen"] = _NONE
 
     def members(self, rec: np.void) -> Members:
         return tuple(

@@ -229,6 +229,7 @@ def test_crd_check_is_strict_about_unknown_rayservice_fields(render, crd_validat
         ({"transport": {"ucxStripes": -1}}, ["transport/ucxStripes"]),
         ({"tenantQuotas": {"a,b": "1GiB"}}, ["tenantQuotas"]),
         ({"tenantQuotas": {"acme": "lots of"}}, ["tenantQuotas/acme"]),
+        ({"disk": {"tenantQuotas": {"acme": "lots of"}}}, ["disk/tenantQuotas/acme"]),
         ({"objectStore": {"url": "kv/prefix"}}, ["objectStore/url"]),
         ({"objectStore": {"endpoint": "http://127.0.0.1:9000"}}, ["objectStore/endpoint"]),
         ({"serve": {"enabled": True}}, ["serve/model"]),
@@ -274,6 +275,7 @@ def test_crd_check_is_strict_about_unknown_rayservice_fields(render, crd_validat
         "negative-stripes",
         "tenant-quota-name-with-a-comma",
         "tenant-quota-size-that-does-not-read",
+        "disk-tenant-quota-size-that-does-not-read",
         "object-store-url-not-s3",
         "object-store-endpoint-without-url",
         "serve-without-model",
@@ -875,6 +877,28 @@ def test_tenant_quotas_reach_every_ray_node_as_the_tier_reads_them(render):
         assert tenant_quotas(plain_env(container)) == want
     for container in ray_node_containers(render(values={"cpuWorkers": {"enabled": True}})):
         assert "RAYKV_TENANT_QUOTAS" not in plain_env(container)
+
+
+def test_disk_tenant_quotas_reach_every_ray_node_as_the_tier_reads_them(render):
+    """``disk.tenantQuotas`` becomes ``RAYKV_DISK_TENANT_QUOTAS`` on every Ray node with a
+    disk tier, in the form the tier actor reads (``tenant_quotas``' disk variable), apart from
+    the CPU tier's ``RAYKV_TENANT_QUOTAS``; none set or no disk tier: no variable."""
+    from raykv.blocks.hashing import tenant_key, tenant_label
+    from raykv.tiers.quotas import DISK_QUOTAS_ENV, TenantQuotas, tenant_quotas
+
+    disk = {"enabled": True, "volume": {"ephemeral": {"size": "1100Gi"}}}
+    values = {"disk": {**disk, "tenantQuotas": {"default": "200GiB", "acme": "1TiB"}},
+              "tenantQuotas": {"default": "8GiB"}, "cpuWorkers": {"enabled": True}}  # fmt: skip
+    nodes = ray_node_containers(render(values=values))
+    assert len(nodes) == 3
+    want = TenantQuotas({tenant_label(tenant_key("acme")): 1 << 40}, 200 << 30)
+    for container in nodes:
+        env = plain_env(container)
+        assert tenant_quotas(env, DISK_QUOTAS_ENV) == want
+        assert tenant_quotas(env) == TenantQuotas({}, 8 << 30)
+    for values in ({"disk": disk}, {"disk": {"tenantQuotas": {"default": "1GiB"}}}):
+        for container in ray_node_containers(render(values=values)):
+            assert DISK_QUOTAS_ENV not in plain_env(container)
 
 
 def test_the_object_store_reaches_every_ray_node_as_the_tier_reads_it(render, monkeypatch):

@@ -143,3 +143,35 @@ def test_tenants_bytes_held_and_quotas_reach_the_metrics_and_the_status_table() 
     table = status_table({**s, "address": "-"})
     assert "0 stored  2.00 MiB / 2.00 MiB  1 / 0" in table
     assert "none" in table and "5 B / 1.00 GiB  0 / 0" in table
+    assert "disk" not in table  # no disk tier holds tenants' entries: no disk columns
+
+
+def test_disk_tier_tenant_bytes_and_quotas_reach_the_metrics_and_the_status_table() -> None:
+    """The disk tier's per-tenant bytes, its demotions over quota (refused / own dropped)
+    and its configured quotas sit beside the CPU tier's in the metrics and ``raykv status``."""
+    from raykv.blocks import tenant_key
+    from raykv.blocks.hashing import tenant_label
+    from raykv.service.control.launcher import status_table
+    from raykv.service.control.metrics import ServiceMetrics
+
+    a = tenant_label(tenant_key("a"))
+    m = ServiceMetrics("tier")
+    m.tenant_bytes({"m1": {a: 1 << 20}})
+    m.tenant_bytes({"m1": {a: 3 << 20}}, disk=True)
+    m.tenant_quota("m1", a, refused=1, evicted=4, disk=True)
+    assert m.tenants[a] == {"bytes_held": 1 << 20, "disk_bytes_held": 3 << 20,
+                            "disk_quota_refused": 1, "disk_quota_evicted": 4}  # fmt: skip
+    m.tenant_bytes({}, disk=True)  # the disk holds none of a's now: its gauge back to 0
+    assert m.tenants[a]["disk_bytes_held"] == 0 and m._disk_gauged == {"m1": set()}
+    assert m.tenants[a]["bytes_held"] == 1 << 20 and m._gauged == {"m1": {a}}
+
+    members = [
+        Member("tier-1", "tier", "n1", None, stats={
+            "tenants": {a: {"bytes_held": 1 << 20, "disk_bytes_held": 2 << 20,
+                            "disk_quota_evicted": 3}},
+            "disk_tenant_quotas": {"default": 4 << 20}}),
+    ]  # fmt: skip
+    s = tier_members_status(members)
+    assert s["disk_tenant_quotas"] == {"default": 4 << 20} and s["tenant_quotas"] == {}
+    table = status_table({**s, "address": "-"})
+    assert "1.00 MiB / no quota  0 / 0  disk 2.00 MiB / 4.00 MiB  0 / 3" in table

@@ -54,3 +54,65 @@ def test_the_tier_actor_charges_stores_to_their_tenant_and_reports_quotas(monkey
         run(asyncio.sleep(0))
     finally:
         loop.close()
+
+
+def test_the_tier_actor_hands_tenants_to_the_disk_tier_and_applies_its_quotas(
+    monkeypatch, tmp_path
+) -> None:
+    """With ``RAYKV_DISK_TENANT_QUOTAS`` the arena's evictions reach the disk tier with
+    their tenant: over its disk quota a tenant's own oldest disk entries go, never another
+    tenant's; bytes and counts per tenant are in the disk tier's stats and, each sweep, in
+    the metrics' per-tenant counts."""
+    from raykv.service.tier.actor import DISK_BYTES_ENV, DISK_PATH_ENV
+    from raykv.tiers.quotas import DISK_QUOTAS_ENV
+
+    async def published(*args):
+        return True
+
+    monkeypatch.setattr(Membership, "call", lambda self, *a: published())
+    monkeypatch.setattr(ray, "get_actor", lambda *a, **k: None)
+    a, b = tenant_key("tenant-a"), tenant_key("tenant-b")
+    la, lb = tenant_label(a), tenant_label(b)
+    stride = 4096  # a disk slot: an entry's row, rounded up to 4 KiB
+    monkeypatch.setenv(DISK_PATH_ENV, str(tmp_path))
+    monkeypatch.setenv(DISK_BYTES_ENV, str(64 << 20))
+    monkeypatch.setenv(DISK_QUOTAS_ENV, f"{la}={2 * stride}")
+    model = ServedModel("m", LAYERS, max_model_len=14 * BS, pool_bytes=16 * ROW,
+                        cpu_bytes=4 * ROW)  # fmt: skip
+    t = CpuTierActor("this-node", {model.name: model.plan(16 * ROW)})
+    loop = asyncio.new_event_loop()
+    run = loop.run_until_complete
+    try:
+        mt = t.tiers[model.name]
+        assert mt.tier.num_blocks == 4 and mt.disk.stride == stride
+        keys = [bytes(4) + i.to_bytes(32, "little") for i in range(1, 13)]
+
+        def store(key: bytes, tenant: bytes) -> None:
+            _, res = run(t.reserve(model.name, (key,), None, 1, "me", tenant))
+            run(t.apply(model.name, [("finish_store", res, True, None, None, 0)], False))
+
+        for k in keys[:4]:
+            store(k, a)
+        for k in keys[4:8]:  # evict a's four, one at a time: a keeps its newest two on disk
+            store(k, b)
+        for k in keys[8:]:  # evict b's four: b has no disk quota, a's entries stay
+            store(k, a)
+        assert mt.disk.flush(10)
+        assert sorted(mt.disk.keys()) == sorted([keys[2], keys[3], *keys[4:8]])
+        t.sweep()
+        s = t.stats()
+        d = s["per_model"]["m"]["disk"]
+        assert s["disk_tenant_quotas"] == {la: 2 * stride} and s["tenant_quotas"] == {}
+        assert d["tenant_bytes"] == {la: 2 * stride, lb: 4 * stride}
+        assert d["quota_counts"] == {la: [0, 2]}
+        assert (d["quota_refused"], d["quota_evicted"]) == (0, 2)
+        assert s["tenants"][la] == {"bytes_held": 4 * ROW, "disk_bytes_held": 2 * stride,
+                                    "disk_quota_evicted": 2}  # fmt: skip
+        assert s["tenants"][lb] == {"disk_bytes_held": 4 * stride}
+        t.sweep()  # counted once: a sweep adds what changed since the last
+        assert t.stats()["tenants"][la]["disk_quota_evicted"] == 2
+        run(asyncio.sleep(0))
+    finally:
+        for mt in t.tiers.values():
+            mt.disk.close()
+        loop.close()

@@ -102,7 +102,7 @@ def test_cpu_eviction_demotes_and_a_promotion_serves_again(tmp_path):
     disk = open_disk(tmp_path, plan)
     demoted: list[bytes] = []
 
-    def below(keys, blocks, valid, sums):
+    def below(keys, blocks, valid, sums, tenants):
         width = [cpu.slot_bytes] * len(keys)
         demoted.extend(disk.demote(keys, cpu.arena, blocks, valid, sums, width, list(zip(keys))))
 

@@ -269,7 +269,8 @@ unset (null), with the PodMonitor, whose series the dashboard reads. */}}
 
 {{/*
 The disk tier's environment on a Ray node (disk.enabled), as the node's tier actor reads it
-(raykv.service.tier.actor.disk_settings): its folder on the volume and its bytes. The folder is
+(raykv.service.tier.actor.disk_settings): its folder on the volume, its bytes and its per-tenant
+quotas (disk.tenantQuotas: RAYKV_DISK_TENANT_QUOTAS, as tenantQuotas' form). The folder is
 one per Kubernetes node and role (head, or the worker group's name) so that a pod placed again
 on the node finds its slabs, and a hostPath or shared claim is not written by two groups' tiers.
 Args: root, role.
@@ -285,6 +286,14 @@ Args: root, role.
   value: {{ printf "%s/$(RAYKV_K8S_NODE_NAME)-%s" (trimSuffix "/" $d.path) .role | quote }}
 - name: RAYKV_DISK_BYTES
   value: {{ ternary $d.size (toString (int64 $d.size)) (kindIs "string" $d.size) | quote }}
+{{- with $d.tenantQuotas }}
+{{- $quotas := list }}
+{{- range $name, $size := . }}
+{{- $quotas = append $quotas (printf "%s=%v" $name $size) }}
+{{- end }}
+- name: RAYKV_DISK_TENANT_QUOTAS
+  value: {{ join "," $quotas | quote }}
+{{- end }}
 {{- end -}}
 {{- end -}}
 

@@ -134,13 +134,15 @@ def up(
     disk: tuple[str, int] | None = None,
     tenant_quotas: TenantQuotas | None = None,
     objects: tuple[str, str | None] | None = None,
+    disk_tenant_quotas: TenantQuotas | None = None,
 ) -> dict[str, Any]:
     """Start or join the service and serve ``preset`` (``tp_size`` GPUs per pool group, one
     TP rank each; None: no model, e.g. for engines that add their own, as ``raykv serve``'s
     do); returns where it runs. ``disk``: (folder, bytes for all its models) of the node's
     disk tier, in the environment of the head started here (a running cluster's nodes keep
-    theirs); so are ``tenant_quotas`` (``RAYKV_TENANT_QUOTAS``, labels only: invariant 13)
-    and ``objects`` (``s3://`` URL, endpoint or None) of the object tier."""
+    theirs); so are ``tenant_quotas`` (``RAYKV_TENANT_QUOTAS``, labels only: invariant 13),
+    ``disk_tenant_quotas`` (``RAYKV_DISK_TENANT_QUOTAS``: the disk tier's) and ``objects``
+    (``s3://`` URL, endpoint or None) of the object tier."""
     from raykv.layout.presets import get_preset
     from raykv.service.tier.actor import (
         DISK_BYTES_ENV,
@@ -148,7 +150,7 @@ def up(
         OBJECT_ENDPOINT_ENV,
         OBJECT_URL_ENV,
     )
-    from raykv.tiers.quotas import QUOTAS_ENV
+    from raykv.tiers.quotas import DISK_QUOTAS_ENV, QUOTAS_ENV
 
     p = get_preset(preset) if preset is not None else None
     started = None
@@ -165,6 +167,12 @@ def up(
             f"{address}; run raykv down first, or start each node with {QUOTAS_ENV}="
             f"{tenant_quotas.to_env()} in the environment of its `ray start`"
         )
+    if address is not None and disk_tenant_quotas is not None:
+        raise ConfigError(
+            f"--disk-tenant-quota configures the Ray head raykv up starts, and Ray runs already "
+            f"at {address}; run raykv down first, or start each node with {DISK_QUOTAS_ENV}="
+            f"{disk_tenant_quotas.to_env()} in the environment of its `ray start`"
+        )
     if address is not None and objects is not None:
         raise ConfigError(
             f"--object-url and --object-endpoint configure the Ray head raykv up starts, and "
@@ -176,6 +184,8 @@ def up(
         env = {DISK_PATH_ENV: disk[0], DISK_BYTES_ENV: str(disk[1])} if disk else {}
         if tenant_quotas is not None:
             env[QUOTAS_ENV] = tenant_quotas.to_env()
+        if disk_tenant_quotas is not None:
+            env[DISK_QUOTAS_ENV] = disk_tenant_quotas.to_env()
         if objects is not None:
             env[OBJECT_URL_ENV] = objects[0]
             if objects[1]:
@@ -404,20 +414,33 @@ def status_table(s: dict[str, Any]) -> str:
     )
     tenants = s.get("tenants") or {}
     quotas = s.get("tenant_quotas") or {}
-    if tenants.keys() - {"none"} or quotas:  # engines serve tenants (salted or LoRA requests)
+    disk_quotas = s.get("disk_tenant_quotas") or {}
+    # a disk tier holds tenants' entries: their disk bytes and quotas too
+    disk = bool(disk_quotas) or any("disk_bytes_held" in c for c in tenants.values())
+    if tenants.keys() - {"none"} or quotas or disk_quotas:  # engines serve tenants
         from raykv.layout.report import format_bytes
+
+        def limit(label: str, of: dict[str, int]) -> str:
+            quota = of.get(label, of.get("default"))
+            return "no quota" if quota is None or label == "other" else format_bytes(quota)
 
         lines.append(
             "engine lookups per tenant (hit / missed blocks, stored entries; CPU-tier bytes "
-            "held on all nodes / quota per node and model, over quota: refused / own evicted)"
+            "held on all nodes / quota per node and model, over quota: refused / own evicted"
+            + ("; the same for the disk tier)" if disk else ")")
         )
         for label, c in tenants.items():
-            quota = quotas.get(label, quotas.get("default"))
-            limit = "no quota" if quota is None or label == "other" else format_bytes(quota)
             lines.append(
                 f"  {label:<10}{c.get('lookups', 0):>8} lookups  {c.get('hit_blocks', 0)} / "
                 f"{c.get('miss_blocks', 0)} blocks  {c.get('stored_entries', 0)} stored  "
-                f"{format_bytes(c.get('bytes_held', 0))} / {limit}  "
+                f"{format_bytes(c.get('bytes_held', 0))} / {limit(label, quotas)}  "
                 f"{c.get('quota_refused', 0)} / {c.get('quota_evicted', 0)}"
+                + (
+                    f"  disk {format_bytes(c.get('disk_bytes_held', 0))} / "
+                    f"{limit(label, disk_quotas)}  {c.get('disk_quota_refused', 0)} / "
+                    f"{c.get('disk_quota_evicted', 0)}"
+                    if disk
+                    else ""
+                )
             )
     return "\n".join(lines)

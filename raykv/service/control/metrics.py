@@ -69,12 +69,18 @@ class ServiceMetrics:
                 ("stored_entries", "CPU-tier entries engines stored, per tenant"),
                 ("quota_refused", "New CPU-tier entries a store left out over its tenant's quota"),
                 ("quota_evicted", "A tenant's own CPU-tier entries its store evicted over quota"),
+                ("disk_quota_refused", "Disk-tier entries a demotion left out over quota"),
+                ("disk_quota_evicted", "A tenant's own disk-tier entries dropped over quota"),
             )
         }
         self._tenant_bytes = metrics.Gauge(
             "raykv_tenant_bytes_held", "CPU-tier bytes a tenant's entries hold", per_tenant
         )
+        self._tenant_disk_bytes = metrics.Gauge(
+            "raykv_tenant_disk_bytes_held", "Disk-tier bytes a tenant's entries hold", per_tenant
+        )
         self._gauged: dict[str, set[str]] = {}  # model -> labels whose gauge is not 0
+        self._disk_gauged: dict[str, set[str]] = {}  # the same, of the disk gauge
 
     def _tags(self, model: str, tier: str) -> dict[str, str]:
         return {"component": self.component, "model": model, "tier": tier}
@@ -183,37 +189,48 @@ class ServiceMetrics:
             return OTHER_TENANTS
         return tenant
 
-    def tenant_quota(self, model: str, tenant: str, refused: int, evicted: int) -> None:
+    def tenant_quota(
+        self, model: str, tenant: str, refused: int, evicted: int, disk: bool = False
+    ) -> None:
         """A store of ``tenant`` (``tenant_label``) over its quota (invariant 13): new entries
-        it left out, and its own entries it evicted to stay within the quota."""
+        it left out, and its own entries it evicted to stay within the quota; ``disk``: the
+        disk tier's quota, over which demotions left entries out and dropped its own."""
         label = self._tenant_label(tenant)
         counts = self.tenants.setdefault(label, Tally())
         tags = {"component": self.component, "model": model, "tenant": label}
-        for what, n in (("quota_refused", refused), ("quota_evicted", evicted)):
+        pre = "disk_" if disk else ""
+        for what, n in ((f"{pre}quota_refused", refused), (f"{pre}quota_evicted", evicted)):
             if n:
                 counts[what] += n
                 self._tenant[what].inc(n, tags)
 
-    def tenant_bytes(self, held: dict[str, dict[str, int]]) -> None:
+    def tenant_bytes(self, held: dict[str, dict[str, int]], disk: bool = False) -> None:
         """The bytes each tenant label's entries hold now, per model (``{model: {label:
         bytes}}``): the ``raykv_tenant_bytes_held`` gauge per model (back to 0 for a tenant
-        that holds nothing now) and ``tenants``' ``bytes_held`` over every model."""
+        that holds nothing now) and ``tenants``' ``bytes_held`` over every model; ``disk``:
+        the disk tier's (``raykv_tenant_disk_bytes_held``, ``disk_bytes_held``)."""
+        gauge, gauged = (
+            (self._tenant_disk_bytes, self._disk_gauged)
+            if disk
+            else (self._tenant_bytes, self._gauged)
+        )
+        key = "disk_bytes_held" if disk else "bytes_held"
         total: Tally[str] = Tally()
-        for model in [*held, *(self._gauged.keys() - held.keys())]:  # a model gone: 0s
+        for model in [*held, *(gauged.keys() - held.keys())]:  # a model gone: 0s
             now: Tally[str] = Tally()
             for tenant, n in held.get(model, {}).items():
                 label = self._tenant_label(tenant)
                 self.tenants.setdefault(label, Tally())
                 now[label] += n
-            gone = self._gauged.get(model, set()) - now.keys()
+            gone = gauged.get(model, set()) - now.keys()
             for label in [*now, *gone]:
                 tags = {"component": self.component, "model": model, "tenant": label}
-                self._tenant_bytes.set(now.get(label, 0), tags)
-            self._gauged[model] = set(now)
+                gauge.set(now.get(label, 0), tags)
+            gauged[model] = set(now)
             total.update(now)
         for label, counts in self.tenants.items():
-            if total.get(label) or counts.get("bytes_held"):
-                counts["bytes_held"] = total.get(label, 0)
+            if total.get(label) or counts.get(key):
+                counts[key] = total.get(label, 0)
 
     def lookup_ms(self, model: str, ms: float) -> None:
         self.tally["lookups"] += 1

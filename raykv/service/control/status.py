@@ -120,6 +120,10 @@ def cluster(
         # each tenant label's byte quota in one model's arena on one node (invariant 13;
         # "default": every tenant not listed), as the tiers were configured: RAYKV_TENANT_QUOTAS
         "tenant_quotas": next((r["tenant_quotas"] for r in rows if r.get("tenant_quotas")), {}),
+        # and in one model's disk tier on one node: RAYKV_DISK_TENANT_QUOTAS
+        "disk_tenant_quotas": next(
+            (r["disk_tenant_quotas"] for r in rows if r.get("disk_tenant_quotas")), {}
+        ),
         # copies that failed their checksum (invariant 12: served as misses), each counted
         # once, by the member that found it (its row), and by where: "gpu" (a pool's own
         # block), "cpu" (a CPU-tier entry loaded on its node), "remote" (a copy another

@@ -45,7 +45,12 @@ With ``RAYKV_TENANT_QUOTAS`` (``raykv up --tenant-quota``, ``raykv.tiers.quotas`
 model's arena bounds the bytes each tenant's entries hold: an engine's reserve, pull and
 promotion carry the request's tenant, and a store over its quota evicts only that tenant's
 entries (invariant 13); bytes held per tenant are in ``stats`` and the
-``raykv_tenant_bytes_held`` gauge (set every sweep).
+``raykv_tenant_bytes_held`` gauge (set every sweep). With ``RAYKV_DISK_TENANT_QUOTAS`` (``raykv
+up --disk-tenant-quota``, the same syntax) each model's disk tier bounds them too: the arena
+hands each demoted entry's tenant down, and a demotion over its quota drops only that
+tenant's disk entries (``raykv.tiers.disk_tier``); the disk tier's bytes and counts per
+tenant are in its ``stats`` (``per_model``'s ``disk``) and, each sweep, in the metrics
+(``raykv_tenant_disk_bytes_held``, ``raykv_tenant_disk_quota_*``).
 
 With ``RAYKV_OBJECT_URL`` (``s3://bucket/prefix``; ``RAYKV_OBJECT_ENDPOINT`` for a server
 other than AWS; ``raykv up --object-url --object-endpoint``) each model also has an object
@@ -72,7 +77,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from raykv.blocks.hashing import tenant_label
+from raykv.blocks.hashing import Tenant, tenant_label
 from raykv.errors import ConfigError, InvalidInput, RaykvError
 from raykv.service.control.index import CPU
 from raykv.service.control.metrics import ServiceMetrics
@@ -84,7 +89,7 @@ from raykv.service.served import NAMESPACE, tier_name
 from raykv.service.transports import reader_transports
 from raykv.tiers import holds, shm
 from raykv.tiers.cpu_tier import READABLE, KeyRows, KeySums
-from raykv.tiers.quotas import TenantQuotas, tenant_quotas
+from raykv.tiers.quotas import DISK_QUOTAS_ENV, TenantQuotas, tenant_quotas
 from raykv.transport import Lent, export_rows
 
 if TYPE_CHECKING:
@@ -213,6 +218,8 @@ class _ModelTier:
         self.replica = ReplicaWriter(buf.numpy(), ReplicaSpec(shared.path, spec.slots))
         self.replica_shm = shared
         self.reclaimed = (0, 0)  # (expired, released) holds already counted in the metrics
+        # the disk tier's counts over quota per tenant label already in the metrics
+        self.disk_over_quota: dict[str, list[int]] = {}
         self.widths = {g.group_id: w for g, w in zip(plan.groups, row_widths(plan), strict=True)}
         # entry key -> its members; block key -> {entry key: sub-slot}; entries being
         # written -> their members (``OWN`` for ``(entry,)`` and ``{key: 0}`` alike)
@@ -225,21 +232,29 @@ class _ModelTier:
             self.note_all([k for k, _ in kept], [OWN if m == (k,) else m for k, m in kept])
 
     def _demote(
-        self, entries: list[bytes], blocks: np.ndarray, valid: KeyRows, sums: KeySums
+        self,
+        entries: list[bytes],
+        blocks: np.ndarray,
+        valid: KeyRows,
+        sums: KeySums,
+        tenants: list[Tenant],
     ) -> None:
-        """The arena evicts ``entries``: their rows go to the disk tier (``CpuTier``'s
-        ``demote``). A failure here must not fail the store that evicted them: logged, and
-        those entries leave the index as plain evictions."""
+        """The arena evicts ``entries`` (of ``tenants``, whose disk quotas they count
+        against): their rows go to the disk tier (``CpuTier``'s ``demote``). A failure here
+        must not fail the store that evicted them: logged, and those entries leave the index
+        as plain evictions."""
         try:
             known = [i for i, e in enumerate(entries) if e in self.entries]
             if len(known) < len(entries):  # not noted (never the rule): plain evictions
                 entries, blocks = [entries[i] for i in known], blocks[known]
                 valid = KeyRows(valid.values[known], valid.lengths[known])
                 sums = KeySums(sums.sums[:, known], sums.lengths[:, known])
+                tenants = [tenants[i] for i in known]
             members = [(e,) if m is OWN else m for e, m in zip(entries, map(self.entries.get,
                        entries), strict=True)]  # fmt: skip
             widths = [self.widths[key_group(e)] for e in entries]
-            self.below.demote(entries, self.tier.arena, blocks, valid, sums, widths, members)
+            self.below.demote(entries, self.tier.arena, blocks, valid, sums, widths, members,
+                              tenants=tenants)  # fmt: skip
         except Exception as e:
             log.warning("tier below the CPU tier: demoting %d entries failed: %r", len(entries), e)
 
@@ -262,9 +277,13 @@ class _ModelTier:
         return dataclasses.asdict(o.stats) | {"entries": len(o), "bucket": o.settings.bucket}
 
     def disk_stats(self) -> dict[str, Any]:
-        """The disk tier's counts, entries, slabs, bytes and whether it writes O_DIRECT."""
+        """The disk tier's counts (``quota_refused`` / ``quota_evicted``: over a tenant's
+        disk quota), entries, slabs, bytes, bytes per tenant label, the counts over quota per
+        label ([refused, own evicted]) and whether it writes O_DIRECT."""
         d = self.disk
-        held = {"entries": len(d), "slabs": d.num_slabs, "bytes_used": d.used_bytes}
+        held = {"entries": len(d), "slabs": d.num_slabs, "bytes_used": d.used_bytes,
+                "tenant_bytes": d.tenant_bytes(),
+                "quota_counts": d.over_quota()}  # fmt: skip
         return dataclasses.asdict(d.stats) | held | {"direct": d.direct}
 
     def lost_below(self) -> list[bytes]:
@@ -410,9 +429,13 @@ class CpuTierActor:
 
         self.disk = disk_settings()
         self.quotas = tenant_quotas()  # RAYKV_TENANT_QUOTAS (raykv up --tenant-quota)
+        # RAYKV_DISK_TENANT_QUOTAS (raykv up --disk-tenant-quota): the disk tier's own
+        self.disk_quotas = tenant_quotas(name=DISK_QUOTAS_ENV) if self.disk else None
         self.objects = object_settings()
         # one budget for the node's disk, shared by its models' disk tiers (``NodeDisk``)
-        self.node_disk = NodeDisk(self.disk.path, self.disk.nbytes) if self.disk else None
+        self.node_disk = (
+            NodeDisk(self.disk.path, self.disk.nbytes, self.disk_quotas) if self.disk else None
+        )
         # the served models' arenas from the start: a tier placed again after it died must
         # take its node's offloads before it registers (its pools added them to the old one),
         # and registers with what its disk tier holds
@@ -539,7 +562,18 @@ class CpuTierActor:
                                 self.name, h, got, model)  # fmt: skip
                     n += got
             self._reclaimed(model, mt)
+            if mt.disk is not None:  # the disk tier's demotions over quota since the last sweep
+                now = mt.disk.over_quota()
+                for label, (refused, evicted) in now.items():
+                    was = mt.disk_over_quota.get(label, [0, 0])
+                    if [refused, evicted] != was:
+                        self.metrics.tenant_quota(model, label, refused - was[0],
+                                                  evicted - was[1], disk=True)  # fmt: skip
+                mt.disk_over_quota = now
         self.metrics.tenant_bytes({m: mt.tier.tenant_bytes() for m, mt in self.tiers.items()})
+        if self.node_disk is not None:
+            self.metrics.tenant_bytes({m: mt.disk.tenant_bytes() for m, mt in self.tiers.items()
+                                       if mt.disk is not None}, disk=True)  # fmt: skip
         return n
 
     async def release_holder(self, holder: Any) -> int:
@@ -956,5 +990,9 @@ class CpuTierActor:
             "tenants": {t: dict(c) for t, c in self.metrics.tenants.items()},
             # the quota of each tenant label (and "default") in each model's arena here
             "tenant_quotas": self.quotas.as_dict() if self.quotas is not None else {},
+            # and in each model's disk tier here (RAYKV_DISK_TENANT_QUOTAS)
+            "disk_tenant_quotas": (
+                self.disk_quotas.as_dict() if self.disk_quotas is not None else {}
+            ),
             "replica_dropped": sum(mt.replica.dropped for mt in self.tiers.values()),
         } | dict(self.metrics.tally)
