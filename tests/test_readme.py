@@ -46,15 +46,22 @@ def _python_snippets(doc: str) -> list[str]:
 )
 def test_doc_python_snippets_run_as_pasted(doc: str, index: int, tmp_path: Path) -> None:
     """Each ```python block of the README and of the docs it points to, run as it stands, in a
-    plain shell's environment (PATH and HOME only): it must finish and its own asserts must
-    hold."""
+    plain shell's environment (PATH and HOME only; for a vLLM snippet also vLLM's cache of
+    model classes, filled here: test-only, integrations/vllm_env.py says why): it must
+    finish and its own asserts must hold."""
     snippets = _python_snippets(doc)
     assert len(snippets) == SNIPPETS[doc], f"update SNIPPETS when {doc} gains or loses a snippet"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     if "from vllm" in snippets[index]:
         pytest.importorskip("vllm", reason="the vLLM snippet needs the optional extra 'vllm'")
+        from integrations.vllm_env import warm_vllm_cache
+
+        from raykv.integrations.vllm.tiny import build_tiny_llama
+
+        # the snippet's model is a tiny Llama too: vLLM inspects the same class
+        env["VLLM_CACHE_ROOT"] = warm_vllm_cache(build_tiny_llama(tmp_path / "llama"))
     script = tmp_path / "snippet.py"
     script.write_text(snippets[index])
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     # a snippet that runs "after `raykv up`" (its section says so) gets the service first
     up = "after `raykv up`" in _section_of(doc, snippets[index])
     raykv = [str(Path(sys.executable).parent / "raykv")]

@@ -1,7 +1,11 @@
 """A vLLM engine (``raykv.integrations.vllm.engine.Engine``) in a process of its own, as a
 user runs one: not a Ray driver, not a Ray worker. Tests drive it with JSON lines on its
 stdin (``{"op": "generate", "token_ids": [...], "use_raykv": true}`` or ``{"op": "reset"}``)
-and read one JSON answer line per request; it reports whether it is a Ray driver."""
+and read one JSON answer line per request; it reports whether it is a Ray driver.
+
+``start=False`` starts the process and its imports of torch and vLLM (most of an engine's
+start on a small box) while the test starts its service; ``start()`` then builds the
+engine, as a user's engine starts after ``raykv up``."""
 
 from __future__ import annotations
 
@@ -15,7 +19,14 @@ from typing import Any
 
 
 class EngineProcess:
-    def __init__(self, model: str, extra: dict[str, Any], env: dict[str, str], log: Path) -> None:
+    def __init__(
+        self,
+        model: str,
+        extra: dict[str, Any],
+        env: dict[str, str],
+        log: Path,
+        start: bool = True,
+    ) -> None:
         cmd = [sys.executable, __file__, model, json.dumps(extra)]
         self.log = log
         with open(log, "w") as err:
@@ -23,6 +34,12 @@ class EngineProcess:
                 cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
                 env={**os.environ, **env}, cwd=Path(__file__).parent,
             )  # fmt: skip
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Build the engine (its process has imported vLLM meanwhile); returns once it runs."""
+        self.send(op="start")
         ready = self._read()
         assert ready == {"ready": True}, ready
 
@@ -57,9 +74,12 @@ def main() -> None:
     out = os.fdopen(os.dup(1), "w")  # the answers; everything else printed goes to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    import vllm  # noqa: F401  (the engine's import, before the test says start)
+
     from raykv.integrations.vllm.engine import Engine
 
     model, extra = sys.argv[1], json.loads(sys.argv[2])
+    assert json.loads(sys.stdin.readline()) == {"op": "start"}
     engine = Engine(model, "raykv", extra, max_model_len=4096)
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()

@@ -30,6 +30,7 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="needs the extra 'serve'")
 
+from integrations.vllm_env import vllm_env
 from raykv.errors import ConfigError
 from raykv.integrations.serve import app as serve_app
 from raykv.integrations.serve.deployments import RoutedRequest
@@ -182,6 +183,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     model = str(build_tiny_llama(tmp / "model"))
     # the node agent's socket folder of this test alone (others' raykv on the host keep theirs)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "RAYKV_AGENT_DIR": str(tmp / "agents")}
+    env |= vllm_env(model)  # test-only: fewer processes (and imports) per replica
     if os.environ.get("PYTHONPATH"):  # a checkout run in place, not installed
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     port = free_port()

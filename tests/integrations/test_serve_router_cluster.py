@@ -152,6 +152,7 @@ def test_a_busy_holder_sends_its_prefix_away_and_the_other_node_pulls_it(
     pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs vllm")
     from ray import serve
 
+    from integrations.vllm_env import vllm_env
     from raykv.integrations.serve.app import app_config, vllm_app
     from raykv.integrations.vllm.tiny import build_tiny_llama
 
@@ -159,7 +160,8 @@ def test_a_busy_holder_sends_its_prefix_away_and_the_other_node_pulls_it(
     model = str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model"))
     settings = dict(
         replicas=2, router="raykv", max_replicas_per_node=1, num_cpus=0.5,
-        max_model_len=4096, vllm_args=VLLM_ARGS, env={"HF_HUB_OFFLINE": "1"},
+        max_model_len=4096, vllm_args=VLLM_ARGS,
+        env={"HF_HUB_OFFLINE": "1", **vllm_env(model)},  # test-only: fewer vLLM processes
         router_costs={"prefill_s_per_token": 1.0, "load_s_per_token": {"cpu": 0, "remote": 0}},
     )  # fmt: skip
     name = app_config(model, **settings).raykv_model

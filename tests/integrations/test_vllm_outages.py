@@ -47,23 +47,27 @@ def setup(tmp_path_factory):
 
     import raykv
 
-    cluster = Cluster(initialize_head=True, head_node_args=HEAD)
-    raykv.connect(cluster.address)
-    deadline = time.monotonic() + 60
-    while not default_socket(NAMESPACE).exists() and time.monotonic() < deadline:
-        time.sleep(0.2)  # the coordinator places the node's tier (its agent) on its own
     model = build_tiny_llama(tmp_path_factory.mktemp("model"), TinyLlama())
+    # its process imports vLLM (most of an engine's start) while the service starts
     engine = EngineProcess(
         str(model), {"model": "vllm-outage", "cpu_bytes": 64 << 20},
         {AGENT_DIR_ENV: str(agents), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-        tmp_path_factory.mktemp("log") / "engine.log",
+        tmp_path_factory.mktemp("log") / "engine.log", start=False,
     )  # fmt: skip
+    cluster = None
     try:
+        cluster = Cluster(initialize_head=True, head_node_args=HEAD)
+        raykv.connect(cluster.address)
+        deadline = time.monotonic() + 60
+        while not default_socket(NAMESPACE).exists() and time.monotonic() < deadline:
+            time.sleep(0.2)  # the coordinator places the node's tier (its agent) on its own
+        engine.start()  # the engine itself only now: it starts with the service up
         yield cluster, engine
     finally:
         engine.close()
         ray.shutdown()
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
 
 
 def answer(engine: EngineProcess, tokens: list[int]) -> dict:

@@ -21,6 +21,7 @@ import pytest
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs 'vllm'")
 
+from integrations.vllm_env import vllm_env
 from raykv.integrations.vllm.tiny import build_tiny_llama
 
 pytestmark = pytest.mark.ray
@@ -73,7 +74,9 @@ def test_the_openai_server_takes_a_shared_prefix_from_raykv(tmp_path: Path) -> N
                  "--kv-cache-memory-bytes", str(64 << 20), "--no-enable-prefix-caching",
                  "--enable-prompt-tokens-details", "--kv-transfer-config",
                  json.dumps(KV_TRANSFER)],
-                env={**env, "HF_HUB_OFFLINE": "1"}, stdout=log, stderr=subprocess.STDOUT,
+                # vllm_env: test-only, fewer processes (and imports of vLLM) for the server
+                env={**env, "HF_HUB_OFFLINE": "1", **vllm_env(model)}, stdout=log,
+                stderr=subprocess.STDOUT,
             )  # fmt: skip
         deadline = time.monotonic() + 240
         while True:
