@@ -4,6 +4,7 @@ still does not fit; never another tenant's entry; usage is rebuilt from the slab
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -191,9 +192,7 @@ class DiskQuotaMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.disk is not None:
             self.disk.close()
-        for p in sorted(self.dir.rglob("*"), reverse=True):
-            p.unlink() if p.is_file() else p.rmdir()
-        self.dir.rmdir()
+        shutil.rmtree(self.dir)
 
 
 TestDiskQuotaMachine = DiskQuotaMachine.TestCase

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -321,9 +322,7 @@ class DiskMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.disk.close()
-        for p in sorted(self.dir.rglob("*"), reverse=True):
-            p.unlink() if p.is_file() else p.rmdir()
-        self.dir.rmdir()
+        shutil.rmtree(self.dir)
 
 
 TestDiskMachine = DiskMachine.TestCase
