@@ -48,17 +48,32 @@ def test_the_host_checksum_is_taken_in_tiers_checksum_only() -> None:
     """The row sum is raykv's one checksum: the host takes it (the native extension) only in
     raykv.tiers.checksum (rows at rest) and in the host path of raykv.ops' paged copies
     (raykv.ops.reference: rows as they are copied, the same kernel of block_hash.cpp), and no
-    module hashes rows another way (xxhash)."""
+    module hashes rows another way (xxhash). (The extension's other entry points, the hash
+    chain and the index replica's probe, take no row sums.)"""
     users, other = set(), set()
     for path, tree in _trees().items():
+        # names bound to the extension (``native = native_module()``), then their row-sum calls
+        ext = {
+            t.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and getattr(node.value.func, "id", None) == "native_module"
+            for t in node.targets
+            if isinstance(t, ast.Name)
+        }
         for node in ast.walk(tree):
             names = []
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
-                if any(a.name == "native_module" for a in node.names):
-                    users.add(path)
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("row_sums", "copy_rows")
+                and getattr(node.value, "id", None) in ext
+            ):
+                users.add(path)
             if any(n.split(".")[0] == "xxhash" for n in names):
                 other.add(path)
     assert users == {"raykv/tiers/checksum.py", "raykv/ops/reference.py"} and not other
