@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs 'vllm'")
 
-from integrations.vllm_env import vllm_env
+from integrations.vllm_env import warm_vllm_cache
 from raykv.integrations.vllm.tiny import build_tiny_llama
 
 pytestmark = pytest.mark.ray
@@ -74,9 +74,11 @@ def test_the_openai_server_takes_a_shared_prefix_from_raykv(tmp_path: Path) -> N
                  "--kv-cache-memory-bytes", str(64 << 20), "--no-enable-prefix-caching",
                  "--enable-prompt-tokens-details", "--kv-transfer-config",
                  json.dumps(KV_TRANSFER)],
-                # vllm_env: test-only, fewer processes (and imports of vLLM) for the server
-                env={**env, "HF_HUB_OFFLINE": "1", **vllm_env(model)}, stdout=log,
-                stderr=subprocess.STDOUT,
+                # vLLM's own process layout, as a user's server runs (API server, engine core,
+                # worker: the connector's scheduler and worker sides in two processes; the Serve
+                # tests run one process fewer); only vLLM's cache of model classes is filled
+                env={**env, "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": warm_vllm_cache(model)},
+                stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         deadline = time.monotonic() + 240
         while True:

@@ -12,6 +12,10 @@ warmup) is a couple of seconds. These settings spare the processes no test is ab
   inspects the class in a subprocess of its own (one more import, 10-30 s here), and a
   process in a fresh ``HOME`` (as a user's shell, the way some tests run theirs) always
   misses: ``vllm_env`` fills this process's cache once and hands its folder on.
+
+The OpenAI server's test (``test_vllm_server``) keeps vLLM's own process layout, as a user's
+server runs it (the connector's scheduler and worker sides in two processes), and takes only
+the cache.
 """
 
 from __future__ import annotations
