@@ -751,11 +751,7 @@ class DiskTier:
                     key=lambda s: (self._slabs[s].live > 0, self._slabs[s].used),
                 )
                 drop.append(self._slabs.pop(victim).path)
-                for k in [k for k, (s, _) in self._index.items() if s == victim]:
-                    del self._index[k]
-                    self._disown(k)
-                    self._gone.append(k)
-                    self.stats.evicted += 1
+                self._evict_keys(self._keys_of(victim))
         for path in drop:  # a reader of it holds its fd: it reads, then finds the slab gone
             path.unlink(missing_ok=True)
 
@@ -769,13 +765,9 @@ class DiskTier:
             victim = min(self._slabs, key=lambda s: (self._slabs[s].live > 0,
                                                      self._slabs[s].used))  # fmt: skip
             slab = self._slabs.pop(victim)
-            live = [k for k, (s, _) in self._index.items() if s == victim]
+            live = self._keys_of(victim)
             path = self._hand_on(victim, slab, live)
-            for k in live:
-                del self._index[k]
-                self._disown(k)
-                self._gone.append(k)
-                self.stats.evicted += 1
+            self._evict_keys(live)
         else:
             path = self.path / f"slab-{self._next_id:08d}.kv"
         sid, self._next_id = self._next_id, self._next_id + 1
@@ -848,10 +840,7 @@ class DiskTier:
         while len(self._slabs) > self.max_slabs:
             victim = min(self._slabs, key=lambda s: self._slabs[s].used)
             slab = self._slabs.pop(victim)
-            for k in [k for k, (s, _) in self._index.items() if s == victim]:
-                del self._index[k]
-                self._disown(k)
-                self.stats.evicted += 1
+            self._evict_keys(self._keys_of(victim), tell=False)
             slab.path.unlink(missing_ok=True)
 
     def _load_slab(self, sid: int, path: Path, used: int) -> str | None:
@@ -898,6 +887,21 @@ class DiskTier:
         self._slabs[s].live -= 1
         self._disown(key)
         self._gone.append(key)
+
+    def _keys_of(self, sid: int) -> list[bytes]:
+        """The indexed keys of slab ``sid``. Under the lock."""
+        return [k for k, (s, _) in self._index.items() if s == sid]
+
+    def _evict_keys(self, keys: list[bytes], tell: bool = True) -> None:
+        """``keys`` leave with their evicted slab: out of the index and their tenants' bytes,
+        counted, and reported gone (``tell``; not while the tier opens, when nobody was told
+        of them yet). Under the lock."""
+        for k in keys:
+            del self._index[k]
+            self._disown(k)
+        self.stats.evicted += len(keys)
+        if tell:
+            self._gone += keys
 
     def _own(self, key: bytes, tenant: Tenant) -> None:
         """``key`` (written or queued) is ``tenant``'s, its most recently used entry."""
