@@ -26,7 +26,13 @@ from raykv.engine.node import EngineLookup
 from raykv.errors import ConfigError, InvalidInput
 from raykv.integrations.vllm.config import RaykvVllmConfig
 from raykv.integrations.vllm.metadata import LoadSpec, RaykvMetadata, SaveSpec
-from raykv.integrations.vllm.model import EngineLayout, check_groups, engine_layout, model_name
+from raykv.integrations.vllm.model import (
+    EngineLayout,
+    check_groups,
+    engine_layout,
+    model_name,
+    rank_models,
+)
 from raykv.integrations.vllm.scheduler import RaykvScheduler
 from raykv.integrations.vllm.worker import RaykvWorker
 from raykv.layout import FullAttention, plan
@@ -63,6 +69,12 @@ class FakeEngine:
 
     def ready(self) -> bool:
         return self.node.up
+
+    def lookup(self, ids, held_tokens, tenant=None):
+        return self.node.lookup(ids, held_tokens, tenant)
+
+    def close(self) -> None:
+        self.node.close()
 
 
 class FakeManager:
@@ -551,13 +563,23 @@ def test_a_hybrid_engine_maps_to_raykv_groups_of_the_same_layers() -> None:
     assert model_name(vllm, lay) != name
 
 
+def test_a_tensor_parallel_engine_has_a_raykv_model_per_rank() -> None:
+    vllm, kvc = cfg([KVCacheGroupSpec(["l0"], spec())])
+    vllm.parallel_config.tensor_parallel_size = 2
+    lay = engine_layout(vllm, kvc)  # vLLM's spec is one rank's share of the heads
+    assert lay.tp_size == 2 and lay.layers["l0"].num_kv_heads == 2
+    name = model_name(vllm, lay)
+    assert rank_models(name, 2) == (f"{name}-tp0of2", f"{name}-tp1of2")
+    assert rank_models(name, 1) == (name,)
+
+
 def test_unsupported_layouts_and_settings_are_refused_with_the_fix() -> None:
     vllm, kvc = cfg([KVCacheGroupSpec(["l0"], spec(head_size_v=32))])
     with pytest.raises(ConfigError, match="V head size"):
         engine_layout(vllm, kvc)
     vllm, kvc = cfg([KVCacheGroupSpec(["l0"], spec())])
-    vllm.parallel_config.tensor_parallel_size = 2
-    with pytest.raises(ConfigError, match="tensor_parallel_size=1"):
+    vllm.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ConfigError, match="pipeline_parallel_size=1"):
         engine_layout(vllm, kvc)
     with pytest.raises(ConfigError, match="unknown keys"):
         RaykvVllmConfig.from_extra({"adress": "x"})

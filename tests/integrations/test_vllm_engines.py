@@ -222,3 +222,47 @@ def test_a_prefix_on_the_engines_own_node_loads_from_its_tier(engines) -> None:
     assert ra["raykv"]["load_error_blocks"] > 0 or ra["raykv"]["external_tokens"] < PREFIX, ra
     assert ra["token_ids"] == reference(a, mine)
     del arena
+
+
+def test_a_tensor_parallel_engine_keeps_each_ranks_share_and_recomputes_a_ranks_bad_copy(
+    cluster, tmp_path_factory
+) -> None:
+    """tp=2 (vLLM's two worker processes): each rank stores its share of the KV heads as a
+    raykv model of its own; after its own cache is emptied the engine takes the prefix from
+    raykv on both ranks and answers as it did computing it. One entry of rank 1's copy
+    corrupted: rank 1's load error makes vLLM recompute those blocks on every rank: the same
+    answer as without raykv."""
+    from raykv.integrations.vllm.model import rank_models
+
+    path = build_tiny_llama(tmp_path_factory.mktemp("tp"), TinyLlama())  # 2 KV heads: 1 a rank
+    extra = {"model": "vllm-test-tp", "cpu_bytes": 64 << 20}
+    actor = ray.remote(num_cpus=0)(Engine).options(resources={"node-a": 0.5})
+    e = actor.remote(str(path), "raykv", extra, tp=2)
+    try:
+        node = ray.get(e.node_id.remote())
+        ranks = rank_models(extra["model"], 2)
+        prompt = random_prompt(PREFIX + 5, 51)
+        first = ray.get(e.generate.remote(prompt))
+        assert first["raykv"]["external_tokens"] == 0, first
+        assert first["raykv"]["saved_tokens"] == PREFIX, first
+        for name in ranks:  # every rank's share is published under its own model
+            published(name, [*prompt[:PREFIX], 1])
+        assert ray.get(e.reset.remote())
+        again = ray.get(e.generate.remote(prompt))
+        assert again["raykv"]["external_tokens"] == PREFIX, again
+        assert again["raykv"]["load_error_blocks"] == 0, again
+        assert again["token_ids"] == first["token_ids"]
+
+        other = random_prompt(PREFIX + 3, 52)
+        arena, changed = _tier_rows_written(e, ranks[1], node, other)
+        assert len(changed) >= PREFIX // 32
+        arena[0][changed[len(changed) // 2], :64] ^= 0x5A  # one entry of rank 1's copy
+        for name in ranks:
+            published(name, [*other[:PREFIX], 1])
+        assert ray.get(e.reset.remote())
+        bad = ray.get(e.generate.remote(other))
+        assert bad["raykv"]["load_error_blocks"] > 0, bad
+        assert bad["token_ids"] == reference(e, other)
+        del arena
+    finally:
+        ray.kill(e)

@@ -25,8 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.datastructures import State
 
-from raykv.service.node.agent_protocol import socket_path
-from raykv.service.served import NAMESPACE
+from raykv.integrations.vllm.served import bound_to_node
 
 log = logging.getLogger(__name__)
 
@@ -113,18 +112,16 @@ def bind_tenant(
 
 def on_this_node(vllm_args: Sequence[str], node_id: str) -> list[str]:
     """``vllm_args`` with the connector bound to the node agent of Ray node ``node_id``, the
-    replica's: its engine core runs in a child process that is no Ray worker, which would
-    open the host's default agent (another node's where one host runs several raylets). A
-    config that names its agent keeps it."""
+    replica's (``bound_to_node``: its engine core and its workers run in child processes
+    that are no Ray workers)."""
     args = list(vllm_args)
     if "--kv-transfer-config" not in args:
         return args
     i = args.index("--kv-transfer-config") + 1
     config = json.loads(args[i])
-    extra = config.setdefault("kv_connector_extra_config", {})
-    if not extra.get("agent"):
-        extra["agent"] = str(socket_path(extra.get("namespace", NAMESPACE), node_id))
-        args[i] = json.dumps(config)
+    extra = config.get("kv_connector_extra_config") or {}
+    config["kv_connector_extra_config"] = bound_to_node(extra, node_id)
+    args[i] = json.dumps(config)
     return args
 
 

@@ -52,7 +52,9 @@ class RaykvConnector(KVConnectorBase_V1, SupportsHMA):
                 "kv_transfer_config to recompute those tokens instead",
                 policy,
             )
-        engine = ServedEngine(self.config, vllm_config, kv_cache_config)
+        # a tensor-parallel worker serves its own rank's model, the scheduler every rank's
+        ranks = None if role == KVConnectorRole.SCHEDULER else (_tp_rank(vllm_config),)
+        engine = ServedEngine(self.config, vllm_config, kv_cache_config, ranks)
         self.layout = engine.layout
         self.scheduler: RaykvScheduler | None = None
         self.worker: RaykvWorker | None = None
@@ -175,3 +177,13 @@ class RaykvConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None
         s = self.scheduler.stats
         return {k: v for k, v in vars(s).items() if isinstance(v, int)}
+
+
+def _tp_rank(vllm_config: Any) -> int:
+    """This worker's tensor-parallel rank (vLLM's parallel groups are up when it builds a
+    worker's connector)."""
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()

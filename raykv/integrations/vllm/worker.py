@@ -245,4 +245,4 @@ class RaykvWorker:
                 self.attached.close()
             except Exception as e:  # the tier is gone: its leases went with it
                 log.warning("raykv detach failed (%r)", e)
-        self.engine.node.close()
+        self.engine.close()
