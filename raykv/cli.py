@@ -460,7 +460,7 @@ def demo(prompt_tokens, seed) -> None:
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--tp", "tp_size", type=click.IntRange(min=1), default=1, show_default=True,
-              help="vLLM tensor-parallel size per replica (1 with the connector)")  # fmt: skip
+              help="vLLM tensor-parallel size per replica")  # fmt: skip
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="address the HTTP endpoint binds (another only when you mean it)")  # fmt: skip

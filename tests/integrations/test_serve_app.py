@@ -85,6 +85,12 @@ def test_the_router_is_raykvs_where_it_imports_else_serves_with_one_warning(
     assert routing.request_router_class == serve_app.ROUTER_CLASS
     assert routing.request_router_kwargs == {"model": config.raykv_model}
 
+    # a tensor-parallel replica keeps a model per rank: the router reads rank 0's
+    tp = serve_app.app_config(str(tmp_path), tp=2)
+    assert "--tensor-parallel-size" in tp.vllm_args and "uni" not in tp.vllm_args
+    kwargs = serve_app.request_router_config(tp).request_router_kwargs
+    assert kwargs == {"model": f"{tp.raykv_model}-tp0of2"}
+
     monkeypatch.setattr(serve_app, "raykv_router_available", lambda: False)
     monkeypatch.setattr(serve_app, "_warned_no_router", False)
     with caplog.at_level(logging.WARNING, logger=serve_app.__name__):
@@ -100,7 +106,7 @@ def test_the_router_is_raykvs_where_it_imports_else_serves_with_one_warning(
 @pytest.mark.parametrize(
     ("settings", "match"),
     [
-        ({"tp": 2}, "tensor_parallel_size=1"),
+        ({"tp": 0}, "at least 1"),
         ({"replicas": 0}, "at least one replica"),
         ({"vllm_args": ["--block-size", "16"]}, "the app sets itself"),
         ({"router": "nearest"}, "router: Input should be 'raykv' or 'default'"),

