@@ -235,6 +235,10 @@ class _Usage:
     listed: float = float("-inf")  # when (monotonic) the prefix was last listed
     total: int = 0  # the bytes of both (read without the lock: stats)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    settled: threading.Condition = field(init=False)  # on ``lock``: a PUT ended
+
+    def __post_init__(self) -> None:
+        self.settled = threading.Condition(self.lock)
 
     def count(self) -> None:
         self.total = sum(n for n, _ in self.objects.values()) + sum(
@@ -602,9 +606,10 @@ class ObjectTier:
     def _make_room(self, batch: _Batch, name: str, size: int) -> bool:
         """Whether object ``name`` (``size`` bytes, ``batch``'s) fits its tenant's quota,
         after that tenant's own oldest objects are deleted (``_evict_object``) where they
-        must be; its bytes count from now on (``_settle`` ends the PUT). False: it does not
-        fit even so (larger than the quota, or the tenant's uploads under way fill it): its
-        entries are dropped, counted as refused. Only the uploading tenant's objects go."""
+        must be (the tenant's uploads under way are waited for where only they are in the
+        way); its bytes count from now on (``_settle`` ends the PUT). False: it does not fit
+        even so (larger than the quota alone): its entries are dropped, counted as refused.
+        Only the uploading tenant's objects go."""
         quota = self.quotas.of_label(batch.label) if self.quotas is not None else None
         if quota is None:
             return True
@@ -613,18 +618,24 @@ class ObjectTier:
         with usage.lock:
             if size <= quota and time.monotonic() - usage.listed >= REFRESH_S:
                 self._list(batch.label, usage)
-            held = usage.total - usage.objects.get(name, (0, 0.0))[0]  # replaced: once
-            victims = []
-            oldest = sorted(usage.objects.items(), key=lambda o: (o[1][1], o[0]))
-            for old, (n, _) in oldest:
-                if held + size <= quota or size > quota:
+            while True:
+                held = usage.total - usage.objects.get(name, (0, 0.0))[0]  # replaced: once
+                victims = []
+                oldest = sorted(usage.objects.items(), key=lambda o: (o[1][1], o[0]))
+                for old, (n, _) in oldest:
+                    if held + size <= quota or size > quota:
+                        break
+                    if old != name and old not in usage.inflight:
+                        victims.append(old)
+                        held -= n
+                if held + size <= quota:
                     break
-                if old != name and old not in usage.inflight:
-                    victims.append(old)
-                    held -= n
-            if held + size > quota:
-                self._drop(batch, quota=True)
-                return False
+                # the tenant's uploads under way fill it: their objects are victims once
+                # uploaded (the oldest go, not the newest), so wait for them, not refuse
+                others = any(n != name for n in usage.inflight)
+                if size > quota or not others or not usage.settled.wait(FILE_WAIT_S):
+                    self._drop(batch, quota=True)
+                    return False
             for old in victims:
                 self._evict_object(batch.label, old, usage)
             usage.inflight[name] = size
@@ -643,6 +654,7 @@ class ObjectTier:
             if size is not None:
                 usage.objects[name] = (size, time.time())
             usage.count()
+            usage.settled.notify_all()
 
     def _list(self, label: str, usage: _Usage) -> None:
         """List tenant ``label``'s objects (every writer's) into ``usage``. Under its lock."""

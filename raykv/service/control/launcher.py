@@ -426,9 +426,12 @@ def status_table(s: dict[str, Any]) -> str:
     tenants = s.get("tenants") or {}
     quotas = s.get("tenant_quotas") or {}
     disk_quotas = s.get("disk_tenant_quotas") or {}
-    # a disk tier holds tenants' entries: their disk bytes and quotas too
+    object_quotas = s.get("object_tenant_quotas") or {}
+    # a disk tier holds tenants' entries: their disk bytes and quotas too; the same of the
+    # object tier's (in the bucket)
     disk = bool(disk_quotas) or any("disk_bytes_held" in c for c in tenants.values())
-    if tenants.keys() - {"none"} or quotas or disk_quotas:  # engines serve tenants
+    bucket = bool(object_quotas) or any("object_bytes_held" in c for c in tenants.values())
+    if tenants.keys() - {"none"} or quotas or disk_quotas or object_quotas:  # tenants served
         from raykv.layout.report import format_bytes
 
         def limit(label: str, of: dict[str, int]) -> str:
@@ -438,7 +441,9 @@ def status_table(s: dict[str, Any]) -> str:
         lines.append(
             "engine lookups per tenant (hit / missed blocks, stored entries; CPU-tier bytes "
             "held on all nodes / quota per node and model, over quota: refused / own evicted"
-            + ("; the same for the disk tier)" if disk else ")")
+            + ("; the same for the disk tier" if disk else "")
+            + ("; the object tier's bytes in the bucket / quota per model" if bucket else "")
+            + ")"
         )
         for label, c in tenants.items():
             lines.append(
@@ -451,6 +456,13 @@ def status_table(s: dict[str, Any]) -> str:
                     f"{limit(label, disk_quotas)}  {c.get('disk_quota_refused', 0)} / "
                     f"{c.get('disk_quota_evicted', 0)}"
                     if disk
+                    else ""
+                )
+                + (
+                    f"  object {format_bytes(c.get('object_bytes_held', 0))} / "
+                    f"{limit(label, object_quotas)}  {c.get('object_quota_refused', 0)} / "
+                    f"{c.get('object_quota_evicted', 0)}"
+                    if bucket
                     else ""
                 )
             )
