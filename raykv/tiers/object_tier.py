@@ -9,9 +9,15 @@ the disk tier's evicted slabs (``upload_file``: the slab file itself, renamed aw
 disk tier, uploaded as it is). Content-addressed, with no coordinator shared between
 writers:
 
-- ``<prefix>/<identity hex>/o/<sha256 of the slab's keys>.slab``: the slab;
+- ``<prefix>/<identity hex>/o/<tenant label>/<sha256 of the slab's keys>.slab``: the slab,
+  one tenant's entries (``tenant_label``: 8 hex digits, ``none`` for untenanted ones). A
+  demotion is grouped by tenant (in order within each); a disk slab whose live entries are
+  one tenant's goes as it is, one of several tenants' is split: each tenant's rows are read
+  out of the file into staging buffers laid out as a demotion's and uploaded as objects of
+  their own;
 - ``<prefix>/<identity hex>/k/<block key hex>``: a pointer per block an entry carries (its
-  entry's key, the sub-slot, the object and the slot).
+  entry's key, the sub-slot, the object's tenant label, the object and the slot; pointers
+  of the format before tenant labels are refused: misses).
 
 The pointers are PUT while their object is (``POINTERS`` in flight beside the object's PUT),
 not after it: S3 has no batched PUT, so each is a request of its own, and after the object
@@ -42,10 +48,27 @@ never mixed with another header), and verify every row against the checksums its
 holds (invariant 12): a corrupt, missing, replaced or short object is a counted miss
 (``checksum_errors``, ``torn``), never served, and its keys leave the local index.
 
-There is no byte budget here: an object store is sized by its bucket (expire old objects
-with a lifecycle rule; an expired object is a torn miss). So there is no victim either and
-TinyLFU admission (the disk tier's) would admit everything: what reaches this tier is what
-the tier above it evicted, after that tier's own admission.
+The bucket as a whole has no byte budget here: an object store is sized by its bucket (expire
+old objects with a lifecycle rule; an expired object is a torn miss), and TinyLFU admission
+(the disk tier's) would admit everything: what reaches this tier is what the tier above it
+evicted, after that tier's own admission. Tenants are bounded (``quotas``:
+``RAYKV_OBJECT_TENANT_QUOTAS``, ``raykv up --object-tenant-quota``; invariant 13 in the
+bucket): a tenant's usage is the total size of the objects under its prefix, every writer's.
+The tier lists the prefix (ListObjectsV2) on its first upload for a tenant with a quota, keeps
+that view up to date with its own PUTs and deletes, and lists it again once the view is older
+than ``REFRESH_S``, so other nodes' and clusters' uploads count. Before a tenant's object is
+PUT, where it would take the tenant over its quota, that tenant's own oldest objects
+(LastModified order: the least valuable this tier can know without state shared with the
+other writers; what loads read is not known here) are deleted until it fits, each with the
+pointers its header lists (best effort, as a failed upload's: a pointer left behind, or one
+another object of the same block had rewritten, is a counted torn miss or a miss, never wrong
+rows) and its entries leave the local index (``take_gone``); an object larger than the quota
+alone is not uploaded (its entries dropped, ``quota_refused``). Victims come from the
+uploading tenant's prefix alone: never another tenant's objects. Counts per tenant label
+(``over_quota``): entries refused, own entries deleted (``quota_evicted``, as the disk
+tier's; the objects in ``quota_evicted_objects``); bytes (``tenant_bytes``) for tenants with
+a quota. Writers share no lock: between two listings, several nodes' uploads may take a
+tenant over its quota for a while, until an upload for it after a listing trims it.
 """
 
 from __future__ import annotations
