@@ -285,3 +285,30 @@ def test_the_object_quotas_read_their_own_variable():
     env = {OBJECT_QUOTAS_ENV: f"default=1TiB,{LA}=10GiB"}
     assert tenant_quotas(env, OBJECT_QUOTAS_ENV) == TenantQuotas({LA: 10 << 30}, 1 << 40)
     assert tenant_quotas(env) is None
+
+
+def test_a_pointer_of_the_format_before_tenant_labels_is_a_miss(endpoint):
+    """Pointers name their object's tenant now (magic ``RAYKVPT2``): one of the format
+    before, which names an object by its digest alone, is refused, never misread."""
+    import struct
+
+    where = fresh(endpoint)
+    t = tier(where, None)
+    demote(t, [key(1)])
+    assert t.flush(30)
+    name = t.pointer_name(key(1))
+    body = t.client.get_object(Bucket=where.bucket, Key=name)["Body"].read()
+    _, label, digest, slot, slots, sub = object_tier._POINTER.unpack(
+        body[: object_tier._POINTER.size]
+    )
+    assert label.rstrip(b"\0").decode() == LA
+    old = struct.pack("<8s32sIIH", b"RAYKVPTR", digest, slot, slots, sub) + key(1)
+    t.client.put_object(Bucket=where.bucket, Key=name, Body=old)
+    other = tier(where, None)
+    assert other.find([key(1)]) == [] and other.load([key(1)]).keys == []
+    assert other.stats.misses == 1 and other.stats.checksum_errors == 0
+    t.client.put_object(Bucket=where.bucket, Key=name, Body=body)  # the pointer as written
+    again = tier(where, None)  # (``other`` does not ask for a block nothing named for 5 s)
+    assert again.find([key(1)]) == [(key(1), 0)] and again.load([key(1)]).keys == [key(1)]
+    for x in (t, other, again):
+        x.close()
