@@ -208,10 +208,19 @@ PRESET_DEFAULTS = dict(cpu_mem="1GiB", gpu_mem_fraction=0.9, pool_mem="0", block
     "--object-endpoint",
     help="the S3-compatible server of --object-url, e.g. http://127.0.0.1:9000 [AWS]",
 )
+@click.option(
+    "--object-tenant-quota",
+    "object_tenant_quota",
+    multiple=True,
+    metavar="TENANT=SIZE",
+    help="the bytes a tenant's objects may hold in the bucket per model, every node and "
+    "cluster on it together (repeatable; with --object-url): TENANT as for --tenant-quota, "
+    "e.g. --object-tenant-quota default=1TiB",
+)
 @_timeout
 def up(
     address, preset, num_cpus, timeout_s, disk_path, disk_bytes, tenant_quota,
-    disk_tenant_quota, object_url, object_endpoint, **sizes,
+    disk_tenant_quota, object_url, object_endpoint, object_tenant_quota, **sizes,
 ) -> None:  # fmt: skip
     """Start (or join) the raykv service and print where it runs.
 
@@ -237,8 +246,8 @@ def up(
                 f"--disk-path {disk_path} --disk-bytes {disk_bytes}: {e}"
             ) from e
 
-    quotas = disk_quotas = None
-    if tenant_quota or disk_tenant_quota:
+    quotas = disk_quotas = object_quotas = None
+    if tenant_quota or disk_tenant_quota or object_tenant_quota:
         from raykv.tiers.quotas import parse_tenant_quotas
 
         if disk_tenant_quota and disk is None:
@@ -246,11 +255,21 @@ def up(
                 "--disk-tenant-quota bounds each tenant's bytes in the disk tier: give the "
                 "tier too, --disk-path FOLDER --disk-bytes SIZE"
             )
+        if object_tenant_quota and object_url is None:
+            raise click.UsageError(
+                "--object-tenant-quota bounds each tenant's bytes in the object tier: give "
+                "the tier too, --object-url s3://BUCKET/PREFIX"
+            )
         try:
             quotas = parse_tenant_quotas(tenant_quota) if tenant_quota else None
             disk_quotas = (
                 parse_tenant_quotas(disk_tenant_quota, "--disk-tenant-quota")
                 if disk_tenant_quota
+                else None
+            )
+            object_quotas = (
+                parse_tenant_quotas(object_tenant_quota, "--object-tenant-quota")
+                if object_tenant_quota
                 else None
             )
         except RaykvError as e:
@@ -300,6 +319,7 @@ def up(
             tenant_quotas=quotas,
             objects=objects,
             disk_tenant_quotas=disk_quotas,
+            object_tenant_quotas=object_quotas,
         )
     except RaykvError as e:
         raise click.ClickException(str(e)) from e
@@ -331,6 +351,11 @@ def up(
     if objects is not None:
         click.echo(f"  object tier in {object_url}" + (f" at {object_endpoint}"
                    if object_endpoint else ""))  # fmt: skip
+    if object_quotas is not None:
+        from raykv.layout.report import format_bytes
+
+        shown = ", ".join(f"{k} {format_bytes(v)}" for k, v in object_quotas.as_dict().items())
+        click.echo(f"  object-tier tenant quotas per model, in the bucket (by label): {shown}")
     click.echo(f"  connect with raykv.connect('{info['address']}')")
     if info.get("token"):
         click.echo(f"  Ray token auth is on; the token is in {info['token']}")

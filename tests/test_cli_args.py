@@ -150,6 +150,56 @@ def test_up_passes_disk_tenant_quotas_into_the_heads_environment(
                     disk_tenant_quotas=quotas)  # fmt: skip
 
 
+def test_up_passes_object_tenant_quotas_into_the_heads_environment(launched, monkeypatch) -> None:
+    """--object-tenant-quota NAME=SIZE (repeatable, with --object-url) reaches the launcher
+    as the object tier's own ``TenantQuotas``, and the head raykv up starts gets it as
+    ``RAYKV_OBJECT_TENANT_QUOTAS`` (labels only), beside the object settings; without an
+    object tier, or for a cluster that runs already, it is refused."""
+    from raykv.blocks.hashing import tenant_key, tenant_label
+    from raykv.errors import ConfigError, ServiceError
+    from raykv.service.control import launcher
+    from raykv.tiers.quotas import TenantQuotas
+
+    seen = launched
+    url = ["--object-url", "s3://kv/p"]
+    args = ["up", *url, "--object-tenant-quota", "default=1TiB", "--object-tenant-quota",
+            "acme=10GiB"]  # fmt: skip
+    res = CliRunner().invoke(cli.main, args)
+    assert res.exit_code == 0, res.output
+    label = tenant_label(tenant_key("acme"))
+    quotas = TenantQuotas({label: 10 << 30}, 1 << 40)
+    assert seen["object_tenant_quotas"] == quotas and seen["disk_tenant_quotas"] is None
+    assert seen["objects"] == ("s3://kv/p", None) and seen["tenant_quotas"] is None
+    assert f"object-tier tenant quotas per model, in the bucket (by label): default 1.00 TiB, " \
+        f"{label} 10.00 GiB" in res.output  # fmt: skip
+    bad = CliRunner().invoke(cli.main, ["up", "--object-tenant-quota", "default=1GiB"])
+    assert bad.exit_code == 2 and "--object-url s3://BUCKET/PREFIX" in bad.output
+    bad = CliRunner().invoke(cli.main, ["up", *url, "--object-tenant-quota", "acme:1GiB"])
+    assert bad.exit_code == 2 and "--object-tenant-quota 'acme:1GiB'" in bad.output
+    monkeypatch.undo()  # the launcher itself: the head's environment
+    head_env: dict[str, str] = {}
+
+    def start_head(num_cpus, env=None):
+        head_env.update(env or {})
+        raise ServiceError("stop here: the head's environment is all this test needs")
+
+    monkeypatch.setattr(launcher, "local_address", lambda: None)
+    monkeypatch.setattr(launcher, "_stop_stale_head", lambda: None)
+    monkeypatch.setattr(launcher, "start_head", start_head)
+    with pytest.raises(ServiceError, match="stop here"):
+        launcher.up(None, preset=None, cpu_bytes=1, gpu_mem_fraction=0.9, block_size=16,
+                    max_model_len=None, pool_bytes=0, objects=("s3://kv/p", None),
+                    object_tenant_quotas=quotas)  # fmt: skip
+    assert head_env == {
+        "RAYKV_OBJECT_URL": "s3://kv/p",
+        "RAYKV_OBJECT_TENANT_QUOTAS": f"default={1 << 40},{label}={10 << 30}",
+    }
+    with pytest.raises(ConfigError, match=f"RAYKV_OBJECT_TENANT_QUOTAS=default={1 << 40}"):
+        launcher.up("127.0.0.1:1", preset=None, cpu_bytes=1, gpu_mem_fraction=0.9,
+                    block_size=16, max_model_len=None, pool_bytes=0,
+                    object_tenant_quotas=quotas)  # fmt: skip
+
+
 def test_up_passes_the_object_tier(launched) -> None:
     """--object-url (with --object-endpoint or not) reaches the launcher as (url, endpoint);
     an endpoint alone or a URL that is not s3:// is a usage error naming the fix."""

@@ -9,9 +9,15 @@ the disk tier's evicted slabs (``upload_file``: the slab file itself, renamed aw
 disk tier, uploaded as it is). Content-addressed, with no coordinator shared between
 writers:
 
-- ``<prefix>/<identity hex>/o/<sha256 of the slab's keys>.slab``: the slab;
+- ``<prefix>/<identity hex>/o/<tenant label>/<sha256 of the slab's keys>.slab``: the slab,
+  one tenant's entries (``tenant_label``: 8 hex digits, ``none`` for untenanted ones). A
+  demotion is grouped by tenant (in order within each); a disk slab whose live entries are
+  one tenant's goes as it is, one of several tenants' is split: each tenant's rows are read
+  out of the file into staging buffers laid out as a demotion's and uploaded as objects of
+  their own;
 - ``<prefix>/<identity hex>/k/<block key hex>``: a pointer per block an entry carries (its
-  entry's key, the sub-slot, the object and the slot).
+  entry's key, the sub-slot, the object's tenant label, the object and the slot; pointers
+  of the format before tenant labels are refused: misses).
 
 The pointers are PUT while their object is (``POINTERS`` in flight beside the object's PUT),
 not after it: S3 has no batched PUT, so each is a request of its own, and after the object
@@ -42,10 +48,27 @@ never mixed with another header), and verify every row against the checksums its
 holds (invariant 12): a corrupt, missing, replaced or short object is a counted miss
 (``checksum_errors``, ``torn``), never served, and its keys leave the local index.
 
-There is no byte budget here: an object store is sized by its bucket (expire old objects
-with a lifecycle rule; an expired object is a torn miss). So there is no victim either and
-TinyLFU admission (the disk tier's) would admit everything: what reaches this tier is what
-the tier above it evicted, after that tier's own admission.
+The bucket as a whole has no byte budget here: an object store is sized by its bucket (expire
+old objects with a lifecycle rule; an expired object is a torn miss), and TinyLFU admission
+(the disk tier's) would admit everything: what reaches this tier is what the tier above it
+evicted, after that tier's own admission. Tenants are bounded (``quotas``:
+``RAYKV_OBJECT_TENANT_QUOTAS``, ``raykv up --object-tenant-quota``; invariant 13 in the
+bucket): a tenant's usage is the total size of the objects under its prefix, every writer's.
+The tier lists the prefix (ListObjectsV2) on its first upload for a tenant with a quota, keeps
+that view up to date with its own PUTs and deletes, and lists it again once the view is older
+than ``REFRESH_S``, so other nodes' and clusters' uploads count. Before a tenant's object is
+PUT, where it would take the tenant over its quota, that tenant's own oldest objects
+(LastModified order: the least valuable this tier can know without state shared with the
+other writers; what loads read is not known here) are deleted until it fits, each with the
+pointers its header lists (best effort, as a failed upload's: a pointer left behind, or one
+another object of the same block had rewritten, is a counted torn miss or a miss, never wrong
+rows) and its entries leave the local index (``take_gone``); an object larger than the quota
+alone is not uploaded (its entries dropped, ``quota_refused``). Victims come from the
+uploading tenant's prefix alone: never another tenant's objects. Counts per tenant label
+(``over_quota``): entries refused, own entries deleted (``quota_evicted``, as the disk
+tier's; the objects in ``quota_evicted_objects``); bytes (``tenant_bytes``) for tenants with
+a quota. Writers share no lock: between two listings, several nodes' uploads may take a
+tenant over its quota for a while, until an upload for it after a listing trims it.
 """
 
 from __future__ import annotations
@@ -54,23 +77,25 @@ import hashlib
 import logging
 import mmap
 import os
+import re
 import struct
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from raykv.blocks.hashing import Tenant
+from raykv.blocks.hashing import TENANT_LABEL_CHARS, Tenant, tenant_label
 from raykv.errors import ConfigError, TierError
 from raykv.layout.plan import Plan
 from raykv.tiers.cpu_tier import KeyRows, KeySums
+from raykv.tiers.quotas import NONE, TenantQuotas
 from raykv.tiers.slab import ALIGN, HEAD, Entries, Members, SlabFormat, get_key, to_write
 
 log = logging.getLogger(__name__)
@@ -96,9 +121,15 @@ ABSENT_KEYS = 1 << 16
 INDEX_ENTRIES = 1 << 20  # this tier's own uploads it remembers (the rest: by pointer)
 HEADERS_CACHED = 256  # slab headers kept (a load of a slab's entries reads it once)
 FILE_WAIT_S = 120.0  # a load of entries of a disk slab being uploaded waits this long
-# magic, object digest, slot, the object's slots, sub-slot; then the entry's key
-_POINTER = struct.Struct("<8s32sIIH")
-_POINTER_MAGIC = b"RAYKVPTR"
+# magic, the object's tenant label, object digest, slot, the object's slots, sub-slot; then
+# the entry's key. "RAYKVPT2": a pointer names its object's tenant (older ones are refused)
+_POINTER = struct.Struct("<8s8s32sIIH")
+_POINTER_MAGIC = b"RAYKVPT2"
+_LABEL = re.compile(rf"{NONE}|[0-9a-f]{{{TENANT_LABEL_CHARS}}}")
+# a tenant's usage (the objects under its prefix) is listed again when the view this tier
+# keeps of it (its own uploads and deletes since) is older than this: other nodes' and
+# clusters' uploads count from then on
+REFRESH_S = 30.0
 # PUTs of fewer bytes go without ``Expect: 100-continue`` (as aws-sdk-go-v2's default)
 CONTINUE_BYTES = 2 << 20
 INSTALL = "pip install 'raykv[s3]'"
@@ -187,6 +218,9 @@ class ObjectStats:
     refused_objects: int = 0  # objects of another identity or format, or a torn header
     write_errors: int = 0  # uploads that failed (their entries dropped)
     dropped: int = 0  # entries let go while MAX_QUEUED uploads were queued
+    quota_refused: int = 0  # entries not uploaded: their object would not fit their quota
+    quota_evicted: int = 0  # a tenant's own entries deleted (with its oldest objects) over quota
+    quota_evicted_objects: int = 0  # those objects
 
 
 @dataclass(frozen=True)
@@ -194,6 +228,7 @@ class _Loc:
     digest: bytes  # the object's name
     slot: int
     slots: int  # the object's slot count: its header's length
+    label: str = NONE  # the object's tenant: the prefix it is under
 
 
 @dataclass
@@ -204,6 +239,7 @@ class _Batch:
     rows: np.ndarray  # [n, stride]: a view of ``buffer``
     path: Path | None = None  # a disk tier's slab file instead (``upload_file``)
     body: bytearray | None = None  # what ``buffer`` views: the object's bytes, as sent
+    label: str = NONE  # the entries' tenant (a file's: known once its header is read)
 
 
 @dataclass
@@ -212,9 +248,31 @@ class _Header:
     etag: str
 
 
+@dataclass
+class _Usage:
+    """What this tier knows of one tenant's objects in the bucket (a tenant with a quota):
+    listed, then its own uploads and deletes since; ``lock`` orders its uploads' checks."""
+
+    objects: dict[str, tuple[int, float]] = field(default_factory=dict)  # name: size, time
+    inflight: dict[str, int] = field(default_factory=dict)  # PUTs under way: name: size
+    listed: float = float("-inf")  # when (monotonic) the prefix was last listed
+    total: int = 0  # the bytes of both (read without the lock: stats)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    settled: threading.Condition = field(init=False)  # on ``lock``: a PUT ended
+
+    def __post_init__(self) -> None:
+        self.settled = threading.Condition(self.lock)
+
+    def count(self) -> None:
+        self.total = sum(n for n, _ in self.objects.values()) + sum(
+            n for name, n in self.inflight.items() if name not in self.objects
+        )
+
+
 class ObjectTier:
     """One model's object tier in ``settings.bucket`` (see the module docstring). ``client``:
-    a boto3 S3 client (default: one for ``settings.endpoint``)."""
+    a boto3 S3 client (default: one for ``settings.endpoint``); ``quotas``: each tenant's
+    bytes in the bucket (``RAYKV_OBJECT_TENANT_QUOTAS``; None: none)."""
 
     def __init__(
         self,
@@ -225,8 +283,10 @@ class ObjectTier:
         client: Any = None,
         batch_bytes: int = BATCH_BYTES,
         index_entries: int = INDEX_ENTRIES,
+        quotas: TenantQuotas | None = None,
     ) -> None:
         self.settings = settings
+        self.quotas = quotas
         self.client = client if client is not None else s3_client(settings.endpoint)
         self.format = fmt = SlabFormat(plan, identity)
         self.identity = identity
@@ -241,8 +301,11 @@ class ObjectTier:
         self._idle = threading.Condition(self._lock)
         self._index: OrderedDict[bytes, _Loc] = OrderedDict()  # entry key -> where
         self._pending: dict[bytes, tuple[_Batch, int]] = {}  # queued, not yet uploaded
-        self._headers: OrderedDict[bytes, _Header] = OrderedDict()
-        self._refused: set[bytes] = set()  # objects whose header was refused
+        self._headers: OrderedDict[str, _Header] = OrderedDict()  # by object name
+        self._refused: set[str] = set()  # objects whose header was refused
+        self._usage: dict[str, _Usage] = {}  # per tenant label with a quota
+        # per tenant label: [entries refused over its quota, own entries deleted over it]
+        self.quota_counts: dict[str, list[int]] = {}
         self._absent: OrderedDict[bytes, float] = OrderedDict()  # block key -> asked until
         self._gone: list[bytes] = []
         self._closed = False
@@ -272,8 +335,13 @@ class ObjectTier:
             ) from e
 
     # ------------------------------------------------------------------ names
-    def object_name(self, digest: bytes) -> str:
-        return f"{self.base}/o/{digest.hex()}.slab"
+    def object_name(self, digest: bytes, label: str = NONE) -> str:
+        """The object ``digest`` of tenant ``label`` (``tenant_label``): one tenant's objects
+        under one prefix, whose listing is its usage."""
+        return f"{self.tenant_prefix(label)}{digest.hex()}.slab"
+
+    def tenant_prefix(self, label: str) -> str:
+        return f"{self.base}/o/{label}/"
 
     def pointer_name(self, key: bytes) -> str:
         return f"{self.base}/k/{key.hex()}"
@@ -300,6 +368,17 @@ class ObjectTier:
         with self._lock:
             return [*self._index, *self._pending]
 
+    def tenant_bytes(self) -> dict[str, int]:
+        """Bytes in the bucket per tenant label with a quota, as this tier last saw them
+        (listed, then its own uploads and deletes): every node's and cluster's objects."""
+        with self._lock:
+            return {label: u.total for label, u in self._usage.items()}
+
+    def over_quota(self) -> dict[str, list[int]]:
+        """Per tenant label: [entries refused over its quota, own entries deleted]."""
+        with self._lock:
+            return {label: list(n) for label, n in self.quota_counts.items()}
+
     def take_gone(self) -> list[bytes]:
         """Keys that left this tier's index (failed uploads, corrupt or torn objects, the
         index's own bound) since the last call: the owner stops naming them."""
@@ -321,9 +400,10 @@ class ObjectTier:
         tenants: Sequence[Tenant] | None = None,
     ) -> list[bytes]:
         """``DiskTier.demote`` for the object tier: the rows are copied into staging buffers
-        laid out as the objects before this returns, then uploaded in the background.
-        ``tenants`` are recorded in the objects' headers (the object tier has no quotas).
-        Returns the keys now held (queued, or uploaded already)."""
+        laid out as the objects before this returns, then uploaded in the background: one
+        tenant's entries an object (``tenants``, recorded in the headers too; None: every
+        entry untenanted), in the order given. Returns the keys now held (queued, or uploaded
+        already; an upload over its tenant's quota drops its entries later, see ``take_gone``)."""
         with self._lock:
             held, new = to_write(keys, lambda k: k in self._index or k in self._pending)
             self.stats.skipped += len(held)
@@ -332,9 +412,13 @@ class ObjectTier:
             new = new[:room]
             if not new or self._closed:
                 return held
-        for a in range(0, len(new), self.per_object):
-            self._queue_batch(new[a : a + self.per_object], keys, arena, blocks, valid, sums,
-                              widths, members, tenants)  # fmt: skip
+        of_tenant: dict[Tenant, list[int]] = {}
+        for i in new:
+            of_tenant.setdefault(tenants[i] if tenants is not None else None, []).append(i)
+        for mine in of_tenant.values():
+            for a in range(0, len(mine), self.per_object):
+                self._queue_batch(mine[a : a + self.per_object], keys, arena, blocks, valid,
+                                  sums, widths, members, tenants)  # fmt: skip
         return held + [keys[i] for i in new]
 
     def _queue_batch(
@@ -351,27 +435,35 @@ class ObjectTier:
     ) -> None:
         n, fmt = len(new), self.format
         at = np.asarray(new, np.int64)
-        hb = fmt.header_bytes(n)
-        # a bytearray: botocore sends it as it is (bytes would be one more copy of the rows);
-        # a full batch's from the spares, as a fresh one costs a page fault per page
+        body, buffer, rows = self._staging(n)
+        fmt.stage(rows, arena, blocks, at)
+        new_keys = [keys[i] for i in new]
+        rec = fmt.records(new_keys, at, valid, sums, widths, members, tenants)
+        fmt.fill_header(buffer, n, rec)
+        label = tenant_label(tenants[new[0]] if tenants is not None else None)
+        self._queue(_Batch(new_keys, rec, buffer, rows, body=body, label=label))
+        with self._lock:
+            self.stats.demoted += n
+
+    def _staging(self, n: int) -> tuple[bytearray, np.ndarray, np.ndarray]:
+        """A staging buffer laid out as an object of ``n`` entries: its bytes, them as uint8
+        and its rows (``[n, stride]``, after the header). A bytearray: botocore sends it as it
+        is (bytes would be one more copy of the rows); a full batch's from the spares, as a
+        fresh one costs a page fault per page."""
+        hb = self.format.header_bytes(n)
         size = hb + n * self.stride
         with self._lock:
             spare = self._spare.pop() if self._spare and len(self._spare[-1]) == size else None
         body = spare if spare is not None else bytearray(size)
         buffer = np.frombuffer(body, np.uint8)
-        rows = buffer[hb:].reshape(n, self.stride)
-        fmt.stage(rows, arena, blocks, at)
-        new_keys = [keys[i] for i in new]
-        rec = fmt.records(new_keys, at, valid, sums, widths, members, tenants)
-        fmt.fill_header(buffer, n, rec)
-        self._queue(_Batch(new_keys, rec, buffer, rows, body=body))
-        with self._lock:
-            self.stats.demoted += n
+        return body, buffer, buffer[hb:].reshape(n, self.stride)
 
     def upload_file(self, path: Path, keys: Sequence[bytes]) -> None:
         """Upload a slab file a disk tier evicted (``DiskTier(on_evict=)``), then remove it:
         ``keys``, the live entries its header lists, are held from now on (a load of them
-        waits for the upload). Quick: the disk tier calls it under its lock."""
+        waits for the upload). Quick: the disk tier calls it under its lock. The upload
+        thread reads its header: the file goes as it is where its live entries are one
+        tenant's, else it is split, one object per tenant (``_split``)."""
         with self._lock:
             keys = [k for k in keys if k not in self._index and k not in self._pending]
             full = self._queued >= MAX_QUEUED
@@ -392,38 +484,43 @@ class ObjectTier:
 
     def _upload(self, batch: _Batch) -> None:
         pointers: list[tuple[str, Future]] = []
+        name = ""
         try:
             if batch.path is None:
                 digest, locs, records = self._layout_buffer(batch)
+                name, size = self.object_name(digest, batch.label), len(batch.buffer)
+                if not self._make_room(batch, name, size):
+                    return
                 pointers = self._put_pointers(digest, batch.keys, locs, records)
-                etag = self._put_object(digest, batch.body)
+                etag = self._put_object(name, batch.body)
             else:
                 with open(batch.path, "r+b") as fh:
-                    digest, locs, records, size = self._layout_file(batch, fh)
+                    got = self._layout_file(batch, fh)
+                    if got is None:  # split: one upload per tenant, queued
+                        return
+                    digest, locs, records, size = got
+                    name = self.object_name(digest, batch.label)
+                    if not self._make_room(batch, name, size):
+                        return
                     pointers = self._put_pointers(digest, batch.keys, locs, records)
-                    etag = self._put_object(digest, fh, ContentLength=size)
+                    etag = self._put_object(name, fh, ContentLength=size)
             for _, p in pointers:
                 p.result()
         except Exception as e:  # S3 errors, a torn slab file: the entries are dropped
             log.warning("object tier %s: uploading %d entries failed: %r", self.base,
                         len(batch.keys), e)  # fmt: skip
             self._unpoint(pointers)
-            with self._idle:
-                self.stats.write_errors += 1
-                mine = [k for k in batch.keys if self._pending.get(k, (None,))[0] is batch]
-                for k in mine:
-                    del self._pending[k]
-                self._gone += mine
-                self._keep_spare(batch)
-                self._idle.notify_all()
+            self._settle(batch.label, name, None)
+            self._drop(batch)
             return
         finally:
             if batch.path is not None:
                 batch.path.unlink(missing_ok=True)
             with self._lock:
                 self._queued -= 1
+        self._settle(batch.label, name, size)
         with self._idle:
-            self._remember_header(digest, _Header(records, etag))
+            self._remember_header(name, _Header(records, etag))
             for k, loc in zip(batch.keys, locs, strict=True):
                 if self._pending.get(k, (None,))[0] is batch:
                     del self._pending[k]
@@ -434,22 +531,41 @@ class ObjectTier:
             self._keep_spare(batch)
             self._idle.notify_all()
 
-    def _put_object(self, digest: bytes, body: Any, **kw: Any) -> str:
-        """PUT the object ``digest`` names: its ETag."""
-        got = self.client.put_object(Bucket=self.settings.bucket, Key=self.object_name(digest),
-                                     Body=body, **kw)  # fmt: skip
+    def _drop(self, batch: _Batch, quota: bool = False) -> None:
+        """``batch``'s entries leave the tier (``_gone``), not uploaded: a failed upload, or
+        (``quota``) one over its tenant's quota."""
+        with self._idle:
+            if quota:
+                self.stats.quota_refused += len(batch.keys)
+                self.quota_counts.setdefault(batch.label, [0, 0])[0] += len(batch.keys)
+            else:
+                self.stats.write_errors += 1
+            mine = [k for k in batch.keys if self._pending.get(k, (None,))[0] is batch]
+            for k in mine:
+                del self._pending[k]
+            self._gone += mine
+            self._keep_spare(batch)
+            self._idle.notify_all()
+
+    def _put_object(self, name: str, body: Any, **kw: Any) -> str:
+        """PUT the object ``name``: its ETag."""
+        got = self.client.put_object(Bucket=self.settings.bucket, Key=name, Body=body, **kw)
         return got["ETag"]
 
     def _layout_buffer(self, batch: _Batch) -> tuple[bytes, list[_Loc], np.ndarray]:
         """A staged batch's object name, its entries' slots and records."""
         n = len(batch.keys)
         digest = self.digest_of(batch.keys)
-        return digest, [_Loc(digest, j, n) for j in range(n)], batch.records
+        return digest, [_Loc(digest, j, n, batch.label) for j in range(n)], batch.records
 
-    def _layout_file(self, batch: _Batch, fh: Any) -> tuple[bytes, list[_Loc], np.ndarray, int]:
-        """A disk tier's slab file (``fh``, open for update) checked and cut after its last
-        filled slot, left at its start for the PUT: its object name, ``batch``'s keys' slots,
-        its records and the object's size."""
+    def _layout_file(
+        self, batch: _Batch, fh: Any
+    ) -> tuple[bytes, list[_Loc], np.ndarray, int] | None:
+        """A disk tier's slab file (``fh``, open for update) checked and, where its live
+        entries (``batch.keys``) are one tenant's (``batch.label`` from now on), cut after its
+        last filled slot, left at its start for the PUT: its object name, ``batch``'s keys'
+        slots, its records and the object's size. None: they are several tenants', each
+        queued as an upload of its own (``_split``)."""
         path, fmt = batch.path, self.format
         head = fh.read(HEAD)
         fixed = fmt.check_fixed(head)
@@ -462,12 +578,161 @@ class ObjectTier:
         size = fmt.header_bytes(slots) + filled * self.stride
         if os.fstat(fh.fileno()).st_size < size:
             raise TierError(f"{path.name}: truncated")
-        fh.truncate(size)
         keys = [get_key(r, "klen", "key") for r in records]
         slot_of = {k: i for i, k in enumerate(keys)}
+        tenants = {fmt.tenant(records[slot_of[k]]) for k in batch.keys}
+        if len(tenants) > 1:
+            self._split(batch, fh, records, slot_of, fmt.header_bytes(slots))
+            return None
+        batch.label = tenant_label(tenants.pop())
+        fh.truncate(size)
         digest = self.digest_of(keys)
         fh.seek(0)
-        return digest, [_Loc(digest, slot_of[k], slots) for k in batch.keys], records, size
+        locs = [_Loc(digest, slot_of[k], slots, batch.label) for k in batch.keys]
+        return digest, locs, records, size
+
+    def _split(
+        self,
+        batch: _Batch,
+        fh: Any,
+        records: np.ndarray,
+        slot_of: dict[bytes, int],
+        header_bytes: int,
+    ) -> None:
+        """A disk slab whose live entries are several tenants': each tenant's rows read out
+        of the file (``fh``) into staging buffers laid out as a demotion's (``per_object``
+        entries at most each, their records as the file's header has them), each queued as
+        an upload of its own, which loads read from meanwhile as they would a demotion's."""
+        of_tenant: dict[Tenant, list[bytes]] = {}
+        for k in batch.keys:
+            of_tenant.setdefault(self.format.tenant(records[slot_of[k]]), []).append(k)
+        parts = []
+        for tenant, keys in of_tenant.items():
+            for a in range(0, len(keys), self.per_object):
+                part = keys[a : a + self.per_object]
+                at = np.asarray([slot_of[k] for k in part], np.int64)
+                body, buffer, rows = self._staging(len(part))
+                for j, slot in enumerate(at.tolist()):
+                    fh.seek(header_bytes + slot * self.stride)
+                    if fh.readinto(memoryview(rows[j])) != self.stride:
+                        raise TierError(f"{batch.path.name}: truncated")
+                rec = records[at].copy()
+                self.format.fill_header(buffer, len(part), rec)
+                parts.append(_Batch(part, rec, buffer, rows, body=body,
+                                    label=tenant_label(tenant)))  # fmt: skip
+        for part in parts:  # the keys' pending uploads are these from now on
+            self._queue(part)
+        with self._idle:
+            self._idle.notify_all()  # loads waiting for the file read the staged rows now
+
+    # ------------------------------------------------------------------ quotas
+    def _make_room(self, batch: _Batch, name: str, size: int) -> bool:
+        """Whether object ``name`` (``size`` bytes, ``batch``'s) fits its tenant's quota,
+        after that tenant's own oldest objects are deleted (``_evict_object``) where they
+        must be (the tenant's uploads under way are waited for where only they are in the
+        way); its bytes count from now on (``_settle`` ends the PUT). False: it does not fit
+        even so (larger than the quota alone): its entries are dropped, counted as refused.
+        Only the uploading tenant's objects go."""
+        quota = self.quotas.of_label(batch.label) if self.quotas is not None else None
+        if quota is None:
+            return True
+        with self._lock:
+            usage = self._usage.setdefault(batch.label, _Usage())
+        with usage.lock:
+            if size <= quota and time.monotonic() - usage.listed >= REFRESH_S:
+                self._list(batch.label, usage)
+            while True:
+                held = usage.total - usage.objects.get(name, (0, 0.0))[0]  # replaced: once
+                victims = []
+                oldest = sorted(usage.objects.items(), key=lambda o: (o[1][1], o[0]))
+                for old, (n, _) in oldest:
+                    if held + size <= quota or size > quota:
+                        break
+                    if old != name and old not in usage.inflight:
+                        victims.append(old)
+                        held -= n
+                if held + size <= quota:
+                    break
+                # the tenant's uploads under way fill it: their objects are victims once
+                # uploaded (the oldest go, not the newest), so wait for them, not refuse
+                others = any(n != name for n in usage.inflight)
+                if size > quota or not others or not usage.settled.wait(FILE_WAIT_S):
+                    self._drop(batch, quota=True)
+                    return False
+            for old in victims:
+                self._evict_object(batch.label, old, usage)
+            usage.inflight[name] = size
+            usage.count()
+        return True
+
+    def _settle(self, label: str, name: str, size: int | None) -> None:
+        """Object ``name``'s PUT ended: in its tenant's usage (``size``), or not (None)."""
+        with self._lock:
+            usage = self._usage.get(label)
+        if usage is None or not name:
+            return
+        with usage.lock:
+            if usage.inflight.pop(name, None) is None:
+                return
+            if size is not None:
+                usage.objects[name] = (size, time.time())
+            usage.count()
+            usage.settled.notify_all()
+
+    def _list(self, label: str, usage: _Usage) -> None:
+        """List tenant ``label``'s objects (every writer's) into ``usage``. Under its lock."""
+        objects = {}
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.settings.bucket, Prefix=self.tenant_prefix(label)
+        )
+        for page in pages:
+            for o in page.get("Contents", ()):
+                objects[o["Key"]] = (int(o["Size"]), o["LastModified"].timestamp())
+        usage.objects, usage.listed = objects, time.monotonic()
+        usage.count()
+
+    def _evict_object(self, label: str, name: str, usage: _Usage) -> None:
+        """Delete tenant ``label``'s object ``name`` for its quota: its entries leave the
+        index (``_gone``) and, where its header reads, the pointers of the blocks it lists
+        go too (DeleteObjects, best effort). Under ``usage``'s lock."""
+        digest = bytes.fromhex(name.rsplit("/", 1)[1].removesuffix(".slab"))
+        head = self._header_of(label, digest)
+        self.client.delete_object(Bucket=self.settings.bucket, Key=name)
+        usage.objects.pop(name, None)
+        keys = [] if head is None else [get_key(r, "klen", "key") for r in head.records]
+        keys = [k for k in keys if k]
+        with self._lock:
+            self._headers.pop(name, None)
+            counts = self.quota_counts.setdefault(label, [0, 0])
+            counts[1] += len(keys)
+            self.stats.quota_evicted += len(keys)
+            self.stats.quota_evicted_objects += 1
+            for k in keys if head is not None else list(self._index):
+                loc = self._index.get(k)
+                if loc is not None and (loc.label, loc.digest) == (label, digest):
+                    del self._index[k]
+                    self._gone.append(k)
+        if head is None:
+            return
+        names = [self.pointer_name(m) for r in head.records if get_key(r, "klen", "key")
+                 for m in self.format.members(r) if m is not None]  # fmt: skip
+        self._delete(names, "pointers of an object over quota")
+
+    def _header_of(self, label: str, digest: bytes) -> _Header | None:
+        """An object's header, its slot count unknown (cached; else read after its first
+        page, which says it)."""
+        name = self.object_name(digest, label)
+        with self._lock:
+            head = self._headers.get(name)
+        if head is not None:
+            return head
+        try:
+            first = self._get(name, Range=f"bytes=0-{ALIGN - 1}")
+        except Exception as e:
+            log.warning("object tier %s: reading %s failed: %r", self.base, name, e)
+            return None
+        fixed = self.format.check_fixed(first or b"")
+        return None if isinstance(fixed, str) else self._header(label, digest, fixed[0])
 
     def _put_pointers(
         self, digest: bytes, keys: list[bytes], locs: list[_Loc], records: np.ndarray
@@ -480,7 +745,8 @@ class ObjectTier:
                 if m is None:
                     continue
                 name = self.pointer_name(m)
-                body = _POINTER.pack(_POINTER_MAGIC, digest, loc.slot, loc.slots, s) + k
+                body = _POINTER.pack(_POINTER_MAGIC, loc.label.encode(), digest, loc.slot,
+                                     loc.slots, s) + k  # fmt: skip
                 puts.append((name, self._pointers.submit(
                     self.client.put_object, Bucket=self.settings.bucket, Key=name,
                     Body=body)))  # fmt: skip
@@ -498,15 +764,20 @@ class ObjectTier:
                 sent.append(name)
             except Exception:  # not written
                 pass
-        for a in range(0, len(sent), 1000):  # DeleteObjects takes up to 1000 names
+        self._delete(sent, "pointers of a failed upload")
+
+    def _delete(self, names: list[str], what: str) -> None:
+        """Delete ``names`` (DeleteObjects, up to 1000 a request; best effort: ``what``
+        they are, in the warning where it fails)."""
+        for a in range(0, len(names), 1000):
             try:
                 self.client.delete_objects(
                     Bucket=self.settings.bucket,
-                    Delete={"Objects": [{"Key": n} for n in sent[a : a + 1000]], "Quiet": True},
+                    Delete={"Objects": [{"Key": n} for n in names[a : a + 1000]], "Quiet": True},
                 )
             except Exception as e:
-                log.warning("object tier %s: deleting %d pointers of a failed upload failed: "
-                            "%r", self.base, len(sent[a : a + 1000]), e)  # fmt: skip
+                log.warning("object tier %s: deleting %d %s failed: %r", self.base,
+                            len(names[a : a + 1000]), what, e)  # fmt: skip
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued entry is uploaded (or dropped); False on timeout."""
@@ -551,7 +822,7 @@ class ObjectTier:
         self,
         keys: Sequence[bytes],
         leading: bool = False,
-        bodies: dict[bytes, tuple[bytes, str]] | None = None,
+        bodies: dict[str, tuple[bytes, str]] | None = None,
     ) -> list[tuple[bytes, int, _Loc] | None]:
         """(entry key, sub-slot, where) of each block key by its pointer, or None. A pointer
         names an object whose header lists every block its entries carry: read once (and
@@ -586,15 +857,15 @@ class ObjectTier:
         self,
         loc: _Loc,
         known: dict[bytes, tuple[bytes, int, _Loc]],
-        bodies: dict[bytes, tuple[bytes, str]] | None = None,
+        bodies: dict[str, tuple[bytes, str]] | None = None,
     ) -> None:
         """The blocks the header of ``loc``'s object lists, into ``known`` (``bodies``: the
         whole object read, see ``_resolve``)."""
-        head = self._header(loc.digest, loc.slots, bodies)
+        head = self._header(loc.label, loc.digest, loc.slots, bodies)
         if head is None:
             return
         for i, r in enumerate(head.records):
-            entry, where = get_key(r, "klen", "key"), _Loc(loc.digest, i, loc.slots)
+            entry, where = get_key(r, "klen", "key"), _Loc(loc.digest, i, loc.slots, loc.label)
             for s, m in enumerate(self.format.members(r)):
                 if m is not None:
                     known.setdefault(m, (entry, s, where))
@@ -610,10 +881,11 @@ class ObjectTier:
             return None
         if body is None or len(body) < _POINTER.size:
             return None
-        magic, digest, slot, slots, sub = _POINTER.unpack(body[: _POINTER.size])
-        if magic != _POINTER_MAGIC:
+        magic, label, digest, slot, slots, sub = _POINTER.unpack(body[: _POINTER.size])
+        label = label.rstrip(b"\0").decode("ascii", "replace")
+        if magic != _POINTER_MAGIC or not _LABEL.fullmatch(label):  # an older pointer: a miss
             return None
-        return body[_POINTER.size :], sub, _Loc(digest, slot, slots)
+        return body[_POINTER.size :], sub, _Loc(digest, slot, slots, label)
 
     def _get(self, name: str, **kw: Any) -> bytes | None:
         """An object's bytes (``Range`` etc. in ``kw``); None: not there (or replaced, with
@@ -653,7 +925,7 @@ class ObjectTier:
                     located[k] = self._index[k]
                 else:
                     unknown.append(k)
-        bodies: dict[bytes, tuple[bytes, str]] = {}  # objects read whole while resolving
+        bodies: dict[str, tuple[bytes, str]] = {}  # objects read whole while resolving
         for k, got in zip(unknown, self._resolve(unknown, bodies=bodies), strict=True):
             if got is not None and got[0] == k:  # a pointer of the entry's own key
                 located[k] = got[2]
@@ -713,21 +985,24 @@ class ObjectTier:
         buf: np.ndarray,
         rec: np.ndarray,
         good: np.ndarray,
-        bodies: dict[bytes, tuple[bytes, str]] | None = None,
+        bodies: dict[str, tuple[bytes, str]] | None = None,
     ) -> np.ndarray:
         """Read and verify ``found`` into ``buf`` (their records into ``rec``, whether each
         is good into ``good``); returns per entry whether it was torn (not there whole)."""
         torn = np.ones(len(found), bool)
-        by_object: dict[bytes, list[int]] = {}
+        by_object: dict[str, list[int]] = {}
         for j, (_, loc) in enumerate(found):
-            by_object.setdefault(loc.digest, []).append(j)
-        headers = dict(zip(by_object, self._readers.map(
-            lambda d: self._header(d, found[by_object[d][0]][1].slots), by_object),
-            strict=True))  # fmt: skip
+            by_object.setdefault(self.object_name(loc.digest, loc.label), []).append(j)
+
+        def header(name: str) -> _Header | None:
+            loc = found[by_object[name][0]][1]
+            return self._header(loc.label, loc.digest, loc.slots)
+
+        headers = dict(zip(by_object, self._readers.map(header, by_object), strict=True))
         pieces: list[tuple[list[int], Future]] = []
         step = max(1, READ_PIECE_BYTES // self.stride)
-        for digest, js in by_object.items():
-            head = headers[digest]
+        for name, js in by_object.items():
+            head = headers[name]
             if head is None:
                 continue
             ok = []
@@ -745,8 +1020,8 @@ class ObjectTier:
                        and found[ok[end]][1].slot == found[ok[end - 1]][1].slot + 1):  # fmt: skip
                     end += 1
                 run = ok[start:end]
-                body = (bodies or {}).get(digest)
-                pieces.append((run, self._readers.submit(self._read_run, digest, head, found,
+                body = (bodies or {}).get(name)
+                pieces.append((run, self._readers.submit(self._read_run, name, head, found,
                                                          run, buf, rec, body)))  # fmt: skip
                 start = end
         for run, done in pieces:
@@ -757,7 +1032,7 @@ class ObjectTier:
 
     def _read_run(
         self,
-        digest: bytes,
+        name: str,
         head: _Header,
         found: list[tuple[bytes, _Loc]],
         run: list[int],
@@ -786,14 +1061,14 @@ class ObjectTier:
                 got = len(part)
                 into.reshape(-1)[:got] = part
             else:
-                got = self._get_into(self.object_name(digest), into.reshape(-1), lo if everything
-                                     else 0, IfMatch=head.etag, **ranged)  # fmt: skip
+                got = self._get_into(name, into.reshape(-1), lo if everything else 0,
+                                     IfMatch=head.etag, **ranged)  # fmt: skip
         except Exception as e:  # unreachable, refused: a miss, counted as torn
-            log.warning("object tier %s: reading %s failed: %r", self.base, digest.hex(), e)
+            log.warning("object tier %s: reading %s failed: %r", self.base, name, e)
             got = None
         if got is None:  # gone or replaced: its cached header is stale too
             with self._lock:
-                self._headers.pop(digest, None)
+                self._headers.pop(name, None)
             return whole, whole
         got //= self.stride
         if not dense and got:
@@ -835,30 +1110,35 @@ class ObjectTier:
             body.close()
 
     def _header(
-        self, digest: bytes, slots: int, bodies: dict[bytes, tuple[bytes, str]] | None = None
+        self,
+        label: str,
+        digest: bytes,
+        slots: int,
+        bodies: dict[str, tuple[bytes, str]] | None = None,
     ) -> _Header | None:
-        """An object's header (cached; else one ranged GET, or with ``bodies`` a GET of the
-        whole object, left there), checked; None: missing or refused (counted)."""
+        """The header of tenant ``label``'s object ``digest`` (cached; else one ranged GET,
+        or with ``bodies`` a GET of the whole object, left there), checked; None: missing or
+        refused (counted)."""
+        name = self.object_name(digest, label)
         with self._lock:
-            head = self._headers.get(digest)
+            head = self._headers.get(name)
             if head is not None:
-                self._headers.move_to_end(digest)
+                self._headers.move_to_end(name)
                 return head
-            if digest in self._refused:  # counted once, not read again
+            if name in self._refused:  # counted once, not read again
                 return None
         from botocore.exceptions import ClientError
 
         hb = self.format.header_bytes(slots)
         ranged = {} if bodies is not None else {"Range": f"bytes=0-{hb - 1}"}
         try:
-            got = self.client.get_object(Bucket=self.settings.bucket,
-                                         Key=self.object_name(digest), **ranged)  # fmt: skip
+            got = self.client.get_object(Bucket=self.settings.bucket, Key=name, **ranged)
             blob, etag = got["Body"].read(), got["ETag"]
         except ClientError:
             return None
         except Exception as e:
             log.warning("object tier %s: reading the header of %s failed: %r", self.base,
-                        digest.hex(), e)  # fmt: skip
+                        name, e)  # fmt: skip
             return None
         fixed = self.format.check_fixed(blob[:HEAD])
         why = fixed if isinstance(fixed, str) else None
@@ -868,18 +1148,18 @@ class ObjectTier:
             )
             why = records if isinstance(records, str) else None
         if why is not None:
-            log.warning("object tier %s: refused object %s (%s)", self.base, digest.hex(), why)
+            log.warning("object tier %s: refused object %s (%s)", self.base, name, why)
             with self._lock:
                 self.stats.refused_objects += 1
                 if len(self._refused) >= HEADERS_CACHED:
                     self._refused.clear()
-                self._refused.add(digest)
+                self._refused.add(name)
             return None
         head = _Header(records, etag)
         with self._lock:
-            self._remember_header(digest, head)
+            self._remember_header(name, head)
         if bodies is not None:
-            bodies[digest] = (blob, etag)
+            bodies[name] = (blob, etag)
         return head
 
     # ------------------------------------------------------------------ internals
@@ -901,8 +1181,8 @@ class ObjectTier:
             return
         self._spare.append(batch.body)
 
-    def _remember_header(self, digest: bytes, head: _Header) -> None:
-        self._headers[digest] = head
-        self._headers.move_to_end(digest)
+    def _remember_header(self, name: str, head: _Header) -> None:
+        self._headers[name] = head
+        self._headers.move_to_end(name)
         while len(self._headers) > HEADERS_CACHED:
             self._headers.popitem(last=False)

@@ -1,4 +1,4 @@
-"""Per-tenant byte quotas of the CPU and disk tiers (issue 48, point 4; invariant 13).
+"""Per-tenant byte quotas of the CPU, disk and object tiers (issue 48, point 4; invariant 13).
 
 A tenant is the key a request's blocks hash under (``raykv.blocks.hashing.tenant_key``: its
 cache salt and LoRA adapter); the tier records it per entry from the store that created it.
@@ -20,6 +20,10 @@ The disk tier's quotas (``raykv.tiers.disk_tier``) are configured apart, in the 
 ``RAYKV_DISK_TENANT_QUOTAS`` (``raykv up --disk-tenant-quota NAME=SIZE``), each tenant's
 bytes in one model's disk tier on one node; a disk is usually far larger than RAM, so the CPU
 tier's quotas are not reused there.
+
+The object tier's (``raykv.tiers.object_tier``) too: ``RAYKV_OBJECT_TENANT_QUOTAS`` (``raykv up
+--object-tenant-quota NAME=SIZE``), each tenant's bytes in one model's objects in the bucket,
+shared by every node and cluster that uploads to it (usage is listed from the bucket).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from raykv.errors import ConfigError
 
 QUOTAS_ENV = "RAYKV_TENANT_QUOTAS"
 DISK_QUOTAS_ENV = "RAYKV_DISK_TENANT_QUOTAS"  # the disk tier's, in the same syntax
+OBJECT_QUOTAS_ENV = "RAYKV_OBJECT_TENANT_QUOTAS"  # the object tier's, in the same syntax
 DEFAULT = "default"  # the quota of every tenant not listed
 NONE = tenant_label(None)  # untenanted traffic: "none"
 SALT_PREFIX = "salt:"  # forces a name to be read as a salt (one that looks like a label)
@@ -119,8 +124,9 @@ def tenant_quotas(
     environ: Mapping[str, str] | None = None, name: str = QUOTAS_ENV
 ) -> TenantQuotas | None:
     """The node's quotas from the variable ``name`` (comma-separated ``NAME=SIZE``): the
-    CPU tier's ``RAYKV_TENANT_QUOTAS`` or the disk tier's ``RAYKV_DISK_TENANT_QUOTAS``; None
-    where it is unset or empty (no quotas)."""
+    CPU tier's ``RAYKV_TENANT_QUOTAS``, the disk tier's ``RAYKV_DISK_TENANT_QUOTAS`` or the
+    object tier's ``RAYKV_OBJECT_TENANT_QUOTAS``; None where it is unset or empty (no
+    quotas)."""
     text = (os.environ if environ is None else environ).get(name, "").strip()
     if not text:
         return None

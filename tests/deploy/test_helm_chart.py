@@ -232,6 +232,11 @@ def test_crd_check_is_strict_about_unknown_rayservice_fields(render, crd_validat
         ({"disk": {"tenantQuotas": {"acme": "lots of"}}}, ["disk/tenantQuotas/acme"]),
         ({"objectStore": {"url": "kv/prefix"}}, ["objectStore/url"]),
         ({"objectStore": {"endpoint": "http://127.0.0.1:9000"}}, ["objectStore/endpoint"]),
+        (
+            {"objectStore": {"url": "s3://kv/p", "tenantQuotas": {"acme": "lots of"}}},
+            ["objectStore/tenantQuotas/acme"],
+        ),
+        ({"objectStore": {"tenantQuotas": {"acme": "1TiB"}}}, ["objectStore/tenantQuotas"]),
         ({"serve": {"enabled": True}}, ["serve/model"]),
         ({"serve": {"replicas": 0}}, ["serve/replicas"]),
         ({"serve": {"tp": 0}}, ["serve/tp"]),
@@ -278,6 +283,8 @@ def test_crd_check_is_strict_about_unknown_rayservice_fields(render, crd_validat
         "disk-tenant-quota-size-that-does-not-read",
         "object-store-url-not-s3",
         "object-store-endpoint-without-url",
+        "object-tenant-quota-size-that-does-not-read",
+        "object-tenant-quotas-without-url",
         "serve-without-model",
         "serve-zero-replicas",
         "serve-zero-tp",
@@ -899,6 +906,27 @@ def test_disk_tenant_quotas_reach_every_ray_node_as_the_tier_reads_them(render):
     for values in ({"disk": disk}, {"disk": {"tenantQuotas": {"default": "1GiB"}}}):
         for container in ray_node_containers(render(values=values)):
             assert DISK_QUOTAS_ENV not in plain_env(container)
+
+
+def test_object_tenant_quotas_reach_every_ray_node_as_the_tier_reads_them(render):
+    """``objectStore.tenantQuotas`` becomes ``RAYKV_OBJECT_TENANT_QUOTAS`` on every Ray node
+    with an object tier, in the form the tier actor reads (``tenant_quotas``' object
+    variable), apart from the other tiers' quotas; none set: no variable."""
+    from raykv.blocks.hashing import tenant_key, tenant_label
+    from raykv.tiers.quotas import OBJECT_QUOTAS_ENV, TenantQuotas, tenant_quotas
+
+    store = {"url": "s3://kv-cache/prod"}
+    values = {"objectStore": {**store, "tenantQuotas": {"default": "1TiB", "acme": "5TiB"}},
+              "tenantQuotas": {"default": "8GiB"}, "cpuWorkers": {"enabled": True}}  # fmt: skip
+    nodes = ray_node_containers(render(values=values))
+    assert len(nodes) == 3
+    want = TenantQuotas({tenant_label(tenant_key("acme")): 5 << 40}, 1 << 40)
+    for container in nodes:
+        env = plain_env(container)
+        assert tenant_quotas(env, OBJECT_QUOTAS_ENV) == want
+        assert tenant_quotas(env) == TenantQuotas({}, 8 << 30)
+    for container in ray_node_containers(render(values={"objectStore": store})):
+        assert OBJECT_QUOTAS_ENV not in plain_env(container)
 
 
 def test_the_object_store_reaches_every_ray_node_as_the_tier_reads_it(render, monkeypatch):

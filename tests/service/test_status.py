@@ -175,3 +175,34 @@ def test_disk_tier_tenant_bytes_and_quotas_reach_the_metrics_and_the_status_tabl
     assert s["disk_tenant_quotas"] == {"default": 4 << 20} and s["tenant_quotas"] == {}
     table = status_table({**s, "address": "-"})
     assert "1.00 MiB / no quota  0 / 0  disk 2.00 MiB / 4.00 MiB  0 / 3" in table
+
+
+def test_object_tier_tenant_bytes_and_quotas_reach_the_metrics_and_the_status_table() -> None:
+    """The object tier's per-tenant bytes in the bucket, its uploads over quota (refused /
+    own deleted) and its configured quotas sit beside the other tiers' in the metrics and
+    ``raykv status``; every node sees the whole bucket, so its bytes are not summed."""
+    from raykv.blocks import tenant_key
+    from raykv.blocks.hashing import tenant_label
+    from raykv.service.control.launcher import status_table
+    from raykv.service.control.metrics import ServiceMetrics
+
+    a = tenant_label(tenant_key("a"))
+    m = ServiceMetrics("tier")
+    m.tenant_bytes({"m1": {a: 5 << 20}}, tier="object")
+    m.tenant_quota("m1", a, refused=2, evicted=6, tier="object")
+    assert m.tenants[a] == {"object_bytes_held": 5 << 20, "object_quota_refused": 2,
+                            "object_quota_evicted": 6}  # fmt: skip
+    assert m._object_gauged == {"m1": {a}} and m._gauged == {} and m._disk_gauged == {}
+    m.tenant_bytes({}, tier="object")
+    assert m.tenants[a]["object_bytes_held"] == 0 and m._object_gauged == {"m1": set()}
+
+    def node(n: str, held: int) -> Member:
+        return Member(f"tier-{n}", "tier", n, None, stats={
+            "tenants": {a: {"object_bytes_held": held, "object_quota_evicted": 1}},
+            "object_tenant_quotas": {"default": 8 << 20}})  # fmt: skip
+
+    s = tier_members_status([node("n1", 5 << 20), node("n2", 6 << 20)])
+    assert s["object_tenant_quotas"] == {"default": 8 << 20}
+    assert s["tenants"][a] == {"object_bytes_held": 6 << 20, "object_quota_evicted": 2}
+    table = status_table({**s, "address": "-"})
+    assert "object 6.00 MiB / 8.00 MiB  0 / 2" in table and " disk " not in table

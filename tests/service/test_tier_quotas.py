@@ -116,3 +116,69 @@ def test_the_tier_actor_hands_tenants_to_the_disk_tier_and_applies_its_quotas(
         for mt in t.tiers.values():
             mt.disk.close()
         loop.close()
+
+
+def test_the_tier_actor_hands_tenants_to_the_object_tier_and_applies_its_quotas(
+    monkeypatch,
+) -> None:
+    """With ``RAYKV_OBJECT_TENANT_QUOTAS`` (and an object tier, no disk tier) the arena's
+    evictions reach the bucket with their tenant: over its object quota a tenant's own
+    oldest objects are deleted, never another tenant's; bytes in the bucket and counts per
+    tenant are in the object tier's stats and, after a sweep, in the tenants' tallies."""
+    import pytest
+
+    pytest.importorskip("boto3")
+    pytest.importorskip("moto")
+    from raykv.bench.tiers import DUMMY_CREDENTIALS, local_s3
+    from raykv.service.tier.actor import OBJECT_ENDPOINT_ENV, OBJECT_URL_ENV
+    from raykv.tiers.quotas import OBJECT_QUOTAS_ENV
+
+    async def published(*args):
+        return True
+
+    monkeypatch.setattr(Membership, "call", lambda self, *a: published())
+    monkeypatch.setattr(ray, "get_actor", lambda *a, **k: None)
+    a, b = tenant_key("tenant-a"), tenant_key("tenant-b")
+    la, lb = tenant_label(a), tenant_label(b)
+    one = 2 * 4096  # an object of one entry: a header page and a row rounded up to 4 KiB
+    with local_s3("raykv-quotas") as endpoint:
+        for name, value in {OBJECT_URL_ENV: "s3://raykv-quotas/q", OBJECT_ENDPOINT_ENV: endpoint,
+                            OBJECT_QUOTAS_ENV: f"{la}={2 * one}",
+                            **DUMMY_CREDENTIALS}.items():  # fmt: skip
+            monkeypatch.setenv(name, value)
+        model = ServedModel("m", LAYERS, max_model_len=14 * BS, pool_bytes=16 * ROW,
+                            cpu_bytes=4 * ROW)  # fmt: skip
+        t = CpuTierActor("this-node", {model.name: model.plan(16 * ROW)})
+        loop = asyncio.new_event_loop()
+        run = loop.run_until_complete
+        try:
+            mt = t.tiers[model.name]
+            assert mt.disk is None and mt.objects.stride == 4096
+            keys = [bytes(4) + i.to_bytes(32, "little") for i in range(1, 13)]
+
+            def store(key: bytes, tenant: bytes) -> None:
+                _, res = run(t.reserve(model.name, (key,), None, 1, "me", tenant))
+                run(t.apply(model.name, [("finish_store", res, True, None, None, 0)], False))
+
+            for k in keys[:4]:
+                store(k, a)
+            for k in keys[4:8]:  # evict a's four, an object each: a keeps two in the bucket
+                store(k, b)
+                assert mt.objects.flush(30)
+            for k in keys[8:]:  # evict b's four: b has no object quota, a's objects stay
+                store(k, a)
+            assert mt.objects.flush(30)
+            assert sorted(mt.objects.keys()) == sorted([keys[2], keys[3], *keys[4:8]])
+            t.sweep()
+            s = t.stats()
+            o = s["per_model"]["m"]["object"]
+            assert s["object_tenant_quotas"] == {la: 2 * one} and s["disk_tenant_quotas"] == {}
+            assert o["tenant_bytes"] == {la: 2 * one} and o["quota_counts"] == {la: [0, 2]}
+            assert (o["quota_refused"], o["quota_evicted"], o["objects"]) == (0, 2, 8)
+            assert s["tenants"][la]["object_bytes_held"] == 2 * one
+            assert s["tenants"][la]["object_quota_evicted"] == 2 and lb not in o["tenant_bytes"]
+            run(asyncio.sleep(0))
+        finally:
+            for mt in t.tiers.values():
+                mt.objects.close()
+            loop.close()

@@ -339,12 +339,11 @@ class _RefusedObjects(ObjectTier):
     """Its object PUTs are refused by the server (a bucket that does not exist), sent once
     its pointers are in the bucket: an upload that fails after its pointers were written."""
 
-    def _put_object(self, digest: bytes, body, **kw) -> str:
+    def _put_object(self, name: str, body, **kw) -> str:
         deadline = time.monotonic() + 30
         while len(listed(self, "k")) < self.expect_pointers and time.monotonic() < deadline:
             time.sleep(0.05)
-        got = self.client.put_object(Bucket="raykv-no-such-bucket",
-                                     Key=self.object_name(digest), Body=body, **kw)  # fmt: skip
+        got = self.client.put_object(Bucket="raykv-no-such-bucket", Key=name, Body=body, **kw)
         return got["ETag"]
 
 

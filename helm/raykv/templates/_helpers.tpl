@@ -199,6 +199,14 @@ transport settings of `transport` (only those that differ from raykv's defaults)
 - name: RAYKV_OBJECT_ENDPOINT
   value: {{ .endpoint | quote }}
 {{- end }}
+{{- with .tenantQuotas }}
+{{- $quotas := list }}
+{{- range $name, $size := . }}
+{{- $quotas = append $quotas (printf "%s=%v" $name $size) }}
+{{- end }}
+- name: RAYKV_OBJECT_TENANT_QUOTAS
+  value: {{ join "," $quotas | quote }}
+{{- end }}
 {{- with .credentialsSecret }}
 - name: AWS_ACCESS_KEY_ID
   valueFrom: {secretKeyRef: {name: {{ . | quote }}, key: AWS_ACCESS_KEY_ID}}

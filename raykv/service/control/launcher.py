@@ -135,14 +135,16 @@ def up(
     tenant_quotas: TenantQuotas | None = None,
     objects: tuple[str, str | None] | None = None,
     disk_tenant_quotas: TenantQuotas | None = None,
+    object_tenant_quotas: TenantQuotas | None = None,
 ) -> dict[str, Any]:
     """Start or join the service and serve ``preset`` (``tp_size`` GPUs per pool group, one
     TP rank each; None: no model, e.g. for engines that add their own, as ``raykv serve``'s
     do); returns where it runs. ``disk``: (folder, bytes for all its models) of the node's
     disk tier, in the environment of the head started here (a running cluster's nodes keep
     theirs); so are ``tenant_quotas`` (``RAYKV_TENANT_QUOTAS``, labels only: invariant 13),
-    ``disk_tenant_quotas`` (``RAYKV_DISK_TENANT_QUOTAS``: the disk tier's) and ``objects``
-    (``s3://`` URL, endpoint or None) of the object tier."""
+    ``disk_tenant_quotas`` (``RAYKV_DISK_TENANT_QUOTAS``: the disk tier's), ``objects``
+    (``s3://`` URL, endpoint or None) of the object tier and ``object_tenant_quotas``
+    (``RAYKV_OBJECT_TENANT_QUOTAS``: the object tier's)."""
     from raykv.layout.presets import get_preset
     from raykv.service.tier.actor import (
         DISK_BYTES_ENV,
@@ -150,7 +152,7 @@ def up(
         OBJECT_ENDPOINT_ENV,
         OBJECT_URL_ENV,
     )
-    from raykv.tiers.quotas import DISK_QUOTAS_ENV, QUOTAS_ENV
+    from raykv.tiers.quotas import DISK_QUOTAS_ENV, OBJECT_QUOTAS_ENV, QUOTAS_ENV
 
     p = get_preset(preset) if preset is not None else None
     started = None
@@ -173,6 +175,13 @@ def up(
             f"at {address}; run raykv down first, or start each node with {DISK_QUOTAS_ENV}="
             f"{disk_tenant_quotas.to_env()} in the environment of its `ray start`"
         )
+    if address is not None and object_tenant_quotas is not None:
+        raise ConfigError(
+            f"--object-tenant-quota configures the Ray head raykv up starts, and Ray runs "
+            f"already at {address}; run raykv down first, or start each node with "
+            f"{OBJECT_QUOTAS_ENV}={object_tenant_quotas.to_env()} in the environment of its "
+            "`ray start`"
+        )
     if address is not None and objects is not None:
         raise ConfigError(
             f"--object-url and --object-endpoint configure the Ray head raykv up starts, and "
@@ -190,6 +199,8 @@ def up(
             env[OBJECT_URL_ENV] = objects[0]
             if objects[1]:
                 env[OBJECT_ENDPOINT_ENV] = objects[1]
+        if object_tenant_quotas is not None:
+            env[OBJECT_QUOTAS_ENV] = object_tenant_quotas.to_env()
         started = start_head(num_cpus, env=env or None)
         address = started["address"]
     try:
@@ -415,9 +426,12 @@ def status_table(s: dict[str, Any]) -> str:
     tenants = s.get("tenants") or {}
     quotas = s.get("tenant_quotas") or {}
     disk_quotas = s.get("disk_tenant_quotas") or {}
-    # a disk tier holds tenants' entries: their disk bytes and quotas too
+    object_quotas = s.get("object_tenant_quotas") or {}
+    # a disk tier holds tenants' entries: their disk bytes and quotas too; the same of the
+    # object tier's (in the bucket)
     disk = bool(disk_quotas) or any("disk_bytes_held" in c for c in tenants.values())
-    if tenants.keys() - {"none"} or quotas or disk_quotas:  # engines serve tenants
+    bucket = bool(object_quotas) or any("object_bytes_held" in c for c in tenants.values())
+    if tenants.keys() - {"none"} or quotas or disk_quotas or object_quotas:  # tenants served
         from raykv.layout.report import format_bytes
 
         def limit(label: str, of: dict[str, int]) -> str:
@@ -427,7 +441,9 @@ def status_table(s: dict[str, Any]) -> str:
         lines.append(
             "engine lookups per tenant (hit / missed blocks, stored entries; CPU-tier bytes "
             "held on all nodes / quota per node and model, over quota: refused / own evicted"
-            + ("; the same for the disk tier)" if disk else ")")
+            + ("; the same for the disk tier" if disk else "")
+            + ("; the object tier's bytes in the bucket / quota per model" if bucket else "")
+            + ")"
         )
         for label, c in tenants.items():
             lines.append(
@@ -440,6 +456,13 @@ def status_table(s: dict[str, Any]) -> str:
                     f"{limit(label, disk_quotas)}  {c.get('disk_quota_refused', 0)} / "
                     f"{c.get('disk_quota_evicted', 0)}"
                     if disk
+                    else ""
+                )
+                + (
+                    f"  object {format_bytes(c.get('object_bytes_held', 0))} / "
+                    f"{limit(label, object_quotas)}  {c.get('object_quota_refused', 0)} / "
+                    f"{c.get('object_quota_evicted', 0)}"
+                    if bucket
                     else ""
                 )
             )

@@ -71,16 +71,23 @@ class ServiceMetrics:
                 ("quota_evicted", "A tenant's own CPU-tier entries its store evicted over quota"),
                 ("disk_quota_refused", "Disk-tier entries a demotion left out over quota"),
                 ("disk_quota_evicted", "A tenant's own disk-tier entries dropped over quota"),
+                ("object_quota_refused", "Object-tier entries an upload left out over quota"),
+                ("object_quota_evicted", "A tenant's own object-tier entries deleted over quota"),
             )
         }
-        self._tenant_bytes = metrics.Gauge(
-            "raykv_tenant_bytes_held", "CPU-tier bytes a tenant's entries hold", per_tenant
-        )
-        self._tenant_disk_bytes = metrics.Gauge(
-            "raykv_tenant_disk_bytes_held", "Disk-tier bytes a tenant's entries hold", per_tenant
-        )
+        # per tier ("cpu", "disk", "object"): the bytes-held gauge, and per model the
+        # labels whose gauge is not 0
+        self._tenant_bytes = {
+            tier: metrics.Gauge(f"raykv_tenant_{pre}bytes_held", about, per_tenant)
+            for tier, pre, about in (
+                ("cpu", "", "CPU-tier bytes a tenant's entries hold"),
+                ("disk", "disk_", "Disk-tier bytes a tenant's entries hold"),
+                ("object", "object_", "Object-tier bytes a tenant's objects hold in the bucket"),
+            )
+        }
         self._gauged: dict[str, set[str]] = {}  # model -> labels whose gauge is not 0
         self._disk_gauged: dict[str, set[str]] = {}  # the same, of the disk gauge
+        self._object_gauged: dict[str, set[str]] = {}  # and of the object tier's
 
     def _tags(self, model: str, tier: str) -> dict[str, str]:
         return {"component": self.component, "model": model, "tier": tier}
@@ -190,31 +197,42 @@ class ServiceMetrics:
         return tenant
 
     def tenant_quota(
-        self, model: str, tenant: str, refused: int, evicted: int, disk: bool = False
+        self,
+        model: str,
+        tenant: str,
+        refused: int,
+        evicted: int,
+        disk: bool = False,
+        tier: str = "cpu",
     ) -> None:
         """A store of ``tenant`` (``tenant_label``) over its quota (invariant 13): new entries
-        it left out, and its own entries it evicted to stay within the quota; ``disk``: the
-        disk tier's quota, over which demotions left entries out and dropped its own."""
+        it left out, and its own entries it evicted to stay within the quota; ``disk`` (or
+        ``tier`` "disk"): the disk tier's quota, over which demotions left entries out and
+        dropped its own; ``tier`` "object": the object tier's, over which uploads left
+        entries out and deleted the tenant's own objects' entries."""
         label = self._tenant_label(tenant)
         counts = self.tenants.setdefault(label, Tally())
         tags = {"component": self.component, "model": model, "tenant": label}
-        pre = "disk_" if disk else ""
+        tier = "disk" if disk else tier
+        pre = "" if tier == "cpu" else f"{tier}_"
         for what, n in ((f"{pre}quota_refused", refused), (f"{pre}quota_evicted", evicted)):
             if n:
                 counts[what] += n
                 self._tenant[what].inc(n, tags)
 
-    def tenant_bytes(self, held: dict[str, dict[str, int]], disk: bool = False) -> None:
+    def tenant_bytes(
+        self, held: dict[str, dict[str, int]], disk: bool = False, tier: str = "cpu"
+    ) -> None:
         """The bytes each tenant label's entries hold now, per model (``{model: {label:
         bytes}}``): the ``raykv_tenant_bytes_held`` gauge per model (back to 0 for a tenant
-        that holds nothing now) and ``tenants``' ``bytes_held`` over every model; ``disk``:
-        the disk tier's (``raykv_tenant_disk_bytes_held``, ``disk_bytes_held``)."""
-        gauge, gauged = (
-            (self._tenant_disk_bytes, self._disk_gauged)
-            if disk
-            else (self._tenant_bytes, self._gauged)
-        )
-        key = "disk_bytes_held" if disk else "bytes_held"
+        that holds nothing now) and ``tenants``' ``bytes_held`` over every model; ``disk``
+        (or ``tier`` "disk"): the disk tier's (``raykv_tenant_disk_bytes_held``,
+        ``disk_bytes_held``); ``tier`` "object": the object tier's, in the bucket
+        (``raykv_tenant_object_bytes_held``, ``object_bytes_held``)."""
+        tier = "disk" if disk else tier
+        gauged = {"cpu": self._gauged, "disk": self._disk_gauged, "object": self._object_gauged}
+        gauge, gauged = self._tenant_bytes[tier], gauged[tier]
+        key = "bytes_held" if tier == "cpu" else f"{tier}_bytes_held"
         total: Tally[str] = Tally()
         for model in [*held, *(gauged.keys() - held.keys())]:  # a model gone: 0s
             now: Tally[str] = Tally()

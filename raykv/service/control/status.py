@@ -10,6 +10,8 @@ from collections import Counter as Tally
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+# a tenant's object-tier bytes: the bucket's, as each node last listed it (not per node)
+BUCKET_HELD = "object_bytes_held"
 _WHERE = ("gpu", "cpu", "remote")  # where a corrupt copy was found (``checksum_errors``)
 
 
@@ -104,7 +106,11 @@ def cluster(
     per_tenant: dict[str, Tally] = {}
     for row in rows:  # each node's engines, summed per tenant label
         for label, counts in (row.get("tenants") or {}).items():
-            per_tenant.setdefault(label, Tally()).update(counts)
+            mine = per_tenant.setdefault(label, Tally())
+            bucket = max(mine.get(BUCKET_HELD, 0), counts.get(BUCKET_HELD, 0))
+            mine.update(counts)
+            if bucket:  # every node sees the whole bucket: the largest view, not a sum
+                mine[BUCKET_HELD] = bucket
     return {
         "nodes": nodes(ray_nodes),
         "models": models(served, plans),
@@ -123,6 +129,10 @@ def cluster(
         # and in one model's disk tier on one node: RAYKV_DISK_TENANT_QUOTAS
         "disk_tenant_quotas": next(
             (r["disk_tenant_quotas"] for r in rows if r.get("disk_tenant_quotas")), {}
+        ),
+        # and in one model's objects in the bucket, every node's: RAYKV_OBJECT_TENANT_QUOTAS
+        "object_tenant_quotas": next(
+            (r["object_tenant_quotas"] for r in rows if r.get("object_tenant_quotas")), {}
         ),
         # copies that failed their checksum (invariant 12: served as misses), each counted
         # once, by the member that found it (its row), and by where: "gpu" (a pool's own

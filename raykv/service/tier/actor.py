@@ -58,7 +58,12 @@ tier (``raykv.tiers.object_tier``) below its lowest tier: the disk tier's evicte
 uploaded as they are, or, without a disk tier, the arena's evictions are. Its entries stay
 published like the disk's and are promoted the same way on a lease; a lease of blocks past
 what the node holds also looks for pointers in the bucket (another node's or cluster's
-uploads) and promotes what it finds.
+uploads) and promotes what it finds. With ``RAYKV_OBJECT_TENANT_QUOTAS`` (``raykv up
+--object-tenant-quota``, the same syntax) the object tier bounds each tenant's bytes in the
+bucket (every node's and cluster's objects of the model together): an upload over its quota
+deletes only that tenant's oldest objects; its bytes and counts per tenant are in its
+``stats`` (``per_model``'s ``object``) and, each sweep, in the metrics
+(``raykv_tenant_object_bytes_held``, ``raykv_tenant_object_quota_*``).
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ from raykv.service.served import NAMESPACE, tier_name
 from raykv.service.transports import reader_transports
 from raykv.tiers import holds, shm
 from raykv.tiers.cpu_tier import READABLE, KeyRows, KeySums
-from raykv.tiers.quotas import DISK_QUOTAS_ENV, TenantQuotas, tenant_quotas
+from raykv.tiers.quotas import DISK_QUOTAS_ENV, OBJECT_QUOTAS_ENV, TenantQuotas, tenant_quotas
 from raykv.transport import Lent, export_rows
 
 if TYPE_CHECKING:
@@ -190,6 +195,7 @@ class _ModelTier:
         disk: NodeDisk | None = None,
         quotas: TenantQuotas | None = None,
         objects: ObjectSettings | None = None,
+        object_quotas: TenantQuotas | None = None,
     ) -> None:
         from raykv.tiers.cpu_tier import CpuTier
         from raykv.tiers.disk_tier import model_identity
@@ -203,7 +209,7 @@ class _ModelTier:
         self.promoting = asyncio.Lock()
         identity = model_identity(model, plan)
         if objects is not None:  # below the disk tier: what it evicts is uploaded
-            self.objects = ObjectTier(objects, plan, identity)
+            self.objects = ObjectTier(objects, plan, identity, quotas=object_quotas)
         if disk is not None:
             evict = self.objects.upload_file if self.objects is not None else None
             self.disk = disk.open(_model_dir(model), plan, identity, on_evict=evict)
@@ -220,6 +226,7 @@ class _ModelTier:
         self.reclaimed = (0, 0)  # (expired, released) holds already counted in the metrics
         # the disk tier's counts over quota per tenant label already in the metrics
         self.disk_over_quota: dict[str, list[int]] = {}
+        self.object_over_quota: dict[str, list[int]] = {}  # the object tier's
         self.widths = {g.group_id: w for g, w in zip(plan.groups, row_widths(plan), strict=True)}
         # entry key -> its members; block key -> {entry key: sub-slot}; entries being
         # written -> their members (``OWN`` for ``(entry,)`` and ``{key: 0}`` alike)
@@ -272,9 +279,14 @@ class _ModelTier:
         return self.forget_all(entries)
 
     def object_stats(self) -> dict[str, Any]:
-        """The object tier's counts and the entries it knows it holds."""
+        """The object tier's counts (``quota_refused`` / ``quota_evicted``: entries over a
+        tenant's object quota), the entries it knows it holds, the bytes in the bucket per
+        tenant label with a quota (every node's objects, as last listed) and the counts over
+        quota per label ([refused, own deleted])."""
         o = self.objects
-        return dataclasses.asdict(o.stats) | {"entries": len(o), "bucket": o.settings.bucket}
+        return dataclasses.asdict(o.stats) | {"entries": len(o), "bucket": o.settings.bucket,
+                                              "tenant_bytes": o.tenant_bytes(),
+                                              "quota_counts": o.over_quota()}  # fmt: skip
 
     def disk_stats(self) -> dict[str, Any]:
         """The disk tier's counts (``quota_refused`` / ``quota_evicted``: over a tenant's
@@ -432,6 +444,8 @@ class CpuTierActor:
         # RAYKV_DISK_TENANT_QUOTAS (raykv up --disk-tenant-quota): the disk tier's own
         self.disk_quotas = tenant_quotas(name=DISK_QUOTAS_ENV) if self.disk else None
         self.objects = object_settings()
+        # RAYKV_OBJECT_TENANT_QUOTAS (raykv up --object-tenant-quota): the object tier's own
+        self.object_quotas = tenant_quotas(name=OBJECT_QUOTAS_ENV) if self.objects else None
         # one budget for the node's disk, shared by its models' disk tiers (``NodeDisk``)
         self.node_disk = (
             NodeDisk(self.disk.path, self.disk.nbytes, self.disk_quotas) if self.disk else None
@@ -440,7 +454,7 @@ class CpuTierActor:
         # take its node's offloads before it registers (its pools added them to the old one),
         # and registers with what its disk tier holds
         self.tiers = {m: _ModelTier(p, self.timeout_s, m, self.node_disk, self.quotas,
-                                    self.objects)
+                                    self.objects, self.object_quotas)
                       for m, p in (plans or {}).items()}  # fmt: skip
         self.metrics = ServiceMetrics("tier")
         # its UCX server sends from the arena where it can (``export_blocks``: lends rows)
@@ -520,7 +534,8 @@ class CpuTierActor:
         """Make room for ``model`` (idempotent); returns its CPU-tier block count."""
         if model not in self.tiers:
             mt = self.tiers[model] = _ModelTier(plan, self.timeout_s, model, self.node_disk,
-                                                self.quotas, self.objects)  # fmt: skip
+                                                self.quotas, self.objects,
+                                                self.object_quotas)  # fmt: skip
             if mt.where:  # its disk tier's entries (a model added after the tier started)
                 await self.publish(model, list(zip(mt.where, repeat(-1))), [])
         return self.tiers[model].tier.num_blocks
@@ -563,18 +578,32 @@ class CpuTierActor:
                     n += got
             self._reclaimed(model, mt)
             if mt.disk is not None:  # the disk tier's demotions over quota since the last sweep
-                now = mt.disk.over_quota()
-                for label, (refused, evicted) in now.items():
-                    was = mt.disk_over_quota.get(label, [0, 0])
-                    if [refused, evicted] != was:
-                        self.metrics.tenant_quota(model, label, refused - was[0],
-                                                  evicted - was[1], disk=True)  # fmt: skip
-                mt.disk_over_quota = now
+                mt.disk_over_quota = self._over_quota(model, mt.disk, mt.disk_over_quota, DISK)
+            if mt.objects is not None:  # and the object tier's uploads
+                mt.object_over_quota = self._over_quota(model, mt.objects,
+                                                        mt.object_over_quota, OBJECT)  # fmt: skip
         self.metrics.tenant_bytes({m: mt.tier.tenant_bytes() for m, mt in self.tiers.items()})
         if self.node_disk is not None:
             self.metrics.tenant_bytes({m: mt.disk.tenant_bytes() for m, mt in self.tiers.items()
                                        if mt.disk is not None}, disk=True)  # fmt: skip
+        if self.objects is not None:
+            self.metrics.tenant_bytes({m: mt.objects.tenant_bytes() for m, mt in
+                                       self.tiers.items() if mt.objects is not None},
+                                      tier=OBJECT)  # fmt: skip
         return n
+
+    def _over_quota(
+        self, model: str, below: Any, was: dict[str, list[int]], tier: str
+    ) -> dict[str, list[int]]:
+        """The counts over quota per tenant label of the disk or object tier ``below`` since
+        ``was`` (the last sweep's) into the metrics; returns them now."""
+        now = below.over_quota()
+        for label, (refused, evicted) in now.items():
+            before = was.get(label, [0, 0])
+            if [refused, evicted] != before:
+                self.metrics.tenant_quota(model, label, refused - before[0],
+                                          evicted - before[1], tier=tier)  # fmt: skip
+        return now
 
     async def release_holder(self, holder: Any) -> int:
         """Release every lease and reservation ``holder`` still has (it detached or exited);
@@ -993,6 +1022,10 @@ class CpuTierActor:
             # and in each model's disk tier here (RAYKV_DISK_TENANT_QUOTAS)
             "disk_tenant_quotas": (
                 self.disk_quotas.as_dict() if self.disk_quotas is not None else {}
+            ),
+            # and in each model's objects in the bucket (RAYKV_OBJECT_TENANT_QUOTAS)
+            "object_tenant_quotas": (
+                self.object_quotas.as_dict() if self.object_quotas is not None else {}
             ),
             "replica_dropped": sum(mt.replica.dropped for mt in self.tiers.values()),
         } | dict(self.metrics.tally)
