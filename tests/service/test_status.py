@@ -157,11 +157,11 @@ def test_disk_tier_tenant_bytes_and_quotas_reach_the_metrics_and_the_status_tabl
     a = tenant_label(tenant_key("a"))
     m = ServiceMetrics("tier")
     m.tenant_bytes({"m1": {a: 1 << 20}})
-    m.tenant_bytes({"m1": {a: 3 << 20}}, disk=True)
-    m.tenant_quota("m1", a, refused=1, evicted=4, disk=True)
+    m.tenant_bytes({"m1": {a: 3 << 20}}, tier="disk")
+    m.tenant_quota("m1", a, refused=1, evicted=4, tier="disk")
     assert m.tenants[a] == {"bytes_held": 1 << 20, "disk_bytes_held": 3 << 20,
                             "disk_quota_refused": 1, "disk_quota_evicted": 4}  # fmt: skip
-    m.tenant_bytes({}, disk=True)  # the disk holds none of a's now: its gauge back to 0
+    m.tenant_bytes({}, tier="disk")  # the disk holds none of a's now: its gauge back to 0
     assert m.tenants[a]["disk_bytes_held"] == 0 and m._disk_gauged == {"m1": set()}
     assert m.tenants[a]["bytes_held"] == 1 << 20 and m._gauged == {"m1": {a}}
 

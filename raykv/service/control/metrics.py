@@ -202,34 +202,29 @@ class ServiceMetrics:
         tenant: str,
         refused: int,
         evicted: int,
-        disk: bool = False,
         tier: str = "cpu",
     ) -> None:
         """A store of ``tenant`` (``tenant_label``) over its quota (invariant 13): new entries
-        it left out, and its own entries it evicted to stay within the quota; ``disk`` (or
-        ``tier`` "disk"): the disk tier's quota, over which demotions left entries out and
-        dropped its own; ``tier`` "object": the object tier's, over which uploads left
-        entries out and deleted the tenant's own objects' entries."""
+        it left out, and its own entries it evicted to stay within the quota; ``tier``
+        "disk": the disk tier's quota, over which demotions left entries out and dropped its
+        own; "object": the object tier's, over which uploads left entries out and deleted the
+        tenant's own objects' entries."""
         label = self._tenant_label(tenant)
         counts = self.tenants.setdefault(label, Tally())
         tags = {"component": self.component, "model": model, "tenant": label}
-        tier = "disk" if disk else tier
         pre = "" if tier == "cpu" else f"{tier}_"
         for what, n in ((f"{pre}quota_refused", refused), (f"{pre}quota_evicted", evicted)):
             if n:
                 counts[what] += n
                 self._tenant[what].inc(n, tags)
 
-    def tenant_bytes(
-        self, held: dict[str, dict[str, int]], disk: bool = False, tier: str = "cpu"
-    ) -> None:
+    def tenant_bytes(self, held: dict[str, dict[str, int]], tier: str = "cpu") -> None:
         """The bytes each tenant label's entries hold now, per model (``{model: {label:
         bytes}}``): the ``raykv_tenant_bytes_held`` gauge per model (back to 0 for a tenant
-        that holds nothing now) and ``tenants``' ``bytes_held`` over every model; ``disk``
-        (or ``tier`` "disk"): the disk tier's (``raykv_tenant_disk_bytes_held``,
-        ``disk_bytes_held``); ``tier`` "object": the object tier's, in the bucket
-        (``raykv_tenant_object_bytes_held``, ``object_bytes_held``)."""
-        tier = "disk" if disk else tier
+        that holds nothing now) and ``tenants``' ``bytes_held`` over every model; ``tier``
+        "disk": the disk tier's (``raykv_tenant_disk_bytes_held``, ``disk_bytes_held``);
+        "object": the object tier's, in the bucket (``raykv_tenant_object_bytes_held``,
+        ``object_bytes_held``)."""
         gauged = {"cpu": self._gauged, "disk": self._disk_gauged, "object": self._object_gauged}
         gauge, gauged = self._tenant_bytes[tier], gauged[tier]
         key = "bytes_held" if tier == "cpu" else f"{tier}_bytes_held"

@@ -585,7 +585,7 @@ class CpuTierActor:
         self.metrics.tenant_bytes({m: mt.tier.tenant_bytes() for m, mt in self.tiers.items()})
         if self.node_disk is not None:
             self.metrics.tenant_bytes({m: mt.disk.tenant_bytes() for m, mt in self.tiers.items()
-                                       if mt.disk is not None}, disk=True)  # fmt: skip
+                                       if mt.disk is not None}, tier=DISK)  # fmt: skip
         if self.objects is not None:
             self.metrics.tenant_bytes({m: mt.objects.tenant_bytes() for m, mt in
                                        self.tiers.items() if mt.objects is not None},
