@@ -813,7 +813,7 @@ def bench_chaos(minutes: float, every: float, seed: int, as_json: bool) -> None:
 
 
 @bench.command("routing")
-@click.option("--quick", is_flag=True, help="2 nodes, 4 replicas, a small workload (~90 s here).")
+@click.option("--quick", is_flag=True, help="2 nodes, 4 replicas, a small workload (~2.5 min).")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @click.option(
     "--routers",
@@ -840,7 +840,7 @@ def bench_chaos(minutes: float, every: float, seed: int, as_json: bool) -> None:
 @click.option("--cpu-tier-tokens", type=click.IntRange(1), default=None,
               help="each node's raykv CPU tier (default 262144; --quick 131072)")  # fmt: skip
 @click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="multiplies every simulated time at replay (default 0.05)")  # fmt: skip
+              help="multiplies every simulated time at replay (default 0.25)")  # fmt: skip
 def bench_routing(
     quick: bool, as_json: bool, routers: str, nodes: int | None, replicas: int | None,
     seed: int | None, prefill_us_per_token: float | None, calibrate_now: bool | None,
