@@ -30,6 +30,27 @@ def launched(monkeypatch) -> dict:
     return seen
 
 
+def _head_env(monkeypatch, **settings) -> dict[str, str]:
+    """The environment ``launcher.up`` (no address, no preset, ``settings``) gives the Ray
+    head it starts, which is replaced by a stop right there."""
+    from raykv.errors import ServiceError
+    from raykv.service.control import launcher
+
+    head_env: dict[str, str] = {}
+
+    def start_head(num_cpus, env=None):
+        head_env.update(env or {})
+        raise ServiceError("stop here: the head's environment is all this test needs")
+
+    monkeypatch.setattr(launcher, "local_address", lambda: None)
+    monkeypatch.setattr(launcher, "_stop_stale_head", lambda: None)
+    monkeypatch.setattr(launcher, "start_head", start_head)
+    with pytest.raises(ServiceError, match="stop here"):
+        launcher.up(None, preset=None, cpu_bytes=1, gpu_mem_fraction=0.9, block_size=16,
+                    max_model_len=None, pool_bytes=0, **settings)  # fmt: skip
+    return head_env
+
+
 def test_up_passes_tp_and_sizes_to_the_launcher(launched) -> None:
     seen = launched
     res = CliRunner().invoke(
@@ -104,7 +125,7 @@ def test_up_passes_disk_tenant_quotas_into_the_heads_environment(
     starts gets it as ``RAYKV_DISK_TENANT_QUOTAS`` (labels only), beside the disk settings;
     without a disk tier, or for a cluster that runs already, it is refused."""
     from raykv.blocks.hashing import tenant_key, tenant_label
-    from raykv.errors import ConfigError, ServiceError
+    from raykv.errors import ConfigError
     from raykv.service.control import launcher
     from raykv.tiers.quotas import TenantQuotas
 
@@ -126,19 +147,7 @@ def test_up_passes_disk_tenant_quotas_into_the_heads_environment(
     bad = CliRunner().invoke(cli.main, ["up", *disk, "--disk-tenant-quota", "acme:1GiB"])
     assert bad.exit_code == 2 and "--disk-tenant-quota 'acme:1GiB'" in bad.output
     monkeypatch.undo()  # the launcher itself: the head's environment
-    head_env: dict[str, str] = {}
-
-    def start_head(num_cpus, env=None):
-        head_env.update(env or {})
-        raise ServiceError("stop here: the head's environment is all this test needs")
-
-    monkeypatch.setattr(launcher, "local_address", lambda: None)
-    monkeypatch.setattr(launcher, "_stop_stale_head", lambda: None)
-    monkeypatch.setattr(launcher, "start_head", start_head)
-    with pytest.raises(ServiceError, match="stop here"):
-        launcher.up(None, preset=None, cpu_bytes=1, gpu_mem_fraction=0.9, block_size=16,
-                    max_model_len=None, pool_bytes=0, disk=(where, 100 << 30),
-                    disk_tenant_quotas=quotas)  # fmt: skip
+    head_env = _head_env(monkeypatch, disk=(where, 100 << 30), disk_tenant_quotas=quotas)
     assert head_env == {
         "RAYKV_DISK_PATH": where,
         "RAYKV_DISK_BYTES": str(100 << 30),
@@ -156,7 +165,7 @@ def test_up_passes_object_tenant_quotas_into_the_heads_environment(launched, mon
     ``RAYKV_OBJECT_TENANT_QUOTAS`` (labels only), beside the object settings; without an
     object tier, or for a cluster that runs already, it is refused."""
     from raykv.blocks.hashing import tenant_key, tenant_label
-    from raykv.errors import ConfigError, ServiceError
+    from raykv.errors import ConfigError
     from raykv.service.control import launcher
     from raykv.tiers.quotas import TenantQuotas
 
@@ -177,19 +186,7 @@ def test_up_passes_object_tenant_quotas_into_the_heads_environment(launched, mon
     bad = CliRunner().invoke(cli.main, ["up", *url, "--object-tenant-quota", "acme:1GiB"])
     assert bad.exit_code == 2 and "--object-tenant-quota 'acme:1GiB'" in bad.output
     monkeypatch.undo()  # the launcher itself: the head's environment
-    head_env: dict[str, str] = {}
-
-    def start_head(num_cpus, env=None):
-        head_env.update(env or {})
-        raise ServiceError("stop here: the head's environment is all this test needs")
-
-    monkeypatch.setattr(launcher, "local_address", lambda: None)
-    monkeypatch.setattr(launcher, "_stop_stale_head", lambda: None)
-    monkeypatch.setattr(launcher, "start_head", start_head)
-    with pytest.raises(ServiceError, match="stop here"):
-        launcher.up(None, preset=None, cpu_bytes=1, gpu_mem_fraction=0.9, block_size=16,
-                    max_model_len=None, pool_bytes=0, objects=("s3://kv/p", None),
-                    object_tenant_quotas=quotas)  # fmt: skip
+    head_env = _head_env(monkeypatch, objects=("s3://kv/p", None), object_tenant_quotas=quotas)
     assert head_env == {
         "RAYKV_OBJECT_URL": "s3://kv/p",
         "RAYKV_OBJECT_TENANT_QUOTAS": f"default={1 << 40},{label}={10 << 30}",

@@ -18,6 +18,12 @@ BS, ROW = 16, 2 * 16 * 1 * 16 * 4
 LAYERS = {"l0": FullAttention(dtype="float32", num_kv_heads=1, head_dim=16)}
 
 
+def _store_one(t, run, model: str, key: bytes, tenant: bytes) -> None:
+    """Store one entry of ``tenant`` in tier actor ``t`` (``run``: its event loop's)."""
+    _, res = run(t.reserve(model, (key,), None, 1, "me", tenant))
+    run(t.apply(model, [("finish_store", res, True, None, None, 0)], False))
+
+
 def test_the_tier_actor_charges_stores_to_their_tenant_and_reports_quotas(monkeypatch) -> None:
     async def published(*args):
         return True
@@ -88,8 +94,7 @@ def test_the_tier_actor_hands_tenants_to_the_disk_tier_and_applies_its_quotas(
         keys = [bytes(4) + i.to_bytes(32, "little") for i in range(1, 13)]
 
         def store(key: bytes, tenant: bytes) -> None:
-            _, res = run(t.reserve(model.name, (key,), None, 1, "me", tenant))
-            run(t.apply(model.name, [("finish_store", res, True, None, None, 0)], False))
+            _store_one(t, run, model.name, key, tenant)
 
         for k in keys[:4]:
             store(k, a)
@@ -157,8 +162,7 @@ def test_the_tier_actor_hands_tenants_to_the_object_tier_and_applies_its_quotas(
             keys = [bytes(4) + i.to_bytes(32, "little") for i in range(1, 13)]
 
             def store(key: bytes, tenant: bytes) -> None:
-                _, res = run(t.reserve(model.name, (key,), None, 1, "me", tenant))
-                run(t.apply(model.name, [("finish_store", res, True, None, None, 0)], False))
+                _store_one(t, run, model.name, key, tenant)
 
             for k in keys[:4]:
                 store(k, a)
