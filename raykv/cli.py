@@ -472,8 +472,13 @@ def down(address, timeout_s) -> None:
 def demo(prompt_tokens, seed) -> None:
     """Two engines on two local Ray nodes share a prompt's KV; checks the logits."""
     from raykv.demo import run_demo
+    from raykv.errors import RaykvError
 
-    if not run_demo(click.echo, prompt_tokens=prompt_tokens, seed=seed):
+    try:
+        ok = run_demo(click.echo, prompt_tokens=prompt_tokens, seed=seed)
+    except RaykvError as e:
+        raise click.ClickException(str(e)) from e
+    if not ok:
         raise click.ClickException("engine B's logits do not match a full recompute")
 
 

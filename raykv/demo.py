@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from raykv.errors import ServiceError
 from raykv.layout.specs import cdiv
 
 MODEL = "tiny-demo"
@@ -130,6 +131,31 @@ def _route(kv: Any, reader_node: str) -> str:
     return "over Ray's object store (pip install 'raykv[ucx]' to move blocks over UCX)"
 
 
+def _local_cluster() -> Any:
+    """Two Ray nodes on 127.0.0.1 (``node-a``, ``node-b``); a ServiceError naming the fix
+    where Ray does not start them."""
+    from ray.cluster_utils import Cluster
+
+    node = dict(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=100 << 20)
+    cluster = None
+    try:
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={**node, "resources": {"node-a": 1}, "include_dashboard": False},
+        )
+        cluster.add_node(**node, resources={"node-b": 1})
+        return cluster
+    except Exception as e:  # Ray's own: a raylet that registered too late, a port taken
+        if cluster is not None:
+            cluster.shutdown()
+        raise ServiceError(
+            f"the demo's local Ray cluster did not start ({type(e).__name__}: {e}); on a busy "
+            f"host (load average now {os.getloadavg()[0]:.1f}) Ray's nodes may register too "
+            "late: run it again when the host is quieter, or give Ray longer with "
+            "RAY_raylet_start_wait_time_s=120"
+        ) from e
+
+
 def run_demo(
     echo: Callable[[str], None] = print,
     prompt_tokens: int = 3072,
@@ -139,7 +165,6 @@ def run_demo(
     """Run the demo; True when B's logits match the full recompute."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
-    from ray.cluster_utils import Cluster
 
     import raykv
     from raykv.models import TinyDecoder
@@ -147,13 +172,8 @@ def run_demo(
     t_start = time.perf_counter()
     ucx = _ucx_env()
     echo("[1/6] starting a 2-node local Ray cluster on 127.0.0.1 ...")
-    node = dict(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=100 << 20)
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={**node, "resources": {"node-a": 1}, "include_dashboard": False},
-    )
+    cluster = _local_cluster()
     try:
-        cluster.add_node(**node, resources={"node-b": 1})
         echo(
             "[2/6] starting raykv (coordinator, a pool and a CPU tier per node"
             + (", UCX servers)" if ucx else ")")

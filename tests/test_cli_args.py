@@ -280,3 +280,23 @@ def test_status_watch_takes_no_json_and_no_tiny_period() -> None:
     assert res.exit_code == 2 and "--json prints the stats once" in res.output
     res = CliRunner().invoke(cli.main, ["status", "--watch", "0.1"])
     assert res.exit_code == 2 and "--watch" in res.output
+
+
+def test_demo_reports_a_ray_cluster_that_does_not_start_as_a_clear_error(monkeypatch) -> None:
+    """Ray's own startup errors (a busy host's raylet registering too late) reach the user
+    as one line naming the fix, never a traceback."""
+    import ray.cluster_utils
+
+    from raykv import demo
+
+    def no_cluster(*args, **kwargs):
+        raise Exception("The current node timed out during startup.")
+
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    monkeypatch.setattr(demo, "_ucx_env", lambda: False)
+    monkeypatch.setattr(ray.cluster_utils, "Cluster", no_cluster)
+    res = CliRunner().invoke(cli.main, ["demo"])
+    assert res.exit_code == 1, res.output
+    assert "did not start (Exception: The current node timed out" in res.output
+    assert "RAY_raylet_start_wait_time_s=120" in res.output
+    assert "Traceback" not in res.output and res.exception is not None
