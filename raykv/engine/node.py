@@ -152,13 +152,27 @@ class NodeKV:
                 self._stale = spec is None  # the node's tier has no arena of it yet: ask again
             return self._replica
 
+    def prompt_hashes(self, token_ids: Sequence[int], tenant: Tenant = None) -> bytes:
+        """The joined block hashes ``lookup`` probes for ``tenant``'s prompt ``token_ids``
+        (its whole blocks before the last token), the ids checked as they are hashed."""
+        _, plan = self._need_model()
+        end = max(len(token_ids) - 1, 0) // plan.hash_block_size
+        return self._hasher.hash_blocks_joined(token_ids, end_block=end, tenant=tenant)
+
     def lookup(
-        self, token_ids: Sequence[int], held_tokens: int = 0, tenant: Tenant = None
+        self,
+        token_ids: Sequence[int],
+        held_tokens: int = 0,
+        tenant: Tenant = None,
+        *,
+        hashes: bytes | None = None,
     ) -> EngineLookup:
         """The leading tokens of ``tenant``'s prompt ``token_ids`` (whole blocks, at most all
         but the last token) whose KV this node can get; a miss while the agent is
         unreachable. ``held_tokens``: the engine holds that many leading tokens already (its
-        own prefix cache): they count as held wherever they are."""
+        own prefix cache): they count as held wherever they are. ``hashes``: the prompt's
+        ``prompt_hashes`` where the caller has them (a lookup of the same prompt in another
+        model of the same plan: a tensor-parallel engine's ranks), not hashed again."""
         if not self.agent.up:
             return MISS
         model, plan = self._need_model()
@@ -176,7 +190,7 @@ class NodeKV:
         if reader is None or limit < hbs:
             return EngineLookup(0, 0, n)
         # the hasher reads and checks the ids as it hashes them (one native pass)
-        blob = self._hasher.hash_blocks_joined(token_ids, end_block=limit // hbs, tenant=tenant)
+        blob = hashes if hashes is not None else self.prompt_hashes(token_ids, tenant)
         mgrs = self._managers
         flags, probes = [], []
         for g, m in zip(plan.groups, mgrs, strict=True):

@@ -112,10 +112,12 @@ class ServedEngine:
     def lookup(self, token_ids: Sequence[int], held_tokens: int = 0, tenant: Tenant = None
                ) -> EngineLookup:  # fmt: skip
         """``NodeKV.lookup`` of every model served here: the tokens all of them hold (a
-        tensor-parallel engine loads a block only where every rank's copy is there)."""
-        found = [node.lookup(token_ids, held_tokens, tenant) for node in self.nodes]
-        if len(found) == 1:
-            return found[0]
+        tensor-parallel engine loads a block only where every rank's copy is there). The
+        ranks' models share one plan: the prompt is hashed once for all of them."""
+        if len(self.nodes) == 1:
+            return self.node.lookup(token_ids, held_tokens, tenant)
+        hashes = self.node.prompt_hashes(token_ids, tenant) if self.node.up else None
+        found = [node.lookup(token_ids, held_tokens, tenant, hashes=hashes) for node in self.nodes]
         return EngineLookup(min(f.hit_tokens for f in found),
                             min(f.tier_tokens for f in found), found[0].num_tokens)  # fmt: skip
 
