@@ -74,7 +74,6 @@ class ServedEngine:
         self.layout = layout = engine_layout(vllm_config, kv_cache_config)
         names = rank_models(config.model or model_name(vllm_config, layout), layout.tp_size)
         self.names = names if ranks is None else tuple(names[r] for r in ranks)
-        self.name = self.names[0]
         per_token = sum(s.page_bytes(layout.block_size) for s in layout.layers.values())
         per_token //= layout.block_size
         # served without pools (a pool would take the engine's GPU); these bytes only size
