@@ -126,7 +126,7 @@ def test_tenants_bytes_held_and_quotas_reach_the_metrics_and_the_status_table() 
     m.tenant_quota("m1", a, refused=3, evicted=2)
     assert m.tenants[a] == {"bytes_held": 2 << 20, "quota_refused": 3, "quota_evicted": 2}
     m.tenant_bytes({"m1": {"none": 512}})  # a holds nothing now: its gauge back to 0
-    assert m.tenants[a]["bytes_held"] == 0 and m._gauged == {"m1": {"none"}, "m2": set()}
+    assert m.tenants[a]["bytes_held"] == 0 and m._gauged["cpu"] == {"m1": {"none"}, "m2": set()}
 
     quotas = {"default": 1 << 30, a: 2 << 20}
     members = [
@@ -162,8 +162,8 @@ def test_disk_tier_tenant_bytes_and_quotas_reach_the_metrics_and_the_status_tabl
     assert m.tenants[a] == {"bytes_held": 1 << 20, "disk_bytes_held": 3 << 20,
                             "disk_quota_refused": 1, "disk_quota_evicted": 4}  # fmt: skip
     m.tenant_bytes({}, tier="disk")  # the disk holds none of a's now: its gauge back to 0
-    assert m.tenants[a]["disk_bytes_held"] == 0 and m._disk_gauged == {"m1": set()}
-    assert m.tenants[a]["bytes_held"] == 1 << 20 and m._gauged == {"m1": {a}}
+    assert m.tenants[a]["disk_bytes_held"] == 0 and m._gauged["disk"] == {"m1": set()}
+    assert m.tenants[a]["bytes_held"] == 1 << 20 and m._gauged["cpu"] == {"m1": {a}}
 
     members = [
         Member("tier-1", "tier", "n1", None, stats={
@@ -192,9 +192,9 @@ def test_object_tier_tenant_bytes_and_quotas_reach_the_metrics_and_the_status_ta
     m.tenant_quota("m1", a, refused=2, evicted=6, tier="object")
     assert m.tenants[a] == {"object_bytes_held": 5 << 20, "object_quota_refused": 2,
                             "object_quota_evicted": 6}  # fmt: skip
-    assert m._object_gauged == {"m1": {a}} and m._gauged == {} and m._disk_gauged == {}
+    assert m._gauged["object"] == {"m1": {a}} and m._gauged["cpu"] == {} and m._gauged["disk"] == {}
     m.tenant_bytes({}, tier="object")
-    assert m.tenants[a]["object_bytes_held"] == 0 and m._object_gauged == {"m1": set()}
+    assert m.tenants[a]["object_bytes_held"] == 0 and m._gauged["object"] == {"m1": set()}
 
     def node(n: str, held: int) -> Member:
         return Member(f"tier-{n}", "tier", n, None, stats={

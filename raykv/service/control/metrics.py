@@ -85,9 +85,8 @@ class ServiceMetrics:
                 ("object", "object_", "Object-tier bytes a tenant's objects hold in the bucket"),
             )
         }
-        self._gauged: dict[str, set[str]] = {}  # model -> labels whose gauge is not 0
-        self._disk_gauged: dict[str, set[str]] = {}  # the same, of the disk gauge
-        self._object_gauged: dict[str, set[str]] = {}  # and of the object tier's
+        # per tier, model -> the labels whose bytes-held gauge is not 0
+        self._gauged: dict[str, dict[str, set[str]]] = {tier: {} for tier in self._tenant_bytes}
 
     def _tags(self, model: str, tier: str) -> dict[str, str]:
         return {"component": self.component, "model": model, "tier": tier}
@@ -225,8 +224,7 @@ class ServiceMetrics:
         "disk": the disk tier's (``raykv_tenant_disk_bytes_held``, ``disk_bytes_held``);
         "object": the object tier's, in the bucket (``raykv_tenant_object_bytes_held``,
         ``object_bytes_held``)."""
-        gauged = {"cpu": self._gauged, "disk": self._disk_gauged, "object": self._object_gauged}
-        gauge, gauged = self._tenant_bytes[tier], gauged[tier]
+        gauge, gauged = self._tenant_bytes[tier], self._gauged[tier]
         key = "bytes_held" if tier == "cpu" else f"{tier}_bytes_held"
         total: Tally[str] = Tally()
         for model in [*held, *(gauged.keys() - held.keys())]:  # a model gone: 0s
