@@ -1,5 +1,8 @@
 """A local Ray cluster per test module (every node on 127.0.0.1) with the raykv service
-on it. A module sets ``RAY_WORKERS`` (default 2) for the nodes beside the head."""
+on it. A module sets ``RAY_WORKERS`` (default 2) for the nodes beside the head, and
+``OBJECT_STORE_BYTES`` (default 80 MiB per node) where it passes larger arguments: Ray puts
+an argument that does not fit in a file on the host's disk, and refuses it outright when that
+disk is over 95 % full, which a test must not depend on."""
 
 import os
 from types import SimpleNamespace
@@ -19,10 +22,11 @@ def ray_cluster(request, tmp_path_factory):
 
     import raykv
 
-    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+    node = {**NODE, "object_store_memory": getattr(request.module, "OBJECT_STORE_BYTES", 80 << 20)}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     try:
         workers = [
-            cluster.add_node(**NODE) for _ in range(getattr(request.module, "RAY_WORKERS", 2))
+            cluster.add_node(**node) for _ in range(getattr(request.module, "RAY_WORKERS", 2))
         ]
         kv = raykv.connect(cluster.address)
         yield SimpleNamespace(

@@ -17,6 +17,7 @@ from raykv.transport.collective.wire import SHARE_MIN_BYTES
 
 pytestmark = pytest.mark.ray
 RAY_WORKERS = 1
+OBJECT_STORE_BYTES = 640 << 20  # the MLA batch's 2 x 128 MiB store on each node, in memory
 BS = 16
 LAYERS = {f"l{i}": FullAttention(dtype="float32", num_kv_heads=1, head_dim=16) for i in range(2)}
 TP_LAYERS = {f"l{i}": FullAttention("float32", num_kv_heads=2, head_dim=16) for i in range(2)}
