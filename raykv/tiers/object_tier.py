@@ -827,14 +827,18 @@ class ObjectTier:
         """(entry key, sub-slot, where) of each block key by its pointer, or None. A pointer
         names an object whose header lists every block its entries carry: read once (and
         cached for the load), it answers for the object's other blocks, so a batch costs a
-        pointer GET per object, not per block. ``leading``: the keys up to the first that
-        nothing names (a prompt the bucket lacks costs one GET). ``bodies``: where a load
-        wants about half an object's slots or more (and the object is at most two batches),
-        the whole object is read at once instead of its header (one GET where a header, then
-        rows, took two), its bytes left there by object for ``_read``."""
+        pointer GET per object, not per block (the first key's alone, then ``POINTER_ROUND``
+        at a time). ``leading``: the keys up to the first that nothing names (a prompt the
+        bucket lacks costs one GET). ``bodies``: where a load wants about half an object's
+        slots or more (and the object is at most two batches), the whole object is read at
+        once instead of its header (one GET where a header, then rows, took two), its bytes
+        left there by object for ``_read``."""
         out: list[tuple[bytes, int, _Loc] | None] = []
         known: dict[bytes, tuple[bytes, int, _Loc]] = {}
-        step = 1 if leading else POINTER_ROUND
+        # the first key's pointer alone: the header of its object usually answers for the
+        # keys that follow it (an upload's entries, in order), and the next round asks only
+        # for the keys still unknown
+        step = 1
         at = 0
         while at < len(keys):
             window = keys[at : at + step]
@@ -850,7 +854,7 @@ class ObjectTier:
                     return out
                 out.append(known.get(k))
             at += len(window)
-            step = min(8 * step, 512) if leading else step
+            step = min(8 * step, 512) if leading else POINTER_ROUND
         return out
 
     def _listed(

@@ -165,6 +165,26 @@ def test_two_nodes_or_clusters_share_one_bucket(endpoint):
     fresh_node.close()
 
 
+def test_another_node_finds_an_objects_entries_by_one_pointer(endpoint, monkeypatch):
+    """A node that did not upload them loads an object's entries asking for the first one's
+    pointer alone: the object's header names the rest (eight pointer GETs took 0.7 x a
+    plain GET's rate on a 16-core host, one 0.8-0.9 x)."""
+    where = fresh(endpoint)
+    a = tier(where)
+    ks = keys_(6)
+    demote(a, ks)
+    assert a.flush(30) and len(objects(a)) == 1
+    b = tier(where)
+    asked: list[bytes] = []
+    real = b._pointer_get
+    monkeypatch.setattr(b, "_pointer_get", lambda k: asked.append(k) or real(k))
+    got = b.load(ks)
+    assert got.keys == ks and asked == [ks[0]]
+    assert all(np.array_equal(got.rows[i], expect(b, k)) for i, k in enumerate(ks))
+    a.close()
+    b.close()
+
+
 def test_a_disk_tiers_evicted_slabs_are_uploaded_as_they_are(endpoint, tmp_path):
     where = fresh(endpoint)
     plan = make_plan("full")
