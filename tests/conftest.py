@@ -5,6 +5,9 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("UCX_TLS", "tcp")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+# Ray refuses an object its store spills or falls back to a file for once the host's disk is
+# over 95 % full (a CI host's disk full of its own caches): test clusters take up to 99 %
+os.environ.setdefault("RAY_local_fs_capacity_threshold", "0.99")
 
 
 def _has_cuda() -> bool:
