@@ -30,7 +30,7 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="needs the extra 'serve'")
 
-from integrations.vllm_env import vllm_env
+from integrations.vllm_env import until_hit, vllm_env
 from raykv.errors import ConfigError
 from raykv.integrations.serve import app as serve_app
 from raykv.integrations.serve.deployments import RoutedRequest
@@ -238,7 +238,8 @@ def test_a_shared_prefix_is_a_raykv_hit_and_answers_as_a_full_recompute(served) 
     first = complete(url, model, f"{prefix} w7 w8 w9")
     assert first["usage"]["prompt_tokens"] == PREFIX_WORDS + 3
     assert first["kv_transfer_params"]["raykv"]["saved_tokens"] == PREFIX_WORDS
-    second = complete(url, model, f"{prefix} w10 w11")  # on either replica: one node's tier
+    # on either replica: one node's tier
+    second = until_hit(lambda: complete(url, model, f"{prefix} w10 w11"), PREFIX_WORDS)
     assert second["kv_transfer_params"]["raykv"]["external_tokens"] == PREFIX_WORDS, second
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == PREFIX_WORDS
     alone = complete(url, model, f"{prefix} w10 w11", use_raykv=False)
@@ -253,10 +254,10 @@ def test_chat_completions_compute_the_rendered_prompt_with_raykv_hits(served) ->
     prefix = words(PREFIX_WORDS, start=100)
     complete(url, model, f"{prefix} w1")  # publishes the prefix
     content = f"{prefix} w21 w22"
-    chat = post(url, "/v1/chat/completions", {
+    chat = until_hit(lambda: post(url, "/v1/chat/completions", {
         "model": model, "messages": [{"role": "user", "content": content}],
         "max_tokens": 8, "temperature": 0.0,
-    })  # fmt: skip
+    }), PREFIX_WORDS)  # fmt: skip
     assert chat["usage"]["prompt_tokens"] == PREFIX_WORDS + 2  # the template's words, no more
     assert chat["kv_transfer_params"]["raykv"]["external_tokens"] == PREFIX_WORDS, chat
     # the same prompt as a completion, raykv off: the same answer

@@ -16,10 +16,14 @@ warmup) is a couple of seconds. These settings spare the processes no test is ab
 The OpenAI server's test (``test_vllm_server``) keeps vLLM's own process layout, as a user's
 server runs it (the connector's scheduler and worker sides in two processes), and takes only
 the cache.
+
+``until_hit``: how those tests send a request that should hit what an earlier one saved.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -36,3 +40,18 @@ def warm_vllm_cache(model: str | Path) -> str:
 def vllm_env(model: str | Path) -> dict[str, str]:
     """The environment variables for the vLLM processes of a test that serves ``model``."""
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CACHE_ROOT": warm_vllm_cache(model)}
+
+
+def until_hit(send: Callable[[], dict], tokens: int, within_s: float = 60.0) -> dict:
+    """``send()``'s answer once raykv gave it ``tokens`` tokens (or the last one, after
+    ``within_s``). vLLM answers a request before the save the connector sent for it has
+    reached the node's tier (it frees the blocks after), so a request sent right behind it
+    may miss on a loaded host, as a stale lookup may; the hit must still come."""
+    deadline = time.monotonic() + within_s
+    while True:
+        got = send()
+        if got["kv_transfer_params"]["raykv"]["external_tokens"] == tokens:
+            return got
+        if time.monotonic() > deadline:
+            return got
+        time.sleep(0.5)
