@@ -2,7 +2,8 @@
 on it. A module sets ``RAY_WORKERS`` (default 2) for the nodes beside the head, and
 ``OBJECT_STORE_BYTES`` (default 80 MiB per node) where it passes larger arguments: Ray puts
 an argument that does not fit in a file on the host's disk, and refuses it outright when that
-disk is over 95 % full, which a test must not depend on."""
+disk is fuller than its threshold (99 % here, tests/conftest.py), which a test must not
+depend on."""
 
 import os
 from types import SimpleNamespace
