@@ -100,8 +100,7 @@ class NodeAgent:
     def _trip(self, why: str) -> None:
         """Open the breaker: fail what is pending, drop the socket, re-probe in the
         background."""
-        if self._drop(why):
-            self.trips += 1
+        if self._drop(why, trip=True):
             log.warning("raykv: the node agent at %s is gone (%s); the engine computes "
                         "without the cache until it is back", self.path, why)  # fmt: skip
         with self._lock:
@@ -123,10 +122,14 @@ class NodeAgent:
             log.warning("raykv: connected to the node agent at %s again", self.path)
             return
 
-    def _drop(self, why: str) -> bool:
-        """Drop the socket and fail every call pending on it; True if there was one."""
+    def _drop(self, why: str, trip: bool = False) -> bool:
+        """Drop the socket and fail every call pending on it; True if there was one. A
+        ``trip`` is counted under the same lock, so no reader sees the breaker open (``up``
+        false) before its trip is counted."""
         with self._lock:
             sock, self._sock, self._why = self._sock, None, why
+            if trip and sock is not None:
+                self.trips += 1
             pending, self._pending = self._pending, {}
         if sock is not None:  # shut down first: the reader's file keeps the socket open
             with contextlib.suppress(OSError):

@@ -47,6 +47,8 @@ class FakeTier:
         return ("lease", keys, tenant)
 
     async def pull(self, model, keys, tenant=None):
+        if keys == [b"never"]:  # a call still pending when the agent goes
+            await asyncio.Event().wait()
         return ("pull", keys, tenant)
 
 
@@ -131,6 +133,24 @@ def test_while_the_agent_is_gone_calls_fail_at_once_and_it_reconnects_by_itself(
     while not client.up and time.monotonic() < deadline:
         time.sleep(0.02)
     assert client.up and client.call(p.Apply("m", [("op", 9)])) == 1
+    client.close()
+
+
+def test_a_call_the_breaker_fails_finds_it_open_and_the_trip_counted(agent):
+    """The breaker opens and counts its trip as one step: a pending call failed by the trip,
+    or a reader polling ``up``, never sees it open with no trip counted (CI once did)."""
+    client = NodeAgent(agent.server.path, reprobe_s=10)
+    assert client.connect()
+    seen: list[tuple[bool, int]] = []
+    pending = client.send(p.Pull("m", [b"never"]))
+    pending.add_done_callback(lambda _: seen.append((client.up, client.trips)))
+    agent.stop()
+    with pytest.raises(AgentUnavailable):
+        pending.result(5)
+    deadline = time.monotonic() + 5  # callbacks run just after the result is set
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [(False, 1)]
     client.close()
 
 
