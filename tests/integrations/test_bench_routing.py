@@ -18,6 +18,8 @@ from raykv.errors import ConfigError
 SMALL = rt.WorkloadSpec(
     tenants=6, system_tokens=(256, 1024), conversations=24, turns=(1, 4), user_tokens=(16, 64),
     answer_tokens=(16, 64), hot_tokens=768, burst_clients=10, warm_requests=4,
+    long_conversations=12, long_turns=(2, 4), long_user_tokens=(128, 256),
+    long_answer_tokens=(64, 128),
 )  # fmt: skip
 
 
@@ -37,12 +39,17 @@ def test_workload_is_deterministic_for_a_seed(seed: int) -> None:
 @given(seed=st.integers(0, 10**6))
 def test_turns_extend_the_previous_prompt(seed: int) -> None:
     """Turn t + 1 = turn t's prompt + an answer + a user message, and arrives later."""
-    multi, _ = rt.workload(replace(SMALL, seed=seed))
+    multi, _, long = rt.workload(replace(SMALL, seed=seed))
+    for scenario, spec in ((multi, SMALL), (long, SMALL.long())):
+        _turns_extend(scenario, spec)
+
+
+def _turns_extend(scenario: rt.Scenario, spec: rt.WorkloadSpec) -> None:
     by_conv: dict[int, list[rt.Request]] = {}
-    for r in multi.requests:
+    for r in scenario.requests:
         by_conv.setdefault(r.conversation, []).append(r)
-    assert len(by_conv) == SMALL.conversations
-    lo = SMALL.answer_tokens[0] + SMALL.user_tokens[0]
+    assert len(by_conv) == spec.conversations
+    lo = spec.answer_tokens[0] + spec.user_tokens[0]
     for turns in by_conv.values():
         turns.sort(key=lambda r: r.turn)
         assert [r.turn for r in turns] == list(range(len(turns)))
@@ -51,13 +58,13 @@ def test_turns_extend_the_previous_prompt(seed: int) -> None:
             assert b.token_ids[: len(a.token_ids)] == a.token_ids
             assert len(b.token_ids) >= len(a.token_ids) + lo
             assert b.arrival_s > a.arrival_s
-    arrivals = [r.arrival_s for r in multi.requests]
+    arrivals = [r.arrival_s for r in scenario.requests]
     assert arrivals == sorted(arrivals)
-    assert max(len(r.token_ids) for r in multi.requests) <= SMALL.max_prompt_tokens
+    assert max(len(r.token_ids) for r in scenario.requests) <= SMALL.max_prompt_tokens
 
 
 def test_conversations_share_their_tenants_system_prompt() -> None:
-    multi, _ = rt.workload(SMALL)
+    multi, *_ = rt.workload(SMALL)
     firsts: dict[int, tuple[int, ...]] = {}
     for r in multi.requests:
         if r.turn == 0:
@@ -74,7 +81,7 @@ def test_tenants_are_zipf_popular() -> None:
     """Conversation counts per tenant follow 1 / (rank + 1) ** s: the top tenant is the most
     asked, and the counts are within a loose band of the weights."""
     spec = replace(SMALL, conversations=3000, tenants=8, zipf_s=1.1)
-    multi, _ = rt.workload(spec)
+    multi, *_ = rt.workload(spec)
     counts = Counter(r.tenant for r in multi.requests if r.turn == 0)
     weights = rt.zipf_weights(spec.tenants, spec.zipf_s)
     assert abs(sum(weights) - 1) < 1e-9
@@ -85,7 +92,7 @@ def test_tenants_are_zipf_popular() -> None:
 
 
 def test_skewed_burst_is_one_hot_prefix_at_once() -> None:
-    _, burst = rt.workload(SMALL)
+    _, burst, _ = rt.workload(SMALL)
     hot = [r for r in burst.requests if r.request_id.startswith("burst-")]
     assert len(hot) == SMALL.burst_clients
     prefix = hot[0].token_ids[: SMALL.hot_tokens]
@@ -95,6 +102,24 @@ def test_skewed_burst_is_one_hot_prefix_at_once() -> None:
     assert max(times) - min(times) <= SMALL.burst_window_s
     warm = [r for r in burst.requests if not r.request_id.startswith("burst-")]
     assert max(r.arrival_s for r in warm) < min(times)
+
+
+def test_long_turns_outgrow_the_replicas_caches_and_multi_tenant_does_not() -> None:
+    """The default workload: what multi-tenant's conversations hold in all fits one replica's
+    own cache; long-turns' conversations (the same tenants, long turns) are larger than the
+    six replicas' caches together, but fit the three nodes' tiers."""
+    spec, costs, plan_tokens = rt.WorkloadSpec(), rt.SimCosts(100.0), 262144
+    multi, _, long = rt.workload(spec)
+
+    def held(scenario: rt.Scenario) -> int:  # tokens of every distinct block
+        return 32 * len({h for r in scenario.requests for h in rt.block_hashes(r.token_ids)})
+
+    assert held(multi) < 5 * costs.gpu_cache_tokens
+    assert 6 * costs.gpu_cache_tokens < held(long) < 3 * plan_tokens
+    systems = rt._system_prompts(spec)  # the tenants' prompts, shared with multi-tenant
+    assert all(list(r.token_ids[: len(systems[r.tenant])]) == systems[r.tenant]
+               for r in long.requests)  # fmt: skip
+    assert max(len(r.token_ids) for r in long.requests) <= spec.max_prompt_tokens
 
 
 def test_bad_specs_are_refused() -> None:
@@ -182,7 +207,7 @@ def test_targets_read_met_open_or_not_measured() -> None:
     assert q["ttft_p50_raykv_over_default-own"] == pytest.approx(0.4)
     lines = rt.target_lines(q)
     assert lines[0].endswith("open") and lines[1].endswith("met")
-    assert "not measured" in lines[2]
+    assert all("not measured" in line for line in lines[2:])  # long-turns, the burst
 
 
 # --- one small run end to end ----------------------------------------------------------------
@@ -190,7 +215,8 @@ def test_targets_read_met_open_or_not_measured() -> None:
 TINY_RUN = rt.WorkloadSpec(
     tenants=4, system_tokens=(512, 1024), conversations=6, turns=(1, 2), user_tokens=(16, 48),
     answer_tokens=(16, 48), conversations_per_s=3.0, burst_size=3, think_s=(0.5, 1.0),
-    hot_tokens=1024, burst_clients=6, warm_requests=2, burst_at_s=8.0,
+    hot_tokens=1024, burst_clients=6, warm_requests=2, burst_at_s=8.0, long_conversations=3,
+    long_turns=(2, 2), long_user_tokens=(64, 128), long_answer_tokens=(32, 64),
 )  # fmt: skip
 
 
@@ -208,7 +234,7 @@ def report() -> dict:
 def test_every_request_answered_and_sane(report: dict) -> None:
     ran = [name for name in report["routers"] if name not in report["skipped"]]
     assert {"default-own", "prefix"} <= set(ran)
-    assert set(report["results"]) == {"multi-tenant", "skewed-burst"}
+    assert set(report["results"]) == {"multi-tenant", "skewed-burst", "long-turns"}
     for scenario, by_router in report["results"].items():
         assert set(by_router) == set(ran)
         digests = {x["arrivals_digest"] for x in by_router.values()}
