@@ -158,6 +158,10 @@ def test_the_ceiling_counts_what_no_cache_can_hit() -> None:
     same = tuple(range(100, 196))  # exactly 3 blocks: at most all but its last token
     reqs = [rt.Request(f"r{i}", float(i), t, 0, -1, 0) for i, t in enumerate((first, again, same))]
     assert rt.ceiling_hit_rate(rt.Scenario("x", tuple(reqs)), 32) == (96 + 95) / (100 + 128 + 96)
+    # replayed after another scenario on the same cache, its blocks count too
+    before = rt.Scenario("w", (rt.Request("w0", 0.0, first, 0, -1, 0),))
+    late = rt.ceiling_hit_rate(rt.Scenario("x", tuple(reqs)), 32, after=[before])
+    assert late == (96 + 96 + 95) / (100 + 128 + 96)
 
 
 @settings(max_examples=10, deadline=None)
