@@ -27,7 +27,7 @@ Three scenarios: ``multi-tenant`` (Zipf-popular shared system prompts, multi-tur
 conversations whose every turn extends the one before, bursts of new conversations),
 ``skewed-burst`` (one hot prefix asked by many clients at once, after some warm traffic) and
 ``long-turns`` (multi-tenant's, every turn a document or a tool's output long: the
-conversations outgrow a replica's own cache).
+conversations outgrow the replicas' own caches).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ CALIBRATED_HOW = (
 # them today: each replica's own prefix cache only ("-own"). The same routers over raykv's
 # tiers ("default", "prefix") isolate the router itself: printed beside, not targets.
 # The shared-prefix targets are checked on both shared-prefix scenarios: multi-tenant (its
-# conversations fit one replica's cache) and long-turns (they outgrow it).
+# conversations fit the replicas' own caches) and long-turns (they outgrow them).
 SHARED_PREFIX = (("multi-tenant", ""), ("long-turns", "long_"))  # (scenario, its keys' prefix)
 TARGETS = (  # (name, the ratio's key, the bound, higher is better)
     ("multi-tenant hit rate: raykv - PrefixCacheAffinityRouter >= +10 points",
@@ -123,8 +123,8 @@ class WorkloadSpec:
     # stored and indexed by then (that takes real time, which the scale does not shrink)
     burst_at_s: float = 20.0
     # long-turns: multi-tenant's tenants and arrivals, but every turn carries a document or a
-    # tool's output, so the conversations outgrow a replica's own prefix cache (what a tier
-    # below the GPU is for; the multi-tenant scenario's fit one replica's cache)
+    # tool's output, so the conversations outgrow the replicas' own prefix caches (what a
+    # tier below the GPU is for; the multi-tenant scenario's fit them)
     long_conversations: int = 64
     long_turns: tuple[int, int] = (2, 5)
     long_user_tokens: tuple[int, int] = (512, 2048)
@@ -1027,7 +1027,7 @@ def format_report(r: dict[str, Any]) -> str:
             "",
             f"{scenario}: {s['requests']} requests, {s['prompt_tokens']} prompt tokens; no "
             f"router passes a {s['hit_ceiling']:.1%} hit rate (every earlier request's blocks "
-            "kept, the scenarios' before it too)"
+            "kept, the earlier scenarios' too)"
             + (f"; TTFT of the {s['timed']} burst clients only" if s.get("timed") else ""),
             f"{'router':<30}{'hit':>7}{'gpu':>7}{'tier':>7}{'remote':>8}{'p50 s':>9}"
             f"{'p99 s':>9}{'req/s':>8}{'imbal':>7}{'wall p50':>10}{'p99':>9}  per replica",

@@ -105,17 +105,19 @@ def test_skewed_burst_is_one_hot_prefix_at_once() -> None:
 
 
 def test_long_turns_outgrow_the_replicas_caches_and_multi_tenant_does_not() -> None:
-    """The default workload: what multi-tenant's conversations hold in all fits one replica's
-    own cache; long-turns' conversations (the same tenants, long turns) are larger than the
-    six replicas' caches together, but fit the three nodes' tiers."""
-    spec, costs, plan_tokens = rt.WorkloadSpec(), rt.SimCosts(100.0), 262144
+    """The default plan: every distinct block of multi-tenant fits the replicas' own caches
+    (less than five of them); long-turns' (the same tenants, long turns) outgrow all of them
+    together, but fit the nodes' tiers."""
+    cal = rt.Calibration(100.0, "x")
+    plan = rt.BenchPlan(rt.WorkloadSpec(), rt.SimCosts(cal.us_per_token), cal)
+    spec, own = plan.workload, plan.costs.gpu_cache_tokens
     multi, _, long = rt.workload(spec)
 
     def held(scenario: rt.Scenario) -> int:  # tokens of every distinct block
         return 32 * len({h for r in scenario.requests for h in rt.block_hashes(r.token_ids)})
 
-    assert held(multi) < 5 * costs.gpu_cache_tokens
-    assert 6 * costs.gpu_cache_tokens < held(long) < 3 * plan_tokens
+    assert held(multi) < (plan.replicas - 1) * own
+    assert plan.replicas * own < held(long) < plan.nodes * plan.cpu_tier_tokens
     systems = rt._system_prompts(spec)  # the tenants' prompts, shared with multi-tenant
     assert all(list(r.token_ids[: len(systems[r.tenant])]) == systems[r.tenant]
                for r in long.requests)  # fmt: skip
