@@ -325,26 +325,28 @@ def block_hashes(token_ids: Sequence[int], block: int = BLOCK) -> list[bytes]:
     return out
 
 
-def ceiling_hit_rate(
-    scenario: Scenario, block: int = BLOCK, after: Sequence[Scenario] = ()
-) -> float:
-    """The hit rate no router can pass on ``scenario``: a cache that never forgets, shared
-    by every replica, each request hitting every leading block of any request that arrived
-    before it (at most all but its last token, as a replica computes), or of any scenario
-    replayed before it on the same cache (``after``). What stays a miss is the workload's
-    own: a system prompt's first use and each turn's new tokens."""
-    seen = {h for x in after for r in x.requests for h in block_hashes(r.token_ids, block)}
-    hit = total = 0
-    for r in scenario.requests:
-        hashes = block_hashes(r.token_ids, block)
-        n = 0
-        for h in hashes:
-            if h not in seen:
-                break
-            n += 1
-        hit, total = hit + min(n * block, len(r.token_ids) - 1), total + len(r.token_ids)
-        seen.update(hashes)
-    return hit / total if total else 0.0
+def ceiling_hit_rates(scenarios: Sequence[Scenario], block: int = BLOCK) -> list[float]:
+    """The hit rate no router can pass on each of ``scenarios``, replayed in order on one
+    cache (as a router replays them): a cache that never forgets, shared by every replica,
+    each request hitting every leading block of any request before it, its scenario's or an
+    earlier one's (at most all but its last token, as a replica computes). What stays a miss
+    is the workload's own: a system prompt's first use and each turn's new tokens. Every
+    prompt is hashed once."""
+    seen: set[bytes] = set()
+    out = []
+    for scenario in scenarios:
+        hit = total = 0
+        for r in scenario.requests:
+            hashes = block_hashes(r.token_ids, block)
+            n = 0
+            for h in hashes:
+                if h not in seen:
+                    break
+                n += 1
+            hit, total = hit + min(n * block, len(r.token_ids) - 1), total + len(r.token_ids)
+            seen.update(hashes)
+        out.append(hit / total if total else 0.0)
+    return out
 
 
 class GpuPrefixCache:
@@ -883,6 +885,7 @@ def run(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict[str, Any]:
             if cluster is not None:
                 cluster.shutdown()
             shutil.rmtree(agents, ignore_errors=True)
+    ceilings = ceiling_hit_rates(scenarios)
     return {
         "machine": _machine(),
         "plan": {
@@ -900,10 +903,9 @@ def run(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict[str, Any]:
                 "timed": sum(r.request_id.startswith(s.timed) for r in s.requests)
                 if s.timed
                 else 0,
-                # a router replays the scenarios in order on one cache: each after the others
-                "hit_ceiling": ceiling_hit_rate(s, after=scenarios[:i]),
+                "hit_ceiling": ceiling,
             }
-            for i, s in enumerate(scenarios)
+            for s, ceiling in zip(scenarios, ceilings, strict=True)
         },
         "routers": {r.name: r.label for r in entries},
         "skipped": skipped,

@@ -159,11 +159,11 @@ def test_the_ceiling_counts_what_no_cache_can_hit() -> None:
     again = first + (7,) * 28  # 4 full blocks: the first 3 seen before
     same = tuple(range(100, 196))  # exactly 3 blocks: at most all but its last token
     reqs = [rt.Request(f"r{i}", float(i), t, 0, -1, 0) for i, t in enumerate((first, again, same))]
-    assert rt.ceiling_hit_rate(rt.Scenario("x", tuple(reqs)), 32) == (96 + 95) / (100 + 128 + 96)
+    x = rt.Scenario("x", tuple(reqs))
+    assert rt.ceiling_hit_rates([x], 32) == [(96 + 95) / (100 + 128 + 96)]
     # replayed after another scenario on the same cache, its blocks count too
     before = rt.Scenario("w", (rt.Request("w0", 0.0, first, 0, -1, 0),))
-    late = rt.ceiling_hit_rate(rt.Scenario("x", tuple(reqs)), 32, after=[before])
-    assert late == (96 + 96 + 95) / (100 + 128 + 96)
+    assert rt.ceiling_hit_rates([before, x], 32)[1] == (96 + 96 + 95) / (100 + 128 + 96)
 
 
 @settings(max_examples=10, deadline=None)
@@ -177,7 +177,7 @@ def test_no_replicas_own_cache_passes_the_ceiling(seed: int) -> None:
         hit += min(cache.hit_blocks(hashes) * 32, len(r.token_ids) - 1)
         total += len(r.token_ids)
         cache.add(hashes)
-    assert rt.ceiling_hit_rate(scenario, 32) == hit / total
+    assert rt.ceiling_hit_rates([scenario], 32) == [hit / total]
 
 
 def test_load_costs_follow_the_bandwidths() -> None:
