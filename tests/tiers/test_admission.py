@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from raykv.errors import ConfigError, InvalidInput
@@ -59,16 +59,18 @@ def test_aging_runs_every_sample_of_ten_accesses_per_slot() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(once=keys, many=keys, times=st.integers(2, 40), noise=st.lists(keys, max_size=50))
+@example(once=bytes(32), many=bytes(31) + b"\x01", times=2, noise=[bytes(32)] * 2)  # CI's
 def test_a_key_seen_once_is_not_admitted_over_a_key_seen_many_times(
     once: bytes, many: bytes, times: int, noise: list[bytes]
 ) -> None:
-    if once == many or many in noise:
+    if once == many:
         return
+    noise = [k for k in noise if k not in (once, many)]  # ``once`` is seen once, ``many`` times
     f = TinyLFU(256)
     for k in [many] * times + noise + [once]:
         f.record(k)
     assert not f.admit(once, many)
-    assert f.admit(many, once) or once in noise
+    assert f.admit(many, once)
     assert f.admit(once, None)  # room: nothing is evicted, the write is taken
 
 
